@@ -1,0 +1,49 @@
+// Error type of meshfuse: one exception class carrying a code, and a check macro.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace meshfuse {
+
+enum class ErrorCode {
+  InvalidArgument,
+  ShapeMismatch,
+  DTypeMismatch,
+  DeviceMismatch,
+  Unsupported,
+  BackendUnavailable,
+  CommunicationFailure,
+  Timeout,
+  OutOfMemory,
+  Internal,
+};
+
+std::string_view to_string(ErrorCode code);
+
+// Every error meshfuse raises. The message names the op (or component), the argument, what was
+// expected and what came; what() prefixes it with the code, e.g. "[shape mismatch] rmsnorm: ...".
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message);
+  ErrorCode code() const noexcept { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(ErrorCode code, fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(code, fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace meshfuse
+
+// MESHFUSE_CHECK(cond, code, "fmt", args...): throws meshfuse::Error(code, message) when !cond.
+#define MESHFUSE_CHECK(cond, code, ...)                   \
+  do {                                                    \
+    if (!(cond)) ::meshfuse::fail(code, __VA_ARGS__);     \
+  } while (false)

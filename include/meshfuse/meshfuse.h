@@ -1,0 +1,10 @@
+// Everything public in meshfuse.
+#pragma once
+
+#include "meshfuse/core/device.h"
+#include "meshfuse/core/dtype.h"
+#include "meshfuse/core/error.h"
+#include "meshfuse/core/kernel_backend.h"
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+#include "meshfuse/ops/swiglu.h"

@@ -1,0 +1,36 @@
+// Random inputs and result comparison, shared by the tests, the CLI's bench and bench/.
+#pragma once
+
+#include <cstdint>
+
+#include "meshfuse/core/tensor.h"
+
+namespace meshfuse::testing {
+
+// Fills a CPU tensor of a floating dtype with normal(mean, std) values; deterministic per seed.
+void fill_normal(const TensorView& t, std::uint64_t seed, double mean = 0.0, double std = 1.0);
+// Fills a CPU i32/i64 tensor with integers uniform in [low, high).
+void fill_uniform_int(const TensorView& t, std::uint64_t seed, std::int64_t low,
+                      std::int64_t high);
+// Fills a CPU tensor with one value.
+void fill(const TensorView& t, double value);
+
+struct Diff {
+  double max_abs_err = 0;  // max |actual - expected| over elements where both are finite
+  double max_rel_err = 0;  // max |actual - expected| / max(|expected|, 1e-6) over the same
+  std::int64_t mismatched_nonfinite = 0;  // elements where NaN / +-inf do not match exactly
+  std::int64_t violations = 0;  // elements outside |a - e| <= atol + rtol*|e| (set by compare)
+};
+
+// Compares two CPU tensors of the same shape (any dtypes, any strides) in double. Elements count
+// as violations when |a - e| > atol + rtol * |e| or their NaN/inf-ness differs.
+Diff compare(const TensorView& actual, const TensorView& expected, double atol, double rtol);
+
+// Default tolerances of a result computed in `dtype` against the double reference: about 4 ulps
+// of the dtype, with atol = rtol for values near zero.
+double default_tolerance(DType dtype);
+
+// True when both tensors hold the same bytes element by element (any strides).
+bool bitwise_equal(const TensorView& a, const TensorView& b);
+
+}  // namespace meshfuse::testing

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite: set up, build, run every test, then build again with AddressSanitizer and
+# UndefinedBehaviorSanitizer and run the C++ tests once more.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+"$root/scripts/setup.sh"
+
+echo "== build and test =="
+"$root/scripts/build.sh" "$root/build"
+ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
+
+echo "== build and test under ASan + UBSan =="
+"$root/scripts/build.sh" "$root/build-sanitize" -DMESHFUSE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DMESHFUSE_CUDA=OFF -DMESHFUSE_BUILD_APPS=OFF
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir "$root/build-sanitize" --output-on-failure -j "$(nproc)"

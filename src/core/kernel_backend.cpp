@@ -1,0 +1,124 @@
+#include "meshfuse/core/kernel_backend.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "meshfuse/core/error.h"
+
+namespace meshfuse {
+namespace {
+
+thread_local std::optional<KernelBackend> t_forced;
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<KernelInfo> kernels;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+template <typename T>
+bool contains(const std::vector<T>& v, const T& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+std::string list_dtypes(const std::vector<DType>& dtypes) {
+  std::string out;
+  for (DType d : dtypes) out += fmt::format("{}{}", out.empty() ? "" : ", ", to_string(d));
+  return out;
+}
+
+}  // namespace
+
+std::string_view to_string(KernelBackend backend) {
+  switch (backend) {
+    case KernelBackend::Reference: return "reference";
+    case KernelBackend::CPU: return "cpu";
+    case KernelBackend::CUDA: return "cuda";
+  }
+  return "unknown";
+}
+
+KernelBackend parse_kernel_backend(std::string_view name) {
+  for (KernelBackend b : {KernelBackend::Reference, KernelBackend::CPU, KernelBackend::CUDA})
+    if (to_string(b) == name) return b;
+  fail(ErrorCode::InvalidArgument,
+       "kernel backend: expected 'reference', 'cpu' or 'cuda', got '{}'", name);
+}
+
+KernelBackend default_kernel_backend(DeviceType type) {
+  return type == DeviceType::CUDA ? KernelBackend::CUDA : KernelBackend::CPU;
+}
+
+ForceKernelBackend::ForceKernelBackend(KernelBackend backend) : previous_(t_forced) {
+  t_forced = backend;
+}
+
+ForceKernelBackend::~ForceKernelBackend() { t_forced = previous_; }
+
+std::optional<KernelBackend> forced_kernel_backend() { return t_forced; }
+
+void register_kernel(KernelInfo info) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.kernels.push_back(std::move(info));
+}
+
+std::vector<KernelInfo> registered_kernels() {
+  Registry& r = registry();
+  std::vector<KernelInfo> out;
+  {
+    std::lock_guard lock(r.mutex);
+    out = r.kernels;
+  }
+  std::stable_sort(out.begin(), out.end(), [](const KernelInfo& a, const KernelInfo& b) {
+    return a.op != b.op ? a.op < b.op : a.backend < b.backend;
+  });
+  return out;
+}
+
+KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTensor>& tensors) {
+  const NamedTensor* first = nullptr;
+  for (const NamedTensor& t : tensors) {
+    if (!t.tensor.defined()) continue;
+    if (first == nullptr) {
+      first = &t;
+    } else if (t.tensor.device() != first->tensor.device()) {
+      fail(ErrorCode::DeviceMismatch,
+           "{}: all tensors must be on one device, got {} on {} and {} on {}", op, first->name,
+           first->tensor.device().str(), t.name, t.tensor.device().str());
+    }
+  }
+  MESHFUSE_CHECK(first != nullptr, ErrorCode::Internal, "{}: called without tensors", op);
+  const Device device = first->tensor.device();
+  const DType dtype = first->tensor.dtype();
+  const std::optional<KernelBackend> forced = t_forced;
+  const KernelBackend backend = forced.value_or(default_kernel_backend(device.type));
+
+  std::lock_guard lock(registry().mutex);
+  const KernelInfo* kernel = nullptr;
+  for (const KernelInfo& k : registry().kernels)
+    if (k.op == op && k.backend == backend) kernel = &k;
+  const char* how = forced ? "forced" : "selected for the device";
+  if (kernel == nullptr)
+    fail(ErrorCode::BackendUnavailable,
+         "{}: kernel backend '{}' ({}) has no kernel for this op in this build (device {}, dtype "
+         "{})",
+         op, to_string(backend), how, device.str(), to_string(dtype));
+  if (!contains(kernel->devices, device.type))
+    fail(ErrorCode::Unsupported,
+         "{}: kernel backend '{}' ({}) cannot run on device {} (tensor {}, dtype {})", op,
+         to_string(backend), how, device.str(), first->name, to_string(dtype));
+  if (!contains(kernel->dtypes, dtype))
+    fail(ErrorCode::Unsupported,
+         "{}: kernel backend '{}' ({}) on device {} does not support dtype {} of {} (supported: "
+         "{})",
+         op, to_string(backend), how, device.str(), to_string(dtype), first->name,
+         list_dtypes(kernel->dtypes));
+  return backend;
+}
+
+}  // namespace meshfuse

@@ -1,0 +1,248 @@
+#include "meshfuse/core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "meshfuse/core/error.h"
+
+namespace meshfuse {
+namespace {
+
+std::int64_t wrap_dim(std::int64_t d, std::int64_t rank, const char* what) {
+  const std::int64_t wrapped = d < 0 ? d + rank : d;
+  MESHFUSE_CHECK(wrapped >= 0 && wrapped < rank, ErrorCode::InvalidArgument,
+                 "{}: dimension {} out of range for a tensor of rank {}", what, d, rank);
+  return wrapped;
+}
+
+std::shared_ptr<void> allocate(Device device, std::size_t bytes) {
+  MESHFUSE_CHECK(device.type == DeviceType::CPU, ErrorCode::BackendUnavailable,
+                 "Tensor: cannot allocate on {}: this build has no allocator for it",
+                 device.str());
+  constexpr std::size_t kAlign = 64;
+  const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  MESHFUSE_CHECK(p != nullptr, ErrorCode::OutOfMemory, "Tensor: cannot allocate {} bytes on cpu",
+                 bytes);
+  return {p, std::free};
+}
+
+template <typename T>
+double load(const void* p) {
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>)
+    return to_float(*static_cast<const T*>(p));
+  else
+    return static_cast<double>(*static_cast<const T*>(p));
+}
+
+template <typename T>
+void store(void* p, double v) {
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>)
+    *static_cast<T*>(p) = from_float<T>(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, bool>)
+    *static_cast<bool*>(p) = v != 0.0;
+  else
+    *static_cast<T*>(p) = static_cast<T>(v);
+}
+
+using LoadFn = double (*)(const void*);
+using StoreFn = void (*)(void*, double);
+
+LoadFn loader(DType d) {
+  switch (d) {
+    case DType::F32: return load<float>;
+    case DType::F64: return load<double>;
+    case DType::F16: return load<float16>;
+    case DType::BF16: return load<bfloat16>;
+    case DType::I32: return load<std::int32_t>;
+    case DType::I64: return load<std::int64_t>;
+    case DType::U8: return load<std::uint8_t>;
+    case DType::Bool: return load<bool>;
+  }
+  return nullptr;
+}
+
+StoreFn storer(DType d) {
+  switch (d) {
+    case DType::F32: return store<float>;
+    case DType::F64: return store<double>;
+    case DType::F16: return store<float16>;
+    case DType::BF16: return store<bfloat16>;
+    case DType::I32: return store<std::int32_t>;
+    case DType::I64: return store<std::int64_t>;
+    case DType::U8: return store<std::uint8_t>;
+    case DType::Bool: return store<bool>;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  std::int64_t s = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<std::int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+std::int64_t shape_numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (std::int64_t s : shape) {
+    MESHFUSE_CHECK(s >= 0, ErrorCode::InvalidArgument, "shape {}: sizes must be >= 0, got {}",
+                   shape_str(shape), s);
+    MESHFUSE_CHECK(s == 0 || n <= std::numeric_limits<std::int64_t>::max() / s,
+                   ErrorCode::InvalidArgument, "shape {}: element count overflows int64",
+                   shape_str(shape));
+    n *= s;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+TensorView::TensorView(void* data, DType dtype, Shape shape, Device device)
+    : TensorView(data, dtype, shape, contiguous_strides(shape), device) {}
+
+TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides, Device device)
+    : data_(data),
+      dtype_(dtype),
+      shape_(std::move(shape)),
+      strides_(std::move(strides)),
+      device_(device),
+      defined_(true) {
+  MESHFUSE_CHECK(shape_.size() == strides_.size(), ErrorCode::InvalidArgument,
+                 "TensorView: shape {} and strides {} differ in rank", shape_str(shape_),
+                 shape_str(strides_));
+  const std::int64_t n = shape_numel(shape_);
+  MESHFUSE_CHECK(n == 0 || data_ != nullptr, ErrorCode::InvalidArgument,
+                 "TensorView: null data for a non-empty tensor of shape {}", shape_str(shape_));
+}
+
+std::int64_t TensorView::size(std::int64_t d) const {
+  return shape_[wrap_dim(d, dim(), "TensorView::size")];
+}
+
+std::int64_t TensorView::stride(std::int64_t d) const {
+  return strides_[wrap_dim(d, dim(), "TensorView::stride")];
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t expected = 1;
+  for (std::size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] == 1) continue;
+    if (shape_[i] == 0) return true;
+    if (strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+TensorView TensorView::transpose(std::int64_t d0, std::int64_t d1) const {
+  Shape shape = shape_, strides = strides_;
+  const std::int64_t a = wrap_dim(d0, dim(), "transpose"), b = wrap_dim(d1, dim(), "transpose");
+  std::swap(shape[a], shape[b]);
+  std::swap(strides[a], strides[b]);
+  return {data_, dtype_, shape, strides, device_};
+}
+
+TensorView TensorView::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
+  const std::int64_t w = wrap_dim(d, dim(), "narrow");
+  MESHFUSE_CHECK(start >= 0 && length >= 0 && start + length <= shape_[w],
+                 ErrorCode::InvalidArgument,
+                 "narrow: range [{}, {}) out of bounds for dimension {} of size {}", start,
+                 start + length, d, shape_[w]);
+  Shape shape = shape_;
+  shape[w] = length;
+  char* p = static_cast<char*>(data_);
+  if (length > 0) p += start * strides_[w] * static_cast<std::int64_t>(element_size(dtype_));
+  return {p, dtype_, shape, strides_, device_};
+}
+
+TensorView TensorView::reshape(Shape shape) const {
+  MESHFUSE_CHECK(is_contiguous(), ErrorCode::InvalidArgument,
+                 "reshape: needs a contiguous tensor, got {}", str());
+  std::int64_t known = 1, infer = -1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      MESHFUSE_CHECK(infer < 0, ErrorCode::InvalidArgument, "reshape: more than one -1 in {}",
+                     shape_str(shape));
+      infer = static_cast<std::int64_t>(i);
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (infer >= 0) shape[infer] = known == 0 ? 0 : numel() / known;
+  MESHFUSE_CHECK(shape_numel(shape) == numel(), ErrorCode::ShapeMismatch,
+                 "reshape: cannot view {} as {}", str(), shape_str(shape));
+  return {data_, dtype_, std::move(shape), device_};
+}
+
+std::string TensorView::str() const {
+  if (!defined_) return "undefined";
+  if (is_contiguous())
+    return fmt::format("{}{} {}", to_string(dtype_), shape_str(shape_), device_.str());
+  return fmt::format("{}{} strides {} {}", to_string(dtype_), shape_str(shape_),
+                     shape_str(strides_), device_.str());
+}
+
+Tensor::Tensor(Shape shape, DType dtype, Device device) {
+  const std::int64_t n = shape_numel(shape);
+  storage_ = allocate(device, static_cast<std::size_t>(n) * element_size(dtype));
+  view_ = TensorView(storage_.get(), dtype, std::move(shape), device);
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor t(std::move(shape), dtype, device);
+  std::memset(t.view_.data(), 0, t.view_.nbytes());
+  return t;
+}
+
+Tensor Tensor::copy_of(const TensorView& src) {
+  Tensor t(src.shape(), src.dtype(), src.device());
+  copy(src, t);
+  return t;
+}
+
+void copy(const TensorView& src, const TensorView& dst) {
+  MESHFUSE_CHECK(src.shape() == dst.shape(), ErrorCode::ShapeMismatch,
+                 "copy: src {} and dst {} differ in shape", src.str(), dst.str());
+  MESHFUSE_CHECK(src.device().type == DeviceType::CPU && dst.device().type == DeviceType::CPU,
+                 ErrorCode::Unsupported, "copy: {} -> {} needs a device copy", src.str(),
+                 dst.str());
+  const std::int64_t n = src.numel();
+  if (n == 0) return;
+  if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {
+    std::memmove(dst.data(), src.data(), src.nbytes());
+    return;
+  }
+  const LoadFn ld = loader(src.dtype());
+  const StoreFn st = storer(dst.dtype());
+  const auto es = static_cast<std::int64_t>(element_size(src.dtype()));
+  const auto ed = static_cast<std::int64_t>(element_size(dst.dtype()));
+  const bool same_dtype = src.dtype() == dst.dtype();
+  const std::int64_t rank = src.dim();
+  Shape index(rank, 0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t so = 0, d_off = 0;
+    for (std::int64_t d = 0; d < rank; ++d) {
+      so += index[d] * src.strides()[d];
+      d_off += index[d] * dst.strides()[d];
+    }
+    char* out = static_cast<char*>(dst.data()) + d_off * ed;
+    const char* in = static_cast<const char*>(src.data()) + so * es;
+    if (same_dtype)  // bitwise: no round trip through double (int64 beyond 2^53, NaN payloads)
+      std::memcpy(out, in, static_cast<std::size_t>(es));
+    else
+      st(out, ld(in));
+    for (std::int64_t d = rank - 1; d >= 0; --d) {
+      if (++index[d] < src.shape()[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+}  // namespace meshfuse

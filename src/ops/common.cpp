@@ -1,0 +1,67 @@
+#include "ops/common.h"
+
+namespace meshfuse::detail {
+
+void check_defined(std::string_view op, std::string_view name, const TensorView& t) {
+  MESHFUSE_CHECK(t.defined(), ErrorCode::InvalidArgument, "{}: argument '{}' is required", op,
+                 name);
+}
+
+void check_dtype(std::string_view op, std::string_view name, const TensorView& t,
+                 std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype() == d) return;
+  std::string names;
+  for (DType d : allowed) names += fmt::format("{}{}", names.empty() ? "" : " or ", to_string(d));
+  fail(ErrorCode::DTypeMismatch, "{}: '{}' must be {}, got {}", op, name, names,
+       to_string(t.dtype()));
+}
+
+void check_same_dtype(std::string_view op, std::string_view name, const TensorView& t,
+                      DType expected, std::string_view expected_from) {
+  MESHFUSE_CHECK(t.dtype() == expected, ErrorCode::DTypeMismatch,
+                 "{}: '{}' must have the dtype of '{}' ({}), got {}", op, name, expected_from,
+                 to_string(expected), to_string(t.dtype()));
+}
+
+void check_rank(std::string_view op, std::string_view name, const TensorView& t,
+                std::int64_t rank) {
+  MESHFUSE_CHECK(t.dim() == rank, ErrorCode::InvalidArgument,
+                 "{}: '{}' must have {} dimensions, got {} of shape {}", op, name, rank, t.dim(),
+                 shape_str(t.shape()));
+}
+
+void check_shape(std::string_view op, std::string_view name, const TensorView& t,
+                 const Shape& expected) {
+  MESHFUSE_CHECK(t.shape() == expected, ErrorCode::ShapeMismatch,
+                 "{}: '{}' must have shape {}, got {}", op, name, shape_str(expected),
+                 shape_str(t.shape()));
+}
+
+void check_output(std::string_view op, std::string_view name, const TensorView& t,
+                  const Shape& expected, DType dtype) {
+  check_defined(op, name, t);
+  check_shape(op, name, t, expected);
+  MESHFUSE_CHECK(t.dtype() == dtype, ErrorCode::DTypeMismatch,
+                 "{}: output '{}' must be {}, got {}", op, name, to_string(dtype),
+                 to_string(t.dtype()));
+  MESHFUSE_CHECK(t.is_contiguous(), ErrorCode::InvalidArgument,
+                 "{}: output '{}' must be contiguous, got {}", op, name, t.str());
+}
+
+Contiguous::Contiguous(const TensorView& t) {
+  if (!t.defined() || t.is_contiguous()) {
+    view_ = t;
+  } else {
+    copy_ = Tensor::copy_of(t);
+    view_ = copy_.view();
+  }
+}
+
+std::int64_t leading_rows(const TensorView& t) {
+  std::int64_t rows = 1;
+  for (std::int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.shape()[d];
+  return rows;
+}
+
+}  // namespace meshfuse::detail

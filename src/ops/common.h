@@ -1,0 +1,94 @@
+// Helpers shared by the ops' front-ends and backends (internal, not installed).
+#pragma once
+
+#include <initializer_list>
+#include <type_traits>
+
+#include "meshfuse/core/error.h"
+#include "meshfuse/core/kernel_backend.h"
+#include "meshfuse/core/tensor.h"
+
+// A KernelTable entry for the cuda backend in CUDA builds, nothing otherwise:
+//   {reference entry, cpu entry MESHFUSE_CUDA_ENTRY(kFloatDTypes, swiglu_forward)}
+#ifdef MESHFUSE_WITH_CUDA
+#define MESHFUSE_CUDA_ENTRY(dtypes, fn) \
+  , {KernelBackend::CUDA, {DeviceType::CUDA}, dtypes, &::meshfuse::detail::cuda::fn}
+#else
+#define MESHFUSE_CUDA_ENTRY(dtypes, fn)
+#endif
+
+namespace meshfuse::detail {
+
+inline const std::vector<DType> kFloatDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16};
+inline const std::vector<DType> kIndexDTypes = {DType::I32, DType::I64};
+
+// Throws InvalidArgument unless `t` is defined.
+void check_defined(std::string_view op, std::string_view name, const TensorView& t);
+// Throws DTypeMismatch unless t.dtype() is one of `allowed`.
+void check_dtype(std::string_view op, std::string_view name, const TensorView& t,
+                 std::initializer_list<DType> allowed);
+// Throws DTypeMismatch unless t.dtype() == expected.
+void check_same_dtype(std::string_view op, std::string_view name, const TensorView& t,
+                      DType expected, std::string_view expected_from);
+// Throws InvalidArgument unless t.dim() == rank.
+void check_rank(std::string_view op, std::string_view name, const TensorView& t,
+                std::int64_t rank);
+// Throws ShapeMismatch unless t.shape() == expected.
+void check_shape(std::string_view op, std::string_view name, const TensorView& t,
+                 const Shape& expected);
+// An output: defined, contiguous, the expected shape and dtype.
+void check_output(std::string_view op, std::string_view name, const TensorView& t,
+                  const Shape& expected, DType dtype);
+
+// `t` itself when contiguous, else a contiguous copy on the same device (why: backends read rows
+// with unit stride; a non-contiguous input costs one copy instead of a strided kernel per op).
+class Contiguous {
+ public:
+  explicit Contiguous(const TensorView& t);
+  const TensorView& view() const { return view_; }
+  operator const TensorView&() const { return view_; }  // NOLINT
+
+ private:
+  Tensor copy_;
+  TensorView view_;
+};
+
+// Calls f(T{}) with T the element type of a floating dtype (float, double, bfloat16, float16).
+template <typename F>
+decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
+  switch (dtype) {
+    case DType::F32: return f(float{});
+    case DType::F64: return f(double{});
+    case DType::BF16: return f(bfloat16{});
+    case DType::F16: return f(float16{});
+    default: fail(ErrorCode::DTypeMismatch, "{}: no kernel for dtype {}", op, to_string(dtype));
+  }
+}
+
+// Calls f(T{}) with T = int32_t or int64_t.
+template <typename F>
+decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
+  switch (dtype) {
+    case DType::I32: return f(std::int32_t{});
+    case DType::I64: return f(std::int64_t{});
+    default: fail(ErrorCode::DTypeMismatch, "{}: no kernel for index dtype {}", op, to_string(dtype));
+  }
+}
+
+// The accumulation type of a kernel on T: double for f64, float for everything else.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Stores an accumulator value as T (rounding once for 16-bit types).
+template <typename T, typename A>
+inline T store_as(A x) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>)
+    return static_cast<T>(x);
+  else
+    return from_float<T>(static_cast<float>(x));
+}
+
+// Product of all sizes but the last (the "rows" of a row-wise op); 1 for a 1-D tensor.
+std::int64_t leading_rows(const TensorView& t);
+
+}  // namespace meshfuse::detail

@@ -1,0 +1,128 @@
+// SwiGLU front-end: argument checks, views for the packed layouts, backend dispatch.
+#include "meshfuse/ops/swiglu.h"
+
+#include "ops/common.h"
+#include "ops/swiglu/swiglu_kernels.h"
+
+namespace meshfuse {
+namespace {
+
+using detail::SwigluOperand;
+using detail::SwigluShape;
+
+const KernelTable<detail::SwigluForwardFn> kForward(
+    "swiglu",
+    {{KernelBackend::Reference, {DeviceType::CPU}, detail::kFloatDTypes,
+      &detail::reference::swiglu_forward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes,
+      &detail::cpu::swiglu_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_forward)});
+
+const KernelTable<detail::SwigluBackwardFn> kBackward(
+    "swiglu_backward",
+    {{KernelBackend::Reference, {DeviceType::CPU}, detail::kFloatDTypes,
+      &detail::reference::swiglu_backward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes,
+      &detail::cpu::swiglu_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_backward)});
+
+SwigluOperand plain(const TensorView& t) {
+  return {t.data(), t.dim() == 0 ? 1 : t.size(-1), 1};
+}
+
+// gate and up inside a contiguous packed tensor of last dim 2*cols.
+std::pair<SwigluOperand, SwigluOperand> packed(const TensorView& x, SwigluLayout layout,
+                                               std::int64_t cols) {
+  const auto e = static_cast<std::int64_t>(element_size(x.dtype()));
+  char* base = static_cast<char*>(x.data());
+  if (layout == SwigluLayout::Halves) return {{base, 2 * cols, 1}, {base + cols * e, 2 * cols, 1}};
+  return {{base, 2 * cols, 2}, {base + e, 2 * cols, 2}};
+}
+
+void check_float(std::string_view op, std::string_view name, const TensorView& t) {
+  detail::check_defined(op, name, t);
+  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
+}
+
+void check_like(std::string_view op, std::string_view name, const TensorView& t,
+                const TensorView& like, std::string_view like_name) {
+  detail::check_defined(op, name, t);
+  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
+  detail::check_shape(op, name, t, like.shape());
+}
+
+// The packed last dim must be even; returns I = last dim / 2.
+std::int64_t half_width(std::string_view op, const TensorView& x) {
+  MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
+                 "{}: 'x' must have at least 1 dimension, got a 0-d tensor", op);
+  MESHFUSE_CHECK(x.size(-1) % 2 == 0, ErrorCode::InvalidArgument,
+                 "{}: the last dimension of 'x' must be even (gate and up), got {}", op,
+                 x.size(-1));
+  return x.size(-1) / 2;
+}
+
+Shape with_last(Shape shape, std::int64_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+}  // namespace
+
+void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
+            const Stream& stream) {
+  constexpr std::string_view op = "swiglu";
+  check_float(op, "gate", gate);
+  check_like(op, "up", up, gate, "gate");
+  detail::check_output(op, "out", out, gate.shape(), gate.dtype());
+  auto* fn = kForward.select({{"gate", gate}, {"up", up}, {"out", out}});
+  const detail::Contiguous g(gate), u(up);
+  const SwigluShape s{gate.dtype(), detail::leading_rows(gate), gate.dim() == 0 ? 1 : gate.size(-1)};
+  fn(s, plain(g), plain(u), plain(out), stream);
+}
+
+void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
+                     const TensorView& grad_gate, const TensorView& grad_up,
+                     const Stream& stream) {
+  constexpr std::string_view op = "swiglu_backward";
+  check_float(op, "gate", gate);
+  check_like(op, "up", up, gate, "gate");
+  check_like(op, "grad_out", grad_out, gate, "gate");
+  detail::check_output(op, "grad_gate", grad_gate, gate.shape(), gate.dtype());
+  detail::check_output(op, "grad_up", grad_up, gate.shape(), gate.dtype());
+  auto* fn = kBackward.select({{"gate", gate},
+                               {"up", up},
+                               {"grad_out", grad_out},
+                               {"grad_gate", grad_gate},
+                               {"grad_up", grad_up}});
+  const detail::Contiguous g(gate), u(up), dy(grad_out);
+  const SwigluShape s{gate.dtype(), detail::leading_rows(gate), gate.dim() == 0 ? 1 : gate.size(-1)};
+  fn(s, plain(dy), plain(g), plain(u), plain(grad_gate), plain(grad_up), stream);
+}
+
+void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& out,
+                   const Stream& stream) {
+  constexpr std::string_view op = "swiglu_packed";
+  check_float(op, "x", x);
+  const std::int64_t cols = half_width(op, x);
+  detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
+  auto* fn = kForward.select({{"x", x}, {"out", out}});
+  const detail::Contiguous xc(x);
+  const auto [gate, up] = packed(xc, layout, cols);
+  fn({x.dtype(), detail::leading_rows(x), cols}, gate, up, plain(out), stream);
+}
+
+void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, SwigluLayout layout,
+                            const TensorView& grad_x, const Stream& stream) {
+  constexpr std::string_view op = "swiglu_packed_backward";
+  check_float(op, "x", x);
+  const std::int64_t cols = half_width(op, x);
+  detail::check_defined(op, "grad_out", grad_out);
+  detail::check_same_dtype(op, "grad_out", grad_out, x.dtype(), "x");
+  detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), cols));
+  detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
+  auto* fn = kBackward.select({{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}});
+  const detail::Contiguous xc(x), dy(grad_out);
+  const auto [gate, up] = packed(xc, layout, cols);
+  const auto [grad_gate, grad_up] = packed(grad_x, layout, cols);
+  fn({x.dtype(), detail::leading_rows(x), cols}, plain(dy), gate, up, grad_gate, grad_up, stream);
+}
+
+}  // namespace meshfuse

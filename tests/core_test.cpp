@@ -1,0 +1,164 @@
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include "meshfuse/meshfuse.h"
+#include "test_util.h"
+
+namespace meshfuse {
+namespace {
+
+using test::expect_error;
+
+TEST(DType, Bf16RoundsToNearestEvenAndKeepsSpecials) {
+  EXPECT_EQ(to_bfloat16(1.0f).bits, 0x3f80);
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+  EXPECT_EQ(to_bfloat16(1.00390625f).bits, 0x3f80);
+  // 1 + 3*2^-8 is halfway between 1+2^-7 and 1+2^-6: ties to even (1 + 2^-6).
+  EXPECT_EQ(to_bfloat16(1.01171875f).bits, 0x3f82);
+  EXPECT_EQ(to_bfloat16(std::numeric_limits<float>::infinity()).bits, 0x7f80);
+  EXPECT_EQ(to_bfloat16(-std::numeric_limits<float>::infinity()).bits, 0xff80);
+  EXPECT_TRUE(std::isnan(to_float(to_bfloat16(std::numeric_limits<float>::quiet_NaN()))));
+  // A NaN whose payload sits only in the low bits must not round to inf.
+  EXPECT_TRUE(std::isnan(to_float(to_bfloat16(std::bit_cast<float>(0x7f800001u)))));
+  // The largest float rounds to inf in bf16 (RNE), like PyTorch.
+  EXPECT_TRUE(std::isinf(to_float(to_bfloat16(std::numeric_limits<float>::max()))));
+}
+
+TEST(DType, F16ConversionMatchesSoftwareForEveryHalf) {
+  for (std::uint32_t bits = 0; bits < 65536; ++bits) {
+    const auto h = static_cast<std::uint16_t>(bits);
+    const float f = to_float(float16{h});
+    const float soft = half_bits_to_float_soft(h);
+    if (std::isnan(soft)) {
+      ASSERT_TRUE(std::isnan(f)) << bits;
+      continue;
+    }
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(f), std::bit_cast<std::uint32_t>(soft)) << bits;
+    ASSERT_EQ(to_float16(f).bits, h) << "round trip " << bits;
+  }
+}
+
+TEST(DType, F16RoundsToNearestEvenIncludingSubnormalsAndOverflow) {
+  // Halfway cases between consecutive halves, checked in both implementations.
+  for (std::uint16_t h : {std::uint16_t{0x0001}, std::uint16_t{0x03ff}, std::uint16_t{0x3c00},
+                          std::uint16_t{0x3c01}, std::uint16_t{0x7bfe}}) {
+    const double lo = half_bits_to_float_soft(h), hi = half_bits_to_float_soft(h + 1);
+    const auto mid = static_cast<float>((lo + hi) / 2);
+    const std::uint16_t even = (h & 1) ? h + 1 : h;
+    EXPECT_EQ(float_to_half_bits_soft(mid), even) << h;
+    EXPECT_EQ(to_float16(mid).bits, even) << h;
+  }
+  EXPECT_EQ(float_to_half_bits_soft(65520.0f), 0x7c00);  // rounds up to inf
+  EXPECT_EQ(float_to_half_bits_soft(65519.0f), 0x7bff);  // max half
+  EXPECT_EQ(to_float16(65520.0f).bits, 0x7c00);
+  EXPECT_EQ(float_to_half_bits_soft(-std::numeric_limits<float>::infinity()), 0xfc00);
+  EXPECT_TRUE(std::isnan(half_bits_to_float_soft(
+      float_to_half_bits_soft(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+TEST(DType, FromDoubleRoundsOnceToBf16) {
+  // 1 + 2^-8 + 2^-40 is just above the bf16 tie: a direct rounding goes up; rounding to float
+  // first (to 1 + 2^-8, a tie) and then to bf16 would go down to 1.
+  const double x = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -40);
+  EXPECT_EQ(from_double<bfloat16>(x).bits, 0x3f81);
+}
+
+TEST(DType, NamesRoundTrip) {
+  for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
+                  DType::U8, DType::Bool})
+    EXPECT_EQ(parse_dtype(to_string(d)), d);
+  EXPECT_EQ(parse_dtype("bfloat16"), DType::BF16);
+  EXPECT_FALSE(parse_dtype("f8").has_value());
+}
+
+TEST(Device, ParsesAndPrints) {
+  EXPECT_EQ(Device::parse("cuda:3"), (Device{DeviceType::CUDA, 3}));
+  EXPECT_EQ(Device::parse("cpu").str(), "cpu");
+  expect_error([] { Device::parse("tpu"); }, ErrorCode::InvalidArgument, {"device", "tpu"});
+  expect_error([] { Device::parse("cuda:-1"); }, ErrorCode::InvalidArgument, {"cuda:-1"});
+}
+
+TEST(Tensor, ViewsShareMemoryAndIndexIn64Bits) {
+  Tensor t = Tensor::zeros({2, 3}, DType::F32);
+  TensorView tt = t.view().transpose(0, 1);
+  EXPECT_EQ(tt.shape(), (Shape{3, 2}));
+  EXPECT_FALSE(tt.is_contiguous());
+  EXPECT_EQ(tt.data(), t.view().data());
+  // A view of 2^33 bytes: strides and offsets stay exact in int64 (no buffer is touched).
+  char dummy = 0;
+  TensorView huge(&dummy, DType::BF16, {1 << 20, 1 << 13});
+  EXPECT_EQ(huge.numel(), std::int64_t{1} << 33);
+  EXPECT_EQ(huge.stride(0), 1 << 13);
+  const TensorView tail = huge.narrow(0, (1 << 20) - 1, 1);
+  EXPECT_EQ(static_cast<char*>(tail.data()) - &dummy, ((std::int64_t{1} << 20) - 1) * 8192 * 2);
+  expect_error([&] { huge.reshape({3, -1}); }, ErrorCode::ShapeMismatch, {"reshape"});
+  expect_error([] { Tensor({-1, 2}, DType::F32); }, ErrorCode::InvalidArgument, {">= 0", "-1"});
+}
+
+TEST(Tensor, CopyConvertsDtypesAndStrides) {
+  Tensor a = test::randn({4, 5}, DType::F32, 1);
+  const test::NonContiguous b = test::non_contiguous(a);
+  Tensor c = Tensor::copy_of(b.view);
+  EXPECT_TRUE(testing::bitwise_equal(a, c));
+  Tensor h(a.shape(), DType::BF16);
+  copy(a, h);
+  EXPECT_EQ(h.data_ptr<bfloat16>()[7].bits, to_bfloat16(a.data_ptr<float>()[7]).bits);
+}
+
+TEST(KernelBackend, ForcedBackendNestsRestoresAndIsPerThread) {
+  EXPECT_FALSE(forced_kernel_backend().has_value());
+  {
+    ForceKernelBackend outer(KernelBackend::Reference);
+    {
+      ForceKernelBackend inner(KernelBackend::CPU);
+      EXPECT_EQ(forced_kernel_backend(), KernelBackend::CPU);
+      std::optional<KernelBackend> other = KernelBackend::CUDA;
+      std::thread([&] { other = forced_kernel_backend(); }).join();
+      EXPECT_FALSE(other.has_value());
+    }
+    EXPECT_EQ(forced_kernel_backend(), KernelBackend::Reference);
+    try {
+      ForceKernelBackend thrown(KernelBackend::CUDA);
+      throw std::runtime_error("unwind");
+    } catch (const std::runtime_error&) {
+    }
+    EXPECT_EQ(forced_kernel_backend(), KernelBackend::Reference);
+  }
+  EXPECT_FALSE(forced_kernel_backend().has_value());
+}
+
+TEST(KernelBackend, ResolvesFromDeviceAndNamesMismatches) {
+  Tensor x = Tensor::zeros({2, 4}, DType::F32);
+  EXPECT_EQ(resolved_backend("swiglu", {{"gate", x}}), KernelBackend::CPU);
+  {
+    ForceKernelBackend force(KernelBackend::Reference);
+    EXPECT_EQ(resolved_backend("swiglu", {{"gate", x}}), KernelBackend::Reference);
+  }
+  char dummy = 0;
+  TensorView on_gpu(&dummy, DType::F32, {2, 4}, Device{DeviceType::CUDA, 1});
+  expect_error([&] { resolved_backend("swiglu", {{"gate", x}, {"up", on_gpu}}); },
+               ErrorCode::DeviceMismatch, {"swiglu", "gate", "cpu", "up", "cuda:1"});
+  ForceKernelBackend force(KernelBackend::CUDA);
+  expect_error([&] { resolved_backend("swiglu", {{"gate", x}}); }, ErrorCode::BackendUnavailable,
+               {"swiglu", "cuda", "cpu", "f32"});
+}
+
+TEST(KernelBackend, BackendWithoutTheDtypeIsAnErrorNamingIt) {
+  Tensor labels = Tensor::zeros({4}, DType::I32);
+  expect_error([&] { resolved_backend("swiglu", {{"gate", labels}}); }, ErrorCode::Unsupported,
+               {"swiglu", "cpu", "i32", "gate"});
+}
+
+TEST(KernelBackend, RegistryListsEveryOpOnReferenceAndCpu) {
+  bool reference = false, cpu = false;
+  for (const KernelInfo& k : registered_kernels()) {
+    if (k.op != "swiglu") continue;
+    reference |= k.backend == KernelBackend::Reference;
+    cpu |= k.backend == KernelBackend::CPU;
+  }
+  EXPECT_TRUE(reference && cpu);
+}
+
+}  // namespace
+}  // namespace meshfuse

@@ -1,0 +1,77 @@
+// Helpers for the GoogleTest suite.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "meshfuse/core/error.h"
+#include "meshfuse/core/kernel_backend.h"
+#include "meshfuse/core/tensor.h"
+#include "meshfuse/testing.h"
+
+namespace meshfuse::test {
+
+inline Tensor randn(Shape shape, DType dtype, std::uint64_t seed, double std = 1.0) {
+  Tensor t(std::move(shape), dtype);
+  testing::fill_normal(t, seed, 0.0, std);
+  return t;
+}
+
+inline Tensor full(Shape shape, DType dtype, double value) {
+  Tensor t(std::move(shape), dtype);
+  testing::fill(t, value);
+  return t;
+}
+
+inline Tensor empty_like(const TensorView& t) { return Tensor(t.shape(), t.dtype()); }
+
+// A transposed (non-contiguous) copy of a 2-D tensor holding the same values: the storage is
+// (cols, rows) and the returned view swaps the dims back.
+struct NonContiguous {
+  Tensor storage;
+  TensorView view;
+};
+inline NonContiguous non_contiguous(const TensorView& t) {
+  NonContiguous nc{Tensor(Shape{t.size(1), t.size(0)}, t.dtype()), {}};
+  nc.view = nc.storage.view().transpose(0, 1);
+  copy(t, nc.view);
+  return nc;
+}
+
+// EXPECT that actual matches expected within tol (abs and rel) and that NaN/inf agree.
+inline void expect_close(const TensorView& actual, const TensorView& expected, double tol,
+                         const std::string& what) {
+  const testing::Diff d = testing::compare(actual, expected, tol, tol);
+  EXPECT_EQ(d.violations, 0) << what << ": max abs err " << d.max_abs_err << ", max rel err "
+                             << d.max_rel_err << ", non-finite mismatches "
+                             << d.mismatched_nonfinite << " (tol " << tol << ")";
+}
+
+inline void expect_close(const TensorView& actual, const TensorView& expected,
+                         const std::string& what) {
+  expect_close(actual, expected, testing::default_tolerance(expected.dtype()), what);
+}
+
+inline const std::vector<DType> kFloatDTypes = {DType::F32, DType::F64, DType::BF16, DType::F16};
+
+inline std::string dtype_name(const ::testing::TestParamInfo<DType>& info) {
+  return std::string(to_string(info.param));
+}
+
+// EXPECT that `f` throws meshfuse::Error with `code` and a message containing every needle.
+template <typename F>
+void expect_error(F&& f, ErrorCode code, std::vector<std::string> needles) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << n << "'";
+  }
+}
+
+}  // namespace meshfuse::test
