@@ -7,4 +7,5 @@
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
+#include "meshfuse/ops/softmax.h"
 #include "meshfuse/ops/swiglu.h"
