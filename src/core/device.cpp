@@ -4,6 +4,10 @@
 
 #include "meshfuse/core/error.h"
 
+#ifdef MESHFUSE_WITH_CUDA
+#include "core/cuda/runtime.h"
+#endif
+
 namespace meshfuse {
 
 std::string_view to_string(DeviceType type) {
@@ -25,6 +29,23 @@ Device Device::parse(std::string_view text) {
       return {DeviceType::CUDA, index};
   }
   fail(ErrorCode::InvalidArgument, "device: expected 'cpu', 'cuda' or 'cuda:N', got '{}'", text);
+}
+
+#ifdef MESHFUSE_WITH_CUDA
+void detail::check_cuda_device(Device device, std::string_view what) {
+  const int count = cuda_device_count();
+  MESHFUSE_CHECK(device.index >= 0 && device.index < count, ErrorCode::BackendUnavailable,
+                 "{}: no CUDA device {}: this process sees {} CUDA device(s)", what, device.str(),
+                 count);
+}
+#endif
+
+int cuda_device_count() {
+#ifdef MESHFUSE_WITH_CUDA
+  return detail::cuda_device_count();
+#else
+  return 0;
+#endif
 }
 
 }  // namespace meshfuse

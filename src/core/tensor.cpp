@@ -6,6 +6,10 @@
 
 #include "meshfuse/core/error.h"
 
+#ifdef MESHFUSE_WITH_CUDA
+#include "core/cuda/runtime.h"
+#endif
+
 namespace meshfuse {
 namespace {
 
@@ -16,10 +20,17 @@ std::int64_t wrap_dim(std::int64_t d, std::int64_t rank, const char* what) {
   return wrapped;
 }
 
-std::shared_ptr<void> allocate(Device device, std::size_t bytes) {
-  MESHFUSE_CHECK(device.type == DeviceType::CPU, ErrorCode::BackendUnavailable,
-                 "Tensor: cannot allocate on {}: this build has no allocator for it",
-                 device.str());
+std::shared_ptr<void> allocate(Device device, std::size_t bytes, const Stream& stream) {
+  if (device.type == DeviceType::CUDA) {
+#ifdef MESHFUSE_WITH_CUDA
+    detail::check_cuda_device(device, "Tensor");
+    return detail::cuda_allocate(device, bytes, stream);
+#else
+    (void)stream;
+    fail(ErrorCode::BackendUnavailable,
+         "Tensor: cannot allocate on {}: this build of meshfuse has no CUDA support", device.str());
+#endif
+  }
   constexpr std::size_t kAlign = 64;
   const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
@@ -189,30 +200,43 @@ std::string TensorView::str() const {
                      shape_str(strides_), device_.str());
 }
 
-Tensor::Tensor(Shape shape, DType dtype, Device device) {
+Tensor::Tensor(Shape shape, DType dtype, Device device, const Stream& stream) {
   const std::int64_t n = shape_numel(shape);
-  storage_ = allocate(device, static_cast<std::size_t>(n) * element_size(dtype));
+  storage_ = allocate(device, static_cast<std::size_t>(n) * element_size(dtype), stream);
   view_ = TensorView(storage_.get(), dtype, std::move(shape), device);
 }
 
-Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
-  Tensor t(std::move(shape), dtype, device);
-  std::memset(t.view_.data(), 0, t.view_.nbytes());
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device, const Stream& stream) {
+  Tensor host(shape, dtype);
+  std::memset(host.view_.data(), 0, host.view_.nbytes());
+  return device.type == DeviceType::CPU ? host : host.to(device, stream);
+}
+
+Tensor Tensor::copy_of(const TensorView& src, const Stream& stream) {
+  Tensor t(src.shape(), src.dtype(), src.device(), stream);
+  copy(src, t, stream);
   return t;
 }
 
-Tensor Tensor::copy_of(const TensorView& src) {
-  Tensor t(src.shape(), src.dtype(), src.device());
-  copy(src, t);
+Tensor Tensor::to(Device device, const Stream& stream) const {
+  Tensor t(shape(), dtype(), device, stream);
+  copy(view_, t, stream);
   return t;
 }
 
-void copy(const TensorView& src, const TensorView& dst) {
+void copy(const TensorView& src, const TensorView& dst, const Stream& stream) {
   MESHFUSE_CHECK(src.shape() == dst.shape(), ErrorCode::ShapeMismatch,
                  "copy: src {} and dst {} differ in shape", src.str(), dst.str());
-  MESHFUSE_CHECK(src.device().type == DeviceType::CPU && dst.device().type == DeviceType::CPU,
-                 ErrorCode::Unsupported, "copy: {} -> {} needs a device copy", src.str(),
-                 dst.str());
+  if (src.device().type == DeviceType::CUDA || dst.device().type == DeviceType::CUDA) {
+#ifdef MESHFUSE_WITH_CUDA
+    return detail::cuda_copy(src, dst, stream);
+#else
+    (void)stream;
+    fail(ErrorCode::BackendUnavailable,
+         "copy: {} -> {} needs CUDA, and this build of meshfuse has no CUDA support", src.str(),
+         dst.str());
+#endif
+  }
   const std::int64_t n = src.numel();
   if (n == 0) return;
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {

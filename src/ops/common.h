@@ -53,6 +53,9 @@ class Contiguous {
   TensorView view_;
 };
 
+// Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers below).
+[[noreturn]] void fail_dtype(std::string_view op, DType dtype);
+
 // Calls f(T{}) with T the element type of a floating dtype (float, double, bfloat16, float16).
 template <typename F>
 decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
@@ -61,7 +64,7 @@ decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
     case DType::F64: return f(double{});
     case DType::BF16: return f(bfloat16{});
     case DType::F16: return f(float16{});
-    default: fail(ErrorCode::DTypeMismatch, "{}: no kernel for dtype {}", op, to_string(dtype));
+    default: fail_dtype(op, dtype);
   }
 }
 
@@ -71,7 +74,7 @@ decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
   switch (dtype) {
     case DType::I32: return f(std::int32_t{});
     case DType::I64: return f(std::int64_t{});
-    default: fail(ErrorCode::DTypeMismatch, "{}: no kernel for index dtype {}", op, to_string(dtype));
+    default: fail_dtype(op, dtype);
   }
 }
 

@@ -21,4 +21,8 @@ struct Device {
   static Device parse(std::string_view text);
 };
 
+// Number of CUDA devices this process can use: 0 in builds without CUDA, or when no driver or
+// device is present.
+int cuda_device_count();
+
 }  // namespace meshfuse

@@ -1,8 +1,6 @@
 // Error type of meshfuse: one exception class carrying a code, and a check macro.
 #pragma once
 
-#include <fmt/format.h>
-
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -35,6 +33,15 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
+}  // namespace meshfuse
+
+// fail() and MESHFUSE_CHECK format with fmt, whose compile-time format checks nvcc cannot
+// evaluate: .cu files throw Error directly instead.
+#ifndef __CUDACC__
+#include <fmt/format.h>
+
+namespace meshfuse {
+
 template <typename... Args>
 [[noreturn]] void fail(ErrorCode code, fmt::format_string<Args...> format, Args&&... args) {
   throw Error(code, fmt::format(format, std::forward<Args>(args)...));
@@ -43,7 +50,8 @@ template <typename... Args>
 }  // namespace meshfuse
 
 // MESHFUSE_CHECK(cond, code, "fmt", args...): throws meshfuse::Error(code, message) when !cond.
-#define MESHFUSE_CHECK(cond, code, ...)                   \
-  do {                                                    \
-    if (!(cond)) ::meshfuse::fail(code, __VA_ARGS__);     \
+#define MESHFUSE_CHECK(cond, code, ...)               \
+  do {                                                \
+    if (!(cond)) ::meshfuse::fail(code, __VA_ARGS__); \
   } while (false)
+#endif  // __CUDACC__

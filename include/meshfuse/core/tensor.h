@@ -9,6 +9,7 @@
 
 #include "meshfuse/core/device.h"
 #include "meshfuse/core/dtype.h"
+#include "meshfuse/core/stream.h"
 
 namespace meshfuse {
 
@@ -68,16 +69,20 @@ class TensorView {
 };
 
 // An owning, contiguous tensor for standalone C++ use (CLI, tests, executor). CPU memory is
-// 64-byte aligned. Copies share the storage (like torch.Tensor); use clone() for a deep copy.
+// 64-byte aligned; CUDA memory comes from the stream-ordered allocator (cudaMallocAsync on the
+// given stream) and is freed on that same stream, which must outlive the tensor. Copies share the
+// storage (like torch.Tensor); use clone() for a deep copy.
 class Tensor {
  public:
   Tensor() = default;
   // Uninitialised storage.
-  Tensor(Shape shape, DType dtype, Device device = {});
+  Tensor(Shape shape, DType dtype, Device device = {}, const Stream& stream = {});
 
-  static Tensor zeros(Shape shape, DType dtype, Device device = {});
+  static Tensor zeros(Shape shape, DType dtype, Device device = {}, const Stream& stream = {});
   // A contiguous copy of any view, on the same device.
-  static Tensor copy_of(const TensorView& src);
+  static Tensor copy_of(const TensorView& src, const Stream& stream = {});
+  // A contiguous copy on another device (or the same one).
+  Tensor to(Device device, const Stream& stream = {}) const;
 
   bool defined() const { return view_.defined(); }
   const TensorView& view() const { return view_; }
@@ -91,15 +96,16 @@ class Tensor {
   const Shape& shape() const { return view_.shape(); }
   std::int64_t numel() const { return view_.numel(); }
   std::int64_t size(std::int64_t d) const { return view_.size(d); }
-  Tensor clone() const { return copy_of(view_); }
+  Tensor clone(const Stream& stream = {}) const { return copy_of(view_, stream); }
 
  private:
   std::shared_ptr<void> storage_;
   TensorView view_;
 };
 
-// dst = src element by element, converting dtypes; any strides; shapes must match. CPU tensors
-// only (the CUDA backend adds device copies).
-void copy(const TensorView& src, const TensorView& dst);
+// dst = src element by element, converting dtypes; any strides; shapes must match. Either side
+// may be on the CPU or a CUDA device; CUDA work is queued on `stream` (a copy into CPU memory
+// returns once the data has arrived).
+void copy(const TensorView& src, const TensorView& dst, const Stream& stream = {});
 
 }  // namespace meshfuse

@@ -1,0 +1,23 @@
+// The CUDA side of core (internal; implemented only in CUDA builds, in runtime.cu).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+
+namespace meshfuse::detail {
+
+int cuda_device_count();
+// Throws Error(BackendUnavailable) naming `what` unless `device` is a CUDA device of this process.
+void check_cuda_device(Device device, std::string_view what);
+// cudaMallocAsync on `stream`; the deleter frees with cudaFreeAsync on the same stream.
+std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stream& stream);
+// copy() when either side is on a CUDA device.
+void cuda_copy(const TensorView& src, const TensorView& dst, const Stream& stream);
+void cuda_synchronize(const Stream& stream);
+void* cuda_stream_create(int device_index);
+void cuda_stream_destroy(void* stream, int device_index);
+
+}  // namespace meshfuse::detail

@@ -1,0 +1,163 @@
+// CUDA SwiGLU: a grid-stride loop over (row, column-vector) items; each thread moves 16 bytes of
+// every operand per item when the rows allow it, else one element.
+#include "core/cuda/cuda_utils.cuh"
+#include "ops/common.h"
+#include "ops/swiglu/swiglu_kernels.h"
+
+namespace meshfuse::detail::cuda {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T* at(SwigluOperand op, std::int64_t r, std::int64_t c) {
+  return static_cast<T*>(op.data) + r * op.row_stride + c * op.col_stride;
+}
+
+// N consecutive columns of gate and up starting at column c; for interleaved inputs (kIn = 2)
+// one load of 2N elements holds both.
+template <typename T, int N, int kIn, typename A>
+__device__ __forceinline__ void load_gate_up(SwigluOperand gate, SwigluOperand up, std::int64_t r,
+                                             std::int64_t c, A (&g)[N], A (&u)[N]) {
+  if constexpr (kIn == 1) {
+    const Vec<T, N> gv = *reinterpret_cast<const Vec<T, N>*>(at<T>(gate, r, c));
+    const Vec<T, N> uv = *reinterpret_cast<const Vec<T, N>*>(at<T>(up, r, c));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      g[i] = load(gv.v[i]);
+      u[i] = load(uv.v[i]);
+    }
+  } else {
+    const Vec<T, 2 * N> x = *reinterpret_cast<const Vec<T, 2 * N>*>(at<T>(gate, r, c));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      g[i] = load(x.v[2 * i]);
+      u[i] = load(x.v[2 * i + 1]);
+    }
+  }
+}
+
+template <typename T, int N, int kIn>
+__global__ void forward_kernel(SwigluShape s, SwigluOperand gate, SwigluOperand up,
+                               SwigluOperand out) {
+  using A = acc_t<T>;
+  const std::int64_t per_row = s.cols / N, items = s.rows * per_row;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < items; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / per_row, c = (i % per_row) * N;
+    A g[N], u[N];
+    load_gate_up<T, N, kIn>(gate, up, r, c, g, u);
+    Vec<T, N> y;
+#pragma unroll
+    for (int k = 0; k < N; ++k) y.v[k] = store<T>(u[k] * g[k] / (A(1) + exp(-g[k])));
+    *reinterpret_cast<Vec<T, N>*>(at<T>(out, r, c)) = y;
+  }
+}
+
+template <typename T, int N, int kIn>
+__global__ void backward_kernel(SwigluShape s, SwigluOperand dy, SwigluOperand gate,
+                                SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
+  using A = acc_t<T>;
+  const std::int64_t per_row = s.cols / N, items = s.rows * per_row;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < items; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / per_row, c = (i % per_row) * N;
+    A g[N], u[N];
+    load_gate_up<T, N, kIn>(gate, up, r, c, g, u);
+    const Vec<T, N> d = *reinterpret_cast<const Vec<T, N>*>(at<T>(dy, r, c));
+    A dg[N], du[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const A sig = A(1) / (A(1) + exp(-g[k]));
+      const A dv = load(d.v[k]);
+      du[k] = dv * g[k] * sig;
+      dg[k] = dv * u[k] * sig * (A(1) + g[k] * (A(1) - sig));
+    }
+    if constexpr (kIn == 1) {
+      Vec<T, N> a, b;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        a.v[k] = store<T>(dg[k]);
+        b.v[k] = store<T>(du[k]);
+      }
+      *reinterpret_cast<Vec<T, N>*>(at<T>(dgate, r, c)) = a;
+      *reinterpret_cast<Vec<T, N>*>(at<T>(dup, r, c)) = b;
+    } else {
+      Vec<T, 2 * N> x;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        x.v[2 * k] = store<T>(dg[k]);
+        x.v[2 * k + 1] = store<T>(du[k]);
+      }
+      *reinterpret_cast<Vec<T, 2 * N>*>(at<T>(dgate, r, c)) = x;
+    }
+  }
+}
+
+// 16-byte accesses when every row start of every operand is 16-byte aligned and the width is a
+// multiple of the vector (interleaved inputs: half the columns, since each load holds gate and
+// up); one element per access otherwise.
+template <typename T>
+int vector_width(const SwigluShape& s, bool interleaved,
+                 std::initializer_list<SwigluOperand> ops) {
+  const int n = interleaved ? kVec16<T> / 2 : kVec16<T>;
+  if (n <= 1 || s.cols % n != 0) return 1;
+  for (const SwigluOperand& op : ops)
+    if (!aligned16(op.data) || (op.row_stride * sizeof(T)) % 16 != 0) return 1;
+  return n;
+}
+
+// Calls launch(kernel, n) with the kernel instance of T for vector width n and the layout.
+template <typename T, template <typename, int, int> class K, typename L>
+void pick(int n, bool interleaved, L&& launch) {
+  constexpr int v = kVec16<T>;
+  if (n == 1) return interleaved ? launch(K<T, 1, 2>::fn, 1) : launch(K<T, 1, 1>::fn, 1);
+  if constexpr (v / 2 > 1)
+    if (interleaved) return launch(K<T, v / 2, 2>::fn, v / 2);
+  return launch(K<T, v, 1>::fn, v);
+}
+
+template <typename T, int N, int kIn>
+struct Forward {
+  static constexpr auto fn = forward_kernel<T, N, kIn>;
+};
+template <typename T, int N, int kIn>
+struct Backward {
+  static constexpr auto fn = backward_kernel<T, N, kIn>;
+};
+
+}  // namespace
+
+void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out,
+                    const Stream& stream) {
+  if (s.rows * s.cols == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "swiglu", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    const bool interleaved = gate.col_stride == 2;
+    pick<T, Forward>(vector_width<T>(s, interleaved, {gate, up, out}), interleaved,
+                     [&](auto kernel, int n) {
+                       kernel<<<grid_size(s.rows * s.cols / n, 256), 256, 0, native(stream)>>>(
+                           s, gate, up, out);
+                     });
+  });
+  check_launch("swiglu");
+}
+
+void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
+                     SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up,
+                     const Stream& stream) {
+  if (s.rows * s.cols == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "swiglu_backward", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    const bool interleaved = gate.col_stride == 2;
+    pick<T, Backward>(
+        vector_width<T>(s, interleaved, {grad_out, gate, up, grad_gate, grad_up}), interleaved,
+        [&](auto kernel, int n) {
+          kernel<<<grid_size(s.rows * s.cols / n, 256), 256, 0, native(stream)>>>(
+              s, grad_out, gate, up, grad_gate, grad_up);
+        });
+  });
+  check_launch("swiglu_backward");
+}
+
+}  // namespace meshfuse::detail::cuda
