@@ -1,0 +1,162 @@
+// CPU RMSNorm: rows split over OpenMP threads; within a row, unit-stride loops vectorised with
+// `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
+// dweight: each fixed block of rows sums into its own partial row; the partials are then added in
+// block order, so the result does not depend on the thread count either.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "ops/common.h"
+#include "ops/rmsnorm/rmsnorm_kernels.h"
+
+namespace meshfuse::detail::cpu {
+namespace {
+
+// Row blocks of the dweight reduction: at least kMinRowsPerBlock rows (a partial row costs as much
+// as the rows it sums) and at most kMaxBlocks blocks (bounds the partials' memory).
+constexpr std::int64_t kMinRowsPerBlock = 8;
+constexpr std::int64_t kMaxBlocks = 256;
+// Columns per task when adding the partials.
+constexpr std::int64_t kCombineCols = 256;
+
+// The weight as A once per call (1 when absent), so the inner loops need no branch or conversion.
+template <typename T, typename A>
+std::vector<A> weight_as(const void* weight, std::int64_t cols) {
+  std::vector<A> w(cols, A(1));
+  if (weight)
+    for (std::int64_t c = 0; c < cols; ++c) w[c] = to_float(static_cast<const T*>(weight)[c]);
+  return w;
+}
+
+template <typename T, bool kResidual>
+void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
+  using A = acc_t<T>;
+  const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
+  const A* w = weight.data();
+  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t row = 0; row < s.rows; ++row) {
+    const T* x = static_cast<const T*>(a.x) + row * s.cols;
+    const T* res = kResidual ? static_cast<const T*>(a.residual) + row * s.cols : nullptr;
+    T* r = kResidual ? static_cast<T*>(a.r) + row * s.cols : nullptr;
+    T* y = static_cast<T*>(a.y) + row * s.cols;
+    A sum_sq = 0;
+#pragma omp simd reduction(+ : sum_sq)
+    for (std::int64_t c = 0; c < s.cols; ++c) {
+      A v = A(to_float(x[c])) * m;
+      if constexpr (kResidual) {
+        v += A(to_float(res[c]));
+        r[c] = store_as<T>(v);
+      }
+      sum_sq += v * v;
+    }
+    const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
+    if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
+#pragma omp simd
+    for (std::int64_t c = 0; c < s.cols; ++c) {
+      A v = A(to_float(x[c])) * m;
+      if constexpr (kResidual) v += A(to_float(res[c]));
+      y[c] = store_as<T>(v * rstd * w[c]);
+    }
+  }
+}
+
+// One row of the backward; adds dy * n into dw_partial when kDweight.
+template <typename T, bool kGradR, bool kDresidual, bool kDweight, typename A = acc_t<T>>
+void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* w, std::int64_t row,
+                  A* dw_partial) {
+  const std::int64_t base = row * s.cols;
+  const T* dy = static_cast<const T*>(a.grad_y) + base;
+  const T* in = static_cast<const T*>(a.input) + base;
+  const A rstd = a.rstd[row];
+  const A scale = static_cast<A>(a.input_scale) * rstd;  // n = in * scale
+  const A m = static_cast<A>(a.multiplier);
+  A dot = 0;
+#pragma omp simd reduction(+ : dot)
+  for (std::int64_t c = 0; c < s.cols; ++c)
+    dot += A(to_float(dy[c])) * w[c] * (A(to_float(in[c])) * scale);
+  const A mean = dot / A(s.cols);
+  const T* gr = kGradR ? static_cast<const T*>(a.grad_r) + base : nullptr;
+  T* dx = static_cast<T*>(a.dx) + base;
+  T* dres = kDresidual ? static_cast<T*>(a.dresidual) + base : nullptr;
+#pragma omp simd
+  for (std::int64_t c = 0; c < s.cols; ++c) {
+    const A g = to_float(dy[c]);
+    const A n = A(to_float(in[c])) * scale;
+    A dr = rstd * (g * w[c] - n * mean);
+    if constexpr (kGradR) dr += A(to_float(gr[c]));
+    dx[c] = store_as<T>(dr * m);
+    if constexpr (kDresidual) dres[c] = store_as<T>(dr);
+    if constexpr (kDweight) dw_partial[c] += g * n;
+  }
+}
+
+template <typename T, bool kGradR, bool kDresidual, bool kDweight>
+void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
+  using A = acc_t<T>;
+  const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
+  const std::int64_t blocks =
+      std::min((s.rows + kMinRowsPerBlock - 1) / kMinRowsPerBlock, kMaxBlocks);
+  if (blocks == 0) {
+    if constexpr (kDweight) std::fill_n(static_cast<T*>(a.dweight), s.cols, store_as<T>(A(0)));
+    return;
+  }
+  const std::int64_t rows_per_block = (s.rows + blocks - 1) / blocks;
+  const std::unique_ptr<A[]> partials(kDweight ? new A[blocks * s.cols] : nullptr);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    A* partial = kDweight ? partials.get() + b * s.cols : nullptr;
+    if constexpr (kDweight) std::fill_n(partial, s.cols, A(0));
+    const std::int64_t end = std::min(s.rows, (b + 1) * rows_per_block);
+    for (std::int64_t row = b * rows_per_block; row < end; ++row)
+      backward_row<T, kGradR, kDresidual, kDweight>(s, a, weight.data(), row, partial);
+  }
+  if constexpr (kDweight) {
+    T* dw = static_cast<T*>(a.dweight);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t c0 = 0; c0 < s.cols; c0 += kCombineCols) {
+      const std::int64_t width = std::min(kCombineCols, s.cols - c0);
+      A sum[kCombineCols] = {};
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const A* p = partials.get() + b * s.cols + c0;
+#pragma omp simd
+        for (std::int64_t c = 0; c < width; ++c) sum[c] += p[c];
+      }
+      for (std::int64_t c = 0; c < width; ++c) dw[c0 + c] = store_as<T>(sum[c]);
+    }
+  }
+}
+
+// Calls f(bool_constant<flag>{}).
+template <typename F>
+void with_flag(bool flag, F&& f) {
+  if (flag)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+}  // namespace
+
+void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const Stream&) {
+  dispatch_float(s.dtype, "rmsnorm", [&](auto tag) {
+    using T = decltype(tag);
+    with_flag(a.residual != nullptr, [&](auto residual) { forward_rows<T, residual>(s, a); });
+  });
+}
+
+void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const Stream&) {
+  dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    with_flag(a.grad_r != nullptr, [&](auto grad_r) {
+      with_flag(a.dresidual != nullptr, [&](auto dresidual) {
+        with_flag(a.dweight != nullptr,
+                  [&](auto dweight) { backward_rows<T, grad_r, dresidual, dweight>(s, a); });
+      });
+    });
+  });
+}
+
+}  // namespace meshfuse::detail::cpu
