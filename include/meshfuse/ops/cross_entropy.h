@@ -1,0 +1,74 @@
+// Cross-entropy loss over a vocabulary, with the options of torch.nn.functional.cross_entropy
+// plus a logits multiplier and the z-loss of PaLM (Chowdhery et al. 2022, arXiv:2204.02311).
+//
+// For row i with label y_i that is not ignore_index, v = m * logits[i, :], V the vocabulary,
+// eps = label_smoothing, z = z_loss_scale:
+//   lse_i  = log sum_j exp(v_j)
+//   loss_i = (1 - eps) * (lse_i - v_{y_i}) + eps * (lse_i - mean_j v_j) + z * lse_i^2
+// (the eps term is PyTorch's eps * mean_j(-log p_j); the z term is added only when z != 0).
+// Rows whose label is ignore_index have loss 0 and are left out of the reduction:
+//   none: loss[i] = loss_i (0 for ignored rows)
+//   sum:  sum_i loss_i (0 if all rows are ignored)
+//   mean: sum_i loss_i / (number of rows not ignored) (NaN if all rows are ignored, as PyTorch)
+// These are PyTorch's values for the shared arguments (reduction, ignore_index,
+// label_smoothing; no class weights). The mean and sum are summed in double in row order.
+//
+// Backward, with g_i the upstream gradient of loss_i (grad_loss[i] for none, grad_loss for sum,
+// grad_loss / count for mean), p_j = exp(v_j - lse_i):
+//   dlogits[i, j] = g_i * m * (p_j * (1 + 2 z lse_i) - eps / V - (1 - eps) * [j == y_i])
+// and 0 for ignored rows; with every row ignored, mean gives an all-zero gradient (not NaN).
+//
+// Non-finite logits: a row entirely -inf, or with a NaN or +inf, has a NaN loss (as PyTorch);
+// a -inf logit among finite ones has p = 0 (with label smoothing the loss is +inf, as PyTorch).
+// Ignored rows never read their logits.
+//
+// Dtypes: logits, loss and grad_loss share one dtype, f32, f64, bf16 or f16 (16-bit computed in
+// fp32, rounded once); labels are i32 or i64; lse is f32 (f64 for f64 logits, so that the f64
+// backward keeps double precision). Inputs may be strided; outputs are contiguous and
+// preallocated by the caller.
+// Errors: InvalidArgument for a label outside [0, V) that is not ignore_index (the message names
+// the first such row and its value; nothing is computed), label_smoothing outside [0, 1], a
+// wrong rank or a non-contiguous output; ShapeMismatch, DTypeMismatch, DeviceMismatch,
+// Unsupported / BackendUnavailable (see kernel_backend.h).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+
+namespace meshfuse {
+
+// How per-row losses are reduced (torch's `reduction`).
+enum class Reduction { None, Mean, Sum };
+
+// "none", "mean", "sum".
+std::string_view to_string(Reduction reduction);
+std::optional<Reduction> parse_reduction(std::string_view name);
+
+// Options of cross_entropy (and of the ops built on it, such as fused linear cross-entropy).
+struct CrossEntropyOptions {
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+  double label_smoothing = 0.0;    // eps in [0, 1]
+  double logits_multiplier = 1.0;  // m: the loss is computed on m * logits
+  double z_loss_scale = 0.0;       // z: adds z * lse^2 per row not ignored
+};
+
+// logits: (N, V); labels: (N,) i32/i64.
+// Writes loss: () for mean and sum, (N,) for none, dtype of logits; and lse: (N,), the
+// log-sum-exp of each row of m * logits, saved for the backward (0 for ignored rows).
+void cross_entropy(const TensorView& logits, const TensorView& labels, const TensorView& loss,
+                   const TensorView& lse, const CrossEntropyOptions& options = {},
+                   const Stream& stream = {});
+
+// grad_loss: the shape and dtype of the forward's loss; logits, labels, lse and options as given
+// to (or written by) the forward. Writes grad_logits: (N, V), dtype of logits.
+void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
+                            const TensorView& labels, const TensorView& lse,
+                            const TensorView& grad_logits, const CrossEntropyOptions& options = {},
+                            const Stream& stream = {});
+
+}  // namespace meshfuse

@@ -1,0 +1,122 @@
+// CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
+// forward reads a row once from memory (online log-sum-exp, see cpu_logsumexp.h), the backward
+// reads it and writes the gradient in one pass.
+#include <vector>
+
+#include "ops/common.h"
+#include "ops/cpu_math.h"
+#include "ops/cross_entropy/cross_entropy_kernels.h"
+#include "ops/softmax/cpu_logsumexp.h"
+#include "ops/softmax/softmax_kernels.h"
+
+namespace meshfuse::detail::cpu {
+namespace {
+
+template <typename T, typename L>
+void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, acc_t<T>* lse,
+                  double* row_loss, const CrossEntropyOptions& o) {
+  using A = acc_t<T>;
+  const A m = static_cast<A>(o.logits_multiplier);
+  const double eps = o.label_smoothing, z = o.z_loss_scale;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < b.rows; ++i) {
+    const std::int64_t g = b.row_begin + i;
+    const std::int64_t y = labels[g];
+    if (y == o.ignore_index) {
+      lse[g] = 0;
+      row_loss[g] = 0;
+      continue;
+    }
+    const T* x = logits + row_offset(i, b.vocab);
+    const RowStats<A> st = row_stats(x, b.vocab, m);
+    const A l = st.max + std::log(st.sum);
+    const double nll = double(l) - double(A(to_float(x[y])) * m);
+    double loss = (1 - eps) * nll;
+    if (eps != 0) loss += eps * (double(l) - double(st.sum_v) / double(b.vocab));
+    if (z != 0) loss += z * double(l) * double(l);
+    lse[g] = l;
+    row_loss[g] = loss;
+  }
+}
+
+template <typename T, typename L>
+void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, const acc_t<T>* lse,
+                   CrossEntropyUpstream up, T* grad_logits, const CrossEntropyOptions& o) {
+  using A = acc_t<T>;
+  const A m = static_cast<A>(o.logits_multiplier);
+  const A eps = static_cast<A>(o.label_smoothing), z = static_cast<A>(o.z_loss_scale);
+  const A smooth = eps / static_cast<A>(b.vocab);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < b.rows; ++i) {
+    const std::int64_t g = b.row_begin + i;
+    const std::int64_t y = labels[g];
+    const T* x = logits + row_offset(i, b.vocab);
+    T* dx = grad_logits + row_offset(i, b.vocab);
+    if (y == o.ignore_index) {
+#pragma omp simd
+      for (std::int64_t j = 0; j < b.vocab; ++j) dx[j] = store_as<T>(A(0));
+      continue;
+    }
+    const A l = lse[g];
+    const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
+    const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
+    // Read before the loop: grad_logits may alias logits.
+    const A p_label = vexp(A(to_float(x[y])) * m - l);
+#pragma omp simd
+    for (std::int64_t j = 0; j < b.vocab; ++j)
+      dx[j] = store_as<T>(c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth));
+    dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
+  }
+}
+
+// Calls f(T*, L*) with the block's logits and labels typed.
+template <typename F>
+void dispatch_rows(const CrossEntropyRows& b, std::string_view op, F&& f) {
+  dispatch_float(b.dtype, op, [&](auto tag) {
+    dispatch_index(b.label_dtype, op, [&](auto ltag) { f(tag, ltag); });
+  });
+}
+
+}  // namespace
+
+void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                void* lse, double* row_loss, const CrossEntropyOptions& o) {
+  dispatch_rows(b, "cross_entropy", [&](auto tag, auto ltag) {
+    using T = decltype(tag);
+    using L = decltype(ltag);
+    forward_rows(b, static_cast<const T*>(logits), static_cast<const L*>(labels),
+                 static_cast<acc_t<T>*>(lse), row_loss, o);
+  });
+}
+
+void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                 const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                                 const CrossEntropyOptions& o) {
+  dispatch_rows(b, "cross_entropy_backward", [&](auto tag, auto ltag) {
+    using T = decltype(tag);
+    using L = decltype(ltag);
+    backward_rows(b, static_cast<const T*>(logits), static_cast<const L*>(labels),
+                  static_cast<const acc_t<T>*>(lse), upstream, static_cast<T*>(grad_logits), o);
+  });
+}
+
+void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const void* labels,
+                           void* loss, void* lse, const CrossEntropyOptions& o, const Stream&) {
+  const std::int64_t count = check_labels("cross_entropy", s, labels, o.ignore_index);
+  std::vector<double> row_loss(static_cast<std::size_t>(s.rows));
+  cross_entropy_forward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse,
+                             row_loss.data(), o);
+  store_loss(s, row_loss, count, o.reduction, loss);
+}
+
+void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, const void* logits,
+                            const void* labels, const void* lse, void* grad_logits,
+                            const CrossEntropyOptions& o, const Stream&) {
+  const std::int64_t count = check_labels("cross_entropy_backward", s, labels, o.ignore_index);
+  std::vector<double> row_grad;
+  const CrossEntropyUpstream up = read_upstream(s, grad_loss, count, o.reduction, row_grad);
+  cross_entropy_backward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse, up,
+                              grad_logits, o);
+}
+
+}  // namespace meshfuse::detail::cpu

@@ -1,0 +1,163 @@
+// Cross-entropy front-end: argument checks, backend dispatch; and the host-side helpers shared
+// by the reference and cpu backends (label check, loss reduction, upstream gradient).
+#include "meshfuse/ops/cross_entropy.h"
+
+#include "ops/common.h"
+#include "ops/cross_entropy/cross_entropy_kernels.h"
+
+namespace meshfuse {
+
+std::string_view to_string(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None:
+      return "none";
+    case Reduction::Mean:
+      return "mean";
+    case Reduction::Sum:
+      return "sum";
+  }
+  return "?";
+}
+
+std::optional<Reduction> parse_reduction(std::string_view name) {
+  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum})
+    if (name == to_string(r)) return r;
+  return std::nullopt;
+}
+
+namespace detail {
+
+std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                          std::int64_t ignore_index) {
+  return dispatch_index(s.label_dtype, op, [&](auto tag) {
+    using L = decltype(tag);
+    const L* y = static_cast<const L*>(labels);
+    std::int64_t count = 0;
+    for (std::int64_t i = 0; i < s.rows; ++i) {
+      const std::int64_t label = y[i];
+      if (label == ignore_index) continue;
+      MESHFUSE_CHECK(label >= 0 && label < s.vocab, ErrorCode::InvalidArgument,
+                     "{}: labels[{}] = {} is outside [0, {}) and is not ignore_index ({})", op, i,
+                     label, s.vocab, ignore_index);
+      ++count;
+    }
+    return count;
+  });
+}
+
+void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
+                Reduction reduction, void* loss) {
+  dispatch_float(s.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(loss);
+    if (reduction == Reduction::None) {
+      for (std::int64_t i = 0; i < s.rows; ++i) out[i] = from_double<T>(row_loss[i]);
+      return;
+    }
+    double sum = 0;
+    for (double l : row_loss) sum += l;
+    // 0 / 0 = NaN for mean with every row ignored, as PyTorch.
+    out[0] = from_double<T>(reduction == Reduction::Sum ? sum : sum / static_cast<double>(count));
+  });
+}
+
+CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
+                                   std::int64_t count, Reduction reduction,
+                                   std::vector<double>& row_grad_storage) {
+  return dispatch_float(s.dtype, "cross_entropy_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* g = static_cast<const T*>(grad_loss);
+    if (reduction == Reduction::None) {
+      row_grad_storage.resize(static_cast<std::size_t>(s.rows));
+      for (std::int64_t i = 0; i < s.rows; ++i) row_grad_storage[i] = to_float(g[i]);
+      return CrossEntropyUpstream{1.0, row_grad_storage.data()};
+    }
+    const double scale = to_float(g[0]);
+    if (reduction == Reduction::Sum) return CrossEntropyUpstream{scale, nullptr};
+    return CrossEntropyUpstream{count == 0 ? 0.0 : scale / static_cast<double>(count), nullptr};
+  });
+}
+
+}  // namespace detail
+
+namespace {
+
+const KernelTable<detail::CrossEntropyForwardFn> kForward(
+    "cross_entropy", {{KernelBackend::Reference,
+                       {DeviceType::CPU},
+                       detail::kFloatDTypes,
+                       &detail::reference::cross_entropy_forward},
+                      {KernelBackend::CPU,
+                       {DeviceType::CPU},
+                       detail::kFloatDTypes,
+                       &detail::cpu::cross_entropy_forward}});
+
+const KernelTable<detail::CrossEntropyBackwardFn> kBackward(
+    "cross_entropy_backward", {{KernelBackend::Reference,
+                                {DeviceType::CPU},
+                                detail::kFloatDTypes,
+                                &detail::reference::cross_entropy_backward},
+                               {KernelBackend::CPU,
+                                {DeviceType::CPU},
+                                detail::kFloatDTypes,
+                                &detail::cpu::cross_entropy_backward}});
+
+// Checks logits (N, V), labels (N,), lse (N,) and the options; returns the shape.
+detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& logits,
+                                       const TensorView& labels,
+                                       const CrossEntropyOptions& options) {
+  detail::check_defined(op, "logits", logits);
+  detail::check_dtype(op, "logits", logits, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_rank(op, "logits", logits, 2);
+  detail::check_defined(op, "labels", labels);
+  detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
+  detail::check_shape(op, "labels", labels, {logits.size(0)});
+  MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
+                 ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
+                 options.label_smoothing);
+  return {logits.dtype(), labels.dtype(), logits.size(0), logits.size(1)};
+}
+
+Shape loss_shape(const detail::CrossEntropyShape& s, Reduction reduction) {
+  return reduction == Reduction::None ? Shape{s.rows} : Shape{};
+}
+
+}  // namespace
+
+void cross_entropy(const TensorView& logits, const TensorView& labels, const TensorView& loss,
+                   const TensorView& lse, const CrossEntropyOptions& options,
+                   const Stream& stream) {
+  constexpr std::string_view op = "cross_entropy";
+  const detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
+  detail::check_output(op, "loss", loss, loss_shape(s, options.reduction), s.dtype);
+  detail::check_output(op, "lse", lse, {s.rows}, detail::lse_dtype(s.dtype));
+  auto* fn =
+      kForward.select({{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}});
+  const detail::Contiguous x(logits), y(labels);
+  fn(s, x.view().data(), y.view().data(), loss.data(), lse.data(), options, stream);
+}
+
+void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
+                            const TensorView& labels, const TensorView& lse,
+                            const TensorView& grad_logits, const CrossEntropyOptions& options,
+                            const Stream& stream) {
+  constexpr std::string_view op = "cross_entropy_backward";
+  const detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
+  detail::check_defined(op, "grad_loss", grad_loss);
+  detail::check_same_dtype(op, "grad_loss", grad_loss, s.dtype, "logits");
+  detail::check_shape(op, "grad_loss", grad_loss, loss_shape(s, options.reduction));
+  detail::check_defined(op, "lse", lse);
+  detail::check_dtype(op, "lse", lse, {detail::lse_dtype(s.dtype)});
+  detail::check_shape(op, "lse", lse, {s.rows});
+  detail::check_output(op, "grad_logits", grad_logits, logits.shape(), s.dtype);
+  auto* fn = kBackward.select({{"logits", logits},
+                               {"grad_loss", grad_loss},
+                               {"labels", labels},
+                               {"lse", lse},
+                               {"grad_logits", grad_logits}});
+  const detail::Contiguous dl(grad_loss), x(logits), y(labels), l(lse);
+  fn(s, dl.view().data(), x.view().data(), y.view().data(), l.view().data(), grad_logits.data(),
+     options, stream);
+}
+
+}  // namespace meshfuse

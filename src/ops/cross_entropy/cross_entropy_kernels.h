@@ -1,0 +1,95 @@
+// Cross-entropy kernel interface shared by the front-end, the backends and the ops built on
+// cross-entropy (fused linear cross-entropy) (internal).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "meshfuse/core/dtype.h"
+#include "meshfuse/core/stream.h"
+#include "meshfuse/ops/cross_entropy.h"
+
+namespace meshfuse::detail {
+
+// logits (rows, vocab) contiguous, labels (rows,) contiguous.
+struct CrossEntropyShape {
+  DType dtype;        // logits, loss, grad_loss, grad_logits
+  DType label_dtype;  // I32 or I64
+  std::int64_t rows;
+  std::int64_t vocab;
+};
+
+// lse is acc_t of the logits dtype: F64 for F64 logits, F32 otherwise.
+inline DType lse_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+
+// The whole op, as registered in the KernelTables. loss: () or (rows,) per options.reduction.
+using CrossEntropyForwardFn = void(const CrossEntropyShape&, const void* logits, const void* labels,
+                                   void* loss, void* lse, const CrossEntropyOptions&,
+                                   const Stream&);
+using CrossEntropyBackwardFn = void(const CrossEntropyShape&, const void* grad_loss,
+                                    const void* logits, const void* labels, const void* lse,
+                                    void* grad_logits, const CrossEntropyOptions&, const Stream&);
+
+// Host-side helpers of the CPU-memory backends (reference, cpu), in cross_entropy.cpp.
+//
+// Scans the labels in row order (one thread: the first bad row is the one reported) and throws
+// InvalidArgument naming `op`, the row and the value of the first label outside [0, vocab) that
+// is not ignore_index. Returns the number of rows not ignored. Call it before any other work.
+std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                          std::int64_t ignore_index);
+// Writes the loss output from per-row losses (0 at ignored rows): row_loss itself for none,
+// its sum in row order for sum, that sum / count for mean (NaN when count is 0).
+void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
+                Reduction reduction, void* loss);
+
+// The upstream gradient of row i's loss: scale * row_grad[i], or scale when row_grad is null.
+struct CrossEntropyUpstream {
+  double scale;
+  const double* row_grad;  // indexed by the global row; null for mean and sum
+};
+// Reads grad_loss as an upstream: for none, row_grad_storage receives grad_loss in double; for
+// sum the scale is grad_loss; for mean grad_loss / count (0 when count is 0, so that every
+// gradient is zero rather than NaN).
+CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
+                                   std::int64_t count, Reduction reduction,
+                                   std::vector<double>& row_grad_storage);
+
+// A block of rows [row_begin, row_begin + rows) of an (N, vocab) cross-entropy problem.
+// Block-local: logits and grad_logits point at the block's first row (rows x vocab,
+// contiguous). Global (indexed by row_begin + i): labels, lse, row_loss and the upstream's
+// row_grad, all of length N. This lets an op that computes logits a chunk of rows at a time
+// (fused linear cross-entropy) run the loss and its gradient on each chunk it holds.
+struct CrossEntropyRows {
+  DType dtype;  // of the block's logits and grad_logits (lse is lse_dtype(dtype))
+  DType label_dtype;
+  std::int64_t row_begin;
+  std::int64_t rows;
+  std::int64_t vocab;
+};
+
+namespace reference {
+CrossEntropyForwardFn cross_entropy_forward;
+CrossEntropyBackwardFn cross_entropy_backward;
+}  // namespace reference
+
+namespace cpu {
+CrossEntropyForwardFn cross_entropy_forward;
+CrossEntropyBackwardFn cross_entropy_backward;
+
+// The cpu row-block kernels behind the two above (OpenMP over the block's rows, vectorised over
+// the vocabulary). Labels must have passed check_labels. Neither reads an ignored row's logits.
+//
+// Forward: writes lse[g] and row_loss[g] (the unreduced loss_i of cross_entropy.h in double; 0
+// and lse 0 for ignored rows) for every global row g of the block.
+void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                void* lse, double* row_loss, const CrossEntropyOptions& options);
+// Backward: writes the block's grad_logits from its logits, labels and saved lse (zero rows for
+// ignored labels). grad_logits may be the logits buffer itself (each element is read before it
+// is overwritten), so a chunk of logits can be turned into its gradient in place.
+void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                 const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                                 const CrossEntropyOptions& options);
+}  // namespace cpu
+
+}  // namespace meshfuse::detail
