@@ -75,3 +75,27 @@ void expect_error(F&& f, ErrorCode code, std::vector<std::string> needles) {
 }
 
 }  // namespace meshfuse::test
+
+namespace meshfuse::test {
+
+// CUDA tests call this first: skips the test when no CUDA device is present (CI, CPU machines).
+#define MESHFUSE_REQUIRE_CUDA()                                           \
+  do {                                                                    \
+    if (::meshfuse::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (false)
+
+inline const Device kCuda{DeviceType::CUDA, 0};
+
+inline Tensor to_cuda(const TensorView& t, const Stream& stream = {}) {
+  Tensor out(t.shape(), t.dtype(), kCuda, stream);
+  copy(t, out, stream);
+  return out;
+}
+
+inline Tensor to_cpu(const TensorView& t, const Stream& stream = {}) {
+  Tensor out(t.shape(), t.dtype());
+  copy(t, out, stream);
+  return out;
+}
+
+}  // namespace meshfuse::test

@@ -42,20 +42,52 @@ void check_output(std::string_view op, std::string_view name, const TensorView& 
                   const Shape& expected, DType dtype) {
   check_defined(op, name, t);
   check_shape(op, name, t, expected);
-  MESHFUSE_CHECK(t.dtype() == dtype, ErrorCode::DTypeMismatch,
-                 "{}: output '{}' must be {}, got {}", op, name, to_string(dtype),
-                 to_string(t.dtype()));
+  MESHFUSE_CHECK(t.dtype() == dtype, ErrorCode::DTypeMismatch, "{}: output '{}' must be {}, got {}",
+                 op, name, to_string(dtype), to_string(t.dtype()));
   MESHFUSE_CHECK(t.is_contiguous(), ErrorCode::InvalidArgument,
                  "{}: output '{}' must be contiguous, got {}", op, name, t.str());
 }
 
-Contiguous::Contiguous(const TensorView& t) {
+Contiguous::Contiguous(const TensorView& t, const Stream& stream) {
   if (!t.defined() || t.is_contiguous()) {
     view_ = t;
   } else {
-    copy_ = Tensor::copy_of(t);
+    copy_ = Tensor::copy_of(t, stream);
     view_ = copy_.view();
   }
+}
+
+HostStaging::HostStaging(std::string_view op, const TensorView& any_input, const Stream& stream)
+    : active_(any_input.device().type == DeviceType::CUDA &&
+              forced_kernel_backend() == KernelBackend::Reference),
+      stream_(stream) {
+  const Device device = any_input.device();
+  if (device.type == DeviceType::CUDA && stream.device.type == DeviceType::CPU)
+    stream_ = Stream{device, stream.native};
+  MESHFUSE_CHECK(stream_.device == device, ErrorCode::DeviceMismatch,
+                 "{}: the stream is on {} but the tensors are on {}", op, stream_.device.str(),
+                 device.str());
+}
+
+TensorView HostStaging::input(const TensorView& t) {
+  if (!active_ || !t.defined()) return t;
+  inputs_.emplace_back(t.shape(), t.dtype());
+  copy(t, inputs_.back(), stream_);
+  return inputs_.back().view();
+}
+
+TensorView HostStaging::output(const TensorView& t) {
+  if (!active_ || !t.defined()) return t;
+  Tensor host(t.shape(), t.dtype());
+  copy(t, host, stream_);
+  outputs_.emplace_back(host, t);
+  return host.view();
+}
+
+void HostStaging::finish() {
+  for (const auto& [host, device] : outputs_) copy(host, device, stream_);
+  if (active_) synchronize(stream_);
+  outputs_.clear();
 }
 
 void fail_dtype(std::string_view op, DType dtype) {

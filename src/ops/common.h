@@ -12,7 +12,7 @@
 //   {reference entry, cpu entry MESHFUSE_CUDA_ENTRY(kFloatDTypes, swiglu_forward)}
 #ifdef MESHFUSE_WITH_CUDA
 #define MESHFUSE_CUDA_ENTRY(dtypes, fn) \
-  , {KernelBackend::CUDA, {DeviceType::CUDA}, dtypes, &::meshfuse::detail::cuda::fn}
+  , { KernelBackend::CUDA, {DeviceType::CUDA}, dtypes, &::meshfuse::detail::cuda::fn }
 #else
 #define MESHFUSE_CUDA_ENTRY(dtypes, fn)
 #endif
@@ -31,8 +31,7 @@ void check_dtype(std::string_view op, std::string_view name, const TensorView& t
 void check_same_dtype(std::string_view op, std::string_view name, const TensorView& t,
                       DType expected, std::string_view expected_from);
 // Throws InvalidArgument unless t.dim() == rank.
-void check_rank(std::string_view op, std::string_view name, const TensorView& t,
-                std::int64_t rank);
+void check_rank(std::string_view op, std::string_view name, const TensorView& t, std::int64_t rank);
 // Throws ShapeMismatch unless t.shape() == expected.
 void check_shape(std::string_view op, std::string_view name, const TensorView& t,
                  const Shape& expected);
@@ -44,13 +43,47 @@ void check_output(std::string_view op, std::string_view name, const TensorView& 
 // with unit stride; a non-contiguous input costs one copy instead of a strided kernel per op).
 class Contiguous {
  public:
-  explicit Contiguous(const TensorView& t);
+  explicit Contiguous(const TensorView& t, const Stream& stream = {});
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }  // NOLINT
 
  private:
   Tensor copy_;
   TensorView view_;
+};
+
+// The devices the reference backend serves: the CPU, and CUDA tensors through host copies
+// (slow; for tests and checks).
+#ifdef MESHFUSE_WITH_CUDA
+inline const std::vector<DeviceType> kReferenceDevices = {DeviceType::CPU, DeviceType::CUDA};
+#else
+inline const std::vector<DeviceType> kReferenceDevices = {DeviceType::CPU};
+#endif
+
+// The stream a kernel runs on, and the reference backend on CUDA tensors. stream() is the
+// caller's stream, or the default stream of the tensors' device when the caller passed a CPU
+// stream (the default argument); a CUDA stream of another device is Error(DeviceMismatch).
+// When the tensors are on a CUDA device and the reference backend is forced, input() and output()
+// hand out host copies, stream() a CPU stream, and finish() copies the outputs back and waits.
+// Otherwise input() and output() pass their tensors through.
+//   detail::HostStaging host("op", x, stream);
+//   fn(host.input(x), host.output(y), host.stream());
+//   host.finish();
+class HostStaging {
+ public:
+  HostStaging(std::string_view op, const TensorView& any_input, const Stream& stream);
+  TensorView input(const TensorView& t);
+  // A host copy holding the output's current contents (some kernels accumulate into outputs).
+  TensorView output(const TensorView& t);
+  const Stream& stream() const { return active_ ? host_stream_ : stream_; }
+  void finish();
+
+ private:
+  bool active_;
+  Stream stream_;
+  Stream host_stream_{};
+  std::vector<Tensor> inputs_;
+  std::vector<std::pair<Tensor, TensorView>> outputs_;  // host copy, device destination
 };
 
 // Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers below).
@@ -60,11 +93,16 @@ class Contiguous {
 template <typename F>
 decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
   switch (dtype) {
-    case DType::F32: return f(float{});
-    case DType::F64: return f(double{});
-    case DType::BF16: return f(bfloat16{});
-    case DType::F16: return f(float16{});
-    default: fail_dtype(op, dtype);
+    case DType::F32:
+      return f(float{});
+    case DType::F64:
+      return f(double{});
+    case DType::BF16:
+      return f(bfloat16{});
+    case DType::F16:
+      return f(float16{});
+    default:
+      fail_dtype(op, dtype);
   }
 }
 
@@ -72,9 +110,12 @@ decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
 template <typename F>
 decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
   switch (dtype) {
-    case DType::I32: return f(std::int32_t{});
-    case DType::I64: return f(std::int64_t{});
-    default: fail_dtype(op, dtype);
+    case DType::I32:
+      return f(std::int32_t{});
+    case DType::I64:
+      return f(std::int64_t{});
+    default:
+      fail_dtype(op, dtype);
   }
 }
 

@@ -12,21 +12,23 @@ using detail::SwigluShape;
 
 const KernelTable<detail::SwigluForwardFn> kForward(
     "swiglu",
-    {{KernelBackend::Reference, {DeviceType::CPU}, detail::kFloatDTypes,
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::swiglu_forward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes,
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
       &detail::cpu::swiglu_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_forward)});
 
 const KernelTable<detail::SwigluBackwardFn> kBackward(
     "swiglu_backward",
-    {{KernelBackend::Reference, {DeviceType::CPU}, detail::kFloatDTypes,
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::swiglu_backward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes,
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
       &detail::cpu::swiglu_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_backward)});
 
-SwigluOperand plain(const TensorView& t) {
-  return {t.data(), t.dim() == 0 ? 1 : t.size(-1), 1};
-}
+SwigluOperand plain(const TensorView& t) { return {t.data(), t.dim() == 0 ? 1 : t.size(-1), 1}; }
 
 // gate and up inside a contiguous packed tensor of last dim 2*cols.
 std::pair<SwigluOperand, SwigluOperand> packed(const TensorView& x, SwigluLayout layout,
@@ -73,14 +75,16 @@ void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
   check_like(op, "up", up, gate, "gate");
   detail::check_output(op, "out", out, gate.shape(), gate.dtype());
   auto* fn = kForward.select({{"gate", gate}, {"up", up}, {"out", out}});
-  const detail::Contiguous g(gate), u(up);
-  const SwigluShape s{gate.dtype(), detail::leading_rows(gate), gate.dim() == 0 ? 1 : gate.size(-1)};
-  fn(s, plain(g), plain(u), plain(out), stream);
+  detail::HostStaging host(op, gate, stream);
+  const detail::Contiguous g(host.input(gate), host.stream()), u(host.input(up), host.stream());
+  const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
+                      gate.dim() == 0 ? 1 : gate.size(-1)};
+  fn(s, plain(g), plain(u), plain(host.output(out)), host.stream());
+  host.finish();
 }
 
 void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
-                     const TensorView& grad_gate, const TensorView& grad_up,
-                     const Stream& stream) {
+                     const TensorView& grad_gate, const TensorView& grad_up, const Stream& stream) {
   constexpr std::string_view op = "swiglu_backward";
   check_float(op, "gate", gate);
   check_like(op, "up", up, gate, "gate");
@@ -92,9 +96,14 @@ void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const T
                                {"grad_out", grad_out},
                                {"grad_gate", grad_gate},
                                {"grad_up", grad_up}});
-  const detail::Contiguous g(gate), u(up), dy(grad_out);
-  const SwigluShape s{gate.dtype(), detail::leading_rows(gate), gate.dim() == 0 ? 1 : gate.size(-1)};
-  fn(s, plain(dy), plain(g), plain(u), plain(grad_gate), plain(grad_up), stream);
+  detail::HostStaging host(op, gate, stream);
+  const detail::Contiguous g(host.input(gate), host.stream()), u(host.input(up), host.stream()),
+      dy(host.input(grad_out), host.stream());
+  const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
+                      gate.dim() == 0 ? 1 : gate.size(-1)};
+  fn(s, plain(dy), plain(g), plain(u), plain(host.output(grad_gate)), plain(host.output(grad_up)),
+     host.stream());
+  host.finish();
 }
 
 void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& out,
@@ -104,9 +113,11 @@ void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& o
   const std::int64_t cols = half_width(op, x);
   detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
   auto* fn = kForward.select({{"x", x}, {"out", out}});
-  const detail::Contiguous xc(x);
+  detail::HostStaging host(op, x, stream);
+  const detail::Contiguous xc(host.input(x), host.stream());
   const auto [gate, up] = packed(xc, layout, cols);
-  fn({x.dtype(), detail::leading_rows(x), cols}, gate, up, plain(out), stream);
+  fn({x.dtype(), detail::leading_rows(x), cols}, gate, up, plain(host.output(out)), host.stream());
+  host.finish();
 }
 
 void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, SwigluLayout layout,
@@ -119,10 +130,14 @@ void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, Swi
   detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), cols));
   detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
   auto* fn = kBackward.select({{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}});
-  const detail::Contiguous xc(x), dy(grad_out);
+  detail::HostStaging host(op, x, stream);
+  const detail::Contiguous xc(host.input(x), host.stream()),
+      dy(host.input(grad_out), host.stream());
   const auto [gate, up] = packed(xc, layout, cols);
-  const auto [grad_gate, grad_up] = packed(grad_x, layout, cols);
-  fn({x.dtype(), detail::leading_rows(x), cols}, plain(dy), gate, up, grad_gate, grad_up, stream);
+  const auto [grad_gate, grad_up] = packed(host.output(grad_x), layout, cols);
+  fn({x.dtype(), detail::leading_rows(x), cols}, plain(dy), gate, up, grad_gate, grad_up,
+     host.stream());
+  host.finish();
 }
 
 }  // namespace meshfuse
