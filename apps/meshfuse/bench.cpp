@@ -1,0 +1,253 @@
+#include "bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <set>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bench_cases/case.h"
+#include "measure.h"
+#include "meshfuse/core/error.h"
+#include "meshfuse/core/platform.h"
+#include "report.h"
+
+namespace meshfuse::cli {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find(sep, start), text.size());
+    parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+// The options, checked and parsed.
+struct Plan {
+  BenchSetup setup;
+  std::optional<KernelBackend> forced;  // empty for --backend auto
+  std::vector<BenchCase> cases;
+  std::map<std::string, std::string> backend_of;  // kernel -> backend that will run it
+  std::string format;
+};
+
+DType parse_bench_dtype(const std::string& name) {
+  const std::optional<DType> dtype = parse_dtype(name);
+  MESHFUSE_CHECK(dtype == DType::BF16 || dtype == DType::F16 || dtype == DType::F32,
+                 ErrorCode::InvalidArgument, "--dtype: expected bf16, f16 or f32, got '{}'", name);
+  return *dtype;
+}
+
+Device parse_bench_device(const std::string& name) {
+  const Device device = Device::parse(name);
+  std::vector<std::string> available;
+  for (const Device& d : available_devices()) {
+    if (d == device) return device;
+    available.push_back(d.str());
+  }
+  fail(ErrorCode::BackendUnavailable, "--device: device {} is not available{} (available: {})",
+       device.str(), built_with_cuda() ? "" : ": this build has no cuda backend",
+       fmt::join(available, ", "));
+}
+
+std::vector<BenchCase> select_cases(const std::string& ops) {
+  std::vector<BenchCase> all = all_cases();
+  if (ops.empty()) return all;
+  std::vector<std::string> names;
+  std::set<std::string> groups;
+  for (const BenchCase& c : all) {
+    names.push_back(c.name);
+    if (!c.group.empty() && groups.insert(c.group).second) names.push_back(c.group);
+  }
+  std::set<std::string> wanted;
+  for (const std::string& op : split(ops, ',')) {
+    MESHFUSE_CHECK(std::find(names.begin(), names.end(), op) != names.end(),
+                   ErrorCode::InvalidArgument,
+                   "--ops: unknown op '{}'; expected a comma-separated list of: {}", op,
+                   fmt::join(names, ", "));
+    wanted.insert(op);
+  }
+  std::vector<BenchCase> selected;
+  for (BenchCase& c : all)
+    if (wanted.contains(c.name) || wanted.contains(c.group)) selected.push_back(std::move(c));
+  return selected;
+}
+
+Plan make_plan(const BenchOptions& o) {
+  Plan plan;
+  MESHFUSE_CHECK(o.tokens > 0, ErrorCode::InvalidArgument,
+                 "--tokens: expected a positive number of tokens, got {}", o.tokens);
+  MESHFUSE_CHECK(o.repeats > 0, ErrorCode::InvalidArgument,
+                 "--repeats: expected a positive number of timed calls, got {}", o.repeats);
+  MESHFUSE_CHECK(o.format == "table" || o.format == "csv" || o.format == "json",
+                 ErrorCode::InvalidArgument, "--format: expected table, csv or json, got '{}'",
+                 o.format);
+  plan.format = o.format;
+  plan.setup.dtype = parse_bench_dtype(o.dtype);
+  if (o.backend != "auto") plan.forced = parse_kernel_backend(o.backend);
+  plan.setup.device = parse_bench_device(o.device);
+  plan.cases = select_cases(o.ops);
+  plan.setup.model = load_model_config(o.model);
+  plan.setup.tokens = o.tokens;
+  // Every kernel must run on this device, dtype and backend: fail now, with the op's own error,
+  // rather than after minutes of measuring.
+  const TensorView probe(nullptr, plan.setup.dtype, {0}, plan.setup.device);
+  std::optional<ForceKernelBackend> guard;
+  if (plan.forced) guard.emplace(*plan.forced);
+  for (const BenchCase& c : plan.cases)
+    for (const std::string& kernel : c.kernels)
+      plan.backend_of[kernel] = to_string(resolved_backend(kernel, {{"input", probe}}));
+  return plan;
+}
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+std::string bytes_text(double bytes) {
+  return bytes >= 1024 * kMiB ? fmt::format("{:.2f} GiB", bytes / (1024 * kMiB))
+                              : fmt::format("{:.1f} MiB", bytes / kMiB);
+}
+
+struct Peaks {
+  CopyBandwidth copy;
+  std::int64_t cache_bytes = 0;
+};
+
+Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, const Direction& d,
+               const TimingPolicy& policy) {
+  Record r{.op = op,
+           .direction = d.direction,
+           .backend = plan.backend_of.at(d.kernel),
+           .device = plan.setup.device.str(),
+           .dtype = std::string(to_string(plan.setup.dtype)),
+           .shape = d.shape};
+  std::vector<std::function<void()>> calls = {d.run};
+  if (d.blas) calls.push_back(d.blas);  // interleaved with ours (BENCHMARKING.md)
+  const std::vector<Timing> t = time_interleaved(calls, policy);
+  r.median_ms = t[0].median_ms;
+  r.p20_ms = t[0].p20_ms;
+  r.p80_ms = t[0].p80_ms;
+  r.calls = t[0].calls;
+  const double seconds = t[0].median_ms * 1e-3;
+  if (d.bytes > 0) {
+    r.gbps = d.bytes / seconds / 1e9;
+    r.fraction_of_peak = *r.gbps / peaks.copy.gbps;
+    r.notes.push_back(
+        fmt::format("{} {}: bytes = {} (BENCHMARKING.md); of peak = GB/s / copy "
+                    "bandwidth",
+                    op, d.direction, d.bytes_formula));
+  }
+  if (d.flops > 0) {
+    r.tflops = d.flops / seconds / 1e12;
+    r.fraction_of_peak = t[1].median_ms / t[0].median_ms;
+    r.notes.push_back(
+        fmt::format("{} {}: flops = 2·M·N·K; of peak = ours / OpenBLAS sgemm (f32) "
+                    "at the same shape, {:.3f} TFLOP/s, timed interleaved",
+                    op, d.direction, d.flops / (t[1].median_ms * 1e-3) / 1e12));
+  }
+  const double working_set = d.working_set > 0 ? d.working_set : d.bytes;
+  if (working_set < static_cast<double>(peaks.cache_bytes))
+    r.notes.push_back(fmt::format("working set {} fits in the {} last-level cache: a cache figure",
+                                  bytes_text(working_set),
+                                  bytes_text(static_cast<double>(peaks.cache_bytes))));
+  r.notes.insert(r.notes.end(), d.notes.begin(), d.notes.end());
+
+  r.pass = true;
+  r.max_abs_err = 0;
+  r.max_rel_err = 0;
+  for (const Comparison& c : d.check()) {
+    r.max_abs_err = std::max(*r.max_abs_err, c.diff.max_abs_err);
+    r.max_rel_err = std::max(*r.max_rel_err, c.diff.max_rel_err);
+    if (c.diff.violations == 0) continue;
+    r.pass = false;
+    r.notes.push_back(fmt::format(
+        "{} {} {}: {} elements outside |ours - reference| <= {:.1e} + {:.1e}·|reference| ({} "
+        "NaN/inf mismatches)",
+        op, d.direction, c.name, c.diff.violations, c.tolerance.atol, c.tolerance.rtol,
+        c.diff.mismatched_nonfinite));
+  }
+  return r;
+}
+
+std::vector<std::string> header_lines(const Plan& plan, const BenchOptions& o, const Peaks& peaks,
+                                      const TimingPolicy& policy) {
+  const ModelConfig& m = plan.setup.model;
+  const double tol = testing::default_tolerance(plan.setup.dtype);
+  return {
+      fmt::format("meshfuse {} bench: model {} ({}), {} tokens, dtype {}, device {}, backend {}, "
+                  "{} threads",
+                  version(), m.name, m.path.string(), plan.setup.tokens,
+                  to_string(plan.setup.dtype), plan.setup.device.str(), o.backend, max_threads()),
+      fmt::format("shapes: hidden {}, intermediate {}, heads {} (kv {}) x head_dim {}, vocab {}",
+                  m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads,
+                  m.head_dim, m.vocab_size),
+      fmt::format("memory: copy bandwidth {:.1f} GB/s (STREAM-style copy of {}, read + write "
+                  "bytes); last-level cache {}",
+                  peaks.copy.gbps, bytes_text(static_cast<double>(peaks.copy.buffer_bytes)),
+                  bytes_text(static_cast<double>(peaks.cache_bytes))),
+      fmt::format("timing: median (p20-p80) of up to {} calls after up to {} warm-up calls, "
+                  "fewer for calls over {:.0f} ms (column 'calls' in csv/json)",
+                  policy.repeats, policy.warmup, 1e3 * policy.budget_s / policy.repeats),
+      fmt::format("check: against the reference backend on the same inputs; pass when every "
+                  "|ours - reference| <= atol + rtol·|reference|, atol = rtol = {:g} for {}, "
+                  "atol = {:g}·√k for sums over k terms",
+                  tol, to_string(plan.setup.dtype), tol)};
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& options, std::ostream& out) {
+  const Plan plan = make_plan(options);
+  TimingPolicy policy;
+  policy.repeats = options.repeats;
+
+  fmt::print(stderr, "meshfuse bench: measuring the memory copy bandwidth ...\n");
+  const Peaks peaks{measure_copy_bandwidth(), last_level_cache_bytes()};
+  fmt::print(stderr, "  {:.1f} GB/s\n", peaks.copy.gbps);
+
+  std::vector<Record> records;
+  std::optional<ForceKernelBackend> guard;
+  if (plan.forced) guard.emplace(*plan.forced);
+  const std::size_t n = plan.cases.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const BenchCase& c = plan.cases[i];
+    fmt::print(stderr, "[{}/{}] {}: preparing inputs\n", i + 1, n, c.name);
+    for (const Direction& d : c.make(plan.setup)) {
+      fmt::print(stderr, "[{}/{}] {} {} {} ...", i + 1, n, c.name, d.direction, d.shape);
+      std::fflush(stderr);
+      records.push_back(measure(plan, peaks, c.name, d, policy));
+      const Record& r = records.back();
+      fmt::print(stderr, " {:.3f} ms, {}\n", *r.median_ms, r.pass ? "pass" : "FAIL");
+    }
+  }
+
+  if (plan.format == "json")
+    print_json(out, records);
+  else if (plan.format == "csv")
+    print_csv(out, records);
+  else
+    print_table(out, header_lines(plan, options, peaks, policy), records);
+  const bool all_pass =
+      std::all_of(records.begin(), records.end(), [](const Record& r) { return r.pass; });
+  return all_pass ? 0 : 1;
+}
+
+}  // namespace meshfuse::cli

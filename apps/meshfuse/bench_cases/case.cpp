@@ -1,0 +1,101 @@
+#include "bench_cases/case.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <numbers>
+
+namespace meshfuse::cli {
+namespace {
+
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Std-normal values by Box-Muller from a counter-based hash of (seed, index): deterministic per
+// seed whatever the thread count, and parallel. testing::fill_normal draws from one sequential
+// mt19937 stream, which takes seconds for the 10^8-element tensors of the vocabulary ops.
+template <typename T>
+void fill_normal_parallel(T* p, std::int64_t n, std::uint64_t seed) {
+  const std::uint64_t key = splitmix64(seed);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; i += 2) {
+    const std::uint64_t a = splitmix64(key ^ static_cast<std::uint64_t>(i)), b = splitmix64(a);
+    const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1p-53;  // (0, 1]
+    const double u2 = static_cast<double>(b >> 11) * 0x1p-53;
+    const double r = std::sqrt(-2.0 * std::log(u1)), theta = 2.0 * std::numbers::pi * u2;
+    p[i] = from_double<T>(r * std::cos(theta));
+    if (i + 1 < n) p[i + 1] = from_double<T>(r * std::sin(theta));
+  }
+}
+
+}  // namespace
+
+Tolerance elementwise_tolerance(DType dtype) {
+  const double tol = testing::default_tolerance(dtype);
+  return {tol, tol};
+}
+
+Tolerance reduction_tolerance(DType dtype, std::int64_t k) {
+  const double tol = testing::default_tolerance(dtype);
+  return {tol * std::sqrt(static_cast<double>(std::max<std::int64_t>(k, 1))), tol};
+}
+
+Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
+                          Tolerance tolerance) {
+  return {std::move(name), testing::compare(actual, expected, tolerance.atol, tolerance.rtol),
+          tolerance};
+}
+
+Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
+                     std::optional<DType> dtype) {
+  Tensor host(std::move(shape), dtype.value_or(setup.dtype));
+  switch (host.dtype()) {
+    case DType::F32:
+      fill_normal_parallel(host.data_ptr<float>(), host.numel(), seed);
+      break;
+    case DType::F64:
+      fill_normal_parallel(host.data_ptr<double>(), host.numel(), seed);
+      break;
+    case DType::BF16:
+      fill_normal_parallel(host.data_ptr<bfloat16>(), host.numel(), seed);
+      break;
+    case DType::F16:
+      fill_normal_parallel(host.data_ptr<float16>(), host.numel(), seed);
+      break;
+    default:
+      testing::fill_normal(host, seed);  // raises the error for a non-float dtype
+  }
+  if (setup.device.type == DeviceType::CPU) return host;
+  Tensor on_device(host.shape(), host.dtype(), setup.device);
+  copy(host, on_device);
+  return on_device;
+}
+
+Tensor output_tensor(const BenchSetup& setup, Shape shape, std::optional<DType> dtype) {
+  return Tensor(std::move(shape), dtype.value_or(setup.dtype), setup.device);
+}
+
+TensorView first_rows(const TensorView& t, std::int64_t rows) { return t.narrow(0, 0, rows); }
+
+void on_reference(const std::function<void()>& f) {
+  const ForceKernelBackend reference(KernelBackend::Reference);
+  f();
+}
+
+std::string shape_text(const std::vector<std::pair<std::string, Shape>>& parts) {
+  std::string out;
+  for (const auto& [name, shape] : parts)
+    out += fmt::format("{}{}: {}", out.empty() ? "" : ", ", name, shape_str(shape));
+  return out;
+}
+
+std::vector<std::string> rows_note(std::int64_t checked, std::int64_t rows, std::string_view why) {
+  if (checked >= rows) return {};
+  return {fmt::format("reference checked on the first {} of {} rows ({})", checked, rows, why)};
+}
+
+}  // namespace meshfuse::cli

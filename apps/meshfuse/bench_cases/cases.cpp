@@ -1,0 +1,13 @@
+#include "bench_cases/case.h"
+
+namespace meshfuse::cli {
+
+std::vector<BenchCase> all_cases() {
+  std::vector<BenchCase> cases;
+  for (auto family : {swiglu_cases}) {
+    for (BenchCase& c : family()) cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+}  // namespace meshfuse::cli

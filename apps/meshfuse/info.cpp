@@ -1,0 +1,77 @@
+#include "info.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "meshfuse/core/kernel_backend.h"
+#include "meshfuse/core/platform.h"
+
+namespace meshfuse::cli {
+namespace {
+
+constexpr KernelBackend kBackends[] = {KernelBackend::Reference, KernelBackend::CPU,
+                                       KernelBackend::CUDA};
+
+std::string dtypes_text(const std::vector<DType>& dtypes) {
+  std::vector<std::string_view> names;
+  for (DType d : dtypes) names.push_back(to_string(d));
+  return fmt::format("{}", fmt::join(names, " "));
+}
+
+}  // namespace
+
+void print_info(std::ostream& out) {
+  const std::vector<KernelInfo> kernels = registered_kernels();
+  out << fmt::format("meshfuse {}\n", version());
+  out << fmt::format("build: {} cuda={}\n", build_info(), built_with_cuda() ? "ON" : "OFF");
+
+  out << "devices and their kernel backends:\n";
+  for (const Device& device : available_devices()) {
+    std::vector<std::string_view> backends;
+    for (KernelBackend b : kBackends) {
+      const bool runs = std::any_of(kernels.begin(), kernels.end(), [&](const KernelInfo& k) {
+        return k.backend == b &&
+               std::find(k.devices.begin(), k.devices.end(), device.type) != k.devices.end();
+      });
+      if (runs) backends.push_back(to_string(b));
+    }
+    out << fmt::format("  {:<8} {}\n", device.str(), fmt::join(backends, ", "));
+  }
+  if (!built_with_cuda())
+    out << "  (no cuda devices: this build has no cuda backend)\n";
+  else if (cuda_device_count() == 0)
+    out << "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
+
+  // One row per op (kernel name), one column per backend that has any kernel.
+  std::vector<KernelBackend> columns;
+  for (KernelBackend b : kBackends)
+    if (std::any_of(kernels.begin(), kernels.end(),
+                    [&](const KernelInfo& k) { return k.backend == b; }))
+      columns.push_back(b);
+  std::vector<std::string> ops;
+  for (const KernelInfo& k : kernels)
+    if (ops.empty() || ops.back() != k.op) ops.push_back(k.op);  // sorted by op
+  std::size_t op_width = 2;
+  for (const std::string& op : ops) op_width = std::max(op_width, op.size());
+
+  out << "kernels (op x backend: dtypes):\n";
+  std::string head = fmt::format("  {:<{}}", "op", op_width);
+  for (KernelBackend b : columns) head += fmt::format("  {:<16}", to_string(b));
+  out << head.substr(0, head.find_last_not_of(' ') + 1) << '\n';
+  for (const std::string& op : ops) {
+    std::string line = fmt::format("  {:<{}}", op, op_width);
+    for (KernelBackend b : columns) {
+      const auto k = std::find_if(kernels.begin(), kernels.end(), [&](const KernelInfo& k) {
+        return k.op == op && k.backend == b;
+      });
+      line += fmt::format("  {:<16}", k == kernels.end() ? "-" : dtypes_text(k->dtypes));
+    }
+    out << line.substr(0, line.find_last_not_of(' ') + 1) << '\n';
+  }
+}
+
+}  // namespace meshfuse::cli

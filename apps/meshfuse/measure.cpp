@@ -1,0 +1,98 @@
+#include "measure.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace meshfuse::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Copies n bytes, each OpenMP thread its own contiguous slice.
+void parallel_copy(char* dst, const char* src, std::int64_t n) {
+#pragma omp parallel
+  {
+#ifdef _OPENMP
+    const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const std::int64_t threads = 1, t = 0;
+#endif
+    const std::int64_t begin = n * t / threads, end = n * (t + 1) / threads;
+    std::memcpy(dst + begin, src + begin, static_cast<std::size_t>(end - begin));
+  }
+}
+
+}  // namespace
+
+double quantile(std::vector<double> samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const double pos = p * static_cast<double>(samples.size() - 1);
+  const auto lo = static_cast<std::size_t>(pos);
+  const std::size_t hi = std::min(lo + 1, samples.size() - 1);
+  return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
+}
+
+std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
+                                     const TimingPolicy& policy) {
+  // Warm-up: caches, page faults of fresh outputs, thread pools. Heavy calls stop early; the
+  // first round always runs.
+  const auto warm_start = Clock::now();
+  for (int i = 0; i < policy.warmup; ++i) {
+    for (const auto& fn : fns) fn();
+    if (seconds_since(warm_start) > policy.warmup_budget_s) break;
+  }
+  std::vector<std::vector<double>> samples(fns.size());
+  const auto start = Clock::now();
+  for (int i = 0; i < policy.repeats; ++i) {
+    for (std::size_t f = 0; f < fns.size(); ++f) {
+      const auto t0 = Clock::now();
+      fns[f]();
+      samples[f].push_back(seconds_since(t0) * 1e3);
+    }
+    if (i + 1 >= policy.min_repeats && seconds_since(start) > policy.budget_s) break;
+  }
+  std::vector<Timing> out;
+  for (const auto& s : samples)
+    out.push_back(
+        {quantile(s, 0.5), quantile(s, 0.2), quantile(s, 0.8), static_cast<int>(s.size())});
+  return out;
+}
+
+std::int64_t last_level_cache_bytes() {
+  for (int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long bytes = sysconf(name);
+    if (bytes > 0) return bytes;
+  }
+  return 0;
+}
+
+CopyBandwidth measure_copy_bandwidth() {
+  constexpr std::int64_t kGiB = std::int64_t{1} << 30;
+  const std::int64_t n = std::max(kGiB, 4 * last_level_cache_bytes());
+  const std::unique_ptr<char[]> src(new char[n]), dst(new char[n]);
+  // First touch from the threads that copy, so each slice's pages are faulted in before timing.
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; i += 4096) src[i] = dst[i] = static_cast<char>(i);
+  TimingPolicy policy;
+  policy.warmup = 2;
+  policy.repeats = 7;
+  policy.min_repeats = 3;
+  policy.budget_s = 1.5;
+  const Timing t = time_interleaved({[&] { parallel_copy(dst.get(), src.get(), n); }}, policy)[0];
+  return {2.0 * static_cast<double>(n) / (t.median_ms * 1e-3) / 1e9, n};
+}
+
+}  // namespace meshfuse::cli

@@ -1,0 +1,47 @@
+// Measuring: timing a call (BENCHMARKING.md: warm up, many calls, median and p20/p80), this
+// machine's memory copy bandwidth and its last-level cache size.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace meshfuse::cli {
+
+struct TimingPolicy {
+  int warmup = 10;      // warm-up calls (fewer when they take longer than warmup_budget_s)
+  int repeats = 20;     // timed calls (fewer when they take longer than budget_s)
+  int min_repeats = 5;  // never fewer timed calls than this
+  double warmup_budget_s = 0.5;
+  double budget_s = 2.0;
+};
+
+struct Timing {
+  double median_ms = 0;
+  double p20_ms = 0;
+  double p80_ms = 0;
+  int calls = 0;  // timed calls
+};
+
+// Times each function in `fns`, calling them interleaved (A B A B ...) so that they see the same
+// machine state; each call is timed on its own with a steady clock. Returns one Timing per
+// function.
+std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
+                                     const TimingPolicy& policy);
+
+// The p-th quantile (p in [0, 1]) of `samples`, linearly interpolated.
+double quantile(std::vector<double> samples, double p);
+
+// Bytes of the last-level cache (0 when unknown).
+std::int64_t last_level_cache_bytes();
+
+struct CopyBandwidth {
+  double gbps = 0;                // (read + write bytes) / median time, in GB/s (1e9 B/s)
+  std::int64_t buffer_bytes = 0;  // size of the source (and of the destination)
+};
+
+// STREAM-style copy: dst = src over buffers of max(1 GiB, 4 x the last-level cache), split across
+// the OpenMP threads; bytes counted as read + write, as STREAM counts them.
+CopyBandwidth measure_copy_bandwidth();
+
+}  // namespace meshfuse::cli

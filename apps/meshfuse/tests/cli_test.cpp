@@ -1,0 +1,205 @@
+// The `meshfuse` binary run as a user runs it: output formats, exit codes, error messages.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "meshfuse/core/platform.h"
+#include "report.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// A scratch directory removed at the end of the test.
+class ScratchDir {
+ public:
+  ScratchDir()
+      : path_(fs::temp_directory_path() /
+              fmt::format("meshfuse_cli_test_{}_{}", getpid(), next_++)) {
+    fs::create_directories(path_);
+  }
+  ~ScratchDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  static inline int next_ = 0;
+  fs::path path_;
+};
+
+CliResult run_cli(const std::string& args) {
+  const ScratchDir dir;
+  const fs::path out = dir.path() / "out", err = dir.path() / "err";
+  const std::string command =
+      fmt::format("'{}' {} >'{}' 2>'{}'", MESHFUSE_CLI_PATH, args, out.string(), err.string());
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out), read_file(err)};
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+constexpr const char* kSmallSwiglu = "bench --model llama-3.2-1b --tokens 8 --ops swiglu";
+
+TEST(Cli, InfoListsVersionDevicesAndSwigluForReferenceAndCpu) {
+  const CliResult r = run_cli("info");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "meshfuse 0.")) << r.out;
+  EXPECT_TRUE(contains(r.out, "blas=")) << r.out;
+  EXPECT_TRUE(contains(r.out, "cpu      reference, cpu")) << r.out;
+  std::istringstream lines(r.out);
+  std::string line;
+  bool swiglu_row = false;
+  while (std::getline(lines, line))
+    if (line.starts_with("  swiglu ")) {
+      swiglu_row = true;
+      // reference and cpu columns both list the float dtypes.
+      EXPECT_EQ(std::count(line.begin(), line.end(), 'b'), 2) << line;  // "bf16" twice
+    }
+  EXPECT_TRUE(swiglu_row) << r.out;
+}
+
+TEST(Cli, BenchJsonGivesOneRecordPerDirectionWithEveryKeyAndPasses) {
+  const CliResult r = run_cli(std::string(kSmallSwiglu) + " --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json records = nlohmann::json::parse(r.out);
+  ASSERT_TRUE(records.is_array());
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& key : meshfuse::cli::record_columns())
+    for (const auto& record : records) EXPECT_TRUE(record.contains(key)) << key;
+  EXPECT_EQ(records[0]["op"], "swiglu");
+  EXPECT_EQ(records[0]["direction"], "forward");
+  EXPECT_EQ(records[1]["direction"], "backward");
+  for (const auto& record : records) {
+    EXPECT_EQ(record["status"], "pass");
+    EXPECT_EQ(record["backend"], "cpu");
+    EXPECT_EQ(record["device"], "cpu");
+    EXPECT_EQ(record["dtype"], "bf16");
+    EXPECT_EQ(record["shape"], "gate, up: [8, 8192]");
+    EXPECT_GT(record["median_ms"].get<double>(), 0);
+    EXPECT_LE(record["p20_ms"].get<double>(), record["median_ms"].get<double>());
+    EXPECT_GE(record["p80_ms"].get<double>(), record["median_ms"].get<double>());
+    EXPECT_GT(record["gbps"].get<double>(), 0);
+    EXPECT_TRUE(record["tflops"].is_null());  // memory-bound: rated in GB/s
+    EXPECT_GT(record["fraction_of_peak"].get<double>(), 0);
+    EXPECT_GE(record["max_abs_err"].get<double>(), 0);
+  }
+  EXPECT_TRUE(contains(r.err, "swiglu backward")) << "progress goes to stderr: " << r.err;
+}
+
+TEST(Cli, BenchCsvHasTheJsonColumnsAndATableStatesTheByteFormula) {
+  const CliResult csv = run_cli(std::string(kSmallSwiglu) + " --format csv --dtype f32");
+  ASSERT_EQ(csv.exit_code, 0) << csv.err;
+  std::istringstream lines(csv.out);
+  std::string header, forward, backward, extra;
+  std::getline(lines, header);
+  std::getline(lines, forward);
+  std::getline(lines, backward);
+  EXPECT_FALSE(std::getline(lines, extra));
+  EXPECT_TRUE(
+      header.starts_with("op,direction,backend,device,dtype,shape,median_ms,p20_ms,p80_ms,"
+                         "gbps,tflops,fraction_of_peak,max_abs_err,max_rel_err,status"))
+      << header;
+  EXPECT_TRUE(forward.starts_with("swiglu,forward,cpu,cpu,f32,")) << forward;
+  EXPECT_TRUE(contains(backward, ",pass,")) << backward;
+
+  const CliResult table = run_cli(std::string(kSmallSwiglu) + " --backend reference --repeats 3");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_TRUE(contains(table.out, "swiglu forward: bytes = 3·N·I·e")) << table.out;
+  EXPECT_TRUE(contains(table.out, "copy bandwidth")) << table.out;
+  EXPECT_TRUE(contains(table.out, "fits in the")) << "8 rows are a cache figure: " << table.out;
+  EXPECT_TRUE(contains(table.out, "  reference  ")) << table.out;
+}
+
+// Runs a bench that must fail before measuring, with exit code 2 and `message` on stderr.
+void expect_usage_error(const std::string& args, const std::string& message) {
+  const CliResult r = run_cli(args);
+  EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+  EXPECT_TRUE(contains(r.err, message)) << args << "\nstderr: " << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+TEST(Cli, ZeroOrNegativeTokensAreRejected) {
+  expect_usage_error("bench --model llama-3.2-1b --tokens 0",
+                     "--tokens: expected a positive number of tokens, got 0");
+  expect_usage_error("bench --model llama-3.2-1b --tokens -5",
+                     "--tokens: expected a positive number of tokens, got -5");
+  expect_usage_error("bench --model llama-3.2-1b --tokens many", "--tokens");
+}
+
+TEST(Cli, UnknownOpIsRejectedListingTheKnownOnes) {
+  expect_usage_error("bench --model llama-3.2-1b --ops swiglu,gelu",
+                     "--ops: unknown op 'gelu'; expected a comma-separated list of: ");
+  expect_usage_error("bench --model llama-3.2-1b --ops swiglu,gelu", "swiglu");
+}
+
+TEST(Cli, UnknownDtypeIsRejected) {
+  expect_usage_error("bench --model llama-3.2-1b --dtype f64",
+                     "--dtype: expected bf16, f16 or f32, got 'f64'");
+  expect_usage_error("bench --model llama-3.2-1b --dtype int4",
+                     "--dtype: expected bf16, f16 or f32, got 'int4'");
+}
+
+TEST(Cli, UnknownFormatIsRejected) {
+  expect_usage_error("bench --model llama-3.2-1b --format xml",
+                     "--format: expected table, csv or json, got 'xml'");
+}
+
+TEST(Cli, MissingModelIsRejectedListingTheShippedOnes) {
+  expect_usage_error("bench --model llama-9", "no model named 'llama-9'");
+  expect_usage_error("bench --model llama-9", "llama-3.2-1b");
+  expect_usage_error("bench --model /nonexistent/config.json",
+                     "cannot read the config file '/nonexistent/config.json'");
+  expect_usage_error("bench --tokens 8", "--model is required");
+}
+
+TEST(Cli, MalformedOrIncompleteConfigIsRejected) {
+  const ScratchDir dir;
+  const fs::path broken = dir.path() / "broken.json", partial = dir.path() / "partial.json";
+  std::ofstream(broken) << "{\"hidden_size\": 2048,";
+  std::ofstream(partial)
+      << R"({"intermediate_size": 64, "num_attention_heads": 2, "vocab_size": 8})";
+  expect_usage_error("bench --model " + broken.string(), "not valid JSON");
+  expect_usage_error("bench --model " + partial.string(),
+                     "missing key 'hidden_size' (expected a positive integer)");
+}
+
+TEST(Cli, CudaBackendWithoutCudaIsAnErrorWithTheOpsMessage) {
+  if (meshfuse::built_with_cuda()) GTEST_SKIP() << "this build has the cuda backend";
+  expect_usage_error(std::string(kSmallSwiglu) + " --backend cuda",
+                     "swiglu: kernel backend 'cuda' (forced) has no kernel for this op in this "
+                     "build (device cpu, dtype bf16)");
+  expect_usage_error(std::string(kSmallSwiglu) + " --device cuda",
+                     "--device: device cuda:0 is not available: this build has no cuda backend "
+                     "(available: cpu)");
+  expect_usage_error(std::string(kSmallSwiglu) + " --device tpu",
+                     "device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'");
+  expect_usage_error(std::string(kSmallSwiglu) + " --backend fast",
+                     "kernel backend: expected 'reference', 'cpu' or 'cuda', got 'fast'");
+}
+
+TEST(Cli, NoSubcommandIsAUsageError) {
+  const CliResult r = run_cli("");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "subcommand")) << r.err;
+}
+
+}  // namespace
