@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs everything meshfuse needs to build and test, from Debian packages. Idempotent: runs
-# apt-get only when a package is missing. The CUDA toolkit is optional and not installed here.
+# Installs everything meshfuse needs to build and test, from Debian packages and PyPI. Idempotent: runs
+# apt-get / pip only when a package is missing. The CUDA toolkit is optional and not installed here.
 set -euo pipefail
 
 packages=(
@@ -20,4 +20,12 @@ if ((${#missing[@]})); then
   [[ $(id -u) -ne 0 ]] && sudo="sudo"
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Python: the bindings (nanobind) and their tests (pytest, numpy). PyTorch is not installed here:
+# the torch tests skip without it; bench/requirements.txt installs it for the benchmarks.
+python_packages=(nanobind pytest numpy)
+if ! python3 -c "import nanobind, pytest, numpy" 2>/dev/null; then
+  echo "setup: pip installing ${python_packages[*]}"
+  python3 -m pip install --quiet --disable-pip-version-check "${python_packages[@]}"
 fi

@@ -1,0 +1,221 @@
+// The _meshfuse extension: meshfuse's ops on any DLPack tensor (PyTorch, NumPy, CuPy, JAX).
+// Inputs and caller-allocated outputs are passed as arrays; nothing is copied. Each op releases the
+// GIL while it runs. `stream` is a cudaStream_t as an integer (0: the default stream).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+
+#include "meshfuse/meshfuse.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace meshfuse::python {
+namespace {
+
+using In = nb::ndarray<nb::ro>;
+using Out = nb::ndarray<>;
+using OptIn = std::optional<In>;
+using OptOut = std::optional<Out>;
+
+DType to_dtype(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(t.code);
+  if (t.lanes == 1) {
+    if (code == Code::Float && t.bits == 32) return DType::F32;
+    if (code == Code::Float && t.bits == 64) return DType::F64;
+    if (code == Code::Float && t.bits == 16) return DType::F16;
+    if (code == Code::Bfloat && t.bits == 16) return DType::BF16;
+    if (code == Code::Int && t.bits == 32) return DType::I32;
+    if (code == Code::Int && t.bits == 64) return DType::I64;
+    if (code == Code::UInt && t.bits == 8) return DType::U8;
+    if (code == Code::Bool) return DType::Bool;
+  }
+  throw Error(ErrorCode::DTypeMismatch,
+              "meshfuse: unsupported array dtype (DLPack code " + std::to_string(t.code) +
+                  ", " + std::to_string(t.bits) + " bits, " + std::to_string(t.lanes) +
+                  " lanes)");
+}
+
+Device to_device(int type, int id) {
+  if (type == nb::device::cpu::value) return {DeviceType::CPU, 0};
+  if (type == nb::device::cuda::value) return {DeviceType::CUDA, id};
+  throw Error(ErrorCode::Unsupported,
+              "meshfuse: arrays on DLPack device type " + std::to_string(type) +
+                  " are not supported (cpu and cuda are)");
+}
+
+template <typename... Ts>
+TensorView view(const nb::ndarray<Ts...>& a) {
+  Shape shape(a.ndim()), strides(a.ndim());
+  for (std::size_t d = 0; d < a.ndim(); ++d) {
+    shape[d] = static_cast<std::int64_t>(a.shape(d));
+    strides[d] = a.stride(d);
+  }
+  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype()),
+          std::move(shape), std::move(strides), to_device(a.device_type(), a.device_id())};
+}
+
+template <typename A>
+TensorView view(const std::optional<A>& a) {
+  return a ? view(*a) : TensorView{};
+}
+
+Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
+
+SwigluLayout parse_layout(const std::string& name) {
+  if (name == "halves") return SwigluLayout::Halves;
+  if (name == "interleaved") return SwigluLayout::Interleaved;
+  throw Error(ErrorCode::InvalidArgument,
+              "swiglu_packed: layout must be 'halves' or 'interleaved', got '" + name + "'");
+}
+
+CrossEntropyOptions ce_options(std::int64_t ignore_index, const std::string& reduction,
+                               double label_smoothing, double logits_multiplier,
+                               double z_loss_scale) {
+  const std::optional<Reduction> r = parse_reduction(reduction);
+  if (!r)
+    throw Error(ErrorCode::InvalidArgument,
+                "cross_entropy: reduction must be 'none', 'mean' or 'sum', got '" + reduction +
+                    "'");
+  return {ignore_index, *r, label_smoothing, logits_multiplier, z_loss_scale};
+}
+
+// Holds a ForceKernelBackend between __enter__ and __exit__ (same thread, as `with` guarantees).
+class ForceKernelBackendScope {
+ public:
+  explicit ForceKernelBackendScope(const std::string& backend)
+      : backend_(parse_kernel_backend(backend)) {}
+  ForceKernelBackendScope(const ForceKernelBackendScope&) = delete;
+  ForceKernelBackendScope& operator=(const ForceKernelBackendScope&) = delete;
+  void enter() { guards_.emplace_back(std::make_unique<ForceKernelBackend>(backend_)); }
+  void exit() { guards_.pop_back(); }
+
+ private:
+  KernelBackend backend_;
+  std::vector<std::unique_ptr<ForceKernelBackend>> guards_;
+};
+
+void bind_core(nb::module_& m) {
+  nb::exception<Error>(m, "Error", PyExc_RuntimeError);
+  m.def("version", &version);
+  m.def("cuda_device_count", &cuda_device_count);
+  nb::class_<ForceKernelBackendScope>(m, "force_kernel_backend",
+                                      "Context manager: forces a kernel backend ('reference', "
+                                      "'cpu', 'cuda') on this thread while active; nests.")
+      .def(nb::init<const std::string&>(), "backend"_a)
+      .def("__enter__", [](ForceKernelBackendScope& s) { s.enter(); return &s; },
+           nb::rv_policy::reference)
+      .def("__exit__", [](ForceKernelBackendScope& s, nb::args) { s.exit(); });
+  m.def("forced_kernel_backend", []() -> std::optional<std::string> {
+    const auto b = forced_kernel_backend();
+    return b ? std::optional<std::string>(std::string(to_string(*b))) : std::nullopt;
+  });
+  m.def("registered_kernels", [] {
+    std::vector<std::tuple<std::string, std::string, std::vector<std::string>,
+                           std::vector<std::string>>>
+        out;
+    for (const KernelInfo& k : registered_kernels()) {
+      std::vector<std::string> devices, dtypes;
+      for (DeviceType d : k.devices) devices.emplace_back(to_string(d));
+      for (DType d : k.dtypes) dtypes.emplace_back(to_string(d));
+      out.emplace_back(k.op, std::string(to_string(k.backend)), devices, dtypes);
+    }
+    return out;
+  }, "Every kernel as (op, backend, devices, dtypes).");
+}
+
+void bind_ops(nb::module_& m) {
+  const auto release = nb::call_guard<nb::gil_scoped_release>();
+  m.def("swiglu", [](In gate, In up, Out out, std::uintptr_t stream) {
+    swiglu(view(gate), view(up), view(out), stream_of(stream));
+  }, "gate"_a, "up"_a, "out"_a, "stream"_a = 0, release);
+  m.def("swiglu_backward", [](In grad_out, In gate, In up, Out grad_gate, Out grad_up,
+                              std::uintptr_t stream) {
+    swiglu_backward(view(grad_out), view(gate), view(up), view(grad_gate), view(grad_up),
+                    stream_of(stream));
+  }, "grad_out"_a, "gate"_a, "up"_a, "grad_gate"_a, "grad_up"_a, "stream"_a = 0, release);
+  m.def("swiglu_packed", [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
+    swiglu_packed(view(x), parse_layout(layout), view(out), stream_of(stream));
+  }, "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release);
+  m.def("swiglu_packed_backward", [](In grad_out, In x, const std::string& layout, Out grad_x,
+                                     std::uintptr_t stream) {
+    swiglu_packed_backward(view(grad_out), view(x), parse_layout(layout), view(grad_x),
+                           stream_of(stream));
+  }, "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release);
+
+  m.def("rmsnorm", [](In x, OptIn weight, Out y, OptOut rstd, double eps,
+                      std::uintptr_t stream) {
+    rmsnorm(view(x), view(weight), view(y), view(rstd), eps, stream_of(stream));
+  }, "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release);
+  m.def("rmsnorm_backward", [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight,
+                               std::uintptr_t stream) {
+    rmsnorm_backward(view(grad_y), view(x), view(weight), view(rstd), view(dx), view(dweight),
+                     stream_of(stream));
+  }, "grad_y"_a, "x"_a, "weight"_a.none(), "rstd"_a, "dx"_a, "dweight"_a.none(), "stream"_a = 0,
+     release);
+  m.def("fused_residual_add_rmsnorm", [](In x, OptIn residual, OptIn weight, Out y, OptOut r,
+                                         OptOut rstd, double eps, double multiplier,
+                                         std::uintptr_t stream) {
+    fused_residual_add_rmsnorm(view(x), view(residual), view(weight), view(y), view(r),
+                               view(rstd), eps, multiplier, stream_of(stream));
+  }, "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(),
+     "eps"_a, "multiplier"_a = 1.0, "stream"_a = 0, release);
+  m.def("fused_residual_add_rmsnorm_backward",
+        [](In grad_y, OptIn grad_r, In r, OptIn weight, In rstd, Out dx, OptOut dresidual,
+           OptOut dweight, double multiplier, std::uintptr_t stream) {
+          fused_residual_add_rmsnorm_backward(view(grad_y), view(grad_r), view(r), view(weight),
+                                              view(rstd), view(dx), view(dresidual),
+                                              view(dweight), multiplier, stream_of(stream));
+        },
+        "grad_y"_a, "grad_r"_a.none(), "r"_a, "weight"_a.none(), "rstd"_a, "dx"_a,
+        "dresidual"_a.none(), "dweight"_a.none(), "multiplier"_a = 1.0, "stream"_a = 0, release);
+
+  m.def("softmax", [](In x, Out y, double logits_multiplier, std::uintptr_t stream) {
+    softmax(view(x), view(y), logits_multiplier, stream_of(stream));
+  }, "x"_a, "y"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release);
+  m.def("softmax_backward", [](In grad_y, In y, Out grad_x, double logits_multiplier,
+                               std::uintptr_t stream) {
+    softmax_backward(view(grad_y), view(y), view(grad_x), logits_multiplier, stream_of(stream));
+  }, "grad_y"_a, "y"_a, "grad_x"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release);
+
+  m.def("cross_entropy", [](In logits, In labels, Out loss, Out lse, std::int64_t ignore_index,
+                            const std::string& reduction, double label_smoothing,
+                            double logits_multiplier, double z_loss_scale,
+                            std::uintptr_t stream) {
+    cross_entropy(view(logits), view(labels), view(loss), view(lse),
+                  ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
+                             z_loss_scale),
+                  stream_of(stream));
+  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
+     "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
+     "stream"_a = 0, release);
+  m.def("cross_entropy_backward", [](In grad_loss, In logits, In labels, In lse, Out grad_logits,
+                                     std::int64_t ignore_index, const std::string& reduction,
+                                     double label_smoothing, double logits_multiplier,
+                                     double z_loss_scale, std::uintptr_t stream) {
+    cross_entropy_backward(view(grad_loss), view(logits), view(labels), view(lse),
+                           view(grad_logits),
+                           ce_options(ignore_index, reduction, label_smoothing,
+                                      logits_multiplier, z_loss_scale),
+                           stream_of(stream));
+  }, "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
+     "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+     "z_loss_scale"_a = 0.0, "stream"_a = 0, release);
+}
+
+}  // namespace
+}  // namespace meshfuse::python
+
+NB_MODULE(_meshfuse, m) {
+  m.doc() = "meshfuse kernels on DLPack arrays (see the meshfuse package for the PyTorch API)";
+  meshfuse::python::bind_core(m);
+  meshfuse::python::bind_ops(m);
+}

@@ -1,0 +1,80 @@
+"""The Python bindings on NumPy arrays: values against NumPy formulas, errors, backend forcing."""
+
+import numpy as np
+import pytest
+
+import meshfuse
+
+
+def randn(*shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def test_swiglu_matches_numpy_and_accepts_a_transposed_input():
+    gate, up = randn(6, 40, seed=1), randn(6, 40, seed=2)
+    out = np.empty_like(gate)
+    meshfuse.swiglu(gate, up, out)
+    np.testing.assert_allclose(out, up * gate / (1 + np.exp(-gate)), rtol=1e-5, atol=1e-6)
+    out_t = np.empty((40, 6), np.float32)
+    meshfuse.swiglu(gate.T, up.T, out_t)
+    np.testing.assert_array_equal(out_t, out.T)
+
+
+def test_rmsnorm_matches_numpy_and_returns_rstd():
+    x, w = randn(5, 33, dtype=np.float64, seed=3), randn(33, dtype=np.float64, seed=4)
+    y, rstd = np.empty_like(x), np.empty(5, np.float32)
+    meshfuse.rmsnorm(x, w, y, rstd, 1e-5)
+    expected_rstd = 1 / np.sqrt((x * x).mean(-1) + 1e-5)
+    np.testing.assert_allclose(y, x * expected_rstd[:, None] * w, rtol=1e-12)
+    np.testing.assert_allclose(rstd, expected_rstd, rtol=1e-6)
+
+
+def test_softmax_rows_sum_to_one_and_all_minus_inf_rows_give_nan():
+    x = randn(3, 1000, seed=5)
+    x[2] = -np.inf
+    y = np.empty_like(x)
+    meshfuse.softmax(x, y)
+    np.testing.assert_allclose(y[:2].sum(-1), 1.0, rtol=1e-5)
+    assert np.isnan(y[2]).all()
+
+
+def test_cross_entropy_mean_skips_ignored_rows():
+    logits = randn(4, 11, dtype=np.float64, seed=6)
+    labels = np.array([3, -100, 10, 0], dtype=np.int64)
+    loss, lse = np.empty((), np.float64), np.empty(4, np.float64)
+    meshfuse.cross_entropy(logits, labels, loss, lse)
+    ref_lse = np.log(np.exp(logits).sum(-1))
+    kept = [0, 2, 3]
+    expected = np.mean([ref_lse[i] - logits[i, labels[i]] for i in kept])
+    np.testing.assert_allclose(loss, expected, rtol=1e-12)
+
+
+def test_bad_input_raises_meshfuse_error_naming_op_and_argument():
+    gate, up = randn(2, 8), randn(2, 9)
+    with pytest.raises(meshfuse.Error, match=r"swiglu.*'up'.*\[2, 8\].*\[2, 9\]"):
+        meshfuse.swiglu(gate, up, np.empty_like(gate))
+    labels = np.array([0, 11], dtype=np.int64)
+    with pytest.raises(meshfuse.Error, match=r"cross_entropy.*labels\[1\] = 11.*\[0, 11\)"):
+        meshfuse.cross_entropy(randn(2, 11), labels, np.empty((), np.float32),
+                               np.empty(2, np.float32))
+
+
+def test_forced_backend_nests_restores_and_rejects_unknown_names():
+    assert meshfuse.forced_kernel_backend() is None
+    with meshfuse.force_kernel_backend("reference"):
+        assert meshfuse.forced_kernel_backend() == "reference"
+        with meshfuse.force_kernel_backend("cpu"):
+            assert meshfuse.forced_kernel_backend() == "cpu"
+        assert meshfuse.forced_kernel_backend() == "reference"
+        gate = randn(3, 8)
+        out = np.empty_like(gate)
+        meshfuse.swiglu(gate, gate, out)
+    assert meshfuse.forced_kernel_backend() is None
+    with pytest.raises(meshfuse.Error, match="kernel backend.*'tpu'"):
+        meshfuse.force_kernel_backend("tpu")
+
+
+def test_registered_kernels_list_every_op_on_reference_and_cpu():
+    kernels = {(op, backend) for op, backend, _, _ in meshfuse.registered_kernels()}
+    for op in ["swiglu", "rmsnorm", "softmax", "cross_entropy"]:
+        assert (op, "reference") in kernels and (op, "cpu") in kernels
