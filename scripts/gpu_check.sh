@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# For a machine with an NVIDIA GPU: builds with the cuda backend, then runs the steps named as
+# arguments (default: all of them), writing logs and JSON to $OUT (or ./gpu-results):
+#   test      the whole test suite (CUDA tests included) through CTest
+#   sanitize  the CUDA tests under compute-sanitizer memcheck and racecheck
+#   bench     `meshfuse bench --device cuda` at llama-3.1-8b, 16384 tokens, bf16
+#   compare   bench/torch_compare.py: meshfuse vs PyTorch eager and torch.compile (needs torch)
+# Installs nothing (GPU machines are often offline): it needs what scripts/setup.sh installs,
+# plus nvcc; run scripts/setup.sh first where the package registries are reachable.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$root/gpu-results}
+build=${MESHFUSE_GPU_BUILD:-$root/build-gpu}
+mkdir -p "$out"
+steps=("$@")
+((${#steps[@]})) || steps=(test sanitize bench compare)
+
+"$root/scripts/build.sh" "$build" -DMESHFUSE_CUDA=ON -DMESHFUSE_BUILD_BENCH=OFF
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+  | tee "$out/gpu.txt"
+
+status=0
+for step in "${steps[@]}"; do
+  echo "== $step =="
+  case $step in
+    test)
+      ctest --test-dir "$build" --output-on-failure -j 8 2>&1 | tee "$out/ctest.log" || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 1 "$build/tests/meshfuse_tests" \
+          --gtest_filter='*Cuda*' --gtest_brief=1 2>&1 | tail -n 25 | tee "$out/sanitize-$tool.log" \
+          || status=1
+      done ;;
+    bench)
+      "$build/apps/meshfuse/meshfuse" bench --device cuda --model llama-3.1-8b --tokens 16384 \
+        --dtype bf16 | tee "$out/bench.txt" || status=1
+      "$build/apps/meshfuse/meshfuse" bench --device cuda --model llama-3.1-8b --tokens 16384 \
+        --dtype bf16 --format json > "$out/bench.json" || status=1 ;;
+    compare)
+      PYTHONPATH="$build/python" python3 "$root/bench/torch_compare.py" --device cuda \
+        --tokens 16384 --compile --json "$out/torch_compare.json" 2>&1 \
+        | tee "$out/torch_compare.txt" || status=1 ;;
+    *) echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare)" >&2; exit 2 ;;
+  esac
+done
+exit $status
