@@ -3,9 +3,11 @@
 # apt-get / pip only when a package is missing. The CUDA toolkit is optional and not installed here.
 set -euo pipefail
 
+# libdnnl-dev: oneDNN, the CPU GEMM; its CMake config also wants OpenCL (ocl-icd-opencl-dev), as
+# Debian builds it with the OpenCL GPU runtime.
 packages=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-dev libfmt-dev libcli11-dev nlohmann-json3-dev
+  libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 
