@@ -91,7 +91,7 @@ std::vector<CrossEntropyOptions> option_sets(Reduction r) {
 class CrossEntropyTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(CrossEntropyTest, CpuMatchesReferenceForEveryReductionOptionAndLabelDType) {
-  for (std::int64_t vocab : {1, 7, 33, 2500}) {
+  for (std::int64_t vocab : {1, 7, 33, 1100}) {
     const Tensor logits = randn({10, vocab}, GetParam(), 1, 2.0);
     for (DType label_dtype : {DType::I32, DType::I64}) {
       const Tensor labels = make_labels(10, vocab, label_dtype, 2);
@@ -175,7 +175,7 @@ TEST_P(CrossEntropyTest, NonContiguousLogitsAndLabelsGiveTheContiguousResult) {
 }
 
 TEST_P(CrossEntropyTest, NonFiniteLogitsBehaveLikeTorch) {
-  // Rows (V = 3000, so special values fall in different blocks of the cpu kernel):
+  // Rows (V = 3000, special values at both ends and in the middle of a row):
   //   0: -inf away from the label: finite loss and gradient;  1: -inf at the label: loss +inf;
   //   2: entirely -inf: NaN;  3: a NaN: NaN;  4: a +inf: NaN;  5: finite.
   const std::int64_t v = 3000;

@@ -1,6 +1,6 @@
 // CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
-// forward reads a row once from memory (online log-sum-exp, see cpu_logsumexp.h), the backward
-// reads it and writes the gradient in one pass.
+// forward reads each row twice (max, then exp-sum: see cpu_logsumexp.h), the backward reads it
+// and writes the gradient in one pass.
 #include <vector>
 
 #include "ops/common.h"
@@ -28,8 +28,8 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, a
       continue;
     }
     const T* x = logits + row_offset(i, b.vocab);
-    const RowStats<A> st = row_stats(x, b.vocab, m);
-    const A l = st.max + std::log(st.sum);
+    const RowLse<A> st = row_logsumexp(x, b.vocab, m);
+    const A l = st.lse;
     const double nll = double(l) - double(A(to_float(x[y])) * m);
     double loss = (1 - eps) * nll;
     if (eps != 0) loss += eps * (double(l) - double(st.sum_v) / double(b.vocab));

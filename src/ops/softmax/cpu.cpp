@@ -1,5 +1,9 @@
 // CPU softmax: rows split over OpenMP threads, each row vectorised by the compiler. The forward
-// reads a row twice (statistics, then the output), the backward twice (dot, then the output).
+// makes three passes over a row (max; exp and sum; scale), one exp per element, the backward two
+// (dot, then the output); a row stays in L2 between passes.
+#include <type_traits>
+#include <vector>
+
 #include "ops/common.h"
 #include "ops/cpu_math.h"
 #include "ops/softmax/cpu_logsumexp.h"
@@ -13,15 +17,28 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-#pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < s.rows; ++r) {
-      const T* xr = static_cast<const T*>(x) + row_offset(r, s.cols);
-      T* yr = static_cast<T*>(y) + row_offset(r, s.cols);
-      const RowStats<A> st = row_stats(xr, s.cols, m);
-      const A inv = A(1) / st.sum;
+#pragma omp parallel
+    {
+      // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; f32 and f64
+      // rows hold them in y itself.
+      std::vector<A> scratch(std::is_same_v<T, A> ? 0 : static_cast<std::size_t>(s.cols));
+#pragma omp for schedule(static)
+      for (std::int64_t r = 0; r < s.rows; ++r) {
+        const T* xr = static_cast<const T*>(x) + row_offset(r, s.cols);
+        T* yr = static_cast<T*>(y) + row_offset(r, s.cols);
+        A* e = std::is_same_v<T, A> ? reinterpret_cast<A*>(yr) : scratch.data();
+        const A shift = exp_shift(row_max(xr, s.cols, m).max);
+        A sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (std::int64_t c = 0; c < s.cols; ++c) {
+          e[c] = vexp(A(to_float(xr[c])) * m - shift);
+          sum += e[c];
+        }
+        // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
+        const A inv = A(1) / sum;
 #pragma omp simd
-      for (std::int64_t c = 0; c < s.cols; ++c)
-        yr[c] = store_as<T>(vexp(A(to_float(xr[c])) * m - st.max) * inv);
+        for (std::int64_t c = 0; c < s.cols; ++c) yr[c] = store_as<T>(e[c] * inv);
+      }
     }
   });
 }

@@ -1,7 +1,11 @@
 // The cpu backend's row log-sum-exp, shared by softmax and cross_entropy (internal).
+//
+// Two passes over the row (max, then the exp-sum) rather than one online pass that rescales the
+// running sum (Milakov & Gimelshein 2018): rows up to ~500k f32 fit in L2, so the second pass
+// does not reach memory, the kernel is bound by exp, and two passes measured 3-8% faster
+// (V = 128256, one thread, f32 and bf16).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -10,52 +14,56 @@
 
 namespace meshfuse::detail::cpu {
 
-// Statistics of one row v_j = m * x_j (in A = acc_t<T>):
-//   max = max_j v_j, sum = sum_j exp(v_j - max), so logsumexp = max + log(sum);
-//   sum_v = sum_j v_j (for label smoothing).
-// A row entirely -inf gives max = -inf, sum = 0; a NaN gives sum = NaN, and so does +inf
-// (exp(inf - inf)), which makes every result derived from the row NaN, as in PyTorch.
+// Of one row v_j = m * x_j (in A = acc_t<T>): max = max_j v_j and sum_v = sum_j v_j.
 template <typename A>
-struct RowStats {
+struct RowMax {
   A max;
-  A sum;
   A sum_v;
 };
 
-// One pass over memory: the row is read in L1-sized blocks; each block is read twice (its max,
-// then its exp-sum against the running max), and the running sum is rescaled when the max grows
-// ("online softmax", Milakov & Gimelshein 2018, at block rather than element granularity so that
-// there is one exp per element).
 template <typename T>
-RowStats<acc_t<T>> row_stats(const T* x, std::int64_t n, acc_t<T> m) {
+RowMax<acc_t<T>> row_max(const T* x, std::int64_t n, acc_t<T> m) {
   using A = acc_t<T>;
-  constexpr std::int64_t kBlock = 1024;
-  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
-  RowStats<A> st{kNegInf, A(0), A(0)};
-  for (std::int64_t b = 0; b < n; b += kBlock) {
-    const T* xb = x + b;
-    const std::int64_t len = std::min(kBlock, n - b);
-    A bmax = kNegInf, bsum_v = 0;
-#pragma omp simd reduction(max : bmax) reduction(+ : bsum_v)
-    for (std::int64_t i = 0; i < len; ++i) {
-      const A v = A(to_float(xb[i])) * m;
-      bmax = v > bmax ? v : bmax;
-      bsum_v += v;
-    }
-    st.sum_v += bsum_v;
-    if (bmax > st.max) {
-      st.sum *= vexp(st.max - bmax);
-      st.max = bmax;
-    }
-    // While the max is -inf every v seen is -inf or NaN: shifting by 0 keeps exp(v) = 0 and NaN
-    // instead of exp(-inf - -inf) = NaN for all.
-    const A shift = st.max == kNegInf ? A(0) : st.max;
-    A bsum = 0;
-#pragma omp simd reduction(+ : bsum)
-    for (std::int64_t i = 0; i < len; ++i) bsum += vexp(A(to_float(xb[i])) * m - shift);
-    st.sum += bsum;
+  A max = -std::numeric_limits<A>::infinity(), sum_v = 0;
+#pragma omp simd reduction(max : max) reduction(+ : sum_v)
+  for (std::int64_t j = 0; j < n; ++j) {
+    const A v = A(to_float(x[j])) * m;
+    max = v > max ? v : max;
+    sum_v += v;
   }
-  return st;
+  return {max, sum_v};
+}
+
+// The shift that keeps exp(v - shift) <= 1. A row entirely -inf is shifted by 0, so its exps
+// are 0 (not exp(-inf - -inf) = NaN) and its sum 0: log(0) = -inf, as torch.logsumexp.
+template <typename A>
+A exp_shift(A max) {
+  return max == -std::numeric_limits<A>::infinity() ? A(0) : max;
+}
+
+// sum_j exp(m * x_j - shift). A NaN in the row makes it NaN, and so does +inf (shift = inf,
+// exp(inf - inf)): every result derived from the row is then NaN, as in PyTorch.
+template <typename T>
+acc_t<T> row_sum_exp(const T* x, std::int64_t n, acc_t<T> m, acc_t<T> shift) {
+  using A = acc_t<T>;
+  A sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t j = 0; j < n; ++j) sum += vexp(A(to_float(x[j])) * m - shift);
+  return sum;
+}
+
+// log sum_j exp(m * x_j), and sum_j m * x_j for label smoothing.
+template <typename A>
+struct RowLse {
+  A lse;
+  A sum_v;
+};
+
+template <typename T>
+RowLse<acc_t<T>> row_logsumexp(const T* x, std::int64_t n, acc_t<T> m) {
+  const RowMax<acc_t<T>> r = row_max(x, n, m);
+  const acc_t<T> shift = exp_shift(r.max);
+  return {shift + std::log(row_sum_exp(x, n, m, shift)), r.sum_v};
 }
 
 }  // namespace meshfuse::detail::cpu
