@@ -13,6 +13,7 @@
 #include <omp.h>
 #endif
 
+#include "bench_cases/blas.h"
 #include "bench_cases/case.h"
 #include "measure.h"
 #include "meshfuse/core/error.h"
@@ -150,22 +151,20 @@ Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, cons
   if (d.bytes > 0) {
     r.gbps = d.bytes / seconds / 1e9;
     r.fraction_of_peak = *r.gbps / peaks.copy.gbps;
-    r.notes.push_back(
-        fmt::format("{} {}: bytes = {} (BENCHMARKING.md); of peak = GB/s / copy "
-                    "bandwidth",
-                    op, d.direction, d.bytes_formula));
+    r.notes.push_back(fmt::format("bytes = {}", d.formula));
   }
   if (d.flops > 0) {
     r.tflops = d.flops / seconds / 1e12;
-    r.fraction_of_peak = t[1].median_ms / t[0].median_ms;
-    r.notes.push_back(
-        fmt::format("{} {}: flops = 2·M·N·K; of peak = ours / OpenBLAS sgemm (f32) "
-                    "at the same shape, {:.3f} TFLOP/s, timed interleaved",
-                    op, d.direction, d.flops / (t[1].median_ms * 1e-3) / 1e12));
+    r.notes.push_back(fmt::format("flops = {}", d.formula));
+    if (d.blas) {
+      r.fraction_of_peak = t[1].median_ms / t[0].median_ms;
+      r.notes.push_back(fmt::format("{} at the same shape: {:.3f} TFLOP/s", kVendorGemm,
+                                    d.flops / (t[1].median_ms * 1e-3) / 1e12));
+    }
   }
   const double working_set = d.working_set > 0 ? d.working_set : d.bytes;
   if (working_set < static_cast<double>(peaks.cache_bytes))
-    r.notes.push_back(fmt::format("working set {} fits in the {} last-level cache: a cache figure",
+    r.notes.push_back(fmt::format("working set {} < the {} last-level cache: a cache figure",
                                   bytes_text(working_set),
                                   bytes_text(static_cast<double>(peaks.cache_bytes))));
   r.notes.insert(r.notes.end(), d.notes.begin(), d.notes.end());
@@ -179,9 +178,9 @@ Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, cons
     if (c.diff.violations == 0) continue;
     r.pass = false;
     r.notes.push_back(fmt::format(
-        "{} {} {}: {} elements outside |ours - reference| <= {:.1e} + {:.1e}·|reference| ({} "
+        "FAILED {}: {} elements outside |ours - reference| <= {:.1e} + {:.1e}·|reference| ({} "
         "NaN/inf mismatches)",
-        op, d.direction, c.name, c.diff.violations, c.tolerance.atol, c.tolerance.rtol,
+        c.name, c.diff.violations, c.tolerance.atol, c.tolerance.rtol,
         c.diff.mismatched_nonfinite));
   }
   return r;
@@ -206,10 +205,13 @@ std::vector<std::string> header_lines(const Plan& plan, const BenchOptions& o, c
       fmt::format("timing: median (p20-p80) of up to {} calls after up to {} warm-up calls, "
                   "fewer for calls over {:.0f} ms (column 'calls' in csv/json)",
                   policy.repeats, policy.warmup, 1e3 * policy.budget_s / policy.repeats),
+      fmt::format("of peak: memory-bound ops GB/s / copy bandwidth; GEMMs ours / {} at the same "
+                  "shape, timed interleaved (16-bit GEMMs of the cpu backend widen to it)",
+                  kVendorGemm),
       fmt::format("check: against the reference backend on the same inputs; pass when every "
-                  "|ours - reference| <= atol + rtol·|reference|, atol = rtol = {:g} for {}, "
-                  "atol = {:g}·√k for sums over k terms",
-                  tol, to_string(plan.setup.dtype), tol)};
+                  "|ours - reference| <= {:g}·m + {:g}·|reference| ({}), m the outputs' typical "
+                  "size: 1, √k for sums of k products, 1/V for probabilities",
+                  tol, tol, to_string(plan.setup.dtype))};
 }
 
 }  // namespace

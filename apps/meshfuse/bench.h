@@ -9,7 +9,7 @@
 namespace meshfuse::cli {
 
 // Tokens (rows) per call when --tokens is not given; see README "The CLI" for why.
-inline constexpr std::int64_t kDefaultTokens = 1024;
+inline constexpr std::int64_t kDefaultTokens = 512;
 
 struct BenchOptions {
   std::string model;  // a shipped model name or the path of a config.json

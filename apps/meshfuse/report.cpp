@@ -4,7 +4,6 @@
 #include <fmt/ostream.h>
 
 #include <algorithm>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -101,25 +100,23 @@ void print_table(std::ostream& out, const std::vector<std::string>& header,
                  const std::vector<Record>& records) {
   for (const std::string& line : header) out << line << '\n';
   out << '\n';
-  // Distinct notes become numbered footnotes, in order of first appearance.
+  // Each record's notes become one numbered footnote.
   std::vector<std::string> footnotes;
-  std::map<std::string, std::size_t> footnote_index;
   std::vector<std::vector<std::string>> rows = {{"op", "direction", "shape", "backend", "median ms",
                                                  "p20-p80 ms", "GB/s", "TFLOP/s", "of peak",
                                                  "max abs err", "max rel err", "check", "notes"}};
   for (const Record& r : records) {
-    std::string marks;
-    for (const std::string& note : r.notes) {
-      auto [it, added] = footnote_index.emplace(note, footnotes.size() + 1);
-      if (added) footnotes.push_back(note);
-      marks += fmt::format("[{}]", it->second);
+    std::string mark;
+    if (!r.notes.empty()) {
+      footnotes.push_back(fmt::format("{} {}: {}", r.op, r.direction, fmt::join(r.notes, "; ")));
+      mark = fmt::format("[{}]", footnotes.size());
     }
     rows.push_back({r.op, r.direction, r.shape, r.backend, number(r.median_ms, "{:.3f}"),
                     r.p20_ms ? fmt::format("{:.3f}-{:.3f}", *r.p20_ms, *r.p80_ms) : "-",
                     number(r.gbps, "{:.1f}"), number(r.tflops, "{:.3f}"),
                     r.fraction_of_peak ? fmt::format("{:.0f}%", *r.fraction_of_peak * 100) : "-",
                     number(r.max_abs_err, "{:.2e}"), number(r.max_rel_err, "{:.2e}"),
-                    r.pass ? "pass" : "FAIL", marks});
+                    r.pass ? "pass" : "FAIL", mark});
   }
   std::vector<std::size_t> widths(rows[0].size(), 0);
   for (const auto& row : rows)

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -34,20 +35,29 @@ void fill_normal_parallel(T* p, std::int64_t n, std::uint64_t seed) {
 
 }  // namespace
 
-Tolerance elementwise_tolerance(DType dtype) {
-  const double tol = testing::default_tolerance(dtype);
-  return {tol, tol};
+// The spacing of the dtype's subnormals: below the normal range a value keeps only this absolute
+// precision (f16 probabilities of a 128k vocabulary are subnormal).
+double subnormal_step(DType dtype) {
+  switch (dtype) {
+    case DType::F16:
+      return 0x1p-24;
+    case DType::BF16:
+      return 0x1p-133;
+    case DType::F32:
+      return 0x1p-149;
+    default:
+      return 0.0;
+  }
 }
 
-Tolerance reduction_tolerance(DType dtype, std::int64_t k) {
+Tolerance tolerance(DType dtype, double magnitude) {
   const double tol = testing::default_tolerance(dtype);
-  return {tol * std::sqrt(static_cast<double>(std::max<std::int64_t>(k, 1))), tol};
+  return {std::max(tol * magnitude, 4 * subnormal_step(dtype)), tol};
 }
 
 Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
-                          Tolerance tolerance) {
-  return {std::move(name), testing::compare(actual, expected, tolerance.atol, tolerance.rtol),
-          tolerance};
+                          Tolerance tol) {
+  return {std::move(name), testing::compare(actual, expected, tol.atol, tol.rtol), tol};
 }
 
 Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
@@ -93,9 +103,18 @@ std::string shape_text(const std::vector<std::pair<std::string, Shape>>& parts) 
   return out;
 }
 
-std::vector<std::string> rows_note(std::int64_t checked, std::int64_t rows, std::string_view why) {
-  if (checked >= rows) return {};
-  return {fmt::format("reference checked on the first {} of {} rows ({})", checked, rows, why)};
+void note_rows_checked(std::vector<std::string>& notes, std::int64_t checked, std::int64_t rows,
+                       std::string_view why) {
+  if (checked < rows)
+    notes.push_back(
+        fmt::format("reference checked on the first {} of {} rows ({})", checked, rows, why));
+}
+
+std::int64_t vocab_rows(const BenchSetup& setup, std::vector<std::string>& notes) {
+  if (setup.tokens <= kMaxVocabRows) return setup.tokens;
+  notes.push_back(fmt::format("vocabulary ops run on {} of the {} tokens (memory and time)",
+                              kMaxVocabRows, setup.tokens));
+  return kMaxVocabRows;
 }
 
 }  // namespace meshfuse::cli

@@ -34,12 +34,13 @@ struct Tolerance {
   double rtol = 0;
 };
 
-// Elementwise and row-wise ops: testing::default_tolerance(dtype) (about 4 ulps of the dtype) as
-// both atol and rtol.
-Tolerance elementwise_tolerance(DType dtype);
-// A product reduced over k terms of std-normal inputs has magnitude ~sqrt(k) and fp32 accumulation
-// error growing with it: atol = tol(dtype) * sqrt(k), rtol = tol(dtype).
-Tolerance reduction_tolerance(DType dtype, std::int64_t k);
+// The check of an output whose values have typical size `magnitude` (inputs are std-normal):
+// |ours - reference| <= tol(dtype) * magnitude + tol(dtype) * |reference|, with tol =
+// testing::default_tolerance (about 4 ulps of the dtype: 1e-5 f32, 2e-3 f16, 2e-2 bf16).
+// Magnitudes: 1 for elementwise and normalised outputs; sqrt(k) for sums of k products (GEMMs over
+// K, weight gradients over the rows), whose fp32 accumulation error grows alike; 1/V for
+// probabilities over a vocabulary of V. atol is at least 4 steps of the dtype's subnormals.
+Tolerance tolerance(DType dtype, double magnitude = 1.0);
 
 // One output of a direction compared with the reference.
 struct Comparison {
@@ -48,20 +49,20 @@ struct Comparison {
   Tolerance tolerance;
 };
 
-// compare() of `actual` against `expected` with `tolerance`.
+// testing::compare() of `actual` against `expected` with `tol`.
 Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
-                          Tolerance tolerance);
+                          Tolerance tol);
 
 // One direction of one op, ready to run on the backend being measured.
 struct Direction {
-  std::string kernel;     // the registered kernel, e.g. "swiglu_backward"
-  std::string direction;  // "forward" or "backward"
-  std::string shape;      // e.g. "gate, up: [512, 8192]"
-  // Memory-bound ops: bytes moved per call, and the formula (BENCHMARKING.md) that gave them.
+  std::string kernel{};     // the registered kernel, e.g. "swiglu_backward"
+  std::string direction{};  // "forward" or "backward"
+  std::string shape{};      // e.g. "gate, up: [512, 8192]"
+  // Memory-bound ops: bytes moved per call. GEMMs: flops per call (2·M·N·K each), and the same
+  // products through the vendor GEMM (blas.h) to rate them against.
   double bytes = 0;
-  std::string bytes_formula;
-  // GEMMs: 2*M*N*K per call, and the same product through plain BLAS (OpenBLAS sgemm) to rate it.
   double flops = 0;
+  std::string formula{};  // what gave bytes or flops (BENCHMARKING.md), e.g. "3·N·I·e (...)"
   std::function<void()> blas{};
   // Bytes of all tensors one call touches (for "fits in the cache" notes); 0: use `bytes`.
   double working_set = 0;
@@ -84,7 +85,11 @@ struct BenchCase {
 std::vector<BenchCase> all_cases();
 
 // The op families, one file each.
+std::vector<BenchCase> rmsnorm_cases();
+std::vector<BenchCase> linear_cases();
 std::vector<BenchCase> swiglu_cases();
+std::vector<BenchCase> softmax_cases();
+std::vector<BenchCase> cross_entropy_cases();
 
 // --- helpers for the cases ------------------------------------------------------------------
 
@@ -100,7 +105,16 @@ TensorView first_rows(const TensorView& t, std::int64_t rows);
 void on_reference(const std::function<void()>& f);
 // "[a, b]" joined as "name: [a, b]" pairs: shape_text({{"x", x}, {"w", w}}).
 std::string shape_text(const std::vector<std::pair<std::string, Shape>>& parts);
-// "reference checked on the first R of N rows (...)" when R < N, else nothing.
-std::vector<std::string> rows_note(std::int64_t checked, std::int64_t rows, std::string_view why);
+// The ops over the whole vocabulary (softmax, cross-entropy) hold tokens x V values per tensor,
+// 263 MB per bf16 tensor for 1024 tokens of a 128k vocabulary: they run on at most this many rows,
+// and the reference (one double exp per value) checks the first kVocabCheckRows of them.
+inline constexpr std::int64_t kMaxVocabRows = 1024;
+inline constexpr std::int64_t kVocabCheckRows = 32;
+// min(tokens, kMaxVocabRows), adding a note to `notes` when that is fewer than the tokens.
+std::int64_t vocab_rows(const BenchSetup& setup, std::vector<std::string>& notes);
+
+// Adds "reference checked on the first R of N rows (why)" to `notes` when R < N.
+void note_rows_checked(std::vector<std::string>& notes, std::int64_t checked, std::int64_t rows,
+                       std::string_view why);
 
 }  // namespace meshfuse::cli

@@ -13,7 +13,7 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
   const Tensor grad_out = random_tensor(s, {n, i}, 3);
   const Tensor out = output_tensor(s, {n, i}), grad_gate = output_tensor(s, {n, i}),
                grad_up = output_tensor(s, {n, i});
-  const Tolerance tol = elementwise_tolerance(s.dtype);
+  const Tolerance tol = tolerance(s.dtype);
   const std::string shape = shape_text({{"gate, up", {n, i}}});
 
   // Elementwise: the reference is cheap, so it checks every row.
@@ -21,7 +21,7 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
                     .direction = "forward",
                     .shape = shape,
                     .bytes = 3 * n * i * e,
-                    .bytes_formula = "3·N·I·e (read gate, up; write out)"};
+                    .formula = "3·N·I·e (read gate, up; write out)"};
   forward.run = [=] { swiglu(gate, up, out); };
   forward.check = [=] {
     const Tensor expected = output_tensor(s, {n, i});
@@ -29,12 +29,11 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
     return std::vector{compare_output("out", out, expected, tol)};
   };
 
-  Direction backward{
-      .kernel = "swiglu_backward",
-      .direction = "backward",
-      .shape = shape,
-      .bytes = 5 * n * i * e,
-      .bytes_formula = "5·N·I·e (read grad_out, gate, up; write grad_gate, grad_up)"};
+  Direction backward{.kernel = "swiglu_backward",
+                     .direction = "backward",
+                     .shape = shape,
+                     .bytes = 5 * n * i * e,
+                     .formula = "5·N·I·e (read grad_out, gate, up; write grad_gate, grad_up)"};
   backward.run = [=] { swiglu_backward(grad_out, gate, up, grad_gate, grad_up); };
   backward.check = [=] {
     const Tensor expected_gate = output_tensor(s, {n, i}), expected_up = output_tensor(s, {n, i});

@@ -125,8 +125,34 @@ TEST(Cli, BenchCsvHasTheJsonColumnsAndATableStatesTheByteFormula) {
   ASSERT_EQ(table.exit_code, 0) << table.err;
   EXPECT_TRUE(contains(table.out, "swiglu forward: bytes = 3·N·I·e")) << table.out;
   EXPECT_TRUE(contains(table.out, "copy bandwidth")) << table.out;
-  EXPECT_TRUE(contains(table.out, "fits in the")) << "8 rows are a cache figure: " << table.out;
+  EXPECT_TRUE(contains(table.out, "a cache figure")) << "8 rows fit in the cache: " << table.out;
   EXPECT_TRUE(contains(table.out, "  reference  ")) << table.out;
+}
+
+TEST(Cli, BenchLinearIsRatedInTflopsAgainstTheVendorGemm) {
+  const CliResult r =
+      run_cli("bench --model llama-3.2-1b --tokens 4 --ops linear_k --format json --repeats 3");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json records = nlohmann::json::parse(r.out);
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& record : records) {
+    EXPECT_EQ(record["op"], "linear_k");
+    EXPECT_EQ(record["shape"], "x: [4, 2048], weight: [512, 2048]");
+    EXPECT_TRUE(record["gbps"].is_null());
+    EXPECT_GT(record["tflops"].get<double>(), 0);
+    EXPECT_GT(record["fraction_of_peak"].get<double>(), 0);
+    EXPECT_EQ(record["status"], "pass");
+  }
+}
+
+TEST(Cli, OpsGroupSelectsEveryLinearOfTheLayer) {
+  // An unknown name lists the valid ones, groups included; nothing runs.
+  const CliResult r = run_cli("bench --model llama-3.2-1b --ops nope");
+  EXPECT_EQ(r.exit_code, 2);
+  for (const char* name : {"linear_q", "linear_k", "linear_v", "linear_o", "linear_gate",
+                           "linear_up", "linear_down", "linear,", "rmsnorm",
+                           "fused_residual_add_rmsnorm", "swiglu", "softmax", "cross_entropy"})
+    EXPECT_TRUE(contains(r.err, name)) << name << " in " << r.err;
 }
 
 // Runs a bench that must fail before measuring, with exit code 2 and `message` on stderr.
