@@ -1,0 +1,68 @@
+// GEMM family: gemm, bmm, linear (forward and backward).
+//
+//   gemm:   D = alpha * op(A) @ op(B) + beta * C,   op(X) = X or X^T (transpose_a / transpose_b)
+//           A: (M, K), or (K, M) when transpose_a; B: (K, N), or (N, K) when transpose_b;
+//           C (optional): (M, N); D: (M, N).
+//   bmm:    the same for each l of a batch: A (L, M, K) or (L, K, M), B (L, K, N) or (L, N, K),
+//           C (optional) and D (L, M, N).
+//   linear: out = x @ weight^T + bias, like torch.nn.functional.linear;
+//           x (..., K), weight (N, K), bias (N) optional, out (..., N).
+//
+// BLAS semantics for the scalars, like cuBLAS and torch.addmm: beta = 0 means C is not read (NaN
+// or inf in C do not propagate), alpha = 0 or K = 0 means A and B are not read (D = beta * C, or
+// zeros without C). beta must be 0 when C is absent. D may be C itself (in place); any other
+// overlap of D with an input is undefined.
+//
+// linear_backward, with dy = grad_out and the leading dims of x flattened into R rows:
+//   grad_x = dy @ weight                      (..., K)
+//   grad_weight = dy^T @ x, summed over rows  (N, K)
+//   grad_bias = sum of dy over rows           (N)
+// Each gradient output is optional (an undefined view is not computed).
+//
+// dtypes: all tensors of a call share one: f32, f64, bf16 or f16. 16-bit types are stored as
+// 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. The
+// `reference` backend accumulates in double. Results are deterministic for a fixed thread count.
+// The cpu backend calls oneDNN's matmul (f32, bf16; f16 is widened to f32 since oneDNN 2.6 has no
+// f16 matmul on CPUs) and OpenBLAS's dgemm (f64): see bench/blas_choice.cpp for why.
+//
+// Inputs may be strided views: a transposed view (unit stride along rows) is passed to the BLAS
+// as a transposed operand without a copy; other layouts are copied once. Outputs are contiguous
+// and preallocated by the caller.
+//
+// Errors: DTypeMismatch (dtypes differ, or not floating), ShapeMismatch (inner dims, batch or
+// output shapes disagree; the message names both shapes), InvalidArgument (wrong rank, beta != 0
+// without C, output not contiguous), DeviceMismatch, Unsupported / BackendUnavailable (see
+// kernel_backend.h).
+#pragma once
+
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+
+namespace meshfuse {
+
+struct GemmOptions {
+  bool transpose_a = false;
+  bool transpose_b = false;
+  double alpha = 1.0;
+  double beta = 0.0;
+};
+
+// a, b: 2-D; c: (M, N) or undefined; d: (M, N).
+void gemm(const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
+          const GemmOptions& options = {}, const Stream& stream = {});
+
+// a, b: 3-D with equal batch L; c: (L, M, N) or undefined; d: (L, M, N).
+void bmm(const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
+         const GemmOptions& options = {}, const Stream& stream = {});
+
+// x: (..., K) with at least 1 dim; weight: (N, K); bias: (N) or undefined; out: (..., N).
+void linear(const TensorView& x, const TensorView& weight, const TensorView& bias,
+            const TensorView& out, const Stream& stream = {});
+
+// grad_out: (..., N); x: (..., K); weight: (N, K); writes grad_x (..., K), grad_weight (N, K) and
+// grad_bias (N), each optional.
+void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,
+                     const TensorView& grad_x, const TensorView& grad_weight,
+                     const TensorView& grad_bias, const Stream& stream = {});
+
+}  // namespace meshfuse

@@ -1,0 +1,234 @@
+// GEMM front-end: argument checks, BLAS views of the operands, backend dispatch.
+#include "meshfuse/ops/gemm.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "ops/common.h"
+#include "ops/gemm/gemm_kernels.h"
+
+namespace meshfuse {
+namespace {
+
+using detail::GemmMatrix;
+using detail::GemmProblem;
+
+std::vector<KernelTable<detail::GemmFn>::Entry> gemm_entries() {
+  return {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+           &detail::reference::gemm},
+          {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gemm}};
+}
+
+const KernelTable<detail::GemmFn> kGemm("gemm", gemm_entries());
+const KernelTable<detail::GemmFn> kBmm("bmm", gemm_entries());
+const KernelTable<detail::GemmFn> kLinear("linear", gemm_entries());
+const KernelTable<const detail::LinearBackwardKernels> kLinearBackward(
+    "linear_backward",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::linear_backward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::linear_backward}});
+
+// The BLAS view of a (rows, cols) matrix with strides (rs, cs): row-major when the columns have
+// unit stride, transposed storage when the rows do; nullopt otherwise. A dim of size <= 1 takes
+// any stride, and ld is at least the stored row length, as BLAS and oneDNN require.
+std::optional<GemmMatrix> blas_view(void* data, std::int64_t rows, std::int64_t cols,
+                                    std::int64_t rs, std::int64_t cs) {
+  if ((cols <= 1 || cs == 1) && (rows <= 1 || rs >= cols))
+    return GemmMatrix{data,
+                      rows <= 1 ? std::max<std::int64_t>(cols, 1) : std::max<std::int64_t>(rs, 1),
+                      0, false};
+  if ((rows <= 1 || rs == 1) && (cols <= 1 || cs >= rows))
+    return GemmMatrix{
+        data, cols <= 1 ? std::max<std::int64_t>(rows, 1) : std::max<std::int64_t>(cs, 1), 0, true};
+  return std::nullopt;
+}
+
+// One GEMM operand: the last two dims of a 2-D or 3-D tensor (3-D: a batch), transposed when
+// op() says so. A view the BLAS can read (a transposed view included) is used in place; any other
+// layout is copied once.
+class Operand {
+ public:
+  Operand() = default;
+  Operand(const TensorView& t, bool transpose, const Stream& stream) {
+    if (!t.defined()) return;
+    view(t);
+    if (!matrix_) {
+      copy_ = Tensor::copy_of(t, stream);
+      view(copy_.view());
+    }
+    if (transpose) matrix_->transposed = !matrix_->transposed;
+  }
+
+  // t (..., cols) as one (rows, cols) matrix, rows being the product of the leading dims.
+  static Operand rows_of(const TensorView& t, const Stream& stream) {
+    if (t.dim() == 2) return Operand(t, false, stream);
+    Operand o;
+    o.copy_ = t.is_contiguous() ? Tensor() : Tensor::copy_of(t, stream);
+    const TensorView& c = o.copy_.defined() ? o.copy_.view() : t;
+    o.view(c.reshape({detail::leading_rows(t), t.size(-1)}));
+    return o;
+  }
+
+  // A 1-D tensor (cols) broadcast to every row: ld = 0, which only C may use.
+  static Operand broadcast_row(const TensorView& t, const Stream& stream) {
+    Operand o;
+    if (!t.defined()) return o;
+    o.copy_ = t.is_contiguous() ? Tensor() : Tensor::copy_of(t, stream);
+    o.matrix_ = GemmMatrix{o.copy_.defined() ? o.copy_.view().data() : t.data(), 0, 0, false};
+    return o;
+  }
+
+  GemmMatrix matrix() const { return matrix_.value_or(GemmMatrix{}); }
+
+ private:
+  void view(const TensorView& t) {
+    matrix_ = blas_view(t.data(), t.size(-2), t.size(-1), t.stride(-2), t.stride(-1));
+    if (matrix_ && t.dim() == 3) matrix_->batch_stride = t.stride(0);
+  }
+
+  Tensor copy_;
+  std::optional<GemmMatrix> matrix_;
+};
+
+// A contiguous output of row length `cols`.
+GemmMatrix output(const TensorView& t, std::int64_t cols, std::int64_t rows) {
+  return {t.data(), std::max<std::int64_t>(cols, 1), rows * cols, false};
+}
+
+void check_float(std::string_view op, std::string_view name, const TensorView& t) {
+  detail::check_defined(op, name, t);
+  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
+}
+
+void check_like(std::string_view op, std::string_view name, const TensorView& t, DType dtype,
+                std::string_view like) {
+  detail::check_defined(op, name, t);
+  detail::check_same_dtype(op, name, t, dtype, like);
+}
+
+Shape with_last(Shape shape, std::int64_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+// gemm (rank 2) and bmm (rank 3).
+void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::int64_t rank,
+            const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
+            const GemmOptions& o, const Stream& stream) {
+  check_float(op, "a", a);
+  check_like(op, "b", b, a.dtype(), "a");
+  detail::check_rank(op, "a", a, rank);
+  detail::check_rank(op, "b", b, rank);
+  const std::int64_t batch = rank == 3 ? a.size(0) : 1;
+  MESHFUSE_CHECK(batch == (rank == 3 ? b.size(0) : 1), ErrorCode::ShapeMismatch,
+                 "{}: 'a' {} and 'b' {} have different batch sizes", op, shape_str(a.shape()),
+                 shape_str(b.shape()));
+  const std::int64_t m = a.size(o.transpose_a ? -1 : -2), k = a.size(o.transpose_a ? -2 : -1);
+  const std::int64_t kb = b.size(o.transpose_b ? -1 : -2), n = b.size(o.transpose_b ? -2 : -1);
+  MESHFUSE_CHECK(k == kb, ErrorCode::ShapeMismatch,
+                 "{}: op(a) and op(b) do not multiply: 'a' {} (transpose_a={}) has K = {}, 'b' {} "
+                 "(transpose_b={}) has K = {}",
+                 op, shape_str(a.shape()), o.transpose_a, k, shape_str(b.shape()), o.transpose_b,
+                 kb);
+  const Shape out_shape = rank == 3 ? Shape{batch, m, n} : Shape{m, n};
+  if (c.defined()) {
+    check_like(op, "c", c, a.dtype(), "a");
+    detail::check_shape(op, "c", c, out_shape);
+  } else {
+    MESHFUSE_CHECK(o.beta == 0, ErrorCode::InvalidArgument,
+                   "{}: beta must be 0 when no 'c' is given, got beta = {}", op, o.beta);
+  }
+  detail::check_output(op, "d", d, out_shape, a.dtype());
+  auto* fn = table.select({{"a", a}, {"b", b}, {"c", c}, {"d", d}});
+  detail::HostStaging host(op, a, stream);
+  const Operand oa(host.input(a), o.transpose_a, host.stream()),
+      ob(host.input(b), o.transpose_b, host.stream()), oc(host.input(c), false, host.stream());
+  fn({a.dtype(), batch, m, n, k, o.alpha, o.beta}, oa.matrix(), ob.matrix(), oc.matrix(),
+     output(host.output(d), n, m), host.stream());
+  host.finish();
+}
+
+// The checks shared by linear and linear_backward; returns N.
+std::int64_t check_linear(std::string_view op, const TensorView& x, const TensorView& weight) {
+  check_float(op, "x", x);
+  MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
+                 "{}: 'x' must have at least 1 dimension, got a 0-d tensor", op);
+  check_like(op, "weight", weight, x.dtype(), "x");
+  detail::check_rank(op, "weight", weight, 2);
+  MESHFUSE_CHECK(weight.size(1) == x.size(-1), ErrorCode::ShapeMismatch,
+                 "{}: 'weight' {} must be (N, {}) to match the last dim of 'x' {}", op,
+                 shape_str(weight.shape()), x.size(-1), shape_str(x.shape()));
+  return weight.size(0);
+}
+
+}  // namespace
+
+void gemm(const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
+          const GemmOptions& options, const Stream& stream) {
+  matmul("gemm", kGemm, 2, a, b, c, d, options, stream);
+}
+
+void bmm(const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
+         const GemmOptions& options, const Stream& stream) {
+  matmul("bmm", kBmm, 3, a, b, c, d, options, stream);
+}
+
+void linear(const TensorView& x, const TensorView& weight, const TensorView& bias,
+            const TensorView& out, const Stream& stream) {
+  constexpr std::string_view op = "linear";
+  const std::int64_t n = check_linear(op, x, weight);
+  if (bias.defined()) {
+    check_like(op, "bias", bias, x.dtype(), "x");
+    detail::check_shape(op, "bias", bias, {n});
+  }
+  detail::check_output(op, "out", out, with_last(x.shape(), n), x.dtype());
+  auto* fn = kLinear.select({{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}});
+  detail::HostStaging host(op, x, stream);
+  const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
+  const Operand ox = Operand::rows_of(host.input(x), host.stream()),
+                ow(host.input(weight), true, host.stream()),
+                ob = Operand::broadcast_row(host.input(bias), host.stream());
+  fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0}, ox.matrix(), ow.matrix(),
+     ob.matrix(), output(host.output(out), n, rows), host.stream());
+  host.finish();
+}
+
+void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,
+                     const TensorView& grad_x, const TensorView& grad_weight,
+                     const TensorView& grad_bias, const Stream& stream) {
+  constexpr std::string_view op = "linear_backward";
+  const std::int64_t n = check_linear(op, x, weight);
+  check_like(op, "grad_out", grad_out, x.dtype(), "x");
+  detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), n));
+  if (grad_x.defined()) detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
+  if (grad_weight.defined())
+    detail::check_output(op, "grad_weight", grad_weight, weight.shape(), x.dtype());
+  if (grad_bias.defined()) detail::check_output(op, "grad_bias", grad_bias, {n}, x.dtype());
+  const auto* kernels = kLinearBackward.select({{"grad_out", grad_out},
+                                                {"x", x},
+                                                {"weight", weight},
+                                                {"grad_x", grad_x},
+                                                {"grad_weight", grad_weight},
+                                                {"grad_bias", grad_bias}});
+  detail::HostStaging host(op, x, stream);
+  const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
+  const DType dtype = x.dtype();
+  const Operand dy = Operand::rows_of(host.input(grad_out), host.stream());
+  if (grad_x.defined()) {  // dx (rows, K) = dy (rows, N) @ W (N, K)
+    const Operand ow(host.input(weight), false, host.stream());
+    kernels->gemm({dtype, 1, rows, k, n, 1.0, 0.0}, dy.matrix(), ow.matrix(), {},
+                  output(host.output(grad_x), k, rows), host.stream());
+  }
+  if (grad_weight.defined()) {  // dW (N, K) = dy^T (N, rows) @ x (rows, K)
+    const Operand ox = Operand::rows_of(host.input(x), host.stream());
+    GemmMatrix dyt = dy.matrix();
+    dyt.transposed = !dyt.transposed;
+    kernels->gemm({dtype, 1, n, k, rows, 1.0, 0.0}, dyt, ox.matrix(), {},
+                  output(host.output(grad_weight), k, n), host.stream());
+  }
+  if (grad_bias.defined())
+    kernels->column_sum(dtype, rows, n, dy.matrix(), host.output(grad_bias).data(), host.stream());
+  host.finish();
+}
+
+}  // namespace meshfuse

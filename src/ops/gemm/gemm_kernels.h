@@ -1,0 +1,64 @@
+// GEMM kernel interface shared by the front-end and the backends (internal).
+#pragma once
+
+#include <cstdint>
+
+#include "meshfuse/core/dtype.h"
+#include "meshfuse/core/stream.h"
+
+namespace meshfuse::detail {
+
+// A batch of matrices as a BLAS sees them. Element (l, r, c) of the logical matrix is at
+//   data + l*batch_stride + r*ld + c   (transposed = false: row-major storage)
+//   data + l*batch_stride + c*ld + r   (transposed = true: the storage is the transpose)
+// elements. ld >= the stored row length, except that ld = 0 (and batch_stride = 0) broadcast one
+// row (or matrix), which only C uses.
+struct GemmMatrix {
+  void* data = nullptr;
+  std::int64_t ld = 0;
+  std::int64_t batch_stride = 0;
+  bool transposed = false;
+};
+
+// Offset in elements of element (l, r, c) of x; int64, as operands may pass 2^31 elements.
+inline std::int64_t offset(const GemmMatrix& x, std::int64_t l, std::int64_t r, std::int64_t c) {
+  return l * x.batch_stride + (x.transposed ? c * x.ld + r : r * x.ld + c);
+}
+
+// D[l] = alpha * A[l] @ B[l] + beta * C[l] for l < batch; A[l]: (m, k), B[l]: (k, n), C[l] and
+// D[l]: (m, n). C.data == nullptr means no C (beta is then 0). D is row-major (not transposed); C
+// may be D itself. alpha == 0 or k == 0: A and B are not read; beta == 0: C is not read.
+struct GemmProblem {
+  DType dtype;
+  std::int64_t batch, m, n, k;
+  double alpha, beta;
+};
+
+using GemmFn = void(const GemmProblem&, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
+                    const Stream&);
+
+// out[j] = sum over i < rows of x(i, j), for j < cols; summed in row order in the accumulation
+// type (double in the reference, fp32 for 16-bit types on the cpu), rounded once. x.batch_stride
+// is unused.
+using ColumnSumFn = void(DType, std::int64_t rows, std::int64_t cols, GemmMatrix x, void* out,
+                         const Stream&);
+
+// linear_backward's kernels: its GEMMs (grad_x, grad_weight) and the bias gradient.
+struct LinearBackwardKernels {
+  GemmFn* gemm;
+  ColumnSumFn* column_sum;
+};
+
+namespace reference {
+GemmFn gemm;
+ColumnSumFn column_sum;
+inline constexpr LinearBackwardKernels linear_backward{&gemm, &column_sum};
+}  // namespace reference
+
+namespace cpu {
+GemmFn gemm;
+ColumnSumFn column_sum;
+inline constexpr LinearBackwardKernels linear_backward{&gemm, &column_sum};
+}  // namespace cpu
+
+}  // namespace meshfuse::detail
