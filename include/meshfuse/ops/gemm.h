@@ -22,8 +22,8 @@
 // dtypes: all tensors of a call share one: f32, f64, bf16 or f16. 16-bit types are stored as
 // 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. The
 // `reference` backend accumulates in double. Results are deterministic for a fixed thread count.
-// The cpu backend calls oneDNN's matmul (f32, bf16; f16 is widened to f32 since oneDNN 2.6 has no
-// f16 matmul on CPUs) and OpenBLAS's dgemm (f64): see bench/blas_choice.cpp for why.
+// The cpu backend runs f32 on oneDNN's matmul, bf16 and f16 widened to f32 (in blocks of bounded
+// size) on the same matmul, and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp measures why.
 //
 // Inputs may be strided views: a transposed view (unit stride along rows) is passed to the BLAS
 // as a transposed operand without a copy; other layouts are copied once. Outputs are contiguous
