@@ -11,6 +11,9 @@
 #include <omp.h>
 #endif
 
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+
 namespace meshfuse::cli {
 namespace {
 
@@ -79,19 +82,33 @@ std::int64_t last_level_cache_bytes() {
   return 0;
 }
 
-CopyBandwidth measure_copy_bandwidth() {
+CopyBandwidth measure_copy_bandwidth(Device device) {
   constexpr std::int64_t kGiB = std::int64_t{1} << 30;
   const std::int64_t n = std::max(kGiB, 4 * last_level_cache_bytes());
-  const std::unique_ptr<char[]> src(new char[n]), dst(new char[n]);
-  // First touch from the threads that copy, so each slice's pages are faulted in before timing.
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < n; i += 4096) src[i] = dst[i] = static_cast<char>(i);
   TimingPolicy policy;
   policy.warmup = 2;
   policy.repeats = 7;
   policy.min_repeats = 3;
   policy.budget_s = 1.5;
-  const Timing t = time_interleaved({[&] { parallel_copy(dst.get(), src.get(), n); }}, policy)[0];
+  std::function<void()> copy_once;
+  std::unique_ptr<char[]> src, dst;
+  Tensor device_src, device_dst;
+  if (device.type == DeviceType::CPU) {
+    src.reset(new char[n]);
+    dst.reset(new char[n]);
+    // First touch from the threads that copy, so each slice's pages are faulted in before timing.
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n; i += 4096) src[i] = dst[i] = static_cast<char>(i);
+    copy_once = [&] { parallel_copy(dst.get(), src.get(), n); };
+  } else {
+    device_src = Tensor::zeros({n}, DType::U8, device);
+    device_dst = Tensor({n}, DType::U8, device);
+    copy_once = [&, stream = Stream{device}] {
+      copy(device_src, device_dst, stream);
+      synchronize(stream);
+    };
+  }
+  const Timing t = time_interleaved({copy_once}, policy)[0];
   return {2.0 * static_cast<double>(n) / (t.median_ms * 1e-3) / 1e9, n};
 }
 

@@ -6,6 +6,8 @@
 #include <functional>
 #include <vector>
 
+#include "meshfuse/core/device.h"
+
 namespace meshfuse::cli {
 
 struct TimingPolicy {
@@ -40,8 +42,9 @@ struct CopyBandwidth {
   std::int64_t buffer_bytes = 0;  // size of the source (and of the destination)
 };
 
-// STREAM-style copy: dst = src over buffers of max(1 GiB, 4 x the last-level cache), split across
-// the OpenMP threads; bytes counted as read + write, as STREAM counts them.
-CopyBandwidth measure_copy_bandwidth();
+// STREAM-style copy: dst = src over buffers of max(1 GiB, 4 x the CPU's last-level cache), on the
+// CPU split across the OpenMP threads (memcpy per thread), on a GPU one device-to-device copy;
+// bytes counted as read + write, as STREAM counts them.
+CopyBandwidth measure_copy_bandwidth(Device device);
 
 }  // namespace meshfuse::cli

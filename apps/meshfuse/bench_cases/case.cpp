@@ -55,8 +55,21 @@ Tolerance tolerance(DType dtype, double magnitude) {
   return {std::max(tol * magnitude, 4 * subnormal_step(dtype)), tol};
 }
 
+namespace {
+
+// A copy of t in CPU memory (testing::compare reads CPU memory).
+Tensor on_host(const TensorView& t) {
+  Tensor host(t.shape(), t.dtype());
+  copy(t, host);
+  return host;
+}
+
+}  // namespace
+
 Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
                           Tolerance tol) {
+  if (actual.device().type != DeviceType::CPU || expected.device().type != DeviceType::CPU)
+    return compare_output(std::move(name), on_host(actual), on_host(expected), tol);
   return {std::move(name), testing::compare(actual, expected, tol.atol, tol.rtol), tol};
 }
 
