@@ -15,27 +15,25 @@ using detail::RmsNormBackwardFn;
 using detail::RmsNormForwardFn;
 
 KernelTable<RmsNormForwardFn> forward_table(const char* op) {
-  return {op,
-          {{KernelBackend::Reference,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
-            &detail::reference::rmsnorm_forward},
-           {KernelBackend::CPU,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
-            &detail::cpu::rmsnorm_forward}}};
+  return {
+      op,
+      {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+        &detail::reference::rmsnorm_forward},
+       {KernelBackend::CPU,
+        {DeviceType::CPU},
+        detail::kFloatDTypes,
+        &detail::cpu::rmsnorm_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rmsnorm_forward)}};
 }
 
 KernelTable<RmsNormBackwardFn> backward_table(const char* op) {
   return {op,
-          {{KernelBackend::Reference,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
+          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
             &detail::reference::rmsnorm_backward},
            {KernelBackend::CPU,
             {DeviceType::CPU},
             detail::kFloatDTypes,
-            &detail::cpu::rmsnorm_backward}}};
+            &detail::cpu::rmsnorm_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                                rmsnorm_backward)}};
 }
 
 const KernelTable<RmsNormForwardFn> kRmsNorm = forward_table("rmsnorm");
@@ -91,11 +89,14 @@ void forward(std::string_view op, const KernelTable<RmsNormForwardFn>& table, co
   if (rstd.defined()) detail::check_output(op, "rstd", rstd, {s.rows}, DType::F32);
   auto* fn = table.select(
       {{"x", x}, {"residual", residual}, {"weight", weight}, {"y", y}, {"r", r}, {"rstd", rstd}});
-  const detail::Contiguous xc(x), res(residual), w(weight);
+  detail::HostStaging host(op, x, stream);
+  const detail::Contiguous xc(host.input(x), host.stream()),
+      res(host.input(residual), host.stream()), w(host.input(weight), host.stream());
   fn(s,
-     {xc.view().data(), res.view().data(), w.view().data(), y.data(), r.data(),
-      static_cast<float*>(rstd.data()), eps, multiplier},
-     stream);
+     {xc.view().data(), res.view().data(), w.view().data(), host.output(y).data(),
+      host.output(r).data(), static_cast<float*>(host.output(rstd).data()), eps, multiplier},
+     host.stream());
+  host.finish();
 }
 
 // `input` is r when the forward had a residual (then dresidual is its gradient), else x.
@@ -129,12 +130,17 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
                            {"dx", dx},
                            {"dresidual", dresidual},
                            {"dweight", dweight}});
-  const detail::Contiguous dy(grad_y), dr(grad_r), in(input), w(weight), rs(rstd);
+  detail::HostStaging host(op, grad_y, stream);
+  const detail::Contiguous dy(host.input(grad_y), host.stream()),
+      dr(host.input(grad_r), host.stream()), in(host.input(input), host.stream()),
+      w(host.input(weight), host.stream()), rs(host.input(rstd), host.stream());
   fn(s,
      {dy.view().data(), dr.view().data(), in.view().data(), w.view().data(),
-      static_cast<const float*>(rs.view().data()), dx.data(), dresidual.data(), dweight.data(),
-      residual ? 1.0 : multiplier, multiplier},
-     stream);
+      static_cast<const float*>(rs.view().data()), host.output(dx).data(),
+      host.output(dresidual).data(), host.output(dweight).data(), residual ? 1.0 : multiplier,
+      multiplier},
+     host.stream());
+  host.finish();
 }
 
 }  // namespace

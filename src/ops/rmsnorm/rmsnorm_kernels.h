@@ -55,4 +55,9 @@ RmsNormForwardFn rmsnorm_forward;
 RmsNormBackwardFn rmsnorm_backward;
 }  // namespace cpu
 
+namespace cuda {
+RmsNormForwardFn rmsnorm_forward;
+RmsNormBackwardFn rmsnorm_backward;
+}  // namespace cuda
+
 }  // namespace meshfuse::detail

@@ -1,0 +1,393 @@
+// CUDA RMSNorm.
+// Forward: one block per row, each thread holding up to kForwardPer 16-byte vectors of the row (x
+// and residual as stored; 256 threads x 2 vectors at bf16 H = 4096) across the block reduction of
+// sum(r^2), then writing y and r: every row is read once.
+// Backward: each block walks a fixed range of rows with one 16-byte vector per thread per row (512
+// threads at bf16 H = 4096), the next row's loads in flight while the current row is reduced and
+// written. Each thread sums dy * n for its columns in registers and writes the block's partial
+// row once; a second kernel adds the partial rows in a fixed order. No float atomics, and
+// dweight's bits depend on the shape only (not on the vector width or the device).
+// Rows too wide for registers take the "streaming" variants, which read the row again after the
+// reduction (from L2). Widths that are not a multiple of the vector, or rows that are not 16-byte
+// aligned, use one element per vector.
+#include <algorithm>
+
+#include "core/cuda/cuda_utils.cuh"
+#include "meshfuse/core/tensor.h"
+#include "ops/common.h"
+#include "ops/rmsnorm/rmsnorm_kernels.h"
+
+namespace meshfuse::detail::cuda {
+namespace {
+
+constexpr int kForwardPer = 2;  // rows up to 2048 vectors (bf16 H = 16384) stay in registers
+constexpr int kForwardThreads = 1024;
+constexpr int kBackwardThreads = 1024;  // one vector per thread: bf16 rows up to 8192 in registers
+constexpr int kReduceLanes = 16;        // partial rows summed in parallel per column in dweight
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const void* base, std::int64_t off) {
+  return *reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(base) + off);
+}
+
+template <typename T, int N, typename A>
+__device__ __forceinline__ void store_vec(void* base, std::int64_t off, const A (&v)[N]) {
+  Vec<T, N> out;
+#pragma unroll
+  for (int k = 0; k < N; ++k) out.v[k] = store<T>(v[k]);
+  *reinterpret_cast<Vec<T, N>*>(static_cast<T*>(base) + off) = out;
+}
+
+// The weight at columns c.. as stored; ones when absent (multiplying by 1 is exact).
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> weight_vec(const void* weight, std::int64_t c) {
+  if (weight) return load_vec<T, N>(weight, c);
+  Vec<T, N> ones;
+#pragma unroll
+  for (int k = 0; k < N; ++k) ones.v[k] = store<T>(acc_t<T>(1));
+  return ones;
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32), in a fixed order; every thread gets it.
+// `scratch` holds one value per warp.
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  if (warps == 1) return v;
+  __syncthreads();  // the previous call's readers are done with scratch
+  if (lane == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : A(0);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename A>
+__device__ __forceinline__ A inverse_rms(A sum_sq, std::int64_t cols, A eps) {
+  return A(1) / sqrt(sum_sq / A(cols) + eps);
+}
+
+// ---- forward ----
+
+// r = x * multiplier + residual from the stored vectors.
+template <typename T, int N, typename A>
+__device__ __forceinline__ void pre_norm(const Vec<T, N>& x, const Vec<T, N>& res, bool residual,
+                                         A m, A (&r)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) r[k] = load(x.v[k]) * m + (residual ? load(res.v[k]) : A(0));
+}
+
+// Writes r (when the op outputs it) and y = r * rstd * weight at element offset off.
+template <typename T, int N, typename A>
+__device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int64_t off,
+                                          const A (&r)[N], A rstd, const Vec<T, N>& w) {
+  if (a.r) store_vec<T, N>(a.r, off, r);
+  A y[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) y[k] = r[k] * rstd * load(w.v[k]);
+  store_vec<T, N>(a.y, off, y);
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kForwardThreads)
+    forward_kernel(RmsNormShape s, RmsNormForwardArgs a) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+  // Resident rows are short: 32-bit column offsets.
+  const int cols = static_cast<int>(s.cols);
+  const auto col = [&](int i) { return static_cast<int>((threadIdx.x + i * blockDim.x) * N); };
+  for (std::int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const std::int64_t base = row * s.cols;
+    const T* x_row = static_cast<const T*>(a.x) + base;
+    const T* res_row = a.residual ? static_cast<const T*>(a.residual) + base : nullptr;
+    // The row stays in registers as stored (half the registers of fp32 for 16-bit types); r is
+    // formed from it twice, with the same operations, so y and r see the same unrounded r.
+    Vec<T, N> x[kForwardPer], res[kForwardPer];
+#pragma unroll
+    for (int i = 0; i < kForwardPer; ++i)
+      if (col(i) < cols) {
+        x[i] = load_vec<T, N>(x_row, col(i));
+        if (res_row) res[i] = load_vec<T, N>(res_row, col(i));
+      }
+    A sum_sq = 0;
+#pragma unroll
+    for (int i = 0; i < kForwardPer; ++i)
+      if (col(i) < cols) {
+        A r[N];
+        pre_norm<T, N>(x[i], res[i], a.residual != nullptr, m, r);
+#pragma unroll
+        for (int k = 0; k < N; ++k) sum_sq += r[k] * r[k];
+      }
+    const A rstd = inverse_rms(block_sum(sum_sq, scratch), s.cols, eps);
+    if (a.rstd && threadIdx.x == 0) a.rstd[row] = static_cast<float>(rstd);
+#pragma unroll
+    for (int i = 0; i < kForwardPer; ++i)
+      if (col(i) < cols) {
+        A r[N];
+        pre_norm<T, N>(x[i], res[i], a.residual != nullptr, m, r);
+        write_out<T, N>(a, base + col(i), r, rstd, weight_vec<T, N>(a.weight, col(i)));
+      }
+  }
+}
+
+// Rows wider than kForwardThreads * kForwardPer vectors: read once for the sum, once more to write.
+template <typename T, int N>
+__global__ void __launch_bounds__(kForwardThreads)
+    forward_streaming_kernel(RmsNormShape s, RmsNormForwardArgs a) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+  const std::int64_t first = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
+  const Vec<T, N> none{};
+  const auto load_r = [&](std::int64_t off, A(&r)[N]) {
+    pre_norm<T, N>(load_vec<T, N>(a.x, off), a.residual ? load_vec<T, N>(a.residual, off) : none,
+                   a.residual != nullptr, m, r);
+  };
+  for (std::int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const std::int64_t base = row * s.cols;
+    A sum_sq = 0;
+    for (std::int64_t c = first; c < s.cols; c += step) {
+      A r[N];
+      load_r(base + c, r);
+#pragma unroll
+      for (int k = 0; k < N; ++k) sum_sq += r[k] * r[k];
+    }
+    const A rstd = inverse_rms(block_sum(sum_sq, scratch), s.cols, eps);
+    if (a.rstd && threadIdx.x == 0) a.rstd[row] = static_cast<float>(rstd);
+    for (std::int64_t c = first; c < s.cols; c += step) {
+      A r[N];
+      load_r(base + c, r);
+      write_out<T, N>(a, base + c, r, rstd, weight_vec<T, N>(a.weight, c));
+    }
+  }
+}
+
+// ---- backward ----
+
+// One thread's N columns of one row as stored, and the row's rstd.
+template <typename T, int N>
+struct Slice {
+  Vec<T, N> dy, in, gr;
+  float rstd;
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Slice<T, N> load_slice(const RmsNormBackwardArgs& a, std::int64_t row,
+                                                  std::int64_t off) {
+  Slice<T, N> v{};
+  v.rstd = a.rstd[row];
+  v.dy = load_vec<T, N>(a.grad_y, off);
+  v.in = load_vec<T, N>(a.input, off);
+  if (a.grad_r) v.gr = load_vec<T, N>(a.grad_r, off);
+  return v;
+}
+
+// The slice's share of sum(dn * n), with n = input * input_scale * rstd and dn = dy * weight.
+template <typename T, int N, typename A>
+__device__ __forceinline__ A dot_share(const Slice<T, N>& v, const Vec<T, N>& w, A scale) {
+  A dot = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) dot += load(v.dy.v[k]) * load(w.v[k]) * (load(v.in.v[k]) * scale);
+  return dot;
+}
+
+// dr = rstd * (dn - n * mean) + grad_r; writes dx = dr * multiplier and dresidual = dr, and adds
+// dy * n to acc (an explicit fma, so every kernel rounds dweight's terms alike).
+template <typename T, int N, typename A>
+__device__ __forceinline__ void write_grads(const RmsNormBackwardArgs& a, std::int64_t off,
+                                            const Slice<T, N>& v, const Vec<T, N>& w, A scale,
+                                            A mean, A (&acc)[N]) {
+  const A rstd = v.rstd, m = static_cast<A>(a.multiplier);
+  A dr[N], dx[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const A g = load(v.dy.v[k]), n = load(v.in.v[k]) * scale;
+    dr[k] = rstd * (g * load(w.v[k]) - n * mean) + (a.grad_r ? load(v.gr.v[k]) : A(0));
+    dx[k] = dr[k] * m;
+    acc[k] = fma(g, n, acc[k]);
+  }
+  store_vec<T, N>(a.dx, off, dx);
+  if (a.dresidual) store_vec<T, N>(a.dresidual, off, dr);
+}
+
+// Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block) and, when partials is not
+// null, writes their sum of dy * n to partials row b.
+template <typename T, int N>
+__global__ void __launch_bounds__(kBackwardThreads)
+    backward_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
+                    acc_t<T>* partials) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const std::int64_t c = std::int64_t{threadIdx.x} * N;
+  const bool active = c < s.cols;
+  const std::int64_t first = blockIdx.x * rows_per_block;
+  const std::int64_t end = std::min(s.rows, first + rows_per_block);
+  const Vec<T, N> w = active ? weight_vec<T, N>(a.weight, c) : Vec<T, N>{};
+  A acc[N] = {};
+  Slice<T, N> cur{};
+  if (active) cur = load_slice<T, N>(a, first, first * s.cols + c);
+  for (std::int64_t row = first; row < end; ++row) {
+    // The next row's loads are in flight while this row is reduced and written.
+    Slice<T, N> next{};
+    if (active && row + 1 < end) next = load_slice<T, N>(a, row + 1, (row + 1) * s.cols + c);
+    const A scale = static_cast<A>(a.input_scale) * A(cur.rstd);
+    const A mean = block_sum(active ? dot_share(cur, w, scale) : A(0), scratch) / A(s.cols);
+    if (active) write_grads<T, N>(a, row * s.cols + c, cur, w, scale, mean, acc);
+    cur = next;
+  }
+  if (partials && active) store_vec<A, N>(partials, blockIdx.x * s.cols + c, acc);
+}
+
+// Rows wider than kBackwardThreads vectors: the same rows per block and the same dweight terms in
+// the same order (so the same bits), with the row read again after the reduction and the partial
+// sums kept in the partials row itself.
+template <typename T, int N>
+__global__ void __launch_bounds__(kBackwardThreads)
+    backward_streaming_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
+                              acc_t<T>* partials) {
+  using A = acc_t<T>;
+  __shared__ A scratch[32];
+  const std::int64_t start = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
+  const std::int64_t first = blockIdx.x * rows_per_block;
+  const std::int64_t end = std::min(s.rows, first + rows_per_block);
+  A* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
+  for (std::int64_t row = first; row < end; ++row) {
+    const std::int64_t base = row * s.cols;
+    const A scale = static_cast<A>(a.input_scale) * A(a.rstd[row]);
+    A dot = 0;
+    for (std::int64_t c = start; c < s.cols; c += step) {
+      dot += dot_share(load_slice<T, N>(a, row, base + c), weight_vec<T, N>(a.weight, c), scale);
+    }
+    const A mean = block_sum(dot, scratch) / A(s.cols);
+    for (std::int64_t c = start; c < s.cols; c += step) {
+      A acc[N] = {};
+      if (partial && row > first) {
+        const Vec<A, N> p = load_vec<A, N>(partial, c);
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] = p.v[k];
+      }
+      write_grads<T, N>(a, base + c, load_slice<T, N>(a, row, base + c),
+                        weight_vec<T, N>(a.weight, c), scale, mean, acc);
+      if (partial) store_vec<A, N>(partial, c, acc);
+    }
+  }
+}
+
+// dweight[c] = sum over b of partials[b][c]: lane y of a block adds the rows b = y (mod
+// kReduceLanes) in order, then lane 0 adds the lanes in order. A function of the shape only.
+template <typename T>
+__global__ void dweight_kernel(const acc_t<T>* partials, std::int64_t blocks, std::int64_t cols,
+                               T* dweight) {
+  using A = acc_t<T>;
+  __shared__ A lanes[kReduceLanes][32];
+  const std::int64_t c = std::int64_t{blockIdx.x} * 32 + threadIdx.x;
+  A sum = 0;
+  if (c < cols)
+    for (std::int64_t b = threadIdx.y; b < blocks; b += kReduceLanes) sum += partials[b * cols + c];
+  lanes[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  A total = 0;
+#pragma unroll
+  for (int y = 0; y < kReduceLanes; ++y) total += lanes[y][threadIdx.x];
+  dweight[c] = store<T>(total);
+}
+
+// ---- launch ----
+
+// Calls f(integral_constant<int, n>) for n = 1 or kVec16<T> (the only widths instantiated).
+template <typename T, typename F>
+void with_width(int n, F&& f) {
+  if (n == 1)
+    f(std::integral_constant<int, 1>{});
+  else
+    f(std::integral_constant<int, kVec16<T>>{});
+}
+
+struct Plan {
+  int width;    // elements per vector
+  int threads;  // per block
+  bool resident;
+};
+
+// 16-byte vectors when the width allows them and every row start is 16-byte aligned; enough
+// threads (a multiple of a warp) for `per` vectors each, else the streaming kernel at max_threads.
+template <typename T>
+Plan plan(std::int64_t cols, int per, int max_threads, std::initializer_list<const void*> rows) {
+  int width = kVec16<T>;
+  if (cols % width != 0) width = 1;
+  for (const void* p : rows)
+    if (p && !aligned16(p)) width = 1;
+  const std::int64_t threads = ((cols / width + per - 1) / per + 31) / 32 * 32;
+  if (threads <= max_threads)
+    return {width, static_cast<int>(std::max<std::int64_t>(threads, 32)), true};
+  return {width, max_threads, false};
+}
+
+// One block per row (a grid-stride loop past the grid limit).
+unsigned row_blocks(std::int64_t rows) {
+  return static_cast<unsigned>(std::min<std::int64_t>(rows, std::int64_t{1} << 30));
+}
+
+// Rows per backward block. dweight's bits depend on this grouping, so it depends on the shape
+// only: about 2^20 / H blocks (at H = 4096, 256 blocks of 512 threads fill an H100/H200), at
+// least 256 and at most 1024 so that the partial rows (written and read once, 8 bytes per element)
+// stay a few percent of the traffic.
+std::int64_t rows_per_block(const RmsNormShape& s) {
+  const std::int64_t blocks = std::clamp<std::int64_t>(
+      (std::int64_t{1} << 20) / std::max<std::int64_t>(s.cols, 1), 256, 1024);
+  return std::max<std::int64_t>(1, (s.rows + blocks - 1) / blocks);
+}
+
+}  // namespace
+
+void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const Stream& stream) {
+  if (s.rows == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "rmsnorm", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    const Plan p =
+        plan<T>(s.cols, kForwardPer, kForwardThreads, {a.x, a.residual, a.weight, a.y, a.r});
+    with_width<T>(p.width, [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      const auto kernel = p.resident ? forward_kernel<T, N> : forward_streaming_kernel<T, N>;
+      kernel<<<row_blocks(s.rows), p.threads, 0, native(stream)>>>(s, a);
+    });
+  });
+  check_launch("rmsnorm");
+}
+
+void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const Stream& stream) {
+  if (s.rows == 0 && !a.dweight) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    using A = acc_t<T>;
+    const std::int64_t per_block = rows_per_block(s), blocks = (s.rows + per_block - 1) / per_block;
+    // Scratch for dweight's partial rows, stream-ordered like the kernels that use it.
+    Tensor partials;
+    if (a.dweight && blocks > 0 && s.cols > 0)
+      partials = Tensor({blocks, s.cols}, dtype_of<A>(),
+                        Device{DeviceType::CUDA, stream.device.index}, stream);
+    A* p = partials.defined() ? partials.data_ptr<A>() : nullptr;
+    if (blocks > 0) {
+      const Plan l = plan<T>(s.cols, 1, kBackwardThreads,
+                             {a.grad_y, a.grad_r, a.input, a.weight, a.dx, a.dresidual});
+      with_width<T>(l.width, [&](auto width) {
+        constexpr int N = decltype(width)::value;
+        const auto kernel = l.resident ? backward_kernel<T, N> : backward_streaming_kernel<T, N>;
+        kernel<<<static_cast<unsigned>(blocks), l.threads, 0, native(stream)>>>(s, a, per_block, p);
+      });
+    }
+    if (a.dweight && s.cols > 0)
+      dweight_kernel<T><<<ceil_div(s.cols, 32), dim3(32, kReduceLanes), 0, native(stream)>>>(
+          p, blocks, s.cols, static_cast<T*>(a.dweight));
+  });
+  check_launch("rmsnorm_backward");
+}
+
+}  // namespace meshfuse::detail::cuda
