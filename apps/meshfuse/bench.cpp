@@ -69,18 +69,20 @@ Device parse_bench_device(const std::string& name) {
 std::vector<BenchCase> select_cases(const std::string& ops) {
   std::vector<BenchCase> all = all_cases();
   if (ops.empty()) return all;
-  std::vector<std::string> names;
-  std::set<std::string> groups;
+  std::vector<std::string> names, groups;
   for (const BenchCase& c : all) {
     names.push_back(c.name);
-    if (!c.group.empty() && groups.insert(c.group).second) names.push_back(c.group);
+    if (!c.group.empty() && std::find(groups.begin(), groups.end(), c.group) == groups.end())
+      groups.push_back(c.group);
   }
   std::set<std::string> wanted;
   for (const std::string& op : split(ops, ',')) {
-    MESHFUSE_CHECK(std::find(names.begin(), names.end(), op) != names.end(),
-                   ErrorCode::InvalidArgument,
-                   "--ops: unknown op '{}'; expected a comma-separated list of: {}", op,
-                   fmt::join(names, ", "));
+    const bool known = std::find(names.begin(), names.end(), op) != names.end() ||
+                       std::find(groups.begin(), groups.end(), op) != groups.end();
+    MESHFUSE_CHECK(known, ErrorCode::InvalidArgument,
+                   "--ops: unknown op '{}'; expected a comma-separated list of: {} (or the "
+                   "groups: {})",
+                   op, fmt::join(names, ", "), fmt::join(groups, ", "));
     wanted.insert(op);
   }
   std::vector<BenchCase> selected;

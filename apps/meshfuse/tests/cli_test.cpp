@@ -150,7 +150,7 @@ TEST(Cli, OpsGroupSelectsEveryLinearOfTheLayer) {
   const CliResult r = run_cli("bench --model llama-3.2-1b --ops nope");
   EXPECT_EQ(r.exit_code, 2);
   for (const char* name : {"linear_q", "linear_k", "linear_v", "linear_o", "linear_gate",
-                           "linear_up", "linear_down", "linear,", "rmsnorm",
+                           "linear_up", "linear_down", "groups: linear", "rmsnorm",
                            "fused_residual_add_rmsnorm", "swiglu", "softmax", "cross_entropy"})
     EXPECT_TRUE(contains(r.err, name)) << name << " in " << r.err;
 }
