@@ -36,13 +36,18 @@ std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const
     for (std::int64_t i = 0; i < s.rows; ++i) {
       const std::int64_t label = y[i];
       if (label == ignore_index) continue;
-      MESHFUSE_CHECK(label >= 0 && label < s.vocab, ErrorCode::InvalidArgument,
-                     "{}: labels[{}] = {} is outside [0, {}) and is not ignore_index ({})", op, i,
-                     label, s.vocab, ignore_index);
+      if (label < 0 || label >= s.vocab) fail_label(op, s, i, label, ignore_index);
       ++count;
     }
     return count;
   });
+}
+
+void fail_label(std::string_view op, const CrossEntropyShape& s, std::int64_t row,
+                std::int64_t label, std::int64_t ignore_index) {
+  fail(ErrorCode::InvalidArgument,
+       "{}: labels[{}] = {} is outside [0, {}) and is not ignore_index ({})", op, row, label,
+       s.vocab, ignore_index);
 }
 
 void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
@@ -83,24 +88,24 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
 namespace {
 
 const KernelTable<detail::CrossEntropyForwardFn> kForward(
-    "cross_entropy", {{KernelBackend::Reference,
-                       {DeviceType::CPU},
-                       detail::kFloatDTypes,
-                       &detail::reference::cross_entropy_forward},
-                      {KernelBackend::CPU,
-                       {DeviceType::CPU},
-                       detail::kFloatDTypes,
-                       &detail::cpu::cross_entropy_forward}});
+    "cross_entropy",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::cross_entropy_forward},
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::cross_entropy_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                               cross_entropy_forward)});
 
 const KernelTable<detail::CrossEntropyBackwardFn> kBackward(
-    "cross_entropy_backward", {{KernelBackend::Reference,
-                                {DeviceType::CPU},
-                                detail::kFloatDTypes,
-                                &detail::reference::cross_entropy_backward},
-                               {KernelBackend::CPU,
-                                {DeviceType::CPU},
-                                detail::kFloatDTypes,
-                                &detail::cpu::cross_entropy_backward}});
+    "cross_entropy_backward",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::cross_entropy_backward},
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::cross_entropy_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                                cross_entropy_backward)});
 
 // Checks logits (N, V), labels (N,), lse (N,) and the options; returns the shape.
 detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& logits,
@@ -133,8 +138,12 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
   detail::check_output(op, "lse", lse, {s.rows}, detail::lse_dtype(s.dtype));
   auto* fn =
       kForward.select({{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}});
-  const detail::Contiguous x(logits), y(labels);
-  fn(s, x.view().data(), y.view().data(), loss.data(), lse.data(), options, stream);
+  detail::HostStaging host(op, logits, stream);
+  const detail::Contiguous x(host.input(logits), host.stream()),
+      y(host.input(labels), host.stream());
+  fn(s, x.view().data(), y.view().data(), host.output(loss).data(), host.output(lse).data(),
+     options, host.stream());
+  host.finish();
 }
 
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
@@ -155,9 +164,13 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
                                {"labels", labels},
                                {"lse", lse},
                                {"grad_logits", grad_logits}});
-  const detail::Contiguous dl(grad_loss), x(logits), y(labels), l(lse);
-  fn(s, dl.view().data(), x.view().data(), y.view().data(), l.view().data(), grad_logits.data(),
-     options, stream);
+  detail::HostStaging host(op, logits, stream);
+  const detail::Contiguous dl(host.input(grad_loss), host.stream()),
+      x(host.input(logits), host.stream()), y(host.input(labels), host.stream()),
+      l(host.input(lse), host.stream());
+  fn(s, dl.view().data(), x.view().data(), y.view().data(), l.view().data(),
+     host.output(grad_logits).data(), options, host.stream());
+  host.finish();
 }
 
 }  // namespace meshfuse

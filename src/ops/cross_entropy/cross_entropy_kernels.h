@@ -38,6 +38,9 @@ using CrossEntropyBackwardFn = void(const CrossEntropyShape&, const void* grad_l
 // is not ignore_index. Returns the number of rows not ignored. Call it before any other work.
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
                           std::int64_t ignore_index);
+// Throws the InvalidArgument of check_labels for labels[row] = label (every backend's message).
+[[noreturn]] void fail_label(std::string_view op, const CrossEntropyShape& s, std::int64_t row,
+                             std::int64_t label, std::int64_t ignore_index);
 // Writes the loss output from per-row losses (0 at ignored rows): row_loss itself for none,
 // its sum in row order for sum, that sum / count for mean (NaN when count is 0).
 void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
@@ -91,5 +94,39 @@ void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, 
                                  const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
                                  const CrossEntropyOptions& options);
 }  // namespace cpu
+
+namespace cuda {
+CrossEntropyForwardFn cross_entropy_forward;
+CrossEntropyBackwardFn cross_entropy_backward;
+
+// The cuda versions of the helpers and row-block kernels above, on device memory and queued on
+// `stream` (labels, lse, row_loss, row_grad, logits and grad_logits are device pointers).
+//
+// check_labels: the same checks and message; the labels are scanned on the device and the only
+// host round trip of the op is here: one 16-byte copy of (first bad row, count) and a wait on
+// the stream, so that the error is raised by the op call itself.
+std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                          std::int64_t ignore_index, const Stream& stream);
+// store_loss: row_loss (rows doubles) converted for none; for mean and sum one block sums it in
+// a fixed order, in double.
+void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,
+                Reduction reduction, void* loss, const Stream& stream);
+// read_upstream: grad_loss (device, the loss's shape) as a CrossEntropyUpstream whose row_grad
+// (never null here) is row_grad_storage, a device buffer of rows doubles it allocates: grad_loss
+// per row for none, grad_loss broadcast for mean and sum; scale 1, or 1 / count for mean (0 when
+// count is 0).
+CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
+                                   std::int64_t count, Reduction reduction,
+                                   Tensor& row_grad_storage, const Stream& stream);
+// The row-block kernels: the cpu ones' contract, plus the stream. One block per row; the forward
+// reads a row's logits once, the backward reads them once and writes the gradient (in place
+// when grad_logits == logits).
+void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                void* lse, double* row_loss, const CrossEntropyOptions& options,
+                                const Stream& stream);
+void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                 const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                                 const CrossEntropyOptions& options, const Stream& stream);
+}  // namespace cuda
 
 }  // namespace meshfuse::detail

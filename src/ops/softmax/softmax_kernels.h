@@ -34,4 +34,9 @@ SoftmaxForwardFn softmax_forward;
 SoftmaxBackwardFn softmax_backward;
 }  // namespace cpu
 
+namespace cuda {
+SoftmaxForwardFn softmax_forward;
+SoftmaxBackwardFn softmax_backward;
+}  // namespace cuda
+
 }  // namespace meshfuse::detail

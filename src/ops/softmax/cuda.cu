@@ -1,0 +1,359 @@
+// CUDA softmax. A row is read from memory once: it is split over a cluster of up to 8 blocks (one
+// block when it fits), each block copies its part into shared memory with cp.async (16-byte
+// accesses, all in flight), computes the part's (max, sum of exps), the blocks combine theirs
+// through distributed shared memory in rank order, then each writes its part from shared memory.
+// Rows too long for 8 blocks' shared memory, and rows that are not whole aligned 16-byte vectors,
+// take a streamed kernel: one block per row, an online pass for the statistics, then a second
+// read to write. The backward is built the same way around dot = sum dy * y.
+#include <cuda_pipeline_primitives.h>
+
+#include "core/cuda/cuda_utils.cuh"
+#include "ops/common.h"
+#include "ops/softmax/cuda_logsumexp.cuh"
+#include "ops/softmax/softmax_kernels.h"
+
+namespace meshfuse::detail::cuda {
+namespace {
+
+// Row parts held in shared memory: up to 64 KB per block lets three 512-thread blocks share an
+// SM (one fills its part while the others compute); longer parts, up to the device's limit,
+// still read the row once, with fewer blocks per SM. 8 blocks: the portable cluster size.
+constexpr std::size_t kPartBytes = 64 * 1024;
+constexpr int kMaxCluster = 8;
+
+// The part of a row of nv vectors that this block of its cluster holds: vectors [begin, begin +
+// count), count <= ceil(nv / cluster); thread t handles part vectors t, t + blockDim.x, ...
+struct Part {
+  std::int64_t begin;
+  int count;
+
+  __device__ Part(std::int64_t nv, int cluster) {
+    const std::int64_t per = (nv + cluster - 1) / cluster;
+    begin = (blockIdx.x % cluster) * per;
+    count = static_cast<int>(begin + per < nv ? per : nv - begin);
+  }
+};
+
+// Copies this thread's vectors of a part into shared memory (cp.async: no registers, all in
+// flight at once) and waits for them; a thread reads back only the vectors it copied, so no
+// block barrier is needed.
+template <typename V>
+__device__ __forceinline__ void fetch_own(V* dst, const V* src, int count) {
+  for (int j = threadIdx.x; j < count; j += blockDim.x)
+    __pipeline_memcpy_async(dst + j, src + j, sizeof(V));
+}
+
+__device__ __forceinline__ void fetch_wait() {
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+}
+
+// Combines v over the blocks of the cluster in rank order (every block gets the same bits), then
+// signals that this block has read the others; cluster_wait() must follow before the block
+// reduces again or exits, so that no block's shared memory goes while another reads it.
+template <typename V, typename F>
+__device__ V cluster_allreduce(V v, int cluster, F combine_fn) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) {
+    __shared__ V slot;
+    if (threadIdx.x == 0) slot = v;
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+    v = *static_cast<V*>(__cluster_map_shared_rank(&slot, 0));
+    for (int r = 1; r < cluster; ++r)
+      v = combine_fn(v, *static_cast<V*>(__cluster_map_shared_rank(&slot, r)));
+    __cluster_barrier_arrive();
+  }
+#endif
+  return v;
+}
+
+__device__ __forceinline__ void cluster_wait(int cluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) __cluster_barrier_wait();
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
+    forward_resident_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t rows,
+                            std::int64_t cols, int cluster, acc_t<T> scale) {
+  using A = acc_t<T>;
+  constexpr int W = kVec16<T>;
+  using V = Chunk<T, W>;
+  extern __shared__ uint4 shared_part[];
+  V* xs = reinterpret_cast<V*>(shared_part);
+  const Part part(cols / W, cluster);
+  for (std::int64_t row = blockIdx.x / cluster; row < rows; row += gridDim.x / cluster) {
+    fetch_own(xs, reinterpret_cast<const V*>(x + row * cols) + part.begin, part.count);
+    fetch_wait();
+    // Max first, then one exp per value: the part is at hand, no rescaling.
+    A max = neg_inf<A>();
+#pragma unroll 4
+    for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
+      const V v = xs[j];
+#pragma unroll
+      for (int i = 0; i < W; ++i) max = fmax(max, v[i] * scale);
+    }
+    const A sh = shift(max);
+    A sum = 0;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
+      const V v = xs[j];
+#pragma unroll
+      for (int i = 0; i < W; ++i) sum += exp2a(v[i] * scale - sh);
+    }
+    RowStats<A> st = block_stats(RowStats<A>{max, sum, A(0)});
+    st = cluster_allreduce(
+        st, cluster, [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
+    // A row entirely -inf has max -inf: 2^(-inf + inf) = NaN, as PyTorch.
+    const A inv = A(1) / st.sum;
+    V* yr = reinterpret_cast<V*>(y + row * cols) + part.begin;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
+      const V v = xs[j];
+      A out[W];
+#pragma unroll
+      for (int i = 0; i < W; ++i) out[i] = exp2a(v[i] * scale - st.max) * inv;
+      yr[j] = V::from(out);
+    }
+    cluster_wait(cluster);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
+    backward_resident_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                             std::int64_t rows, std::int64_t cols, int cluster, acc_t<T> m) {
+  using A = acc_t<T>;
+  constexpr int W = kVec16<T>;
+  using V = Chunk<T, W>;
+  extern __shared__ uint4 shared_part[];
+  const Part part(cols / W, cluster);
+  V* ys = reinterpret_cast<V*>(shared_part);
+  V* dys = ys + part.count;
+  const auto plus = [](A a, A b) { return a + b; };
+  for (std::int64_t row = blockIdx.x / cluster; row < rows; row += gridDim.x / cluster) {
+    const std::int64_t offset = row * cols;
+    fetch_own(ys, reinterpret_cast<const V*>(y + offset) + part.begin, part.count);
+    fetch_own(dys, reinterpret_cast<const V*>(dy + offset) + part.begin, part.count);
+    fetch_wait();
+    A dot = 0;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
+      const V yv = ys[j], dv = dys[j];
+#pragma unroll
+      for (int i = 0; i < W; ++i) dot += dv[i] * yv[i];
+    }
+    dot = cluster_allreduce(block_allreduce(dot, A(0), plus), cluster, plus);
+    V* dxr = reinterpret_cast<V*>(dx + offset) + part.begin;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
+      const V yv = ys[j], dv = dys[j];
+      A out[W];
+#pragma unroll
+      for (int i = 0; i < W; ++i) out[i] = m * yv[i] * (dv[i] - dot);
+      dxr[j] = V::from(out);
+    }
+    cluster_wait(cluster);
+  }
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
+    forward_streamed_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t rows,
+                            std::int64_t cols, acc_t<T> scale) {
+  using A = acc_t<T>;
+  using V = Chunk<T, W>;
+  const std::int64_t nv = cols / W, stride = blockDim.x;
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const RowStats<A> st = block_stats(thread_row_stats<T, W, false>(x + row * cols, nv, scale));
+    const A inv = A(1) / st.sum;
+    V* yr = reinterpret_cast<V*>(y + row * cols);
+    stream_row(reinterpret_cast<const V*>(x + row * cols), nv,
+               [&](const V(&v)[kU], std::int64_t base) {
+#pragma unroll
+                 for (int k = 0; k < kU; ++k)
+                   if (base + k * stride < nv) {
+                     A out[W];
+#pragma unroll
+                     for (int i = 0; i < W; ++i) out[i] = exp2a(v[k][i] * scale - st.max) * inv;
+                     yr[base + k * stride] = V::from(out);
+                   }
+               });
+  }
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
+    backward_streamed_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                             std::int64_t rows, std::int64_t cols, acc_t<T> m) {
+  using A = acc_t<T>;
+  using V = Chunk<T, W>;
+  constexpr int kUPair = kU / 2;  // vectors of each operand per step: as many bytes as kU of one
+  const std::int64_t nv = cols / W, stride = blockDim.x;
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const V* yr = reinterpret_cast<const V*>(y + row * cols);
+    const V* dyr = reinterpret_cast<const V*>(dy + row * cols);
+    V* dxr = reinterpret_cast<V*>(dx + row * cols);
+    A dot = 0;
+#pragma unroll 1
+    for (std::int64_t base = threadIdx.x; base < nv; base += kUPair * stride) {
+      V yv[kUPair], dv[kUPair];
+#pragma unroll
+      for (int k = 0; k < kUPair; ++k)
+        if (base + k * stride < nv) {
+          yv[k] = yr[base + k * stride];
+          dv[k] = dyr[base + k * stride];
+        }
+#pragma unroll
+      for (int k = 0; k < kUPair; ++k)
+        if (base + k * stride < nv)
+#pragma unroll
+          for (int i = 0; i < W; ++i) dot += dv[k][i] * yv[k][i];
+    }
+    dot = block_allreduce(dot, A(0), [](A a, A b) { return a + b; });
+#pragma unroll 1
+    for (std::int64_t base = threadIdx.x; base < nv; base += kUPair * stride) {
+      V yv[kUPair], dv[kUPair];
+#pragma unroll
+      for (int k = 0; k < kUPair; ++k)
+        if (base + k * stride < nv) {
+          yv[k] = yr[base + k * stride];
+          dv[k] = dyr[base + k * stride];
+        }
+#pragma unroll
+      for (int k = 0; k < kUPair; ++k)
+        if (base + k * stride < nv) {
+          A out[W];
+#pragma unroll
+          for (int i = 0; i < W; ++i) out[i] = m * yv[k][i] * (dv[k][i] - dot);
+          dxr[base + k * stride] = V::from(out);
+        }
+    }
+  }
+}
+
+// How a resident kernel covers a row of nv vectors of `arrays` operands: the fewest blocks per
+// row (a cluster) whose parts fit kPartBytes of shared memory, else the device's limit; cluster =
+// 0 when the row does not fit in kMaxCluster blocks.
+struct Plan {
+  int cluster = 0, threads = 0;
+  std::size_t shared_bytes = 0;
+};
+
+template <typename Kernel>
+Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
+  int device = 0, major = 0, optin = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "cudaDeviceGetAttribute");
+  cudaFuncAttributes attributes{};
+  check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+  // Clusters need sm_90 both in the device and in the kernel's compiled code.
+  const int max_cluster = major >= 9 && attributes.binaryVersion >= 90 ? kMaxCluster : 1;
+  const std::size_t device_limit = static_cast<std::size_t>(optin) - attributes.sharedSizeBytes;
+  const std::size_t slot = sizeof(uint4) * static_cast<std::size_t>(arrays);
+  for (const std::size_t limit : {kPartBytes, device_limit})
+    for (int cluster = 1; cluster <= max_cluster; ++cluster) {
+      const std::int64_t per = (nv + cluster - 1) / cluster;
+      if (static_cast<std::size_t>(per) * slot <= limit)
+        return {cluster, row_threads(per, 1), static_cast<std::size_t>(per) * slot};
+    }
+  return {};
+}
+
+// One cluster of `plan.cluster` blocks per row (rows beyond the grid loop).
+template <typename... P, typename... Args>
+void launch_resident(void (*kernel)(P...), const Plan& plan, std::int64_t rows,
+                     const Stream& stream, std::string_view op, Args... args) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(plan.shared_bytes)),
+        op);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(row_blocks(std::min<std::int64_t>(rows, std::int64_t{1} << 27)) *
+                        static_cast<unsigned>(plan.cluster));
+  config.blockDim = dim3(static_cast<unsigned>(plan.threads));
+  config.dynamicSmemBytes = plan.shared_bytes;
+  config.stream = native(stream);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = plan.cluster > 1 ? 1 : 0;
+  check(cudaLaunchKernelEx(&config, kernel, args...), op);
+}
+
+template <typename T>
+void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const Stream& stream) {
+  using A = acc_t<T>;
+  const A scale = static_cast<A>(multiplier * kLog2e);
+  const int w = vector_width<T>(s.cols, {x, y});
+  if (w > 1) {
+    const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
+    if (plan.cluster > 0)
+      return launch_resident(forward_resident_kernel<T>, plan, s.rows, stream, "softmax", x, y,
+                             s.rows, s.cols, plan.cluster, scale);
+  }
+  const auto launch = [&](auto kernel, int width) {
+    kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
+        x, y, s.rows, s.cols, scale);
+  };
+  if (w > 1)
+    launch(forward_streamed_kernel<T, kVec16<T>>, w);
+  else
+    launch(forward_streamed_kernel<T, 1>, 1);
+}
+
+template <typename T>
+void backward(const SoftmaxShape& s, const T* dy, const T* y, T* dx, double multiplier,
+              const Stream& stream) {
+  using A = acc_t<T>;
+  const A m = static_cast<A>(multiplier);
+  const int w = vector_width<T>(s.cols, {dy, y, dx});
+  if (w > 1) {
+    const Plan plan = plan_resident(backward_resident_kernel<T>, s.cols / w, 2);
+    if (plan.cluster > 0)
+      return launch_resident(backward_resident_kernel<T>, plan, s.rows, stream, "softmax_backward",
+                             dy, y, dx, s.rows, s.cols, plan.cluster, m);
+  }
+  const auto launch = [&](auto kernel, int width) {
+    kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
+        dy, y, dx, s.rows, s.cols, m);
+  };
+  if (w > 1)
+    launch(backward_streamed_kernel<T, kVec16<T>>, w);
+  else
+    launch(backward_streamed_kernel<T, 1>, 1);
+}
+
+}  // namespace
+
+void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multiplier,
+                     const Stream& stream) {
+  if (s.rows * s.cols == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "softmax", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    forward(s, static_cast<const T*>(x), static_cast<T*>(y), multiplier, stream);
+  });
+  check_launch("softmax");
+}
+
+void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, void* grad_x,
+                      double multiplier, const Stream& stream) {
+  if (s.rows * s.cols == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.dtype, "softmax_backward", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    backward(s, static_cast<const T*>(grad_y), static_cast<const T*>(y), static_cast<T*>(grad_x),
+             multiplier, stream);
+  });
+  check_launch("softmax_backward");
+}
+
+}  // namespace meshfuse::detail::cuda

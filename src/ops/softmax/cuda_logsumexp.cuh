@@ -1,0 +1,264 @@
+// The cuda backend's row log-sum-exp, shared by softmax and cross_entropy (internal).
+//
+// Values are handled in base 2: u = x * m * log2(e), so that each exp is one ex2 instruction
+// (lse = ln2 * log2 sum 2^u). Statistics combine in a fixed order (thread, then a warp butterfly,
+// then the warps in index order), so the same inputs give bitwise the same results.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "core/cuda/cuda_utils.cuh"
+
+namespace meshfuse::detail::cuda {
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+// Threads of a row block, and 16-byte vectors each thread loads per step of a streamed row.
+constexpr int kMaxThreads = 512;
+constexpr int kU = 4;
+
+// Row blocks per SM that a kernel's registers are sized for (__launch_bounds__): 3 for kernels
+// that hold rows in shared memory, 2 for those that stream them through registers (enough loads
+// in flight either way); f64 (not a bandwidth target, and its exp2 is a long function) gets the
+// registers of one.
+template <typename T, int kBlocks>
+constexpr int kMinBlocks = sizeof(T) == 8 ? 1 : kBlocks;
+
+// 2^x. Float: the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither a sum
+// of exps nor a probability rounded to the output type notices.
+__device__ __forceinline__ float exp2a(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ double exp2a(double x) { return exp2(x); }
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -std::numeric_limits<A>::infinity();
+}
+
+// W elements of T moved as one access (16 bytes, or one element). 16-bit elements stay in pairs
+// in 32-bit words and are taken out only when used: ptxas gives every lone 16-bit value a whole
+// register, which would double the registers of a bf16 row.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Chunk {
+  static constexpr bool kPaired = sizeof(T) == 2 && W % 2 == 0;
+  using Word = std::conditional_t<kPaired, unsigned, T>;
+  Word w[kPaired ? W / 2 : W];
+
+  // Element i in the accumulation type (exact).
+  __device__ __forceinline__ acc_t<T> operator[](int i) const {
+    if constexpr (!kPaired) {
+      return load(w[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(i % 2 ? w[i / 2] & 0xffff0000u : w[i / 2] << 16);
+    } else {
+      __half2 h;
+      std::memcpy(&h, &w[i / 2], sizeof(h));
+      return i % 2 ? __high2float(h) : __low2float(h);
+    }
+  }
+
+  // From W accumulator values, each rounded once to T.
+  __device__ __forceinline__ static Chunk from(const acc_t<T> (&a)[W]) {
+    Chunk c;
+#pragma unroll
+    for (int i = 0; i < (kPaired ? W / 2 : W); ++i) {
+      if constexpr (!kPaired) {
+        c.w[i] = store<T>(a[i]);
+      } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 p = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+        std::memcpy(&c.w[i], &p, sizeof(p));
+      } else {
+        const __half2 p = __floats2half2_rn(a[2 * i], a[2 * i + 1]);
+        std::memcpy(&c.w[i], &p, sizeof(p));
+      }
+    }
+    return c;
+  }
+};
+
+// The shift that keeps 2^(u - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted by
+// 0, so that its -inf values give 0 (not 2^(-inf + inf) = NaN) and its NaNs stay NaN.
+template <typename A>
+__device__ __forceinline__ A shift(A max) {
+  return max == neg_inf<A>() ? A(0) : max;
+}
+
+// The factor that moves a sum of 2^(u - shift(from)) onto shift(to), to >= from. A sum whose max
+// is -inf is 0 or NaN and stays as it is; to = +inf > from gives 0.
+template <typename A>
+__device__ __forceinline__ A rescale(A from, A to) {
+  return from == to || from == neg_inf<A>() ? A(1) : exp2a(from - to);
+}
+
+// Of a set of values u (base 2) and their inputs x: max u, sum 2^(u - shift(max)), sum x.
+// A NaN never wins the max (fmax skips it) but makes the sum NaN; so does +inf (2^(inf - inf)).
+template <typename A>
+struct RowStats {
+  A max;
+  A sum;
+  A sum_x;
+};
+
+template <typename A>
+__device__ __forceinline__ RowStats<A> empty_stats() {
+  return {neg_inf<A>(), A(0), A(0)};
+}
+
+template <typename A>
+__device__ __forceinline__ RowStats<A> combine(const RowStats<A>& a, const RowStats<A>& b) {
+  const A max = fmax(a.max, b.max);
+  return {max, a.sum * rescale(a.max, max) + b.sum * rescale(b.max, max), a.sum_x + b.sum_x};
+}
+
+// log sum_j exp(v_j) in natural units (v = u * ln2): -inf when every value is -inf.
+template <typename A>
+__device__ __forceinline__ A natural_lse(const RowStats<A>& s) {
+  return (shift(s.max) + log2(s.sum)) * A(kLn2);
+}
+
+// __shfl_xor_sync / __shfl_sync of any trivially copyable value, 4 bytes at a time.
+template <typename V>
+__device__ __forceinline__ V shuffle(V v, int lane, bool by_xor) {
+  static_assert(sizeof(V) % 4 == 0);
+  unsigned w[sizeof(V) / 4];
+  std::memcpy(w, &v, sizeof(V));
+#pragma unroll
+  for (unsigned& x : w) x = by_xor ? __shfl_xor_sync(~0u, x, lane) : __shfl_sync(~0u, x, lane);
+  std::memcpy(&v, w, sizeof(V));
+  return v;
+}
+
+// Makes v look rewritten to the compiler, so that values converted from it before are converted
+// again after, not kept alive: for 16-bit rows, converted floats take twice the registers.
+template <typename V>
+__device__ __forceinline__ void reconvert_after(V& v) {
+  if constexpr (sizeof(V) % 4 == 0) {
+    unsigned w[sizeof(V) / 4];
+    std::memcpy(w, &v, sizeof(V));
+#pragma unroll
+    for (unsigned& x : w) asm volatile("" : "+r"(x));
+    std::memcpy(&v, w, sizeof(V));
+  } else {
+    static_assert(sizeof(V) == 2);
+    unsigned short x;
+    std::memcpy(&x, &v, 2);
+    asm volatile("" : "+h"(x));
+    std::memcpy(&v, &x, 2);
+  }
+}
+
+template <typename V, typename F>
+__device__ __forceinline__ V warp_allreduce(V v, F combine_fn) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = combine_fn(v, shuffle(v, offset, true));
+  return v;
+}
+
+// The block's reduction of v, the same bits in every thread (lane 0's result is broadcast: a
+// combine contracted into an fma is not exactly commutative). blockDim.x: a multiple of 32.
+template <typename V, typename F>
+__device__ V block_allreduce(V v, V identity, F combine_fn) {
+  __shared__ V partial[32];
+  v = warp_allreduce(v, combine_fn);
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? partial[lane] : identity;
+  __syncthreads();  // partial is free for the next call
+  return shuffle(warp_allreduce(v, combine_fn), 0, false);
+}
+
+template <typename A>
+__device__ __forceinline__ RowStats<A> block_stats(const RowStats<A>& s) {
+  return block_allreduce(s, empty_stats<A>(),
+                         [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
+}
+
+// Streams this thread's vectors of a row, j = threadIdx.x + k * blockDim.x < nv, kU at a time:
+// the next step's loads are issued before step(v, base) processes the current ones (vector k is
+// j = base + k * blockDim.x, valid when j < nv), so that a thread keeps kU 16-byte loads in
+// flight while it computes. A thread writes only its own vectors, so step may write the row.
+template <typename V, typename Step>
+__device__ __forceinline__ void stream_row(const V* row, std::int64_t nv, Step&& step) {
+  const std::int64_t stride = blockDim.x;
+  const auto load_step = [&](std::int64_t base, V(&v)[kU]) {
+#pragma unroll
+    for (int k = 0; k < kU; ++k)
+      if (base + k * stride < nv) v[k] = row[base + k * stride];
+  };
+  V current[kU];
+  load_step(threadIdx.x, current);
+#pragma unroll 1
+  for (std::int64_t base = threadIdx.x; base < nv; base += kU * stride) {
+    V next[kU];
+    load_step(base + kU * stride, next);
+    step(current, base);
+#pragma unroll
+    for (int k = 0; k < kU; ++k) current[k] = next[k];
+  }
+}
+
+// This thread's part of a row of nv vectors of W elements (stream_row), one rescale per step.
+// With kSumX, also sum x.
+template <typename T, int W, bool kSumX>
+__device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, acc_t<T> scale) {
+  using A = acc_t<T>;
+  using V = Chunk<T, W>;
+  const std::int64_t stride = blockDim.x;
+  RowStats<A> st = empty_stats<A>();
+  stream_row(reinterpret_cast<const V*>(row), nv, [&](V(&v)[kU], std::int64_t base) {
+    A step_max = neg_inf<A>();
+#pragma unroll
+    for (int k = 0; k < kU; ++k)
+      if (base + k * stride < nv)
+#pragma unroll
+        for (int i = 0; i < W; ++i) step_max = fmax(step_max, v[k][i] * scale);
+#pragma unroll
+    for (int k = 0; k < kU; ++k) reconvert_after(v[k]);
+    const A max = fmax(st.max, step_max);
+    st.sum *= rescale(st.max, max);
+    st.max = max;
+    const A sh = shift(max);
+#pragma unroll
+    for (int k = 0; k < kU; ++k)
+      if (base + k * stride < nv)
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+          const A x = v[k][i];
+          st.sum += exp2a(x * scale - sh);
+          if constexpr (kSumX) st.sum_x += x;
+        }
+  });
+  return st;
+}
+
+// Threads for a row of nv vectors handled kU (or k) per thread: a multiple of 32 in
+// [32, kMaxThreads].
+inline int row_threads(std::int64_t nv, int per_thread) {
+  const std::int64_t t = (nv + per_thread - 1) / per_thread;
+  return static_cast<int>(
+      std::min<std::int64_t>(kMaxThreads, std::max<std::int64_t>(32, (t + 31) / 32 * 32)));
+}
+
+// Blocks for a loop over rows, one row per block at a time.
+inline unsigned row_blocks(std::int64_t rows) {
+  return static_cast<unsigned>(std::min<std::int64_t>(rows, std::int64_t{1} << 30));
+}
+
+// Vectors of W elements when every pointer is 16-byte aligned and rows are a whole number of
+// vectors; else 1 (scalar accesses).
+template <typename T>
+int vector_width(std::int64_t cols, std::initializer_list<const void*> pointers) {
+  if (cols % kVec16<T> != 0) return 1;
+  for (const void* p : pointers)
+    if (!aligned16(p)) return 1;
+  return kVec16<T>;
+}
+
+}  // namespace meshfuse::detail::cuda
