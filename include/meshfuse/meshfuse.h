@@ -9,6 +9,7 @@
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 #include "meshfuse/ops/cross_entropy.h"
+#include "meshfuse/ops/fused_linear_cross_entropy.h"
 #include "meshfuse/ops/gemm.h"
 #include "meshfuse/ops/rmsnorm.h"
 #include "meshfuse/ops/softmax.h"

@@ -1,0 +1,122 @@
+// Fused linear cross-entropy front-end: argument checks, backend dispatch, and the workspace
+// query.
+#include "meshfuse/ops/fused_linear_cross_entropy.h"
+
+#include "ops/common.h"
+#include "ops/fused_linear_cross_entropy/fused_linear_cross_entropy_kernels.h"
+
+namespace meshfuse {
+namespace {
+
+using detail::kFusedLinearCrossEntropy;
+
+std::vector<KernelTable<detail::FusedLinearCrossEntropyFn>::Entry> entries() {
+  return {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+           &detail::reference::fused_linear_cross_entropy},
+          {KernelBackend::CPU,
+           {DeviceType::CPU},
+           detail::kFloatDTypes,
+           &detail::cpu::fused_linear_cross_entropy}};
+}
+
+// One kernel computes both directions; the table named for the direction asked for is the one
+// resolved, so that each direction is listed and forced like every other op's.
+const KernelTable<detail::FusedLinearCrossEntropyFn> kForward(std::string(kFusedLinearCrossEntropy),
+                                                              entries());
+const KernelTable<detail::FusedLinearCrossEntropyFn> kBackward(
+    std::string(kFusedLinearCrossEntropy) + "_backward", entries());
+
+void check_chunk_rows(std::int64_t chunk_rows) {
+  MESHFUSE_CHECK(chunk_rows > 0, ErrorCode::InvalidArgument,
+                 "{}: chunk_rows must be positive, got {}", kFusedLinearCrossEntropy, chunk_rows);
+}
+
+void check_like(std::string_view name, const TensorView& t, DType dtype, const Shape& shape) {
+  detail::check_same_dtype(kFusedLinearCrossEntropy, name, t, dtype, "x");
+  detail::check_shape(kFusedLinearCrossEntropy, name, t, shape);
+}
+
+}  // namespace
+
+void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
+                                const TensorView& bias, const TensorView& labels,
+                                const TensorView& grad_loss, const TensorView& loss,
+                                const TensorView& grad_x, const TensorView& grad_weight,
+                                const TensorView& grad_bias, const CrossEntropyOptions& options,
+                                std::int64_t chunk_rows, const Stream& stream) {
+  constexpr std::string_view op = kFusedLinearCrossEntropy;
+  detail::check_defined(op, "x", x);
+  detail::check_dtype(op, "x", x, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_rank(op, "x", x, 2);
+  detail::check_defined(op, "weight", weight);
+  detail::check_same_dtype(op, "weight", weight, x.dtype(), "x");
+  detail::check_rank(op, "weight", weight, 2);
+  MESHFUSE_CHECK(weight.size(1) == x.size(1), ErrorCode::ShapeMismatch,
+                 "{}: 'weight' {} must be (V, {}) to match 'x' {}", op, shape_str(weight.shape()),
+                 x.size(1), shape_str(x.shape()));
+  const FusedLinearCrossEntropyShape s{x.dtype(),          x.size(0),        x.size(1),
+                                       weight.size(0),     chunk_rows,       options.reduction,
+                                       bias.defined(),     grad_x.defined(), grad_weight.defined(),
+                                       grad_bias.defined()};
+  if (bias.defined()) check_like("bias", bias, s.dtype, {s.vocab});
+  detail::check_defined(op, "labels", labels);
+  detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
+  detail::check_shape(op, "labels", labels, {s.rows});
+  MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
+                 ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
+                 options.label_smoothing);
+  check_chunk_rows(chunk_rows);
+  const Shape loss_shape = s.reduction == Reduction::None ? Shape{s.rows} : Shape{};
+  detail::check_output(op, "loss", loss, loss_shape, s.dtype);
+  const bool grads = s.grad_x || s.grad_weight || s.grad_bias;
+  MESHFUSE_CHECK(!grads || grad_loss.defined(), ErrorCode::InvalidArgument,
+                 "{}: 'grad_loss' (the upstream gradient of the loss) is required when a gradient "
+                 "output is given",
+                 op);
+  if (grad_loss.defined()) check_like("grad_loss", grad_loss, s.dtype, loss_shape);
+  if (s.grad_x) detail::check_output(op, "grad_x", grad_x, x.shape(), s.dtype);
+  if (s.grad_weight) detail::check_output(op, "grad_weight", grad_weight, weight.shape(), s.dtype);
+  if (s.grad_bias) {
+    MESHFUSE_CHECK(s.bias, ErrorCode::InvalidArgument, "{}: 'grad_bias' is given but 'bias' is not",
+                   op);
+    detail::check_output(op, "grad_bias", grad_bias, {s.vocab}, s.dtype);
+  }
+  auto* fn = (grads ? kBackward : kForward)
+                 .select({{"x", x},
+                          {"weight", weight},
+                          {"bias", bias},
+                          {"labels", labels},
+                          {"grad_loss", grad_loss},
+                          {"loss", loss},
+                          {"grad_x", grad_x},
+                          {"grad_weight", grad_weight},
+                          {"grad_bias", grad_bias}});
+  detail::HostStaging host(op, x, stream);
+  const auto in = [&](const TensorView& t) {
+    return detail::Contiguous(host.input(t), host.stream());
+  };
+  const detail::Contiguous xc = in(x), wc = in(weight), bc = in(bias), yc = in(labels),
+                           gc = in(grad_loss);
+  const auto out = [&](const TensorView& t) { return host.output(t).data(); };
+  fn(s, labels.dtype(),
+     {xc.view().data(), wc.view().data(), bc.view().data(), yc.view().data(), gc.view().data(),
+      out(loss), out(grad_x), out(grad_weight), out(grad_bias)},
+     options, host.stream());
+  host.finish();
+}
+
+FusedLinearCrossEntropyWorkspace fused_linear_cross_entropy_workspace(
+    const FusedLinearCrossEntropyShape& s) {
+  MESHFUSE_CHECK(s.rows >= 0 && s.hidden >= 0 && s.vocab >= 0, ErrorCode::InvalidArgument,
+                 "{}: sizes must be non-negative, got rows={} hidden={} vocab={}",
+                 kFusedLinearCrossEntropy, s.rows, s.hidden, s.vocab);
+  check_chunk_rows(s.chunk_rows);
+  if (!is_floating_point(s.dtype)) detail::fail_dtype(kFusedLinearCrossEntropy, s.dtype);
+  const detail::cpu::FusedLinearCrossEntropyPlan p = detail::cpu::plan(s);
+  const std::int64_t a = s.dtype == DType::F64 ? 8 : 4;  // the compute type's size
+  return {p.logits * a, p.lse * a + (p.row_loss + p.row_grad) * 8,
+          (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_weight * 4,
+          p.grad_bias * a};
+}
+
+}  // namespace meshfuse
