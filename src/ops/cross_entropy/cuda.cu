@@ -114,23 +114,25 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       for (std::int64_t j = threadIdx.x; j < nv; j += stride) dx[j] = zero;
       continue;
     }
+    // dx_j = cg * (p_j * p_scale - eps / V - [j == y] (1 - eps)), with the factors folded.
     const A l = lse[g];
     const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m;
-    const A p_scale = c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1);
+    const A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1));
+    const A offset = cg * smooth, label_offset = cg * (smooth + hit);
     const A shift2 = l * A(kLog2e);
     stream_row(x, nv, [&](const V(&v)[kU], std::int64_t base) {
 #pragma unroll
       for (int k = 0; k < kU; ++k) {
         const std::int64_t j = base + k * stride;
         if (j < nv) {
-          const std::int64_t label_at = y - j * W;  // the label's place in this vector, if any
+          // The label's place in this vector, if any.
+          const std::int64_t d = y - j * W;
+          const int label_at = d >= 0 && d < W ? static_cast<int>(d) : -1;
           A out[W];
 #pragma unroll
-          for (int e = 0; e < W; ++e) {
-            A t = exp2a(v[k][e] * c.ml - shift2) * p_scale - smooth;
-            if (e == label_at) t -= hit;
-            out[e] = cg * t;
-          }
+          for (int e = 0; e < W; ++e)
+            out[e] =
+                exp2a(v[k][e] * c.ml - shift2) * p_factor - (e == label_at ? label_offset : offset);
           dx[j] = V::from(out);
         }
       }
