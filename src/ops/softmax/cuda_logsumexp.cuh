@@ -27,8 +27,8 @@ constexpr int kU = 4;
 template <typename T, int kBlocks>
 constexpr int kMinBlocks = sizeof(T) == 8 ? 1 : kBlocks;
 
-// 2^x. Float: the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither a sum
-// of exps nor a probability rounded to the output type notices.
+// 2^x. Float: the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither
+// a sum of exps nor a probability rounded to the output type notices.
 __device__ __forceinline__ float exp2a(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -238,8 +238,7 @@ __device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, ac
   return st;
 }
 
-// Threads for a row of nv vectors handled kU (or k) per thread: a multiple of 32 in
-// [32, kMaxThreads].
+// Threads for a row of nv vectors, per_thread each: a multiple of 32 in [32, kMaxThreads].
 inline int row_threads(std::int64_t nv, int per_thread) {
   const std::int64_t t = (nv + per_thread - 1) / per_thread;
   return static_cast<int>(
