@@ -167,3 +167,18 @@ TEST(KernelBackend, RegistryListsEveryOpOnReferenceAndCpu) {
 
 }  // namespace
 }  // namespace meshfuse
+
+namespace meshfuse {
+namespace {
+
+TEST(StreamTimer, TimesCpuWorkWithTheHostClock) {
+  StreamTimer timer(Stream{});
+  timer.start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double ms = timer.stop();
+  EXPECT_GE(ms, 19.0);
+  EXPECT_LT(ms, 5000.0);
+}
+
+}  // namespace
+}  // namespace meshfuse

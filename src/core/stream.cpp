@@ -1,5 +1,7 @@
 #include "meshfuse/core/stream.h"
 
+#include <chrono>
+
 #include "meshfuse/core/error.h"
 
 #ifdef MESHFUSE_WITH_CUDA
@@ -31,5 +33,49 @@ CudaStream::CudaStream(int device_index) {
 
 CudaStream::~CudaStream() = default;
 #endif
+
+namespace {
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+StreamTimer::StreamTimer(const Stream& stream) : stream_(stream) {
+  if (stream_.device.type != DeviceType::CUDA) return;
+#ifdef MESHFUSE_WITH_CUDA
+  detail::check_cuda_device(stream_.device, "StreamTimer");
+  begin_ = detail::cuda_event_create(stream_.device.index);
+  end_ = detail::cuda_event_create(stream_.device.index);
+#else
+  fail(ErrorCode::BackendUnavailable,
+       "StreamTimer: cannot time {}: this build of meshfuse has no CUDA support",
+       stream_.device.str());
+#endif
+}
+
+StreamTimer::~StreamTimer() {
+#ifdef MESHFUSE_WITH_CUDA
+  if (begin_ != nullptr) detail::cuda_event_destroy(begin_, stream_.device.index);
+  if (end_ != nullptr) detail::cuda_event_destroy(end_, stream_.device.index);
+#endif
+}
+
+void StreamTimer::start() {
+#ifdef MESHFUSE_WITH_CUDA
+  if (begin_ != nullptr) return detail::cuda_event_record(begin_, stream_);
+#endif
+  host_start_ = now_seconds();
+}
+
+double StreamTimer::stop() {
+#ifdef MESHFUSE_WITH_CUDA
+  if (end_ != nullptr) {
+    detail::cuda_event_record(end_, stream_);
+    return detail::cuda_event_elapsed_ms(begin_, end_);
+  }
+#endif
+  return (now_seconds() - host_start_) * 1e3;
+}
 
 }  // namespace meshfuse

@@ -32,4 +32,25 @@ class CudaStream {
   Stream stream_;
 };
 
+// Times the work queued on a stream between start() and stop(): with CUDA events recorded on the
+// stream for CUDA streams (device time: the host's launch and synchronisation latency is left
+// out), with a steady clock on the CPU.
+class StreamTimer {
+ public:
+  explicit StreamTimer(const Stream& stream);
+  ~StreamTimer();
+  StreamTimer(const StreamTimer&) = delete;
+  StreamTimer& operator=(const StreamTimer&) = delete;
+
+  void start();
+  // Waits for the work queued since start() and returns its duration in milliseconds.
+  double stop();
+
+ private:
+  Stream stream_;
+  void* begin_ = nullptr;  // cudaEvent_t pair on CUDA streams
+  void* end_ = nullptr;
+  double host_start_ = 0;  // seconds on the steady clock, CPU streams
+};
+
 }  // namespace meshfuse

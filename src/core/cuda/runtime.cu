@@ -204,6 +204,37 @@ void cuda_synchronize(const Stream& stream) {
   cuda::check(cudaStreamSynchronize(cuda::native(stream)), "synchronize");
 }
 
+void* cuda_event_create(int device_index) {
+  cuda::DeviceGuard guard(device_index);
+  cudaEvent_t e = nullptr;
+  cuda::check(cudaEventCreate(&e), "StreamTimer");
+  return e;
+}
+
+void cuda_event_destroy(void* event, int device_index) {
+  // Called from a destructor: must not throw, so errors are ignored.
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_index);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  cudaSetDevice(previous);
+}
+
+void cuda_event_record(void* event, const Stream& stream) {
+  cuda::DeviceGuard guard(stream.device.index);
+  cuda::check(cudaEventRecord(static_cast<cudaEvent_t>(event), cuda::native(stream)),
+              "StreamTimer");
+}
+
+double cuda_event_elapsed_ms(void* begin, void* end) {
+  cuda::check(cudaEventSynchronize(static_cast<cudaEvent_t>(end)), "StreamTimer");
+  float ms = 0;
+  cuda::check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(begin),
+                                   static_cast<cudaEvent_t>(end)),
+              "StreamTimer");
+  return ms;
+}
+
 void* cuda_stream_create(int device_index) {
   cuda::DeviceGuard guard(device_index);
   cudaStream_t s = nullptr;

@@ -17,6 +17,11 @@ std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stre
 // copy() when either side is on a CUDA device.
 void cuda_copy(const TensorView& src, const TensorView& dst, const Stream& stream);
 void cuda_synchronize(const Stream& stream);
+void* cuda_event_create(int device_index);
+void cuda_event_destroy(void* event, int device_index);
+void cuda_event_record(void* event, const Stream& stream);
+// Waits for `end` and returns the milliseconds between the two recorded events.
+double cuda_event_elapsed_ms(void* begin, void* end);
 void* cuda_stream_create(int device_index);
 void cuda_stream_destroy(void* stream, int device_index);
 
