@@ -16,7 +16,10 @@ using detail::GemmProblem;
 std::vector<KernelTable<detail::GemmFn>::Entry> gemm_entries() {
   return {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
            &detail::reference::gemm},
-          {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gemm}};
+          {KernelBackend::CPU,
+           {DeviceType::CPU},
+           detail::kFloatDTypes,
+           &detail::cpu::gemm} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gemm)};
 }
 
 const KernelTable<detail::GemmFn> kGemm("gemm", gemm_entries());
@@ -26,7 +29,10 @@ const KernelTable<const detail::LinearBackwardKernels> kLinearBackward(
     "linear_backward",
     {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::linear_backward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::linear_backward}});
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::linear_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, linear_backward)});
 
 // The BLAS view of a (rows, cols) matrix with strides (rs, cs): row-major when the columns have
 // unit stride, transposed storage when the rows do; nullopt otherwise. A dim of size <= 1 takes
@@ -143,7 +149,7 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
   detail::HostStaging host(op, a, stream);
   const Operand oa(host.input(a), o.transpose_a, host.stream()),
       ob(host.input(b), o.transpose_b, host.stream()), oc(host.input(c), false, host.stream());
-  fn({a.dtype(), batch, m, n, k, o.alpha, o.beta}, oa.matrix(), ob.matrix(), oc.matrix(),
+  fn({a.dtype(), batch, m, n, k, o.alpha, o.beta, op.data()}, oa.matrix(), ob.matrix(), oc.matrix(),
      output(host.output(d), n, m), host.stream());
   host.finish();
 }
@@ -188,8 +194,8 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
   const Operand ox = Operand::rows_of(host.input(x), host.stream()),
                 ow(host.input(weight), true, host.stream()),
                 ob = Operand::broadcast_row(host.input(bias), host.stream());
-  fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0}, ox.matrix(), ow.matrix(),
-     ob.matrix(), output(host.output(out), n, rows), host.stream());
+  fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()}, ox.matrix(),
+     ow.matrix(), ob.matrix(), output(host.output(out), n, rows), host.stream());
   host.finish();
 }
 
@@ -216,14 +222,14 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
   const Operand dy = Operand::rows_of(host.input(grad_out), host.stream());
   if (grad_x.defined()) {  // dx (rows, K) = dy (rows, N) @ W (N, K)
     const Operand ow(host.input(weight), false, host.stream());
-    kernels->gemm({dtype, 1, rows, k, n, 1.0, 0.0}, dy.matrix(), ow.matrix(), {},
+    kernels->gemm({dtype, 1, rows, k, n, 1.0, 0.0, op.data()}, dy.matrix(), ow.matrix(), {},
                   output(host.output(grad_x), k, rows), host.stream());
   }
   if (grad_weight.defined()) {  // dW (N, K) = dy^T (N, rows) @ x (rows, K)
     const Operand ox = Operand::rows_of(host.input(x), host.stream());
     GemmMatrix dyt = dy.matrix();
     dyt.transposed = !dyt.transposed;
-    kernels->gemm({dtype, 1, n, k, rows, 1.0, 0.0}, dyt, ox.matrix(), {},
+    kernels->gemm({dtype, 1, n, k, rows, 1.0, 0.0, op.data()}, dyt, ox.matrix(), {},
                   output(host.output(grad_weight), k, n), host.stream());
   }
   if (grad_bias.defined())

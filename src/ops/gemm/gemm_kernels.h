@@ -20,18 +20,25 @@ struct GemmMatrix {
   bool transposed = false;
 };
 
-// Offset in elements of element (l, r, c) of x; int64, as operands may pass 2^31 elements.
-inline std::int64_t offset(const GemmMatrix& x, std::int64_t l, std::int64_t r, std::int64_t c) {
+// Offset in elements of element (l, r, c) of x; int64, as operands may pass 2^31 elements. The
+// CUDA kernels call it too.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline std::int64_t
+    offset(const GemmMatrix& x, std::int64_t l, std::int64_t r, std::int64_t c) {
   return l * x.batch_stride + (x.transposed ? c * x.ld + r : r * x.ld + c);
 }
 
 // D[l] = alpha * A[l] @ B[l] + beta * C[l] for l < batch; A[l]: (m, k), B[l]: (k, n), C[l] and
 // D[l]: (m, n). C.data == nullptr means no C (beta is then 0). D is row-major (not transposed); C
-// may be D itself. alpha == 0 or k == 0: A and B are not read; beta == 0: C is not read.
+// may be D itself. alpha == 0 or k == 0: A and B are not read; beta == 0: C is not read. `op` is
+// the public op, for error messages.
 struct GemmProblem {
   DType dtype;
   std::int64_t batch, m, n, k;
   double alpha, beta;
+  const char* op = "gemm";
 };
 
 using GemmFn = void(const GemmProblem&, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
@@ -60,5 +67,12 @@ GemmFn gemm;
 ColumnSumFn column_sum;
 inline constexpr LinearBackwardKernels linear_backward{&gemm, &column_sum};
 }  // namespace cpu
+
+// cuBLASLt for the GEMMs, a deterministic two-pass kernel for column_sum (cuda.cu says more).
+namespace cuda {
+GemmFn gemm;
+ColumnSumFn column_sum;
+inline constexpr LinearBackwardKernels linear_backward{&gemm, &column_sum};
+}  // namespace cuda
 
 }  // namespace meshfuse::detail
