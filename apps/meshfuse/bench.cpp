@@ -155,16 +155,6 @@ struct Peaks {
   std::int64_t cache_bytes = 0;
 };
 
-// Ops on an accelerator are asynchronous: there a timed call ends when the device's default
-// stream (where the ops run) has drained. (CUDA events would leave out the launch latency.)
-std::function<void()> synchronized(const std::function<void()>& fn, Device device) {
-  if (device.type == DeviceType::CPU) return fn;
-  return [fn, stream = Stream{device}] {
-    fn();
-    synchronize(stream);
-  };
-}
-
 Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, const Direction& d,
                const TimingPolicy& policy) {
   Record r{.op = op,
@@ -173,9 +163,10 @@ Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, cons
            .device = plan.setup.device.str(),
            .dtype = std::string(to_string(plan.setup.dtype)),
            .shape = d.shape};
-  std::vector<std::function<void()>> calls = {synchronized(d.run, plan.setup.device)};
+  std::vector<std::function<void()>> calls = {d.run};
   if (d.blas) calls.push_back(d.blas);  // interleaved with ours (BENCHMARKING.md)
-  const std::vector<Timing> t = time_interleaved(calls, policy);
+  // Ops run on the default stream of the tensors' device.
+  const std::vector<Timing> t = time_interleaved(calls, policy, Stream{plan.setup.device});
   r.median_ms = t[0].median_ms;
   r.p20_ms = t[0].p20_ms;
   r.p80_ms = t[0].p80_ms;

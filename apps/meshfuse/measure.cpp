@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <memory>
 
@@ -16,12 +15,6 @@
 
 namespace meshfuse::cli {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 // Copies n bytes, each OpenMP thread its own contiguous slice.
 void parallel_copy(char* dst, const char* src, std::int64_t n) {
@@ -49,23 +42,25 @@ double quantile(std::vector<double> samples, double p) {
 }
 
 std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
-                                     const TimingPolicy& policy) {
+                                     const TimingPolicy& policy, const Stream& stream) {
   // Warm-up: caches, page faults of fresh outputs, thread pools. Heavy calls stop early; the
   // first round always runs.
-  const auto warm_start = Clock::now();
+  StreamTimer timer(stream);
+  timer.start();
   for (int i = 0; i < policy.warmup; ++i) {
     for (const auto& fn : fns) fn();
-    if (seconds_since(warm_start) > policy.warmup_budget_s) break;
+    if (timer.stop() > 1e3 * policy.warmup_budget_s) break;
   }
   std::vector<std::vector<double>> samples(fns.size());
-  const auto start = Clock::now();
+  double total_ms = 0;
   for (int i = 0; i < policy.repeats; ++i) {
     for (std::size_t f = 0; f < fns.size(); ++f) {
-      const auto t0 = Clock::now();
+      timer.start();
       fns[f]();
-      samples[f].push_back(seconds_since(t0) * 1e3);
+      samples[f].push_back(timer.stop());
+      total_ms += samples[f].back();
     }
-    if (i + 1 >= policy.min_repeats && seconds_since(start) > policy.budget_s) break;
+    if (i + 1 >= policy.min_repeats && total_ms > 1e3 * policy.budget_s) break;
   }
   std::vector<Timing> out;
   for (const auto& s : samples)
@@ -103,12 +98,9 @@ CopyBandwidth measure_copy_bandwidth(Device device) {
   } else {
     device_src = Tensor::zeros({n}, DType::U8, device);
     device_dst = Tensor({n}, DType::U8, device);
-    copy_once = [&, stream = Stream{device}] {
-      copy(device_src, device_dst, stream);
-      synchronize(stream);
-    };
+    copy_once = [&] { copy(device_src, device_dst, Stream{device}); };
   }
-  const Timing t = time_interleaved({copy_once}, policy)[0];
+  const Timing t = time_interleaved({copy_once}, policy, Stream{device})[0];
   return {2.0 * static_cast<double>(n) / (t.median_ms * 1e-3) / 1e9, n};
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "meshfuse/core/device.h"
+#include "meshfuse/core/stream.h"
 
 namespace meshfuse::cli {
 
@@ -26,10 +27,11 @@ struct Timing {
 };
 
 // Times each function in `fns`, calling them interleaved (A B A B ...) so that they see the same
-// machine state; each call is timed on its own with a steady clock. Returns one Timing per
-// function.
+// machine state; each call is timed on its own with a StreamTimer on `stream` (the steady clock
+// on the CPU, CUDA events on a GPU stream, where the functions queue their work). Returns one
+// Timing per function.
 std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
-                                     const TimingPolicy& policy);
+                                     const TimingPolicy& policy, const Stream& stream = {});
 
 // The p-th quantile (p in [0, 1]) of `samples`, linearly interpolated.
 double quantile(std::vector<double> samples, double p);

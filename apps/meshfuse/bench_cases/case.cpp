@@ -20,14 +20,14 @@ std::uint64_t splitmix64(std::uint64_t x) {
 // seed whatever the thread count, and parallel. testing::fill_normal draws from one sequential
 // mt19937 stream, which takes seconds for the 10^8-element tensors of the vocabulary ops.
 template <typename T>
-void fill_normal_parallel(T* p, std::int64_t n, std::uint64_t seed) {
+void fill_normal_parallel(T* p, std::int64_t n, std::uint64_t seed, double std) {
   const std::uint64_t key = splitmix64(seed);
 #pragma omp parallel for schedule(static)
   for (std::int64_t i = 0; i < n; i += 2) {
     const std::uint64_t a = splitmix64(key ^ static_cast<std::uint64_t>(i)), b = splitmix64(a);
     const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1p-53;  // (0, 1]
     const double u2 = static_cast<double>(b >> 11) * 0x1p-53;
-    const double r = std::sqrt(-2.0 * std::log(u1)), theta = 2.0 * std::numbers::pi * u2;
+    const double r = std * std::sqrt(-2.0 * std::log(u1)), theta = 2.0 * std::numbers::pi * u2;
     p[i] = from_double<T>(r * std::cos(theta));
     if (i + 1 < n) p[i + 1] = from_double<T>(r * std::sin(theta));
   }
@@ -50,9 +50,14 @@ double subnormal_step(DType dtype) {
   }
 }
 
-Tolerance tolerance(DType dtype, double magnitude) {
+Tolerance tolerance(DType dtype, double magnitude, std::int64_t terms) {
   const double tol = testing::default_tolerance(dtype);
-  return {std::max(tol * magnitude, 4 * subnormal_step(dtype)), tol};
+  const double accumulation = 4 * 0x1p-24 * sqrt_of(terms);
+  return {std::max(magnitude * std::max(tol, accumulation), 4 * subnormal_step(dtype)), tol};
+}
+
+double sqrt_of(std::int64_t k) {
+  return std::sqrt(static_cast<double>(std::max<std::int64_t>(k, 1)));
 }
 
 namespace {
@@ -74,23 +79,23 @@ Comparison compare_output(std::string name, const TensorView& actual, const Tens
 }
 
 Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
-                     std::optional<DType> dtype) {
+                     std::optional<DType> dtype, double std) {
   Tensor host(std::move(shape), dtype.value_or(setup.dtype));
   switch (host.dtype()) {
     case DType::F32:
-      fill_normal_parallel(host.data_ptr<float>(), host.numel(), seed);
+      fill_normal_parallel(host.data_ptr<float>(), host.numel(), seed, std);
       break;
     case DType::F64:
-      fill_normal_parallel(host.data_ptr<double>(), host.numel(), seed);
+      fill_normal_parallel(host.data_ptr<double>(), host.numel(), seed, std);
       break;
     case DType::BF16:
-      fill_normal_parallel(host.data_ptr<bfloat16>(), host.numel(), seed);
+      fill_normal_parallel(host.data_ptr<bfloat16>(), host.numel(), seed, std);
       break;
     case DType::F16:
-      fill_normal_parallel(host.data_ptr<float16>(), host.numel(), seed);
+      fill_normal_parallel(host.data_ptr<float16>(), host.numel(), seed, std);
       break;
     default:
-      testing::fill_normal(host, seed);  // raises the error for a non-float dtype
+      testing::fill_normal(host, seed, 0.0, std);  // raises the error for a non-float dtype
   }
   if (setup.device.type == DeviceType::CPU) return host;
   Tensor on_device(host.shape(), host.dtype(), setup.device);

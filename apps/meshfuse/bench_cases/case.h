@@ -34,13 +34,16 @@ struct Tolerance {
   double rtol = 0;
 };
 
-// The check of an output whose values have typical size `magnitude` (inputs are std-normal):
-// |ours - reference| <= tol(dtype) * magnitude + tol(dtype) * |reference|, with tol =
-// testing::default_tolerance (about 4 ulps of the dtype: 1e-5 f32, 2e-3 f16, 2e-2 bf16).
-// Magnitudes: 1 for elementwise and normalised outputs; sqrt(k) for sums of k products (GEMMs over
-// K, weight gradients over the rows), whose fp32 accumulation error grows alike; 1/V for
-// probabilities over a vocabulary of V. atol is at least 4 steps of the dtype's subnormals.
-Tolerance tolerance(DType dtype, double magnitude = 1.0);
+// The check of an output whose values (and partial sums) have typical size `magnitude`, each a
+// sum of `terms` products accumulated in fp32 (inputs are standard normal):
+//   |ours - reference| <= atol + tol·|reference|,   atol = magnitude · max(tol, 4·2^-24·√terms)
+// with tol = testing::default_tolerance(dtype), about 4 ulps of the dtype (1e-5 f32, 2e-3 f16,
+// 2e-2 bf16): the output's own rounding, or the fp32 accumulation error, which grows as √terms,
+// whichever is larger. atol is at least 4 steps of the dtype's subnormals (f16 probabilities over
+// a large vocabulary are subnormal).
+Tolerance tolerance(DType dtype, double magnitude = 1.0, std::int64_t terms = 1);
+// √k, the typical size of a sum of k products of standard normal values.
+double sqrt_of(std::int64_t k);
 
 // One output of a direction compared with the reference.
 struct Comparison {
@@ -90,13 +93,14 @@ std::vector<BenchCase> linear_cases();
 std::vector<BenchCase> swiglu_cases();
 std::vector<BenchCase> softmax_cases();
 std::vector<BenchCase> cross_entropy_cases();
+std::vector<BenchCase> fused_linear_cross_entropy_cases();
 
 // --- helpers for the cases ------------------------------------------------------------------
 
-// A tensor of std-normal values (BENCHMARKING.md: random inputs) on the setup's device, of the
-// setup's dtype unless given; `seed` makes each input different.
+// A tensor of normal(0, std) values (BENCHMARKING.md: random inputs) on the setup's device, of
+// the setup's dtype unless given; `seed` makes each input different.
 Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
-                     std::optional<DType> dtype = {});
+                     std::optional<DType> dtype = {}, double std = 1.0);
 // An uninitialised output on the setup's device.
 Tensor output_tensor(const BenchSetup& setup, Shape shape, std::optional<DType> dtype = {});
 // The first `rows` rows (dim 0) of t.

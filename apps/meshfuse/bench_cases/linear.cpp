@@ -39,8 +39,6 @@ Tensor f32_copy(const TensorView& t) {
   return out;
 }
 
-double sqrt_of(std::int64_t k) { return std::sqrt(static_cast<double>(k)); }
-
 std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view name) {
   const auto [n, k] = linear_shape(name, s.model);
   const std::int64_t t = s.tokens;
@@ -78,7 +76,7 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
     const Tensor out_ref = output_tensor(s, {rows, n});
     on_reference([&] { linear(first_rows(x, rows), weight, TensorView{}, out_ref); });
     return std::vector{
-        compare_output("out", first_rows(out, rows), out_ref, tolerance(s.dtype, sqrt_of(k)))};
+        compare_output("out", first_rows(out, rows), out_ref, tolerance(s.dtype, sqrt_of(k), k))};
   };
 
   Direction backward{
@@ -110,9 +108,9 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
            {.transpose_a = true});
     });
     return std::vector{compare_output("grad_x", first_rows(grad_x, rows), grad_x_ref,
-                                      tolerance(s.dtype, sqrt_of(n))),
+                                      tolerance(s.dtype, sqrt_of(n), n)),
                        compare_output("grad_weight", first_rows(grad_weight, features),
-                                      grad_weight_ref, tolerance(s.dtype, sqrt_of(t)))};
+                                      grad_weight_ref, tolerance(s.dtype, sqrt_of(t), t))};
   };
   return {forward, backward};
 }

@@ -15,8 +15,8 @@ std::vector<Direction> softmax_directions(const BenchSetup& s) {
   const double e = static_cast<double>(element_size(s.dtype));
   const Tensor x = random_tensor(s, {n, v}, 31), grad_y = random_tensor(s, {n, v}, 32);
   const Tensor y = output_tensor(s, {n, v}), grad_x = output_tensor(s, {n, v});
-  // Probabilities and their gradients are ~1/V each.
-  const Tolerance tol = tolerance(s.dtype, 1.0 / static_cast<double>(v));
+  // Probabilities and their gradients are ~1/V each, normalised by a sum over V.
+  const Tolerance tol = tolerance(s.dtype, 1.0 / static_cast<double>(v), v);
   const std::string shape = shape_text({{"x", {n, v}}});
   softmax(x, y);  // the backward's y
 

@@ -51,6 +51,9 @@ TEST(BenchCases, ToleranceScalesAtolByTheOutputsMagnitude) {
   EXPECT_DOUBLE_EQ(tolerance(DType::BF16, 4.0).atol, 8e-2);
   EXPECT_DOUBLE_EQ(tolerance(DType::BF16, 4.0).rtol, 2e-2);
   EXPECT_DOUBLE_EQ(tolerance(DType::F32, 0.5).atol, 5e-6);
+  // Over many terms the fp32 accumulation error (4 units of 2^-24 times sqrt(terms)) dominates.
+  EXPECT_DOUBLE_EQ(tolerance(DType::F32, 2.0, 1 << 20).atol, 2 * 4 * 0x1p-24 * 1024);
+  EXPECT_DOUBLE_EQ(tolerance(DType::BF16, 2.0, 1 << 20).atol, 2 * 2e-2);
   // f16 keeps 2^-24 absolute precision below its normal range: atol never goes under 4 steps.
   EXPECT_DOUBLE_EQ(tolerance(DType::F16, 1e-9).atol, 4 * 0x1p-24);
 }
