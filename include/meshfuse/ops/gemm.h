@@ -21,9 +21,13 @@
 //
 // dtypes: all tensors of a call share one: f32, f64, bf16 or f16. 16-bit types are stored as
 // 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. The
-// `reference` backend accumulates in double. Results are deterministic for a fixed thread count.
+// `reference` backend accumulates in double. Results are deterministic for a fixed thread count
+// (cpu) or GPU model (cuda).
 // The cpu backend runs f32 on oneDNN's matmul, bf16 and f16 widened to f32 (in blocks of bounded
 // size) on the same matmul, and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp measures why.
+// The cuda backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for f32, bf16 and
+// f16; f64 in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a fixed-order
+// column sum (src/ops/gemm/cuda.cu).
 //
 // Inputs may be strided views: a transposed view (unit stride along rows) is passed to the BLAS
 // as a transposed operand without a copy; other layouts are copied once. Outputs are contiguous
