@@ -104,8 +104,9 @@ __global__ void column_total_kernel(const acc_t<T>* partials, std::int64_t block
   out[j] = store<T>(sum);
 }
 
-// Row blocks of the column sum: a function of the row count only (the bits depend on it); at most
-// 256 blocks of at least 64 rows, enough blocks to fill the GPU at llama widths.
+// Row blocks of the column sum: a function of the row count only (the bits depend on it). Blocks
+// of up to 64 rows, at most 256 of them (then longer): with 32-column tiles, enough blocks to fill
+// the GPU at llama widths, and partials of a few percent of the input.
 std::int64_t column_sum_blocks(std::int64_t rows) {
   return std::min<std::int64_t>((rows + 63) / 64, 256);
 }
