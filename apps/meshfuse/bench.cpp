@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -155,8 +156,9 @@ struct Peaks {
   std::int64_t cache_bytes = 0;
 };
 
-Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, const Direction& d,
-               const TimingPolicy& policy) {
+// Times one direction (interleaved with its vendor GEMM, if any) and rates it.
+Record time_direction(const Plan& plan, const Peaks& peaks, const std::string& op,
+                      const Direction& d, const TimingPolicy& policy) {
   Record r{.op = op,
            .direction = d.direction,
            .backend = plan.backend_of.at(d.kernel),
@@ -192,7 +194,11 @@ Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, cons
                                   bytes_text(working_set),
                                   bytes_text(static_cast<double>(peaks.cache_bytes))));
   r.notes.insert(r.notes.end(), d.notes.begin(), d.notes.end());
+  return r;
+}
 
+// Runs the direction's reference check and records the errors and the verdict in r.
+void check_direction(const Direction& d, Record& r) {
   r.pass = true;
   r.max_abs_err = 0;
   r.max_rel_err = 0;
@@ -207,7 +213,6 @@ Record measure(const Plan& plan, const Peaks& peaks, const std::string& op, cons
         c.name, c.diff.violations, c.tolerance.atol, c.tolerance.rtol,
         c.diff.mismatched_nonfinite));
   }
-  return r;
 }
 
 std::string skipped_text(const Plan& plan) {
@@ -254,6 +259,10 @@ int run_bench(const BenchOptions& options, std::ostream& out) {
   TimingPolicy policy;
   policy.repeats = options.repeats;
 
+  const auto start = std::chrono::steady_clock::now();
+  const auto seconds_since = [](auto t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   if (!plan.skipped.empty()) fmt::print(stderr, "meshfuse bench: {}\n", skipped_text(plan));
   fmt::print(stderr, "meshfuse bench: measuring the memory copy bandwidth ...\n");
   // The CPU's last-level cache; for a GPU's L2 the CLI has no query (no cache notes there).
@@ -269,12 +278,16 @@ int run_bench(const BenchOptions& options, std::ostream& out) {
   for (std::size_t i = 0; i < n; ++i) {
     const BenchCase& c = plan.cases[i];
     fmt::print(stderr, "[{}/{}] {}: preparing inputs\n", i + 1, n, c.name);
-    for (const Direction& d : c.make(plan.setup)) {
-      fmt::print(stderr, "[{}/{}] {} {} {} ...", i + 1, n, c.name, d.direction, d.shape);
+    for (Direction& d : c.make(plan.setup)) {
+      fmt::print(stderr, "[{}/{}] {} {} {}: timing ...", i + 1, n, c.name, d.direction, d.shape);
       std::fflush(stderr);
-      records.push_back(measure(plan, peaks, c.name, d, policy));
-      const Record& r = records.back();
-      fmt::print(stderr, " {:.3f} ms, {}\n", *r.median_ms, r.pass ? "pass" : "FAIL");
+      Record r = time_direction(plan, peaks, c.name, d, policy);
+      d.blas = nullptr;  // frees the vendor GEMM's operands (GBs for the head) before the check
+      fmt::print(stderr, " {:.3f} ms; checking ...", *r.median_ms);
+      std::fflush(stderr);
+      check_direction(d, r);
+      fmt::print(stderr, " {} ({:.0f} s)\n", r.pass ? "pass" : "FAIL", seconds_since(start));
+      records.push_back(std::move(r));
     }
   }
 

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "meshfuse/core/error.h"
+
 namespace meshfuse::cli {
 namespace {
 
@@ -103,8 +105,49 @@ Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
   return on_device;
 }
 
+Tensor widened_to_f32(const Tensor& t) {
+  MESHFUSE_CHECK(t.device().type == DeviceType::CPU, ErrorCode::Unsupported,
+                 "bench: the vendor GEMM's operands are widened on the CPU, got {}",
+                 t.view().str());
+  Tensor out(t.shape(), DType::F32);
+  float* dst = out.data_ptr<float>();
+  const std::int64_t n = t.numel();
+  const auto widen = [&](const auto* src) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  };
+  switch (t.dtype()) {
+    case DType::F32:
+      widen(t.data_ptr<float>());
+      break;
+    case DType::BF16:
+      widen(t.data_ptr<bfloat16>());
+      break;
+    case DType::F16:
+      widen(t.data_ptr<float16>());
+      break;
+    default:
+      copy(t, out);
+  }
+  return out;
+}
+
 Tensor output_tensor(const BenchSetup& setup, Shape shape, std::optional<DType> dtype) {
   return Tensor(std::move(shape), dtype.value_or(setup.dtype), setup.device);
+}
+
+Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
+                          Tolerance tol, const std::vector<std::int64_t>& rows) {
+  Comparison all{name, {}, tol};
+  for (const std::int64_t row : rows) {
+    const testing::Diff d =
+        compare_output(name, actual.narrow(0, row, 1), expected.narrow(0, row, 1), tol).diff;
+    all.diff.max_abs_err = std::max(all.diff.max_abs_err, d.max_abs_err);
+    all.diff.max_rel_err = std::max(all.diff.max_rel_err, d.max_rel_err);
+    all.diff.mismatched_nonfinite += d.mismatched_nonfinite;
+    all.diff.violations += d.violations;
+  }
+  return all;
 }
 
 TensorView first_rows(const TensorView& t, std::int64_t rows) { return t.narrow(0, 0, rows); }

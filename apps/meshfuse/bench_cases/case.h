@@ -52,9 +52,12 @@ struct Comparison {
   Tolerance tolerance;
 };
 
-// testing::compare() of `actual` against `expected` with `tol`.
+// testing::compare() of `actual` against `expected` with `tol`; with `rows`, only those rows
+// (dim 0) are compared, for outputs too large to compare whole in a few seconds.
 Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
                           Tolerance tol);
+Comparison compare_output(std::string name, const TensorView& actual, const TensorView& expected,
+                          Tolerance tol, const std::vector<std::int64_t>& rows);
 
 // One direction of one op, ready to run on the backend being measured.
 struct Direction {
@@ -101,6 +104,9 @@ std::vector<BenchCase> fused_linear_cross_entropy_cases();
 // the setup's dtype unless given; `seed` makes each input different.
 Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
                      std::optional<DType> dtype = {}, double std = 1.0);
+// An f32 copy of a CPU tensor (f32, bf16 or f16), widened in parallel: the vendor GEMM's
+// operands, for the same inputs as ours (meshfuse::copy converts one element at a time).
+Tensor widened_to_f32(const Tensor& t);
 // An uninitialised output on the setup's device.
 Tensor output_tensor(const BenchSetup& setup, Shape shape, std::optional<DType> dtype = {});
 // The first `rows` rows (dim 0) of t.

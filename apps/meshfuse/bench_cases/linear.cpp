@@ -32,13 +32,6 @@ std::pair<std::int64_t, std::int64_t> linear_shape(std::string_view name, const 
   return {m.intermediate_size, h};  // gate, up
 }
 
-// An f32 copy of t for the vendor GEMM (the cpu backend widens 16-bit operands to f32 too).
-Tensor f32_copy(const TensorView& t) {
-  Tensor out(t.shape(), DType::F32);
-  copy(t, out);
-  return out;
-}
-
 std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view name) {
   const auto [n, k] = linear_shape(name, s.model);
   const std::int64_t t = s.tokens;
@@ -55,7 +48,8 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
   const double e = static_cast<double>(element_size(s.dtype));
   // The vendor GEMM's f32 operands (CPU only: on a GPU the yardstick would be cuBLAS).
   const bool on_cpu = s.device.type == DeviceType::CPU;
-  const Tensor x32 = on_cpu ? f32_copy(x) : Tensor(), w32 = on_cpu ? f32_copy(weight) : Tensor();
+  const Tensor x32 = on_cpu ? widened_to_f32(x) : Tensor(),
+               w32 = on_cpu ? widened_to_f32(weight) : Tensor();
 
   Direction forward{.kernel = "linear",
                     .direction = "forward",
@@ -89,7 +83,8 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
       .notes = notes};
   backward.run = [=] { linear_backward(grad_out, x, weight, grad_x, grad_weight, TensorView{}); };
   if (on_cpu) {
-    const Tensor dy32 = f32_copy(grad_out), dx32({t, k}, DType::F32), dw32({n, k}, DType::F32);
+    const Tensor dy32 = widened_to_f32(grad_out), dx32({t, k}, DType::F32),
+                 dw32({n, k}, DType::F32);
     backward.blas = [=] {
       vendor_sgemm(false, false, t, k, n, dy32.data_ptr<float>(), w32.data_ptr<float>(),
                    dx32.data_ptr<float>());
