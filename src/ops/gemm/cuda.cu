@@ -351,6 +351,20 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
   return true;
 }
 
+// cuBLASLt's heuristic answers CUBLAS_STATUS_NOT_SUPPORTED for a leading dimension past int32
+// (seen on an H200, CUDA 13): such an (r x c) operand is first gathered densely into `scratch`
+// on the stream (a strided device copy with 64-bit offsets).
+GemmMatrix dense_if_ld_too_large(const GemmProblem& p, GemmMatrix x, std::int64_t r,
+                                 std::int64_t c, Tensor& scratch, const Stream& stream) {
+  if (x.ld <= INT32_MAX) return x;
+  const std::int64_t rows = x.transposed ? c : r, cols = x.transposed ? r : c;  // as stored
+  const TensorView src(x.data, p.dtype, {p.batch, rows, cols}, {x.batch_stride, x.ld, 1},
+                       stream.device);
+  scratch = Tensor(src.shape(), p.dtype, stream.device, stream);
+  copy(src, scratch, stream);
+  return {scratch.view().data(), cols, rows * cols, x.transposed};
+}
+
 }  // namespace
 
 void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
@@ -359,6 +373,9 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
   DeviceGuard guard(stream.device.index);
   const bool add_c = c.data != nullptr && p.beta != 0;
   if (p.alpha == 0 || p.k == 0) return scale(p, add_c ? c : GemmMatrix{}, p.beta, d, stream);
+  Tensor a_dense, b_dense;
+  a = dense_if_ld_too_large(p, a, p.m, p.k, a_dense, stream);
+  b = dense_if_ld_too_large(p, b, p.k, p.n, b_dense, stream);
   const LtMatrix dt = transposed_of(d, p.m, p.n);
   LtCall call{p, transposed_of(b, p.k, p.n), transposed_of(a, p.m, p.k), dt, dt, nullptr, 0.0};
   if (add_c && c.data != d.data) {
