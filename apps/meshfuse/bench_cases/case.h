@@ -2,8 +2,8 @@
 // shapes and hands back its directions (forward, backward), each a timed call, the work it does
 // (bytes moved or flops) and a check against the `reference` backend on the same inputs.
 //
-// One op family per file in bench_cases/; all_cases() (cases.cpp) lists them in the order of a
-// transformer layer.
+// One op family per file in bench_cases/; all_cases() (cases.cpp) lists the families in the order
+// they first appear in a transformer layer.
 #pragma once
 
 #include <cstdint>
@@ -87,7 +87,7 @@ struct BenchCase {
   std::function<std::vector<Direction>(const BenchSetup&)> make;
 };
 
-// Every case this build has, in the order of a transformer layer (cases.cpp).
+// Every case this build has, family by family (cases.cpp).
 std::vector<BenchCase> all_cases();
 
 // The op families, one file each.
