@@ -40,6 +40,16 @@
 //   - with grad_bias: its accumulator, V x 4 bytes (8 for f64);
 // plus the GEMM library's own scratch. The weight (in fp32 blocks for 16-bit types) is read twice
 // per chunk (logits, then grad_x): fewer, larger chunks are faster; smaller chunks use less memory.
+// The cuda backend runs the same chunks with cuBLASLt GEMMs that multiply the input dtype with
+// fp32 accumulation: the chunk's logits in fp32 (f64 for f64), the loss rows and grad_bias from
+// them, and for bf16 / f16 the logits' gradient rounded once to the input dtype (in place) for the
+// grad_x and grad_weight GEMMs, as the unfused linear + cross_entropy uses it (cuBLASLt has no
+// fp32 x bf16 product). Its scratch memory, all allocated on the call's stream: the same chunk of
+// logits (min(chunk_rows, N) x V x 4 bytes, 8 for f64) and, for bf16 / f16 with grad_weight and
+// more than one chunk, the same V x H x 4 fp32 grad_weight accumulator; besides those only
+// N x 20 bytes per-row statistics (f64: 24), V x 4 bytes each for a 16-bit bias in fp32 and
+// grad_bias's 16-bit accumulator, and cuBLASLt's workspace (at most 32 MiB); no staging of x or
+// the weight. fused_linear_cross_entropy_workspace describes the cpu backend.
 // The reference backend ignores chunk_rows and computes the unfused composition in double (the
 // whole (N, V) logits and their gradient): it is the ground truth, not a memory-bounded kernel.
 //

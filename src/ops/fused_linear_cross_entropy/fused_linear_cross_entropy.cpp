@@ -11,12 +11,14 @@ namespace {
 using detail::kFusedLinearCrossEntropy;
 
 std::vector<KernelTable<detail::FusedLinearCrossEntropyFn>::Entry> entries() {
-  return {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-           &detail::reference::fused_linear_cross_entropy},
-          {KernelBackend::CPU,
-           {DeviceType::CPU},
-           detail::kFloatDTypes,
-           &detail::cpu::fused_linear_cross_entropy}};
+  return {
+      {KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+       &detail::reference::fused_linear_cross_entropy},
+      {KernelBackend::CPU,
+       {DeviceType::CPU},
+       detail::kFloatDTypes,
+       &detail::cpu::fused_linear_cross_entropy} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                                     fused_linear_cross_entropy)};
 }
 
 // One kernel computes both directions; the table named for the direction asked for is the one

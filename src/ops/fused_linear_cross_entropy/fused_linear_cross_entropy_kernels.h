@@ -13,8 +13,8 @@ namespace meshfuse::detail {
 
 inline constexpr std::string_view kFusedLinearCrossEntropy = "fused_linear_cross_entropy";
 
-// Contiguous CPU-memory operands of one call. bias, grad_loss and the gradients may be null (not
-// given / not wanted); loss is always written.
+// Contiguous operands of one call, in the memory of the backend's device. bias, grad_loss and the
+// gradients may be null (not given / not wanted); loss is always written.
 struct FusedLinearCrossEntropyArgs {
   const void* x;          // (N, H)
   const void* weight;     // (V, H)
@@ -73,5 +73,11 @@ void fused_linear_cross_entropy_blocked(std::int64_t weight_block_floats,
                                         const CrossEntropyOptions& options);
 
 }  // namespace cpu
+
+// The chunked loop on device memory with cuBLASLt GEMMs and the cuda cross-entropy row kernels
+// (cuda.cu says how it differs from the cpu loop and what scratch it allocates on the stream).
+namespace cuda {
+FusedLinearCrossEntropyFn fused_linear_cross_entropy;
+}  // namespace cuda
 
 }  // namespace meshfuse::detail

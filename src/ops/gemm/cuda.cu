@@ -9,7 +9,8 @@
 // not use TF32, which needs CUBLAS_COMPUTE_32F_FAST_TF32, so f32 results keep fp32 accuracy), and
 // CUBLAS_COMPUTE_64F for f64. Split-K algorithms are limited to the reduction schemes NONE and
 // COMPUTE_TYPE: partial sums stay in fp32 and the output is rounded once, in a fixed order
-// (INPLACE and OUTPUT_TYPE add partials in the output type).
+// (INPLACE and OUTPUT_TYPE add partials in the output type). GemmProblem::out_dtype f32 with bf16 /
+// f16 operands sets C and D to f32 (a combination cuBLASLt supports with CUBLAS_COMPUTE_32F).
 //
 // Determinism: cuBLASLt is bitwise reproducible for a given algorithm, shape and GPU. The algorithm
 // comes from cublasLtMatmulAlgoGetHeuristic (the path PyTorch takes, with the same 32 MiB workspace
@@ -60,7 +61,7 @@ __global__ void scale_kernel(std::int64_t batch, std::int64_t m, std::int64_t n,
 
 void scale(const GemmProblem& p, const GemmMatrix& c, double s, const GemmMatrix& d,
            const Stream& stream) {
-  dispatch_float(p.dtype, p.op, [&](auto tag) {
+  dispatch_float(p.out(), p.op, [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
     scale_kernel<T><<<grid_size(p.batch * p.m * p.n, 256), 256, 0, native(stream)>>>(
         p.batch, p.m, p.n, c, static_cast<acc_t<T>>(s), d);
@@ -117,8 +118,10 @@ std::int64_t column_sum_blocks(std::int64_t rows) {
 constexpr std::uint64_t kMaxWorkspace = std::uint64_t{32} << 20;
 
 std::string problem_str(const GemmProblem& p) {
-  return std::string(to_string(p.dtype)) + " batch=" + std::to_string(p.batch) +
-         " m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k);
+  return std::string(to_string(p.dtype)) +
+         (p.out() != p.dtype ? std::string(" -> ") + std::string(to_string(p.out())) : "") +
+         " batch=" + std::to_string(p.batch) + " m=" + std::to_string(p.m) +
+         " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k);
 }
 
 ErrorCode error_code(cublasStatus_t status) {
@@ -241,7 +244,7 @@ struct Choice {
   std::size_t workspace;
 };
 
-using ChoiceKey = std::array<std::int64_t, 24>;
+using ChoiceKey = std::array<std::int64_t, 25>;
 
 // The cached choice for `key`, or `choose()` stored under it. The first choice stored wins, so a
 // key always maps to one algorithm even when threads race to choose.
@@ -269,8 +272,9 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
   const int device = stream.device.index;
   const cublasLtHandle_t handle = lt_handle(device, p);
   const bool f64 = p.dtype == DType::F64;
-  const cudaDataType_t type = data_type(p.dtype);
-  const std::int64_t esize = static_cast<std::int64_t>(element_size(p.dtype));
+  const cudaDataType_t type = data_type(p.dtype), out_type = data_type(p.out());
+  const std::int64_t esize = static_cast<std::int64_t>(element_size(p.dtype)),
+                     out_esize = static_cast<std::int64_t>(element_size(p.out()));
 
   MatmulDesc desc;
   check_lt(cublasLtMatmulDescCreate(desc.out(), f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
@@ -289,15 +293,17 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
   Layout la, lb, lc, ld;
   make_layout(la, type, call.a, p);
   make_layout(lb, type, call.b, p);
-  make_layout(lc, type, call.c, p);
-  make_layout(ld, type, call.d, p);
+  make_layout(lc, out_type, call.c, p);
+  make_layout(ld, out_type, call.d, p);
 
-  const auto align = [&](const LtMatrix& x) {
-    return alignment(x.data, p.batch > 1 ? x.batch_stride * esize : 0);
+  const auto align = [&](const LtMatrix& x, std::int64_t size) {
+    return alignment(x.data, p.batch > 1 ? x.batch_stride * size : 0);
   };
-  const std::uint32_t aligns[] = {align(call.a), align(call.b), align(call.c), align(call.d)};
+  const std::uint32_t aligns[] = {align(call.a, esize), align(call.b, esize),
+                                  align(call.c, out_esize), align(call.d, out_esize)};
   const auto stride = [&](const LtMatrix& x) { return p.batch > 1 ? x.batch_stride : 0; };
   const ChoiceKey key = {device,         static_cast<std::int64_t>(p.dtype),
+                         static_cast<std::int64_t>(p.out()),
                          call.a.op,      call.b.op,
                          call.a.rows,    call.a.cols,
                          call.a.ld,      call.b.rows,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
@@ -33,12 +34,17 @@ __host__ __device__
 // D[l] = alpha * A[l] @ B[l] + beta * C[l] for l < batch; A[l]: (m, k), B[l]: (k, n), C[l] and
 // D[l]: (m, n). C.data == nullptr means no C (beta is then 0). D is row-major (not transposed); C
 // may be D itself. alpha == 0 or k == 0: A and B are not read; beta == 0: C is not read. `op` is
-// the public op, for error messages.
+// the public op, for error messages. out_dtype (read by the cuda backend only; calls to the others
+// leave it unset):
+// C and D's dtype when it differs from A and B's, for bf16 / f16 operands with an f32 output (the
+// fp32 accumulation unrounded; fused linear cross-entropy's logits).
 struct GemmProblem {
   DType dtype;
   std::int64_t batch, m, n, k;
   double alpha, beta;
   const char* op = "gemm";
+  std::optional<DType> out_dtype = std::nullopt;
+  DType out() const { return out_dtype.value_or(dtype); }
 };
 
 using GemmFn = void(const GemmProblem&, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
