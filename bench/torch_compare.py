@@ -185,6 +185,7 @@ def main():
     p.add_argument("--ops", default="", help="comma-separated subset")
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--seconds", type=float, default=1.0, help="time per case (min)")
+    p.add_argument("--calls", type=int, default=20, help="timed calls per implementation (min)")
     p.add_argument("--json", default="", help="write the records here")
     a = p.parse_args()
     device = torch.device(a.device)
@@ -209,7 +210,7 @@ def main():
         if a.compile and fn is not None:
             compiled = torch.compile(fn)
             impls["compile"] = lambda compiled=compiled, args=args: compiled(*args)
-        times = measure(impls, timer, 20, a.seconds)
+        times = measure(impls, timer, a.calls, a.seconds)
         base = statistics.median(times["meshfuse"])
         for name, ms in times.items():
             med, p20, p80 = stats(ms)
