@@ -14,19 +14,22 @@ T* row(SwigluOperand op, std::int64_t r) {
   return static_cast<T*>(op.data) + r * op.row_stride;
 }
 
-template <typename T, int kIn, int kOut>
+// The output is contiguous; streamed (see stream_out), as it is far larger than the caches.
+template <typename T, int kIn>
 void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    const T* g = row<T>(gate, r);
-    const T* u = row<T>(up, r);
-    T* y = row<T>(out, r);
-#pragma omp simd
-    for (std::int64_t c = 0; c < s.cols; ++c) {
-      const A gv = to_float(g[c * kIn]);
-      y[c * kOut] = store_as<T>(A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv)));
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      const T* g = row<T>(gate, r);
+      const T* u = row<T>(up, r);
+      stream_out(row<T>(out, r), s.cols, [&](std::int64_t c) {
+        const A gv = to_float(g[c * kIn]);
+        return store_as<T>(A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv)));
+      });
     }
+    stream_fence();
   }
 }
 
@@ -59,9 +62,9 @@ void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, 
   dispatch_float(s.dtype, "swiglu", [&](auto tag) {
     using T = decltype(tag);
     if (gate.col_stride == 1)
-      forward_rows<T, 1, 1>(s, gate, up, out);
+      forward_rows<T, 1>(s, gate, up, out);
     else
-      forward_rows<T, 2, 1>(s, gate, up, out);
+      forward_rows<T, 2>(s, gate, up, out);
   });
 }
 
