@@ -1,7 +1,6 @@
 // CPU softmax: rows split over OpenMP threads, each row vectorised by the compiler. The forward
 // makes three passes over a row (max; exp and sum; scale), one exp per element, the backward two
 // (dot, then the output); a row stays in L2 between passes.
-#include <type_traits>
 #include <vector>
 
 #include "ops/common.h"
@@ -19,14 +18,13 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
     const A m = static_cast<A>(multiplier);
 #pragma omp parallel
     {
-      // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; f32 and f64
-      // rows hold them in y itself.
-      std::vector<A> scratch(std::is_same_v<T, A> ? 0 : static_cast<std::size_t>(s.cols));
+      // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
+      // stays in L2 until the output, streamed (see stream_out), is written.
+      std::vector<A> scratch(static_cast<std::size_t>(s.cols));
+      A* e = scratch.data();
 #pragma omp for schedule(static)
       for (std::int64_t r = 0; r < s.rows; ++r) {
         const T* xr = static_cast<const T*>(x) + row_offset(r, s.cols);
-        T* yr = static_cast<T*>(y) + row_offset(r, s.cols);
-        A* e = std::is_same_v<T, A> ? reinterpret_cast<A*>(yr) : scratch.data();
         const A shift = exp_shift(row_max(xr, s.cols, m).max);
         A sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -36,9 +34,10 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
         }
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
-#pragma omp simd
-        for (std::int64_t c = 0; c < s.cols; ++c) yr[c] = store_as<T>(e[c] * inv);
+        stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols,
+                   [&](std::int64_t c) { return store_as<T>(e[c] * inv); });
       }
+      stream_fence();
     }
   });
 }
