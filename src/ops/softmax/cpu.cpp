@@ -1,6 +1,7 @@
 // CPU softmax: rows split over OpenMP threads, each row vectorised by the compiler. The forward
-// makes three passes over a row (max; exp and sum; scale), one exp per element, the backward two
-// (dot, then the output); a row stays in L2 between passes.
+// makes three passes over a row (max; exp and sum; scale), one exp per element, the max pass of
+// the next row fused into the exp pass (see row_sum_exp_next_max); the backward makes two (dot,
+// then the output); a row stays in L2 between passes.
 #include <vector>
 
 #include "ops/common.h"
@@ -22,16 +23,17 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
       // stays in L2 until the output, streamed (see stream_out), is written.
       std::vector<A> scratch(static_cast<std::size_t>(s.cols));
       A* e = scratch.data();
-#pragma omp for schedule(static)
-      for (std::int64_t r = 0; r < s.rows; ++r) {
-        const T* xr = static_cast<const T*>(x) + row_offset(r, s.cols);
-        const A shift = exp_shift(row_max(xr, s.cols, m).max);
-        A sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (std::int64_t c = 0; c < s.cols; ++c) {
-          e[c] = vexp(A(to_float(xr[c])) * m - shift);
-          sum += e[c];
-        }
+      const auto row = [&](std::int64_t r) {
+        return static_cast<const T*>(x) + row_offset(r, s.cols);
+      };
+      const auto [begin, end] = thread_rows(s.rows);
+      A max = begin < end ? row_max(row(begin), s.cols, m).max : A(0);
+      for (std::int64_t r = begin; r < end; ++r) {
+        const A shift = exp_shift(max);
+        // The last row reads itself as its "next" row (from cache); that max goes unused.
+        const auto [sum, next] =
+            row_sum_exp_next_max<true>(row(r), row(r + 1 < end ? r + 1 : r), s.cols, m, shift, e);
+        max = next.max;
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
         stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols,

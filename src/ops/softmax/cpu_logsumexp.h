@@ -8,6 +8,11 @@
 
 #include <cstdint>
 #include <limits>
+#include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
@@ -50,6 +55,39 @@ acc_t<T> row_sum_exp(const T* x, std::int64_t n, acc_t<T> m, acc_t<T> shift) {
 #pragma omp simd reduction(+ : sum)
   for (std::int64_t j = 0; j < n; ++j) sum += vexp(A(to_float(x[j])) * m - shift);
   return sum;
+}
+
+// The rows [begin, end) of the calling thread of a `#pragma omp parallel` region: contiguous, as
+// schedule(static) would give, so that a thread can read ahead into its next row.
+inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
+#ifdef _OPENMP
+  const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+  const std::int64_t threads = 1, t = 0;
+#endif
+  return {rows * t / threads, rows * (t + 1) / threads};
+}
+
+// row_sum_exp of one row (storing the exps in `exps` when kStoreExps) fused with row_max of the
+// next row: the exp pass is bound by arithmetic and reads its row from L2, the max pass by memory,
+// so in one loop the next row streams in while the exps are computed. The results are those of
+// the two separate loops, bitwise (the same sum order; a max is exact).
+template <bool kStoreExps, typename T>
+std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* next,
+                                                           std::int64_t n, acc_t<T> m,
+                                                           acc_t<T> shift, acc_t<T>* exps) {
+  using A = acc_t<T>;
+  A sum = 0, max = -std::numeric_limits<A>::infinity(), sum_v = 0;
+#pragma omp simd reduction(+ : sum, sum_v) reduction(max : max)
+  for (std::int64_t j = 0; j < n; ++j) {
+    const A e = vexp(A(to_float(x[j])) * m - shift);
+    if constexpr (kStoreExps) exps[j] = e;
+    sum += e;
+    const A v = A(to_float(next[j])) * m;
+    max = v > max ? v : max;
+    sum_v += v;
+  }
+  return {sum, {max, sum_v}};
 }
 
 // log sum_j exp(m * x_j), and sum_j m * x_j for label smoothing.
