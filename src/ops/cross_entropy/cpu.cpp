@@ -1,6 +1,6 @@
 // CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
-// forward reads each row twice (max, then exp-sum: see cpu_logsumexp.h), the backward reads it
-// and writes the gradient in one pass.
+// forward reads each row twice (max, then exp-sum, the next row's max fused into this row's
+// exp-sum: see cpu_logsumexp.h), the backward reads it and writes the gradient in one pass.
 #include <vector>
 
 #include "ops/common.h"
@@ -18,24 +18,33 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, a
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
   const double eps = o.label_smoothing, z = o.z_loss_scale;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < b.rows; ++i) {
-    const std::int64_t g = b.row_begin + i;
-    const std::int64_t y = labels[g];
-    if (y == o.ignore_index) {
-      lse[g] = 0;
-      row_loss[g] = 0;
-      continue;
+#pragma omp parallel
+  {
+    const auto row = [&](std::int64_t i) { return logits + row_offset(i, b.vocab); };
+    const auto [begin, end] = thread_rows(b.rows);
+    RowMax<A> st = begin < end ? row_max(row(begin), b.vocab, m) : RowMax<A>{};
+    for (std::int64_t i = begin; i < end; ++i) {
+      const RowMax<A> cur = st;
+      const std::int64_t g = b.row_begin + i, y = labels[g];
+      const T* next = row(i + 1 < end ? i + 1 : i);  // the last row reads itself (unused)
+      if (y == o.ignore_index) {
+        if (i + 1 < end) st = row_max(next, b.vocab, m);
+        lse[g] = 0;
+        row_loss[g] = 0;
+        continue;
+      }
+      const A shift = exp_shift(cur.max);
+      const auto [sum, next_st] =
+          row_sum_exp_next_max<false>(row(i), next, b.vocab, m, shift, static_cast<A*>(nullptr));
+      st = next_st;
+      const A l = shift + std::log(sum);
+      const double nll = double(l) - double(A(to_float(row(i)[y])) * m);
+      double loss = (1 - eps) * nll;
+      if (eps != 0) loss += eps * (double(l) - double(cur.sum_v) / double(b.vocab));
+      if (z != 0) loss += z * double(l) * double(l);
+      lse[g] = l;
+      row_loss[g] = loss;
     }
-    const T* x = logits + row_offset(i, b.vocab);
-    const RowLse<A> st = row_logsumexp(x, b.vocab, m);
-    const A l = st.lse;
-    const double nll = double(l) - double(A(to_float(x[y])) * m);
-    double loss = (1 - eps) * nll;
-    if (eps != 0) loss += eps * (double(l) - double(st.sum_v) / double(b.vocab));
-    if (z != 0) loss += z * double(l) * double(l);
-    lse[g] = l;
-    row_loss[g] = loss;
   }
 }
 

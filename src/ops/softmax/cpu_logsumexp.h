@@ -3,7 +3,8 @@
 // Two passes over the row (max, then the exp-sum) rather than one online pass that rescales the
 // running sum (Milakov & Gimelshein 2018): rows up to ~500k f32 fit in L2, so the second pass
 // does not reach memory, the kernel is bound by exp, and two passes measured 3-8% faster
-// (V = 128256, one thread, f32 and bf16).
+// (V = 128256, one thread, f32 and bf16). The max pass, bound by memory, runs one row ahead inside
+// the exp pass (row_sum_exp_next_max), so the two overlap.
 #pragma once
 
 #include <cstdint>
@@ -46,17 +47,6 @@ A exp_shift(A max) {
   return max == -std::numeric_limits<A>::infinity() ? A(0) : max;
 }
 
-// sum_j exp(m * x_j - shift). A NaN in the row makes it NaN, and so does +inf (shift = inf,
-// exp(inf - inf)): every result derived from the row is then NaN, as in PyTorch.
-template <typename T>
-acc_t<T> row_sum_exp(const T* x, std::int64_t n, acc_t<T> m, acc_t<T> shift) {
-  using A = acc_t<T>;
-  A sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) sum += vexp(A(to_float(x[j])) * m - shift);
-  return sum;
-}
-
 // The rows [begin, end) of the calling thread of a `#pragma omp parallel` region: contiguous, as
 // schedule(static) would give, so that a thread can read ahead into its next row.
 inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
@@ -68,10 +58,12 @@ inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
   return {rows * t / threads, rows * (t + 1) / threads};
 }
 
-// row_sum_exp of one row (storing the exps in `exps` when kStoreExps) fused with row_max of the
-// next row: the exp pass is bound by arithmetic and reads its row from L2, the max pass by memory,
-// so in one loop the next row streams in while the exps are computed. The results are those of
-// the two separate loops, bitwise (the same sum order; a max is exact).
+// sum_j exp(m * x_j - shift) of one row (storing the exps in `exps` when kStoreExps) fused with
+// row_max of the next row: the exp pass is bound by arithmetic and reads its row from L2, the max
+// pass by memory, so in one loop the next row streams in while the exps are computed. The results
+// are those of the two separate loops, bitwise (the same sum order; a max is exact). A NaN in the
+// row makes the sum NaN, and so does +inf (shift = inf, exp(inf - inf)): every result derived from
+// the row is then NaN, as in PyTorch.
 template <bool kStoreExps, typename T>
 std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* next,
                                                            std::int64_t n, acc_t<T> m,
@@ -88,20 +80,6 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
     sum_v += v;
   }
   return {sum, {max, sum_v}};
-}
-
-// log sum_j exp(m * x_j), and sum_j m * x_j for label smoothing.
-template <typename A>
-struct RowLse {
-  A lse;
-  A sum_v;
-};
-
-template <typename T>
-RowLse<acc_t<T>> row_logsumexp(const T* x, std::int64_t n, acc_t<T> m) {
-  const RowMax<acc_t<T>> r = row_max(x, n, m);
-  const acc_t<T> shift = exp_shift(r.max);
-  return {shift + std::log(row_sum_exp(x, n, m, shift)), r.sum_v};
 }
 
 }  // namespace meshfuse::detail::cpu
