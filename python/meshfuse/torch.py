@@ -7,6 +7,8 @@ benchmarks and custom training loops. Semantics follow ``torch.nn.functional``; 
 errors are documented in include/meshfuse/ops/*.h.
 """
 
+import math
+
 import torch
 
 from . import _meshfuse as _C
@@ -22,7 +24,8 @@ def _d(t):
 
 
 def _rows(x):
-    return x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
+    # The rows of a row-wise op: every dim but the last (as detail::leading_rows in C++).
+    return math.prod(x.shape[:-1])
 
 
 # --- swiglu ----------------------------------------------------------------------------------
@@ -121,7 +124,7 @@ def softmax_forward(x, logits_multiplier=1.0):
 
 
 def softmax_backward(grad_y, y, logits_multiplier=1.0):
-    grad_x = torch.empty_like(y)
+    grad_x = torch.empty_like(y, memory_format=torch.contiguous_format)
     _C.softmax_backward(_d(grad_y), _d(y), grad_x, logits_multiplier=logits_multiplier,
                         stream=_stream(y))
     return grad_x

@@ -21,6 +21,10 @@ std::int64_t wrap_dim(std::int64_t d, std::int64_t rank, const char* what) {
 }
 
 std::shared_ptr<void> allocate(Device device, std::size_t bytes, const Stream& stream) {
+  // A CUDA stream belongs to one device: allocating on it for another would put the memory there.
+  MESHFUSE_CHECK(stream.device.type != DeviceType::CUDA || stream.device == device,
+                 ErrorCode::DeviceMismatch, "Tensor: allocating on {} with a stream of {}",
+                 device.str(), stream.device.str());
   if (device.type == DeviceType::CUDA) {
 #ifdef MESHFUSE_WITH_CUDA
     detail::check_cuda_device(device, "Tensor");
@@ -50,7 +54,7 @@ double load(const void* p) {
 template <typename T>
 void store(void* p, double v) {
   if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>)
-    *static_cast<T*>(p) = from_float<T>(static_cast<float>(v));
+    *static_cast<T*>(p) = from_double<T>(v);  // rounded once, also from f64
   else if constexpr (std::is_same_v<T, bool>)
     *static_cast<bool*>(p) = v != 0.0;
   else

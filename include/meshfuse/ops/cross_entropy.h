@@ -11,7 +11,8 @@
 //   sum:  sum_i loss_i (0 if all rows are ignored)
 //   mean: sum_i loss_i / (number of rows not ignored) (NaN if all rows are ignored, as PyTorch)
 // These are PyTorch's values for the shared arguments (reduction, ignore_index,
-// label_smoothing; no class weights). The mean and sum are summed in double in row order.
+// label_smoothing; no class weights). The mean and sum are summed in double in a fixed order
+// (row order on the cpu, a fixed tree on cuda), so results are bitwise repeatable.
 //
 // Backward, with g_i the upstream gradient of loss_i (grad_loss[i] for none, grad_loss for sum,
 // grad_loss / count for mean), p_j = exp(v_j - lse_i):

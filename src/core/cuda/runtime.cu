@@ -66,11 +66,9 @@ __device__ void store_any(char* p, DType d, double v) {
   switch (d) {
     case DType::F32: *reinterpret_cast<float*>(p) = static_cast<float>(v); break;
     case DType::F64: *reinterpret_cast<double*>(p) = v; break;
-    // Through float, like the host conversion (double -> float -> 16-bit).
-    case DType::F16: *reinterpret_cast<__half*>(p) = __float2half_rn(static_cast<float>(v)); break;
-    case DType::BF16:
-      *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(static_cast<float>(v));
-      break;
+    // Rounded once from double, like the host conversion.
+    case DType::F16: *reinterpret_cast<__half*>(p) = __double2half(v); break;
+    case DType::BF16: *reinterpret_cast<__nv_bfloat16*>(p) = __double2bfloat16(v); break;
     case DType::I32: *reinterpret_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v); break;
     case DType::I64: *reinterpret_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v); break;
     case DType::U8: *reinterpret_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v); break;
@@ -165,14 +163,18 @@ void cuda_copy(const TensorView& src, const TensorView& dst, const Stream& strea
   if (src.numel() == 0) return;
   if (src_gpu && dst_gpu) {
     if (src.device() == dst.device()) return device_copy(src, dst, stream);
-    // Across devices: contiguous source, peer copy, then a local conversion/scatter.
-    const Tensor a = src.is_contiguous() ? Tensor() : Tensor::copy_of(src, stream);
+    // Across devices (rare: set-up and tests): a stream belongs to one device, so the source side
+    // is gathered on the source's default stream and the whole copy is synchronous.
+    cuda_synchronize(stream);
+    const Stream src_stream{src.device()}, dst_stream{dst.device()};
+    const Tensor a = src.is_contiguous() ? Tensor() : Tensor::copy_of(src, src_stream);
     const TensorView& from = a.defined() ? a.view() : src;
-    Tensor b(src.shape(), src.dtype(), dst.device(), stream);
-    cuda::check(cudaMemcpyPeerAsync(b.view().data(), dst.device().index, from.data(),
-                                    src.device().index, src.nbytes(), cuda::native(stream)),
+    Tensor b(src.shape(), src.dtype(), dst.device(), dst_stream);
+    cuda::check(cudaMemcpyPeer(b.view().data(), dst.device().index, from.data(),
+                               src.device().index, src.nbytes()),
                 "copy");
-    return device_copy(b, dst, stream);
+    device_copy(b, dst, dst_stream);
+    return cuda_synchronize(dst_stream);
   }
   if (dst_gpu) {  // host -> device: convert and gather on the host, one transfer, scatter on device
     const Tensor host = Tensor(src.shape(), dst.dtype());

@@ -196,7 +196,7 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
           const Stream&) {
   if (p.batch == 0 || p.m == 0 || p.n == 0) return;
   const bool add_c = c.data != nullptr && p.beta != 0;
-  dispatch_float(p.dtype, "gemm", [&](auto tag) {
+  dispatch_float(p.dtype, p.op, [&](auto tag) {
     using T = decltype(tag);
     if (p.alpha == 0 || p.k == 0) {  // BLAS: A and B are not read
       scale_c<T>(p, c, d, add_c);

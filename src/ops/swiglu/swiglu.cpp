@@ -10,23 +10,35 @@ namespace {
 using detail::SwigluOperand;
 using detail::SwigluShape;
 
-const KernelTable<detail::SwigluForwardFn> kForward(
-    "swiglu",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::swiglu_forward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::swiglu_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_forward)});
+// swiglu and swiglu_packed run the same kernels, registered under each op's own name so that
+// errors, the registry and resolved_backend() name the op that was called.
+KernelTable<detail::SwigluForwardFn> forward_table(const char* op) {
+  return {op,
+          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+            &detail::reference::swiglu_forward},
+           {KernelBackend::CPU,
+            {DeviceType::CPU},
+            detail::kFloatDTypes,
+            &detail::cpu::swiglu_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                              swiglu_forward)}};
+}
 
-const KernelTable<detail::SwigluBackwardFn> kBackward(
-    "swiglu_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::swiglu_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::swiglu_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, swiglu_backward)});
+KernelTable<detail::SwigluBackwardFn> backward_table(const char* op) {
+  return {op,
+          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+            &detail::reference::swiglu_backward},
+           {KernelBackend::CPU,
+            {DeviceType::CPU},
+            detail::kFloatDTypes,
+            &detail::cpu::swiglu_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
+                                                               swiglu_backward)}};
+}
+
+const KernelTable<detail::SwigluForwardFn> kForward = forward_table("swiglu");
+const KernelTable<detail::SwigluBackwardFn> kBackward = backward_table("swiglu_backward");
+const KernelTable<detail::SwigluForwardFn> kPacked = forward_table("swiglu_packed");
+const KernelTable<detail::SwigluBackwardFn> kPackedBackward =
+    backward_table("swiglu_packed_backward");
 
 SwigluOperand plain(const TensorView& t) { return {t.data(), t.dim() == 0 ? 1 : t.size(-1), 1}; }
 
@@ -112,7 +124,7 @@ void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& o
   check_float(op, "x", x);
   const std::int64_t cols = half_width(op, x);
   detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
-  auto* fn = kForward.select({{"x", x}, {"out", out}});
+  auto* fn = kPacked.select({{"x", x}, {"out", out}});
   detail::HostStaging host(op, x, stream);
   const detail::Contiguous xc(host.input(x), host.stream());
   const auto [gate, up] = packed(xc, layout, cols);
@@ -129,7 +141,7 @@ void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, Swi
   detail::check_same_dtype(op, "grad_out", grad_out, x.dtype(), "x");
   detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), cols));
   detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
-  auto* fn = kBackward.select({{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}});
+  auto* fn = kPackedBackward.select({{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}});
   detail::HostStaging host(op, x, stream);
   const detail::Contiguous xc(host.input(x), host.stream()),
       dy(host.input(grad_out), host.stream());
