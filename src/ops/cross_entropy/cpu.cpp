@@ -55,26 +55,32 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   const A m = static_cast<A>(o.logits_multiplier);
   const A eps = static_cast<A>(o.label_smoothing), z = static_cast<A>(o.z_loss_scale);
   const A smooth = eps / static_cast<A>(b.vocab);
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < b.rows; ++i) {
-    const std::int64_t g = b.row_begin + i;
-    const std::int64_t y = labels[g];
-    const T* x = logits + row_offset(i, b.vocab);
-    T* dx = grad_logits + row_offset(i, b.vocab);
-    if (y == o.ignore_index) {
+  // The gradient is as large as the logits: streamed past the last-level cache.
+  const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)});
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t i = 0; i < b.rows; ++i) {
+      const std::int64_t g = b.row_begin + i;
+      const std::int64_t y = labels[g];
+      const T* x = logits + row_offset(i, b.vocab);
+      T* dx = grad_logits + row_offset(i, b.vocab);
+      if (y == o.ignore_index) {
 #pragma omp simd
-      for (std::int64_t j = 0; j < b.vocab; ++j) dx[j] = store_as<T>(A(0));
-      continue;
+        for (std::int64_t j = 0; j < b.vocab; ++j) dx[j] = store_as<T>(A(0));
+        continue;
+      }
+      const A l = lse[g];
+      const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
+      const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
+      // Read before the loop: grad_logits may alias logits.
+      const A p_label = vexp(A(to_float(x[y])) * m - l);
+      stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
+        return store_as<T>(c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth));
+      });
+      dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
     }
-    const A l = lse[g];
-    const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
-    const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
-    // Read before the loop: grad_logits may alias logits.
-    const A p_label = vexp(A(to_float(x[y])) * m - l);
-#pragma omp simd
-    for (std::int64_t j = 0; j < b.vocab; ++j)
-      dx[j] = store_as<T>(c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth));
-    dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
+    stream_fence();
   }
 }
 

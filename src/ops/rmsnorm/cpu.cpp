@@ -36,8 +36,10 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
   const A* w = weight.data();
   const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
-  // Two passes over a row (it stays in L1/L2): the sum of squares, then the outputs, streamed (see
-  // stream_out) as they are rarely read back before they leave the caches.
+  // Two passes over a row (it stays in L1/L2): the sum of squares, then the outputs, streamed past
+  // the last-level cache (see stream_out).
+  const bool stream =
+      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -55,10 +57,10 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       if constexpr (kResidual)
-        stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols,
+        stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
                    [&](std::int64_t c) { return store_as<T>(value(c)); });
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
-      stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols,
+      stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
                  [&](std::int64_t c) { return store_as<T>(value(c) * rstd * w[c]); });
     }
     stream_fence();

@@ -17,10 +17,11 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
+    const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
     {
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
-      // stays in L2 until the output, streamed (see stream_out), is written.
+      // stays in L2 until the output is written (streamed past the last-level cache).
       std::vector<A> scratch(static_cast<std::size_t>(s.cols));
       A* e = scratch.data();
       const auto row = [&](std::int64_t r) {
@@ -36,7 +37,7 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
         max = next.max;
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
-        stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols,
+        stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
                    [&](std::int64_t c) { return store_as<T>(e[c] * inv); });
       }
       stream_fence();
@@ -50,17 +51,22 @@ void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, 
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-#pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < s.rows; ++r) {
-      const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);
-      const T* yr = static_cast<const T*>(y) + row_offset(r, s.cols);
-      T* dxr = static_cast<T*>(grad_x) + row_offset(r, s.cols);
-      A dot = 0;
+    const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)});
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+      for (std::int64_t r = 0; r < s.rows; ++r) {
+        const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);
+        const T* yr = static_cast<const T*>(y) + row_offset(r, s.cols);
+        A dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (std::int64_t c = 0; c < s.cols; ++c) dot += A(to_float(dyr[c])) * A(to_float(yr[c]));
-#pragma omp simd
-      for (std::int64_t c = 0; c < s.cols; ++c)
-        dxr[c] = store_as<T>(m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot));
+        for (std::int64_t c = 0; c < s.cols; ++c) dot += A(to_float(dyr[c])) * A(to_float(yr[c]));
+        stream_out(static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
+                   [&](std::int64_t c) {
+                     return store_as<T>(m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot));
+                   });
+      }
+      stream_fence();
     }
   });
 }

@@ -14,17 +14,18 @@ T* row(SwigluOperand op, std::int64_t r) {
   return static_cast<T*>(op.data) + r * op.row_stride;
 }
 
-// The output is contiguous; streamed (see stream_out), as it is far larger than the caches.
+// The output is contiguous: written through stream_out, streamed past the last-level cache.
 template <typename T, int kIn>
 void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
+  const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
       const T* u = row<T>(up, r);
-      stream_out(row<T>(out, r), s.cols, [&](std::int64_t c) {
+      stream_out(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
         const A gv = to_float(g[c * kIn]);
         return store_as<T>(A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv)));
       });
