@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "ops/common.h"
-#include "ops/cpu_math.h"
 #include "ops/rmsnorm/rmsnorm_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -36,34 +35,31 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
   const A* w = weight.data();
   const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
-  // Two passes over a row (it stays in L1/L2): the sum of squares, then the outputs, streamed past
-  // the last-level cache (see stream_out).
-  const bool stream =
-      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < s.rows; ++row) {
-      const T* x = static_cast<const T*>(a.x) + row * s.cols;
-      const T* res = kResidual ? static_cast<const T*>(a.residual) + row * s.cols : nullptr;
-      const auto value = [&](std::int64_t c) {
-        A v = A(to_float(x[c])) * m;
-        if constexpr (kResidual) v += A(to_float(res[c]));
-        return v;
-      };
-      A sum_sq = 0;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t row = 0; row < s.rows; ++row) {
+    const T* x = static_cast<const T*>(a.x) + row * s.cols;
+    const T* res = kResidual ? static_cast<const T*>(a.residual) + row * s.cols : nullptr;
+    T* r = kResidual ? static_cast<T*>(a.r) + row * s.cols : nullptr;
+    T* y = static_cast<T*>(a.y) + row * s.cols;
+    A sum_sq = 0;
 #pragma omp simd reduction(+ : sum_sq)
-      for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += value(c) * value(c);
-      const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
-      if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
-      if constexpr (kResidual)
-        stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
-                   [&](std::int64_t c) { return store_as<T>(value(c)); });
-      // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
-      stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
-                 [&](std::int64_t c) { return store_as<T>(value(c) * rstd * w[c]); });
+    for (std::int64_t c = 0; c < s.cols; ++c) {
+      A v = A(to_float(x[c])) * m;
+      if constexpr (kResidual) {
+        v += A(to_float(res[c]));
+        r[c] = store_as<T>(v);
+      }
+      sum_sq += v * v;
     }
-    stream_fence();
+    const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
+    if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
+#pragma omp simd
+    for (std::int64_t c = 0; c < s.cols; ++c) {
+      A v = A(to_float(x[c])) * m;
+      if constexpr (kResidual) v += A(to_float(res[c]));
+      y[c] = store_as<T>(v * rstd * w[c]);
+    }
   }
 }
 
