@@ -2,8 +2,7 @@
 backward on whatever device holds the data.
 
 The functions of this module take DLPack arrays (PyTorch, NumPy, CuPy, JAX) for every input and
-for caller-allocated outputs, and write the outputs in place; they mirror the C++ API of swiglu,
-rmsnorm, softmax and cross_entropy (the GEMM family and fused linear cross-entropy are not bound yet)
+for caller-allocated outputs, and write the outputs in place; they mirror the C++ API one to one
 (see include/meshfuse/ops/*.h for shapes, dtypes, math and errors). ``meshfuse.torch`` wraps them
 as PyTorch functions that allocate their outputs and take the current CUDA stream.
 

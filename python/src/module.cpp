@@ -132,6 +132,52 @@ void bind_core(nb::module_& m) {
   }, "Every kernel as (op, backend, devices, dtypes).");
 }
 
+GemmOptions gemm_options(bool transpose_a, bool transpose_b, double alpha, double beta) {
+  return {transpose_a, transpose_b, alpha, beta};
+}
+
+void bind_gemm(nb::module_& m) {
+  const auto release = nb::call_guard<nb::gil_scoped_release>();
+  m.def("gemm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
+                   double beta, std::uintptr_t stream) {
+    gemm(view(a), view(b), view(c), view(d), gemm_options(transpose_a, transpose_b, alpha, beta),
+         stream_of(stream));
+  }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
+     "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release);
+  m.def("bmm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
+                  double beta, std::uintptr_t stream) {
+    bmm(view(a), view(b), view(c), view(d), gemm_options(transpose_a, transpose_b, alpha, beta),
+        stream_of(stream));
+  }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
+     "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release);
+  m.def("linear", [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
+    linear(view(x), view(weight), view(bias), view(out), stream_of(stream));
+  }, "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release);
+  m.def("linear_backward", [](In grad_out, In x, In weight, OptOut grad_x, OptOut grad_weight,
+                              OptOut grad_bias, std::uintptr_t stream) {
+    linear_backward(view(grad_out), view(x), view(weight), view(grad_x), view(grad_weight),
+                    view(grad_bias), stream_of(stream));
+  }, "grad_out"_a, "x"_a, "weight"_a, "grad_x"_a.none(), "grad_weight"_a.none(),
+     "grad_bias"_a.none(), "stream"_a = 0, release);
+  m.def("fused_linear_cross_entropy",
+        [](In x, In weight, OptIn bias, In labels, OptIn grad_loss, Out loss, OptOut grad_x,
+           OptOut grad_weight, OptOut grad_bias, std::int64_t ignore_index,
+           const std::string& reduction, double label_smoothing, double logits_multiplier,
+           double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
+          fused_linear_cross_entropy(
+              view(x), view(weight), view(bias), view(labels), view(grad_loss), view(loss),
+              view(grad_x), view(grad_weight), view(grad_bias),
+              ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
+                         z_loss_scale),
+              chunk_rows, stream_of(stream));
+        },
+        "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
+        "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(),
+        "ignore_index"_a = -100, "reduction"_a = "mean", "label_smoothing"_a = 0.0,
+        "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
+        "chunk_rows"_a = kFusedLinearCrossEntropyChunkRows, "stream"_a = 0, release);
+}
+
 void bind_ops(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
   m.def("swiglu", [](In gate, In up, Out out, std::uintptr_t stream) {
@@ -218,4 +264,5 @@ NB_MODULE(_meshfuse, m) {
   m.doc() = "meshfuse kernels on DLPack arrays (see the meshfuse package for the PyTorch API)";
   meshfuse::python::bind_core(m);
   meshfuse::python::bind_ops(m);
+  meshfuse::python::bind_gemm(m);
 }

@@ -76,5 +76,44 @@ def test_forced_backend_nests_restores_and_rejects_unknown_names():
 
 def test_registered_kernels_list_every_op_on_reference_and_cpu():
     kernels = {(op, backend) for op, backend, _, _ in meshfuse.registered_kernels()}
-    for op in ["swiglu", "rmsnorm", "softmax", "cross_entropy"]:
+    for op in ["swiglu", "rmsnorm", "softmax", "cross_entropy", "linear",
+               "fused_linear_cross_entropy"]:
         assert (op, "reference") in kernels and (op, "cpu") in kernels
+
+
+def test_gemm_with_transposes_alpha_and_beta_matches_numpy():
+    a, b, c = randn(5, 7, dtype=np.float64, seed=10), randn(4, 7, dtype=np.float64, seed=11), \
+        randn(5, 4, dtype=np.float64, seed=12)
+    d = np.empty((5, 4))
+    meshfuse.gemm(a, b, c, d, transpose_b=True, alpha=0.5, beta=2.0)
+    np.testing.assert_allclose(d, 0.5 * a @ b.T + 2.0 * c, rtol=1e-12)
+
+
+def test_linear_and_its_backward_match_numpy():
+    x, w, bias = randn(2, 3, 8, dtype=np.float64, seed=13), randn(5, 8, dtype=np.float64, seed=14), \
+        randn(5, dtype=np.float64, seed=15)
+    out = np.empty((2, 3, 5))
+    meshfuse.linear(x, w, bias, out)
+    np.testing.assert_allclose(out, x @ w.T + bias, rtol=1e-12)
+    dy = randn(2, 3, 5, dtype=np.float64, seed=16)
+    dx, dw, db = np.empty_like(x), np.empty_like(w), np.empty_like(bias)
+    meshfuse.linear_backward(dy, x, w, dx, dw, db)
+    np.testing.assert_allclose(dx, dy @ w, rtol=1e-12)
+    np.testing.assert_allclose(dw, dy.reshape(-1, 5).T @ x.reshape(-1, 8), rtol=1e-12)
+    np.testing.assert_allclose(db, dy.reshape(-1, 5).sum(0), rtol=1e-12)
+
+
+def test_fused_linear_cross_entropy_equals_linear_then_cross_entropy():
+    x, w = randn(6, 8, dtype=np.float64, seed=17), randn(11, 8, dtype=np.float64, seed=18)
+    labels = np.array([1, -100, 10, 0, 3, 3], dtype=np.int64)
+    loss, grad_x, grad_w = np.empty(()), np.empty_like(x), np.empty_like(w)
+    meshfuse.fused_linear_cross_entropy(x, w, None, labels, np.ones(()), loss, grad_x, grad_w,
+                                        None, chunk_rows=4)
+    logits = x @ w.T
+    expected, lse = np.empty(()), np.empty(6)
+    meshfuse.cross_entropy(logits, labels, expected, lse)
+    np.testing.assert_allclose(loss, expected, rtol=1e-12)
+    dlogits = np.empty_like(logits)
+    meshfuse.cross_entropy_backward(np.ones(()), logits, labels, lse, dlogits)
+    np.testing.assert_allclose(grad_x, dlogits @ w, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grad_w, dlogits.T @ x, rtol=1e-10, atol=1e-12)
