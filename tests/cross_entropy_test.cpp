@@ -10,6 +10,10 @@
 namespace meshfuse {
 namespace {
 
+using test::from;
+using test::values;
+using test::make_labels;
+
 using test::expect_close;
 using test::randn;
 
@@ -41,28 +45,6 @@ Tensor backward(const TensorView& grad_loss, const TensorView& logits, const Ten
 // An upstream gradient of the loss's shape (varied per row for `none`).
 Tensor upstream(std::int64_t rows, DType dtype, Reduction r) {
   return r == Reduction::None ? randn({rows}, dtype, 99) : test::full({}, dtype, 1.5);
-}
-
-// Labels uniform in [0, vocab) with every third row ignored.
-Tensor make_labels(std::int64_t rows, std::int64_t vocab, DType dtype, std::uint64_t seed) {
-  Tensor labels({rows}, dtype);
-  testing::fill_uniform_int(labels, seed, 0, vocab);
-  for (std::int64_t i = 0; i < rows; i += 3)
-    copy(test::full({1}, DType::F64, -100), labels.view().narrow(0, i, 1));
-  return labels;
-}
-
-Tensor from(Shape shape, DType dtype, std::initializer_list<double> values) {
-  Tensor f64(std::move(shape), DType::F64), t(f64.shape(), dtype);
-  std::copy(values.begin(), values.end(), f64.data_ptr<double>());
-  copy(f64, t);
-  return t;
-}
-
-std::vector<double> values(const TensorView& t) {
-  Tensor f64(t.shape(), DType::F64);
-  copy(t, f64);
-  return {f64.data_ptr<double>(), f64.data_ptr<double>() + f64.numel()};
 }
 
 // cpu against reference: loss, lse, and the gradient (both backwards given the reference lse).

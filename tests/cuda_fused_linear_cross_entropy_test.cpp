@@ -11,6 +11,9 @@
 namespace meshfuse {
 namespace {
 
+using test::values;
+using test::make_labels;
+
 using test::kCuda;
 using test::randn;
 using test::to_cpu;
@@ -20,22 +23,8 @@ Shape loss_shape(std::int64_t rows, Reduction r) {
   return r == Reduction::None ? Shape{rows} : Shape{};
 }
 
-std::vector<double> values(const TensorView& t) {
-  Tensor f64(t.shape(), DType::F64);
-  copy(t, f64);
-  return {f64.data_ptr<double>(), f64.data_ptr<double>() + f64.numel()};
-}
-
 void set(const TensorView& t, std::int64_t i, double value) {
   copy(test::full({1}, DType::F64, value), t.narrow(0, i, 1));
-}
-
-// Labels uniform in [0, vocab) with every third row (0, 3, 6, ...) ignored.
-Tensor make_labels(std::int64_t rows, std::int64_t vocab, DType dtype, std::uint64_t seed) {
-  Tensor labels({rows}, dtype);
-  testing::fill_uniform_int(labels, seed, 0, vocab);
-  for (std::int64_t i = 0; i < rows; i += 3) set(labels, i, -100);
-  return labels;
 }
 
 // The inputs of one call, on the CPU: x (N, H), weight (V, H), bias (V) or none, labels, and an

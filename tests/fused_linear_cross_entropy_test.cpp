@@ -10,32 +10,14 @@
 namespace meshfuse {
 namespace {
 
+using test::from;
+using test::values;
+using test::make_labels;
+
 using test::randn;
 
 Shape loss_shape(std::int64_t rows, Reduction r) {
   return r == Reduction::None ? Shape{rows} : Shape{};
-}
-
-Tensor from(Shape shape, DType dtype, std::initializer_list<double> values) {
-  Tensor f64(std::move(shape), DType::F64), t(f64.shape(), dtype);
-  std::copy(values.begin(), values.end(), f64.data_ptr<double>());
-  copy(f64, t);
-  return t;
-}
-
-std::vector<double> values(const TensorView& t) {
-  Tensor f64(t.shape(), DType::F64);
-  copy(t, f64);
-  return {f64.data_ptr<double>(), f64.data_ptr<double>() + f64.numel()};
-}
-
-// Labels uniform in [0, vocab) with every third row (0, 3, 6, ...) ignored.
-Tensor make_labels(std::int64_t rows, std::int64_t vocab, DType dtype, std::uint64_t seed) {
-  Tensor labels({rows}, dtype);
-  testing::fill_uniform_int(labels, seed, 0, vocab);
-  for (std::int64_t i = 0; i < rows; i += 3)
-    copy(test::full({1}, DType::F64, -100), labels.view().narrow(0, i, 1));
-  return labels;
 }
 
 // The inputs of one call: x (N, H), weight (V, H), bias (V) or none, labels, and an upstream

@@ -8,6 +8,8 @@
 namespace meshfuse {
 namespace {
 
+using test::from;
+
 using test::expect_close;
 using test::randn;
 
@@ -34,13 +36,6 @@ void expect_matches_reference(const TensorView& x, const TensorView& dy, double 
   softmax_backward(dy, ref.y, grad_x, m);
   expect_close(y, ref.y, "y");
   expect_close(grad_x, ref.grad_x, "grad_x");
-}
-
-Tensor from(Shape shape, DType dtype, std::initializer_list<double> values) {
-  Tensor f64(std::move(shape), DType::F64), t(f64.shape(), dtype);
-  std::copy(values.begin(), values.end(), f64.data_ptr<double>());
-  copy(f64, t);
-  return t;
 }
 
 class SoftmaxTest : public ::testing::TestWithParam<DType> {};

@@ -99,3 +99,32 @@ inline Tensor to_cpu(const TensorView& t, const Stream& stream = {}) {
 }
 
 }  // namespace meshfuse::test
+
+namespace meshfuse::test {
+
+// A CPU tensor of `shape` and `dtype` holding `values` (row-major), converted from double.
+inline Tensor from(Shape shape, DType dtype, std::initializer_list<double> values) {
+  Tensor f64(std::move(shape), DType::F64), t(f64.shape(), dtype);
+  std::copy(values.begin(), values.end(), f64.data_ptr<double>());
+  copy(f64, t);
+  return t;
+}
+
+// The values of a CPU tensor as doubles, row-major.
+inline std::vector<double> values(const TensorView& t) {
+  Tensor f64(t.shape(), DType::F64);
+  copy(t, f64);
+  return {f64.data_ptr<double>(), f64.data_ptr<double>() + f64.numel()};
+}
+
+// Labels uniform in [0, vocab) with every third row (0, 3, 6, ...) ignored (-100).
+inline Tensor make_labels(std::int64_t rows, std::int64_t vocab, DType dtype,
+                          std::uint64_t seed) {
+  Tensor labels({rows}, dtype);
+  testing::fill_uniform_int(labels, seed, 0, vocab);
+  for (std::int64_t i = 0; i < rows; i += 3)
+    copy(full({1}, DType::F64, -100), labels.view().narrow(0, i, 1));
+  return labels;
+}
+
+}  // namespace meshfuse::test
