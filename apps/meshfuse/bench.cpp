@@ -69,7 +69,10 @@ Device parse_bench_device(const std::string& name) {
 
 std::vector<BenchCase> select_cases(const std::string& ops) {
   std::vector<BenchCase> all = all_cases();
-  if (ops.empty()) return all;
+  if (ops.empty()) {
+    std::erase_if(all, [](const BenchCase& c) { return !c.in_layer; });
+    return all;
+  }
   std::vector<std::string> names, groups;
   for (const BenchCase& c : all) {
     names.push_back(c.name);
