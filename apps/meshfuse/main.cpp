@@ -1,8 +1,8 @@
-// The meshfuse CLI: `info` and `bench`.
+// The meshfuse CLI: `info`, `bench` and `launch`.
 //
 // Exit codes: 0 success; 1 a bench check failed; 2 bad arguments, a bad model config, or a
 // device / backend this build or machine does not have (the message says which); 3 an unexpected
-// internal error.
+// internal error. `launch` exits with its first failed rank's status instead (launch.h).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -10,6 +10,7 @@
 
 #include "bench.h"
 #include "info.h"
+#include "launch.h"
 #include "meshfuse/core/error.h"
 
 int main(int argc, char** argv) {
@@ -45,8 +46,37 @@ int main(int argc, char** argv) {
                    "timed calls per op and direction (fewer for slow calls)")
       ->capture_default_str();
 
+  meshfuse::cli::LaunchOptions launch_options;
+  CLI::App* launch = app.add_subcommand(
+      "launch",
+      "run COMMAND as N local processes with the torchrun environment (RANK, WORLD_SIZE, "
+      "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), output prefixed with the rank");
+  launch->add_option("-n,--nproc-per-node", launch_options.nprocs, "processes to start")
+      ->required();
+  launch->add_option("--backend", launch_options.backend,
+                     "exported as MESHFUSE_BACKEND (e.g. gloo, nccl, cpu:gloo,cuda:nccl)");
+  launch
+      ->add_option("--master-port", launch_options.master_port,
+                   "MASTER_PORT on 127.0.0.1 (default: a free port)");
+  launch
+      ->add_option("--grace-period", launch_options.grace_s,
+                   "seconds between SIGTERM and SIGKILL when stopping the ranks after a failure")
+      ->capture_default_str();
+  launch->add_flag("!--no-prefix", launch_options.prefix,
+                   "forward output lines as they are, without \"[rankN]: \"");
+  // Everything from COMMAND on (after `--` or the first word that is not an option) is the
+  // command's, its own options included.
+  launch->prefix_command();
+  launch->footer("Usage: meshfuse launch -n N [options] -- COMMAND ARGS...");
+
   try {
     app.parse(argc, argv);
+    if (*launch) {
+      launch_options.command = launch->remaining();
+      if (!launch_options.command.empty() && launch_options.command[0] == "--")
+        launch_options.command.erase(launch_options.command.begin());
+      return meshfuse::cli::run_launch(launch_options);
+    }
     if (*info) {
       meshfuse::cli::print_info(std::cout);
       return 0;

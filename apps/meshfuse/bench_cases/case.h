@@ -84,10 +84,10 @@ struct BenchCase {
   std::string name;                  // its name in --ops, e.g. "swiglu", "linear_q"
   std::string group;                 // a name selecting several cases, e.g. "linear"; or empty
   std::vector<std::string> kernels;  // the kernels it calls (checked for the backend up front)
+  std::function<std::vector<Direction>(const BenchSetup&)> make;
   // Part of a transformer layer, run when --ops is not given; the others (recurrent and sequence
   // ops, at their own sizes) run only when --ops names them.
   bool in_layer = true;
-  std::function<std::vector<Direction>(const BenchSetup&)> make;
 };
 
 // Every case this build has, family by family (cases.cpp).
