@@ -1,0 +1,121 @@
+// Rendezvous stores: a small key-value space shared by the ranks of a job, used to set up the
+// transports (gloo's pair addresses, NCCL's unique id) and to name sub-teams. The model is c10d's
+// Store: set a key once, get it (waiting until some rank has set it), wait for several keys.
+//
+// meshfuse has its own stores instead of Gloo's: they must also work in builds without Gloo (an
+// nccl-only build), and Debian's Gloo (0.0~git20220518) has no TCP store.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace meshfuse {
+
+class Store {
+ public:
+  using Bytes = std::vector<std::uint8_t>;
+
+  virtual ~Store() = default;
+
+  // Sets key to value (overwriting an earlier value).
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // The value of key, waiting until it is set; Error(Timeout) naming the key after timeout().
+  virtual Bytes get(const std::string& key) = 0;
+  // True when every key is set; never blocks.
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Waits until every key is set; Error(Timeout) naming the missing keys after `timeout`.
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
+  // Strings as values (ids, addresses).
+  void set(const std::string& key, const std::string& value) {
+    set(key, Bytes(value.begin(), value.end()));
+  }
+  std::string get_string(const std::string& key) {
+    Bytes b = get(key);
+    return std::string(b.begin(), b.end());
+  }
+
+ protected:
+  explicit Store(std::chrono::milliseconds timeout = std::chrono::minutes(5)) : timeout_(timeout) {}
+
+ private:
+  std::chrono::milliseconds timeout_;
+};
+
+// In-memory store for the threads of one process (the local backend; tests).
+class HashStore : public Store {
+ public:
+  explicit HashStore(std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  ~HashStore() override;
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// One file per key under a directory every rank can reach (a shared filesystem across machines,
+// or /tmp on one machine). Writes are atomic (write a temporary file, then rename). The directory
+// is created if missing; the files are left for the caller to remove.
+class FileStore : public Store {
+ public:
+  explicit FileStore(std::string path, std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string file_of(const std::string& key) const;
+  std::string path_;
+};
+
+// A store served over TCP by one process (the server, usually world rank 0) at host:port; every
+// process, the server included, talks to it as a client. The server keeps serving until it is
+// destroyed; its destructor waits (up to timeout()) for the connected clients to hang up, so a
+// fast rank 0 does not pull the store from under slower ranks.
+// Errors: CommunicationFailure when the port cannot be bound or the server not reached (clients
+// retry connecting until the timeout), Timeout as Store.
+class TcpStore : public Store {
+ public:
+  TcpStore(std::string host, int port, bool is_server,
+           std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  ~TcpStore() override;
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  // The port served (useful with port 0 on the server: the kernel picks a free one).
+  int port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Puts every key of `store` under "prefix/": one store shared by several teams or backends.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::string prefix, std::shared_ptr<Store> store);
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  const std::shared_ptr<Store>& base() const { return store_; }
+
+ private:
+  std::vector<std::string> prefixed(const std::vector<std::string>& keys) const;
+  std::string prefix_;
+  std::shared_ptr<Store> store_;
+};
+
+}  // namespace meshfuse
