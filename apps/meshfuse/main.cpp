@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <string_view>
 
 #include "bench.h"
 #include "info.h"
@@ -55,26 +56,30 @@ int main(int argc, char** argv) {
       ->required();
   launch->add_option("--backend", launch_options.backend,
                      "exported as MESHFUSE_BACKEND (e.g. gloo, nccl, cpu:gloo,cuda:nccl)");
-  launch
-      ->add_option("--master-port", launch_options.master_port,
-                   "MASTER_PORT on 127.0.0.1 (default: a free port)");
+  launch->add_option("--master-port", launch_options.master_port,
+                     "MASTER_PORT on 127.0.0.1 (default: a free port)");
   launch
       ->add_option("--grace-period", launch_options.grace_s,
                    "seconds between SIGTERM and SIGKILL when stopping the ranks after a failure")
       ->capture_default_str();
   launch->add_flag("!--no-prefix", launch_options.prefix,
                    "forward output lines as they are, without \"[rankN]: \"");
-  // Everything from COMMAND on (after `--` or the first word that is not an option) is the
-  // command's, its own options included.
-  launch->prefix_command();
+  launch->add_option("command", launch_options.command,
+                     "the program to run and its arguments, after `--`");
   launch->footer("Usage: meshfuse launch -n N [options] -- COMMAND ARGS...");
+  // Everything after launch's `--` is the command's, its own options included: split it off here
+  // (CLI11 would parse the options in it).
+  if (argc > 2 && std::string_view(argv[1]) == "launch")
+    for (int i = 2; i < argc; ++i)
+      if (std::string_view(argv[i]) == "--") {
+        launch_options.command.assign(argv + i + 1, argv + argc);
+        argc = i;
+        break;
+      }
 
   try {
     app.parse(argc, argv);
     if (*launch) {
-      launch_options.command = launch->remaining();
-      if (!launch_options.command.empty() && launch_options.command[0] == "--")
-        launch_options.command.erase(launch_options.command.begin());
       return meshfuse::cli::run_launch(launch_options);
     }
     if (*info) {

@@ -1,0 +1,353 @@
+#include "launch.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <optional>
+
+#include "meshfuse/core/error.h"
+
+extern char** environ;
+
+namespace meshfuse::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Signals the launcher reads through a signalfd (blocked, so they queue there instead of acting).
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  MESHFUSE_CHECK(fd >= 0, ErrorCode::Internal, "launch: socket: {}", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int error = errno;
+  close(fd);
+  MESHFUSE_CHECK(ok, ErrorCode::Internal, "launch: no free port on 127.0.0.1: {}",
+                 std::strerror(error));
+  return ntohs(addr.sin_port);
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  const int sig = WTERMSIG(status);
+  const char* abbrev = sigabbrev_np(sig);
+  return fmt::format("was killed by signal {} (SIG{})", sig, abbrev ? abbrev : "?");
+}
+
+int exit_code_of(int status) {
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void write_all(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // our own output is gone (closed pipe): nothing left to tell
+    text.remove_prefix(static_cast<std::size_t>(n));
+  }
+}
+
+// One of a rank's output pipes, forwarded to `target` (1 or 2) one whole line at a time.
+struct Output {
+  int fd = -1;
+  int target = 1;
+  std::string prefix;
+  std::string pending;  // a line not yet ended
+
+  void forward(std::string_view data) {
+    pending.append(data);
+    std::size_t start = 0, end;
+    std::string lines;
+    while ((end = pending.find('\n', start)) != std::string::npos) {
+      lines.append(prefix).append(pending, start, end + 1 - start);
+      start = end + 1;
+    }
+    pending.erase(0, start);
+    write_all(target, lines);
+  }
+  void close_pipe() {
+    if (!pending.empty()) write_all(target, prefix + pending + "\n");
+    pending.clear();
+    close(fd);
+    fd = -1;
+  }
+};
+
+struct Rank {
+  pid_t pid = -1;
+  std::optional<int> status;  // set once reaped
+  Output out[2];
+};
+
+[[noreturn]] void exec_child(const LaunchOptions& options, const std::vector<std::string>& env,
+                             pid_t launcher, int out_fd, int err_fd, const sigset_t& old_mask) {
+  // Own process group: stopping a rank reaches the processes it started too. Dying with the
+  // launcher: a SIGKILLed launcher leaves no rank behind.
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != launcher) _exit(128 + SIGTERM);
+  dup2(out_fd, STDOUT_FILENO);
+  dup2(err_fd, STDERR_FILENO);
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+  std::vector<char*> argv, envp;
+  for (const std::string& a : options.command) argv.push_back(const_cast<char*>(a.c_str()));
+  for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  argv.push_back(nullptr);
+  envp.push_back(nullptr);
+  execvpe(argv[0], argv.data(), envp.data());
+  const std::string message = fmt::format("meshfuse launch: cannot run '{}': {}\n",
+                                          options.command[0], std::strerror(errno));
+  write_all(STDERR_FILENO, message);
+  _exit(127);
+}
+
+class Launcher {
+ public:
+  explicit Launcher(const LaunchOptions& options) : options_(options) {}
+
+  int run() {
+    const int port = options_.master_port ? options_.master_port : free_port();
+    sigset_t mask, old_mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    for (int sig : kForwarded) {
+      signal(sig, SIG_DFL);  // not inherited as ignored (a background shell job ignores SIGINT)
+      sigaddset(&mask, sig);
+    }
+    sigprocmask(SIG_BLOCK, &mask, &old_mask);
+    signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
+    MESHFUSE_CHECK(signal_fd_ >= 0, ErrorCode::Internal, "launch: signalfd: {}",
+                   std::strerror(errno));
+
+    ranks_.resize(static_cast<std::size_t>(options_.nprocs));
+    for (int r = 0; r < options_.nprocs; ++r) {
+      if (stop_signal_) break;  // interrupted while starting: start no more
+      start(r, port, old_mask);
+      drain_signals();
+    }
+    loop();
+    close(signal_fd_);
+    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    return report();
+  }
+
+ private:
+  void start(int r, int port, const sigset_t& old_mask) {
+    Rank& rank = ranks_[static_cast<std::size_t>(r)];
+    int pipes[2][2];
+    for (auto& p : pipes)
+      MESHFUSE_CHECK(pipe2(p, O_CLOEXEC) == 0, ErrorCode::Internal, "launch: pipe: {}",
+                     std::strerror(errno));
+    const std::vector<std::string> env = launch_env(r, options_.nprocs, port, options_.backend);
+    const pid_t launcher = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) {
+      const int error = errno;
+      for (auto& p : pipes) close(p[0]), close(p[1]);
+      stop(SIGTERM);
+      fail(ErrorCode::Internal, "launch: cannot start rank {}: fork: {}", r, std::strerror(error));
+    }
+    if (pid == 0) exec_child(options_, env, launcher, pipes[0][1], pipes[1][1], old_mask);
+    setpgid(pid, pid);  // as the child does: whichever runs first, the group exists before kill()
+    rank.pid = pid;
+    for (int s = 0; s < 2; ++s) {
+      close(pipes[s][1]);
+      rank.out[s] = {pipes[s][0], s + 1, options_.prefix ? fmt::format("[rank{}]: ", r) : "", {}};
+    }
+  }
+
+  // Sends `sig` to every rank's process group; SIGKILL follows after the grace period.
+  void stop(int sig) {
+    for (const Rank& rank : ranks_)
+      if (rank.pid > 0 && !rank.status) kill(-rank.pid, sig);
+    if (!kill_at_)
+      kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(options_.grace_s));
+  }
+
+  void kill_groups() {
+    for (const Rank& rank : ranks_)
+      if (rank.pid > 0) kill(-rank.pid, SIGKILL);  // also what a finished rank left behind
+    killed_ = true;
+  }
+
+  void reap() {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+      for (std::size_t r = 0; r < ranks_.size(); ++r) {
+        if (ranks_[r].pid != pid) continue;
+        ranks_[r].status = status;
+        const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+        if (failed && !first_failure_ && !stop_signal_) {
+          first_failure_ = static_cast<int>(r);
+          stop(SIGTERM);
+        }
+      }
+    }
+  }
+
+  void drain_signals() {
+    signalfd_siginfo info;
+    while (true) {
+      pollfd p{signal_fd_, POLLIN, 0};
+      if (poll(&p, 1, 0) <= 0) return;
+      if (read(signal_fd_, &info, sizeof info) != sizeof info) return;
+      const int sig = static_cast<int>(info.ssi_signo);
+      if (sig == SIGCHLD) {
+        reap();
+      } else {
+        if (!stop_signal_) stop_signal_ = sig;
+        stop(sig);  // forwarded as it came (a second Ctrl-C too)
+      }
+    }
+  }
+
+  bool running() const {
+    for (const Rank& rank : ranks_)
+      if (rank.pid > 0 && !rank.status) return true;
+    return false;
+  }
+
+  void loop() {
+    std::optional<Clock::time_point> drain_until;  // once every rank has exited
+    while (true) {
+      reap();  // a child may have exited before the signalfd existed to hear of it
+      const bool live = running();
+      if (!live && (first_failure_ || stop_signal_) && !killed_) kill_groups();
+      if (!live && !drain_until) drain_until = Clock::now() + std::chrono::seconds(1);
+
+      std::vector<pollfd> fds{{signal_fd_, POLLIN, 0}};
+      std::vector<Output*> outputs;
+      for (Rank& rank : ranks_)
+        for (Output& out : rank.out)
+          if (out.fd >= 0) {
+            fds.push_back({out.fd, POLLIN, 0});
+            outputs.push_back(&out);
+          }
+      if (!live && outputs.empty()) return;
+
+      std::optional<Clock::time_point> wake = drain_until;
+      if (live && kill_at_ && !killed_) wake = kill_at_;
+      int timeout_ms = -1;
+      if (wake) {
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(*wake - Clock::now());
+        timeout_ms = static_cast<int>(std::max<std::int64_t>(0, left.count()));
+      }
+      const int ready = poll(fds.data(), fds.size(), timeout_ms);
+      if (ready < 0 && errno != EINTR)
+        fail(ErrorCode::Internal, "launch: poll: {}", std::strerror(errno));
+
+      if (fds[0].revents) drain_signals();
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!fds[i + 1].revents) continue;
+        char buffer[65536];
+        const ssize_t n = read(outputs[i]->fd, buffer, sizeof buffer);
+        if (n > 0)
+          outputs[i]->forward({buffer, static_cast<std::size_t>(n)});
+        else if (n == 0 || errno != EINTR)
+          outputs[i]->close_pipe();
+      }
+      const auto now = Clock::now();
+      if (running() && kill_at_ && !killed_ && now >= *kill_at_) kill_groups();
+      if (drain_until && now >= *drain_until) {
+        // Whatever still holds a pipe open outlived its rank; stop listening to it.
+        for (Rank& rank : ranks_)
+          for (Output& out : rank.out)
+            if (out.fd >= 0) out.close_pipe();
+        return;
+      }
+    }
+  }
+
+  int report() const {
+    const auto name = [&](int r) {
+      const Rank& rank = ranks_[static_cast<std::size_t>(r)];
+      return fmt::format("rank {} (pid {}) {}", r, rank.pid, describe(*rank.status));
+    };
+    if (stop_signal_) {
+      const char* abbrev = sigabbrev_np(stop_signal_);
+      fmt::print(stderr, "meshfuse launch: interrupted by SIG{}, forwarded to every rank\n",
+                 abbrev ? abbrev : "?");
+      return 128 + stop_signal_;
+    }
+    if (!first_failure_) return 0;
+    std::string others;
+    for (int r = 0; r < options_.nprocs; ++r) {
+      const Rank& rank = ranks_[static_cast<std::size_t>(r)];
+      if (r != *first_failure_ && rank.status && *rank.status != 0)
+        others += fmt::format("; then {}", name(r));
+    }
+    fmt::print(stderr, "meshfuse launch: {}; the other ranks were stopped{}\n",
+               name(*first_failure_), others);
+    return exit_code_of(*ranks_[static_cast<std::size_t>(*first_failure_)].status);
+  }
+
+  const LaunchOptions& options_;
+  std::vector<Rank> ranks_;
+  int signal_fd_ = -1;
+  int stop_signal_ = 0;               // the first SIGINT/SIGTERM/SIGHUP the launcher got
+  std::optional<int> first_failure_;  // the first rank that failed
+  std::optional<Clock::time_point> kill_at_;
+  bool killed_ = false;
+};
+
+}  // namespace
+
+std::vector<std::string> launch_env(int rank, int world, int master_port,
+                                    const std::string& backend) {
+  const std::vector<std::pair<std::string, std::string>> ours = {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(world)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(world)},
+      {"GROUP_RANK", "0"},
+      {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(master_port)},
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    bool replaced = name == "MESHFUSE_BACKEND" && !backend.empty();
+    for (const auto& [ours_name, value] : ours) replaced |= name == ours_name;
+    if (!replaced) env.emplace_back(entry);
+  }
+  for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
+  if (!backend.empty()) env.push_back("MESHFUSE_BACKEND=" + backend);
+  return env;
+}
+
+int run_launch(const LaunchOptions& options) {
+  MESHFUSE_CHECK(options.nprocs >= 1, ErrorCode::InvalidArgument,
+                 "launch: -n: expected a positive number of processes, got {}", options.nprocs);
+  MESHFUSE_CHECK(!options.command.empty(), ErrorCode::InvalidArgument,
+                 "launch: expected a command to run after the options (meshfuse launch -n N -- "
+                 "COMMAND ARGS...)");
+  MESHFUSE_CHECK(options.master_port >= 0 && options.master_port < 65536,
+                 ErrorCode::InvalidArgument, "launch: --master-port: expected 0..65535, got {}",
+                 options.master_port);
+  MESHFUSE_CHECK(options.grace_s >= 0, ErrorCode::InvalidArgument,
+                 "launch: --grace-period: expected seconds >= 0, got {}", options.grace_s);
+  return Launcher(options).run();
+}
+
+}  // namespace meshfuse::cli

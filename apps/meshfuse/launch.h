@@ -1,0 +1,34 @@
+// `meshfuse launch`: N local processes with the torchrun environment, their output forwarded
+// line by line with the rank in front, and all of them stopped when one fails.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace meshfuse::cli {
+
+struct LaunchOptions {
+  int nprocs = 1;
+  std::string backend;               // exported as MESHFUSE_BACKEND when not empty
+  int master_port = 0;               // 0: a free port on 127.0.0.1
+  double grace_s = 5;                // SIGTERM -> SIGKILL delay when stopping the other ranks
+  bool prefix = true;                // "[rankN]: " in front of each output line
+  std::vector<std::string> command;  // the program and its arguments
+};
+
+// The environment of rank `rank` of `world` local ranks, torchrun's names:
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, and
+// MESHFUSE_BACKEND when `backend` is not empty. Returned as "NAME=value" strings.
+std::vector<std::string> launch_env(int rank, int world, int master_port,
+                                    const std::string& backend);
+
+// Starts the ranks, each in its own process group (so a rank's children are stopped with it),
+// forwards their stdout and stderr to ours line by line, and waits for them all. When one exits
+// non-zero or dies by a signal, the others get SIGTERM and, `grace_s` later, SIGKILL; SIGINT,
+// SIGTERM and SIGHUP sent to the launcher are forwarded to every rank the same way. Returns 0
+// when every rank exits 0; otherwise the first failure's exit status (128 + signal number for a
+// signal; 128 + the launcher's signal when interrupted), having named it on stderr. Throws
+// meshfuse::Error for bad options or when a process cannot be started.
+int run_launch(const LaunchOptions& options);
+
+}  // namespace meshfuse::cli

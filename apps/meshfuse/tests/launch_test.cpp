@@ -1,0 +1,209 @@
+// `meshfuse launch` run as a user runs it: the ranks' environment, their forwarded output, and
+// what happens to every process when one rank fails or the launcher is interrupted.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+std::string read_file(const fs::path& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A scratch directory with the ranks' script and what they write, removed at the end.
+class Scratch {
+ public:
+  Scratch()
+      : path_(fs::temp_directory_path() /
+              fmt::format("meshfuse_launch_test_{}_{}", getpid(), next_++)) {
+    fs::create_directories(path_);
+  }
+  ~Scratch() { fs::remove_all(path_); }
+  // Writes `body` as a sh script run in this directory; returns its path.
+  std::string script(const std::string& body) const {
+    const fs::path path = path_ / "rank.sh";
+    std::ofstream(path) << "cd '" << path_.string() << "'\n" << body << "\n";
+    return path.string();
+  }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  static inline int next_ = 0;
+  fs::path path_;
+};
+
+struct LaunchResult {
+  int exit_code = -1;
+  std::string out, err;
+  double seconds = 0;
+};
+
+LaunchResult launch(const Scratch& dir, const std::string& options, const std::string& script) {
+  const std::string command =
+      fmt::format("'{}' launch {} -- sh '{}' >'{}' 2>'{}'", MESHFUSE_CLI_PATH, options,
+                  dir.script(script), (dir / "out").string(), (dir / "err").string());
+  const auto start = Clock::now();
+  const int status = std::system(command.c_str());
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(dir / "out"),
+          read_file(dir / "err"), seconds};
+}
+
+// Waits (up to 10 s) for a rank to write its pid to `path`; returns it.
+pid_t wait_for_pid(const fs::path& path) {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < deadline) {
+    const std::string text = read_file(path);
+    if (!text.empty() && text.back() == '\n') return std::stoi(text);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ADD_FAILURE() << "no pid in " << path;
+  return -1;
+}
+
+// Whether `pid` still runs (a zombie waiting for a reaper does not).
+bool alive(pid_t pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return false;
+  const std::string stat = read_file(fmt::format("/proc/{}/stat", pid));
+  const std::size_t paren = stat.rfind(')');
+  return paren == std::string::npos || stat.substr(paren + 2, 1) != "Z";
+}
+
+TEST(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
+  const Scratch dir;
+  const LaunchResult r = launch(dir, "-n 3 --backend gloo --master-port 29517",
+                                "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE "
+                                "$GROUP_RANK $MASTER_ADDR $MASTER_PORT $MESHFUSE_BACKEND\"\n"
+                                "echo oops >&2\nprintf 'no newline'");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(
+        contains(r.out, fmt::format("[rank{0}]: {0} 3 {0} 3 0 127.0.0.1 29517 gloo\n", rank)))
+        << r.out;
+    EXPECT_TRUE(contains(r.out, fmt::format("[rank{}]: no newline\n", rank))) << r.out;
+    EXPECT_TRUE(contains(r.err, fmt::format("[rank{}]: oops\n", rank))) << r.err;
+  }
+}
+
+TEST(Launch, DefaultPortIsOneFreePortSharedByAllRanksAndNoPrefixLeavesLinesAlone) {
+  const Scratch dir;
+  const LaunchResult r =
+      launch(dir, "-n 2 --no-prefix", "echo \"$MASTER_PORT $MESHFUSE_BACKEND.\"");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string first, second;
+  std::getline(lines, first);
+  std::getline(lines, second);
+  EXPECT_EQ(first, second);
+  EXPECT_GT(std::stoi(first), 0) << first;
+  EXPECT_TRUE(first.ends_with(" .")) << "no MESHFUSE_BACKEND without --backend: " << first;
+}
+
+TEST(Launch, FailingRankFailsTheLaunchNamingItAndStopsTheOthersAndTheirChildren) {
+  const Scratch dir;
+  // Rank 0 starts a child and sleeps; rank 1 fails once rank 0 and its child are running.
+  const LaunchResult r = launch(dir, "-n 2",
+                                "if [ $RANK = 0 ]; then\n"
+                                "  sleep 100 & echo $! > child\n"
+                                "  echo $$ > pid0; wait\n"
+                                "else\n"
+                                "  while [ ! -s pid0 ]; do sleep 0.01; done; exit 3\n"
+                                "fi");
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_TRUE(contains(r.err, "meshfuse launch: rank 1 (pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "exited with status 3; the other ranks were stopped")) << r.err;
+  EXPECT_LT(r.seconds, 10) << "rank 0 was not stopped";
+  EXPECT_FALSE(alive(wait_for_pid(dir / "pid0")));
+  EXPECT_FALSE(alive(wait_for_pid(dir / "child")));
+}
+
+TEST(Launch, RankKilledBySignalIsNamedWithTheSignal) {
+  const Scratch dir;
+  const LaunchResult r = launch(dir, "-n 2", "if [ $RANK = 1 ]; then kill -KILL $$; fi; sleep 100");
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL);
+  EXPECT_TRUE(contains(r.err, "rank 1 (pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "was killed by signal 9 (SIGKILL)")) << r.err;
+  EXPECT_LT(r.seconds, 10);
+}
+
+TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  const Scratch dir;
+  const LaunchResult r =
+      launch(dir, "-n 2 --grace-period 0.2",
+             "if [ $RANK = 0 ]; then trap '' TERM; echo $$ > pid0; while true; do sleep 0.05; "
+             "done; fi\nwhile [ ! -s pid0 ]; do sleep 0.01; done; exit 1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(contains(r.err, "rank 0 (pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "was killed by signal 9 (SIGKILL)")) << r.err;
+  EXPECT_LT(r.seconds, 10);
+  EXPECT_FALSE(alive(wait_for_pid(dir / "pid0")));
+}
+
+TEST(Launch, SigintIsForwardedToEveryRank) {
+  const Scratch dir;
+  const std::string script = dir.script("echo $$ > pid$RANK; exec sleep 100");
+  const std::string err = (dir / "err").string();
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    freopen(err.c_str(), "w", stderr);
+    execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "2", "--", "sh", script.c_str(), nullptr);
+    _exit(127);
+  }
+  const pid_t rank0 = wait_for_pid(dir / "pid0"), rank1 = wait_for_pid(dir / "pid1");
+  kill(launcher, SIGINT);
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+  EXPECT_TRUE(contains(read_file(err), "interrupted by SIGINT, forwarded to every rank"))
+      << read_file(err);
+  EXPECT_FALSE(alive(rank0));
+  EXPECT_FALSE(alive(rank1));
+}
+
+TEST(Launch, CommandThatCannotRunFailsWith127) {
+  const Scratch dir;
+  const std::string command = fmt::format("'{}' launch -n 2 -- /nonexistent/program 2>'{}'",
+                                          MESHFUSE_CLI_PATH, (dir / "err").string());
+  const int status = std::system(command.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 127);
+  EXPECT_TRUE(contains(read_file(dir / "err"), "cannot run '/nonexistent/program'"))
+      << read_file(dir / "err");
+}
+
+TEST(Launch, BadOptionsAreUsageErrors) {
+  const Scratch dir;
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"-n 0 -- true", "-n: expected a positive number of processes, got 0"},
+           {"-n 2", "expected a command to run after the options"},
+           {"-n 2 --master-port 70000 -- true", "--master-port: expected 0..65535, got 70000"},
+           {"-- true", "-n"}}) {
+    const std::string command =
+        fmt::format("'{}' launch {} 2>'{}'", MESHFUSE_CLI_PATH, args, (dir / "err").string());
+    const int status = std::system(command.c_str());
+    EXPECT_EQ(WEXITSTATUS(status), 2) << args;
+    EXPECT_TRUE(contains(read_file(dir / "err"), message))
+        << args << ": " << read_file(dir / "err");
+  }
+}
+
+}  // namespace
