@@ -18,6 +18,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstring>
 #include <thread>
 
 namespace meshfuse::detail {
@@ -160,7 +161,9 @@ class NcclComm : public CommImpl {
                    "CUDA device(s); start at most one process per GPU on each machine",
                    context.launch.rank, context.launch.local_rank, device_, devices);
     // Rank 0's unique id reaches the others through the rendezvous (every rank has checked in
-    // there before NCCL's blocking init starts).
+    // there before NCCL's blocking init starts; a rank dying in between leaves init waiting: NCCL
+    // offers a deadline only to non-blocking communicators, whose every call would then need
+    // polling).
     ncclUniqueId id{};
     if (rank_ == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     std::vector<ncclUniqueId> ids(static_cast<std::size_t>(size_));
@@ -176,31 +179,39 @@ class NcclComm : public CommImpl {
   ~NcclComm() override {
     const DeviceGuard guard(device_);
     if (scratch_) cudaFree(scratch_);
+    if (host_scratch_) cudaFreeHost(host_scratch_);
     if (barrier_) cudaFree(barrier_);
     if (side_stream_) cudaStreamDestroy(side_stream_);
   }
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Nccl; }
 
-  // Through the device: host bytes up, ncclAllGather, back down, on a stream of our own.
+  // Through the device: host bytes up, ncclAllGather, back down, on a stream of our own. The host
+  // side is pinned, so that no copy blocks and the wait can honour the deadline.
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
     const DeviceGuard guard(device_);
     const std::size_t total = bytes * static_cast<std::size_t>(size_ + 1);
     if (scratch_bytes_ < total) {
       if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");
-      scratch_ = nullptr;
+      if (host_scratch_) check_cuda(cudaFreeHost(host_scratch_), "cudaFreeHost");
+      scratch_ = host_scratch_ = nullptr;
+      scratch_bytes_ = 0;
       check_cuda(cudaMalloc(&scratch_, total), "cudaMalloc");
+      check_cuda(cudaMallocHost(&host_scratch_, total), "cudaMallocHost");
       scratch_bytes_ = total;
     }
     char* send = static_cast<char*>(scratch_);
-    char* recv = send + bytes;
-    check_cuda(cudaMemcpyAsync(send, mine, bytes, cudaMemcpyHostToDevice, side_stream_),
+    char* host = static_cast<char*>(host_scratch_);
+    std::memcpy(host, mine, bytes);
+    check_cuda(cudaMemcpyAsync(send, host, bytes, cudaMemcpyHostToDevice, side_stream_),
                "cudaMemcpyAsync");
-    check(ncclAllGather(send, recv, bytes, ncclUint8, comm_, side_stream_), "ncclAllGather");
-    check_cuda(cudaMemcpyAsync(all, recv, bytes * static_cast<std::size_t>(size_),
-                               cudaMemcpyDeviceToHost, side_stream_),
+    check(ncclAllGather(send, send + bytes, bytes, ncclUint8, comm_, side_stream_),
+          "ncclAllGather");
+    check_cuda(cudaMemcpyAsync(host + bytes, send + bytes, total - bytes, cudaMemcpyDeviceToHost,
+                               side_stream_),
                "cudaMemcpyAsync");
     record(side_stream_)->wait(deadline);
+    std::memcpy(all, host + bytes, total - bytes);
   }
 
   std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op,
@@ -437,7 +448,8 @@ class NcclComm : public CommImpl {
   int size_;
   ncclComm_t comm_ = nullptr;           // handle_->comm
   cudaStream_t side_stream_ = nullptr;  // exchange()
-  void* scratch_ = nullptr;             // exchange(): send bytes, then size_ x bytes received
+  void* scratch_ = nullptr;       // exchange(): the bytes sent, then size_ x the bytes received
+  void* host_scratch_ = nullptr;  // the same, pinned on the host
   std::size_t scratch_bytes_ = 0;
   void* barrier_ = nullptr;
 };
