@@ -11,6 +11,7 @@
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/fused_linear_cross_entropy.h"
 #include "meshfuse/ops/gemm.h"
+#include "meshfuse/ops/recurrent.h"
 #include "meshfuse/ops/rmsnorm.h"
 #include "meshfuse/ops/softmax.h"
 #include "meshfuse/ops/swiglu.h"

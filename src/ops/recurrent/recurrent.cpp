@@ -1,0 +1,486 @@
+// RNN / GRU front-end: argument checks, head broadcasting, cu_seqlens checked on the host, backend
+// dispatch.
+#include "meshfuse/ops/recurrent.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ops/common.h"
+#include "ops/recurrent/recurrent_kernels.h"
+
+namespace meshfuse {
+namespace {
+
+using detail::RecurrentShape;
+
+const KernelTable<detail::RnnForwardFn> kRnn{
+    "rnn",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::rnn_forward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::rnn_forward}}};
+
+const KernelTable<detail::RnnBackwardFn> kRnnBackward{
+    "rnn_backward",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::rnn_backward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::rnn_backward}}};
+
+const KernelTable<detail::GruForwardFn> kGru{
+    "gru",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::gru_forward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gru_forward}}};
+
+const KernelTable<detail::GruBackwardFn> kGruBackward{
+    "gru_backward",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
+      &detail::reference::gru_backward},
+     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gru_backward}}};
+
+// The GRU's tensors in RecurrentShape's order (candidate, forget, reset), with their names.
+constexpr std::string_view kGruInputNames[3] = {"input", "forget_input", "reset_input"};
+constexpr std::string_view kGruWeightNames[3] = {"weight", "forget_weight", "reset_weight"};
+const TensorView* gru_inputs(const GruParams& p, int k) {
+  const TensorView* t[3] = {&p.input, &p.forget_input, &p.reset_input};
+  return t[k];
+}
+const TensorView* gru_weights(const GruParams& p, int k) {
+  const TensorView* t[3] = {&p.weight, &p.forget_weight, &p.reset_weight};
+  return t[k];
+}
+
+void check_float(std::string_view op, std::string_view name, const TensorView& t) {
+  detail::check_defined(op, name, t);
+  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
+}
+
+// A defined tensor of the dtype of `like`.
+void check_dtype_of(std::string_view op, std::string_view name, const TensorView& t,
+                    const TensorView& like, std::string_view like_name) {
+  detail::check_defined(op, name, t);
+  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
+}
+
+// The stream copies of the call run on: the caller's, or the tensors' device's default stream
+// when the caller passed a CPU stream (HostStaging's rule; HostStaging checks the device).
+Stream device_stream(const TensorView& t, const Stream& stream) {
+  if (t.device().type == DeviceType::CUDA && stream.device.type == DeviceType::CPU)
+    return Stream{t.device(), stream.native};
+  return stream;
+}
+
+// The token rows of a call, read from the tensor that defines them (the forward's input, the
+// backward's output): padded (B, S, heads, H) or packed (T, heads, H) with cu_seqlens.
+struct Rows {
+  std::int64_t batch = 0;
+  std::int64_t seq_len = 0;  // S, or the longest packed sequence
+  Shape lead;                // (B, S) or (T,)
+  std::int64_t head_dim = 0;
+  TensorView offsets;  // i64 (B+1,) contiguous on the tensors' device (packed only)
+  Tensor offsets_copy;
+};
+
+Rows read_rows(std::string_view op, std::string_view name, const TensorView& t,
+               const TensorView& cu_seqlens, std::int64_t max_seqlen, const Stream& stream) {
+  Rows rows;
+  if (!cu_seqlens.defined()) {
+    MESHFUSE_CHECK(t.dim() == 4, ErrorCode::InvalidArgument,
+                   "{}: '{}' must have 4 dimensions (B, S, heads, H) without cu_seqlens, got "
+                   "shape {}",
+                   op, name, shape_str(t.shape()));
+    MESHFUSE_CHECK(max_seqlen == -1, ErrorCode::InvalidArgument,
+                   "{}: max_seqlen is for packed input (with cu_seqlens), got {} without "
+                   "cu_seqlens",
+                   op, max_seqlen);
+    rows.batch = t.size(0);
+    rows.seq_len = t.size(1);
+    rows.lead = {t.size(0), t.size(1)};
+    rows.head_dim = t.size(3);
+    return rows;
+  }
+  detail::check_dtype(op, "cu_seqlens", cu_seqlens, {DType::I32, DType::I64});
+  detail::check_rank(op, "cu_seqlens", cu_seqlens, 1);
+  MESHFUSE_CHECK(cu_seqlens.size(0) >= 1, ErrorCode::InvalidArgument,
+                 "{}: 'cu_seqlens' must hold B+1 offsets (at least one), got an empty tensor", op);
+  MESHFUSE_CHECK(t.dim() == 3, ErrorCode::InvalidArgument,
+                 "{}: '{}' must have 3 dimensions (T, heads, H) with cu_seqlens, got shape {}", op,
+                 name, shape_str(t.shape()));
+  MESHFUSE_CHECK(max_seqlen >= -1, ErrorCode::InvalidArgument,
+                 "{}: max_seqlen must be -1 (unknown) or >= 0, got {}", op, max_seqlen);
+  const std::int64_t tokens = t.size(0);
+  rows.batch = cu_seqlens.size(0) - 1;
+  rows.lead = {tokens};
+  rows.head_dim = t.size(2);
+
+  // The offsets are read on the host (a small device-to-host copy when they live on a GPU).
+  Tensor host({cu_seqlens.size(0)}, DType::I64);
+  copy(cu_seqlens, host, stream);
+  const std::int64_t* cu = host.data_ptr<std::int64_t>();
+  MESHFUSE_CHECK(cu[0] == 0, ErrorCode::InvalidArgument,
+                 "{}: cu_seqlens must start at 0, got cu_seqlens[0] = {}", op, cu[0]);
+  for (std::int64_t b = 0; b < rows.batch; ++b) {
+    MESHFUSE_CHECK(cu[b + 1] >= cu[b], ErrorCode::InvalidArgument,
+                   "{}: cu_seqlens must be non-decreasing, got cu_seqlens[{}] = {} < "
+                   "cu_seqlens[{}] = {}",
+                   op, b + 1, cu[b + 1], b, cu[b]);
+    rows.seq_len = std::max(rows.seq_len, cu[b + 1] - cu[b]);
+  }
+  MESHFUSE_CHECK(cu[rows.batch] == tokens, ErrorCode::InvalidArgument,
+                 "{}: cu_seqlens must end at the number of rows T = {} of '{}', got "
+                 "cu_seqlens[{}] = {}",
+                 op, tokens, name, rows.batch, cu[rows.batch]);
+  MESHFUSE_CHECK(max_seqlen == -1 || max_seqlen >= rows.seq_len, ErrorCode::InvalidArgument,
+                 "{}: max_seqlen = {} is smaller than the longest sequence ({} rows)", op,
+                 max_seqlen, rows.seq_len);
+
+  if (cu_seqlens.dtype() == DType::I64 && cu_seqlens.is_contiguous()) {
+    rows.offsets = cu_seqlens;
+  } else {
+    rows.offsets_copy = Tensor({cu_seqlens.size(0)}, DType::I64, cu_seqlens.device(), stream);
+    copy(cu_seqlens, rows.offsets_copy, stream);
+    rows.offsets = rows.offsets_copy.view();
+  }
+  return rows;
+}
+
+// Checks a tensor of token rows, `rows.lead` x (heads, H); returns its head count.
+std::int64_t check_token_tensor(std::string_view op, std::string_view name, const TensorView& t,
+                                const Rows& rows) {
+  const auto rank = static_cast<std::int64_t>(rows.lead.size()) + 2;
+  Shape expected = rows.lead;
+  expected.push_back(t.dim() == rank ? t.size(-2) : 1);
+  expected.push_back(rows.head_dim);
+  std::string lead;
+  for (std::int64_t d : rows.lead) lead += fmt::format("{}, ", d);
+  MESHFUSE_CHECK(t.dim() == rank && t.shape() == expected, ErrorCode::ShapeMismatch,
+                 "{}: '{}' must have shape [{}heads, {}], got {}", op, name, lead, rows.head_dim,
+                 shape_str(t.shape()));
+  return t.size(-2);
+}
+
+// Checks a weight (heads, H, H); returns its head count.
+std::int64_t check_weight(std::string_view op, std::string_view name, const TensorView& w,
+                          const Rows& rows) {
+  const std::int64_t h = rows.head_dim;
+  MESHFUSE_CHECK(w.dim() == 3 && w.size(1) == h && w.size(2) == h, ErrorCode::ShapeMismatch,
+                 "{}: '{}' must have shape [heads, {}, {}], got {}", op, name, h, h,
+                 shape_str(w.shape()));
+  return w.size(0);
+}
+
+struct HeadCount {
+  std::string_view name;
+  std::int64_t count;
+};
+
+// N: the largest head count; each count must divide it.
+std::int64_t common_heads(std::string_view op, const std::vector<HeadCount>& counts) {
+  std::int64_t n = 0;
+  for (const HeadCount& c : counts) {
+    MESHFUSE_CHECK(c.count >= 1, ErrorCode::ShapeMismatch,
+                   "{}: '{}' must have at least one head, got 0", op, c.name);
+    n = std::max(n, c.count);
+  }
+  for (const HeadCount& c : counts)
+    MESHFUSE_CHECK(n % c.count == 0, ErrorCode::ShapeMismatch,
+                   "{}: the head count of '{}' ({}) must divide the number of heads N = {} (the "
+                   "largest head count among the inputs, weights and input_state)",
+                   op, c.name, c.count, n);
+  return n;
+}
+
+Shape state_shape(const Rows& rows, std::int64_t heads) {
+  return {rows.batch, heads, rows.head_dim};
+}
+
+Shape token_shape(const Rows& rows, std::int64_t heads) {
+  Shape s = rows.lead;
+  s.push_back(heads);
+  s.push_back(rows.head_dim);
+  return s;
+}
+
+double clipping_bound(std::string_view op, std::optional<double> gradient_clipping) {
+  if (!gradient_clipping) return INFINITY;
+  MESHFUSE_CHECK(*gradient_clipping >= 0, ErrorCode::InvalidArgument,
+                 "{}: gradient_clipping must be >= 0 (or not given), got {}", op,
+                 *gradient_clipping);
+  return *gradient_clipping;
+}
+
+// The backward's upstream gradients and input_state: optional, each like its forward tensor.
+void check_optional(std::string_view op, std::string_view name, const TensorView& t,
+                    const TensorView& like, std::string_view like_name, const Shape& shape) {
+  if (!t.defined()) return;
+  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
+  detail::check_shape(op, name, t, shape);
+}
+
+const void* data_or_null(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
+void* data_or_null_out(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
+
+RecurrentShape make_shape(DType dtype, const Rows& rows, std::int64_t heads,
+                          const TensorView& offsets) {
+  RecurrentShape s{};
+  s.dtype = dtype;
+  s.batch = rows.batch;
+  s.seq_len = rows.seq_len;
+  s.heads = heads;
+  s.head_dim = rows.head_dim;
+  s.cu_seqlens = offsets.defined() ? offsets.data_ptr<const std::int64_t>() : nullptr;
+  for (int k = 0; k < 3; ++k) s.input_heads[k] = s.weight_heads[k] = heads;
+  return s;
+}
+
+}  // namespace
+
+void rnn(const TensorView& input, const TensorView& weight, const TensorView& input_state,
+         const TensorView& output, const TensorView& final_state, const TensorView& cu_seqlens,
+         std::int64_t max_seqlen, const Stream& stream) {
+  constexpr std::string_view op = "rnn";
+  check_float(op, "input", input);
+  check_dtype_of(op, "weight", weight, input, "input");
+  auto* fn = kRnn.select({{"input", input},
+                          {"weight", weight},
+                          {"input_state", input_state},
+                          {"output", output},
+                          {"final_state", final_state},
+                          {"cu_seqlens", cu_seqlens}});
+  detail::HostStaging host(op, input, stream);
+  const Rows rows =
+      read_rows(op, "input", input, cu_seqlens, max_seqlen, device_stream(input, stream));
+  const std::int64_t nx = check_token_tensor(op, "input", input, rows);
+  const std::int64_t nw = check_weight(op, "weight", weight, rows);
+  std::vector<HeadCount> counts = {{"input", nx}, {"weight", nw}};
+  if (input_state.defined()) {
+    detail::check_same_dtype(op, "input_state", input_state, input.dtype(), "input");
+    detail::check_rank(op, "input_state", input_state, 3);
+    counts.push_back({"input_state", input_state.size(1)});
+  }
+  const std::int64_t heads = common_heads(op, counts);
+  check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
+  detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
+  if (final_state.defined())
+    detail::check_output(op, "final_state", final_state, state_shape(rows, heads), input.dtype());
+
+  const detail::Contiguous x(host.input(input), host.stream()),
+      w(host.input(weight), host.stream()), h0(host.input(input_state), host.stream());
+  RecurrentShape s = make_shape(input.dtype(), rows, heads, host.input(rows.offsets));
+  s.input_heads[0] = nx;
+  s.weight_heads[0] = nw;
+  fn(s, x.view().data(), w.view().data(), data_or_null(h0), host.output(output).data(),
+     data_or_null_out(host.output(final_state)), host.stream());
+  host.finish();
+}
+
+void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_state,
+                  const TensorView& output, const TensorView& weight, const TensorView& input_state,
+                  const TensorView& grad_input, const TensorView& grad_weight,
+                  const TensorView& grad_input_state, std::optional<double> gradient_clipping,
+                  const TensorView& cu_seqlens, std::int64_t max_seqlen, const Stream& stream) {
+  constexpr std::string_view op = "rnn_backward";
+  check_float(op, "output", output);
+  check_dtype_of(op, "weight", weight, output, "output");
+  check_dtype_of(op, "grad_input", grad_input, output, "output");
+  const double clip = clipping_bound(op, gradient_clipping);
+  auto* fn = kRnnBackward.select({{"output", output},
+                                  {"grad_output", grad_output},
+                                  {"grad_final_state", grad_final_state},
+                                  {"weight", weight},
+                                  {"input_state", input_state},
+                                  {"grad_input", grad_input},
+                                  {"grad_weight", grad_weight},
+                                  {"grad_input_state", grad_input_state},
+                                  {"cu_seqlens", cu_seqlens}});
+  detail::HostStaging host(op, output, stream);
+  const Rows rows =
+      read_rows(op, "output", output, cu_seqlens, max_seqlen, device_stream(output, stream));
+  const std::int64_t nx = check_token_tensor(op, "grad_input", grad_input, rows);
+  const std::int64_t nw = check_weight(op, "weight", weight, rows);
+  std::vector<HeadCount> counts = {{"grad_input", nx}, {"weight", nw}};
+  if (input_state.defined()) {
+    detail::check_same_dtype(op, "input_state", input_state, output.dtype(), "output");
+    detail::check_rank(op, "input_state", input_state, 3);
+    counts.push_back({"input_state", input_state.size(1)});
+  }
+  const std::int64_t heads = common_heads(op, counts);
+  detail::check_shape(op, "output", output, token_shape(rows, heads));
+  check_optional(op, "input_state", input_state, output, "output", state_shape(rows, heads));
+  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
+  check_optional(op, "grad_final_state", grad_final_state, output, "output",
+                 state_shape(rows, heads));
+  detail::check_output(op, "grad_input", grad_input, grad_input.shape(), output.dtype());
+  detail::check_output(op, "grad_weight", grad_weight, weight.shape(), output.dtype());
+  if (grad_input_state.defined()) {
+    MESHFUSE_CHECK(input_state.defined(), ErrorCode::InvalidArgument,
+                   "{}: 'grad_input_state' is given but 'input_state' is not", op);
+    detail::check_output(op, "grad_input_state", grad_input_state, input_state.shape(),
+                         output.dtype());
+  }
+
+  const detail::Contiguous dy(host.input(grad_output), host.stream()),
+      dhn(host.input(grad_final_state), host.stream()), y(host.input(output), host.stream()),
+      w(host.input(weight), host.stream()), h0(host.input(input_state), host.stream());
+  RecurrentShape s = make_shape(output.dtype(), rows, heads, host.input(rows.offsets));
+  s.input_heads[0] = nx;
+  s.weight_heads[0] = nw;
+  fn(s, data_or_null(dy), data_or_null(dhn), y.view().data(), w.view().data(), data_or_null(h0),
+     host.output(grad_input).data(), host.output(grad_weight).data(),
+     data_or_null_out(host.output(grad_input_state)), clip, host.stream());
+  host.finish();
+}
+
+namespace {
+
+// Checks the GRU's three (input, weight) pairs against the token rows; fills the head counts
+// into `counts` (inputs, then weights).
+void check_gru_params(std::string_view op, const GruParams& p, const Rows& rows,
+                      const TensorView& like, std::string_view like_name,
+                      std::vector<HeadCount>& counts) {
+  for (int k = 0; k < 3; ++k) {
+    check_dtype_of(op, kGruInputNames[k], *gru_inputs(p, k), like, like_name);
+    check_dtype_of(op, kGruWeightNames[k], *gru_weights(p, k), like, like_name);
+  }
+  for (int k = 0; k < 3; ++k)
+    counts.push_back(
+        {kGruInputNames[k], check_token_tensor(op, kGruInputNames[k], *gru_inputs(p, k), rows)});
+  for (int k = 0; k < 3; ++k)
+    counts.push_back(
+        {kGruWeightNames[k], check_weight(op, kGruWeightNames[k], *gru_weights(p, k), rows)});
+}
+
+void set_gru_heads(RecurrentShape& s, const std::vector<HeadCount>& counts) {
+  for (int k = 0; k < 3; ++k) {
+    s.input_heads[k] = counts[k].count;
+    s.weight_heads[k] = counts[3 + k].count;
+  }
+}
+
+}  // namespace
+
+void gru(const GruParams& params, const TensorView& input_state, const TensorView& output,
+         const TensorView& final_state, const TensorView& cu_seqlens, std::int64_t max_seqlen,
+         const Stream& stream) {
+  constexpr std::string_view op = "gru";
+  const TensorView& input = params.input;
+  check_float(op, "input", input);
+  auto* fn = kGru.select({{"input", input},
+                          {"weight", params.weight},
+                          {"forget_input", params.forget_input},
+                          {"forget_weight", params.forget_weight},
+                          {"reset_input", params.reset_input},
+                          {"reset_weight", params.reset_weight},
+                          {"input_state", input_state},
+                          {"output", output},
+                          {"final_state", final_state},
+                          {"cu_seqlens", cu_seqlens}});
+  detail::HostStaging host(op, input, stream);
+  const Rows rows =
+      read_rows(op, "input", input, cu_seqlens, max_seqlen, device_stream(input, stream));
+  std::vector<HeadCount> counts;
+  check_gru_params(op, params, rows, input, "input", counts);
+  std::vector<HeadCount> all = counts;
+  if (input_state.defined()) {
+    detail::check_same_dtype(op, "input_state", input_state, input.dtype(), "input");
+    detail::check_rank(op, "input_state", input_state, 3);
+    all.push_back({"input_state", input_state.size(1)});
+  }
+  const std::int64_t heads = common_heads(op, all);
+  check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
+  detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
+  if (final_state.defined())
+    detail::check_output(op, "final_state", final_state, state_shape(rows, heads), input.dtype());
+
+  std::vector<detail::Contiguous> c;
+  c.reserve(7);
+  detail::GruPointers p{};
+  for (int k = 0; k < 3; ++k) {
+    p.input[k] = c.emplace_back(host.input(*gru_inputs(params, k)), host.stream()).view().data();
+    p.weight[k] = c.emplace_back(host.input(*gru_weights(params, k)), host.stream()).view().data();
+  }
+  const detail::Contiguous h0(host.input(input_state), host.stream());
+  RecurrentShape s = make_shape(input.dtype(), rows, heads, host.input(rows.offsets));
+  set_gru_heads(s, counts);
+  fn(s, p, data_or_null(h0), host.output(output).data(), data_or_null_out(host.output(final_state)),
+     host.stream());
+  host.finish();
+}
+
+void gru_backward(const TensorView& grad_output, const TensorView& grad_final_state,
+                  const TensorView& output, const GruParams& params, const TensorView& input_state,
+                  const GruParams& grads, const TensorView& grad_input_state,
+                  std::optional<double> gradient_clipping, const TensorView& cu_seqlens,
+                  std::int64_t max_seqlen, const Stream& stream) {
+  constexpr std::string_view op = "gru_backward";
+  check_float(op, "output", output);
+  const double clip = clipping_bound(op, gradient_clipping);
+  std::vector<NamedTensor> named = {{"output", output},
+                                    {"grad_output", grad_output},
+                                    {"grad_final_state", grad_final_state},
+                                    {"input_state", input_state},
+                                    {"grad_input_state", grad_input_state},
+                                    {"cu_seqlens", cu_seqlens}};
+  static const std::string kGradInputNames[3] = {"grad_input", "grad_forget_input",
+                                                 "grad_reset_input"};
+  static const std::string kGradWeightNames[3] = {"grad_weight", "grad_forget_weight",
+                                                  "grad_reset_weight"};
+  for (int k = 0; k < 3; ++k) {
+    named.push_back({kGruInputNames[k], *gru_inputs(params, k)});
+    named.push_back({kGruWeightNames[k], *gru_weights(params, k)});
+    named.push_back({kGradInputNames[k], *gru_inputs(grads, k)});
+    named.push_back({kGradWeightNames[k], *gru_weights(grads, k)});
+  }
+  auto* fn = kGruBackward.select(named);
+  detail::HostStaging host(op, output, stream);
+  const Rows rows =
+      read_rows(op, "output", output, cu_seqlens, max_seqlen, device_stream(output, stream));
+  std::vector<HeadCount> counts;
+  check_gru_params(op, params, rows, output, "output", counts);
+  std::vector<HeadCount> all = counts;
+  if (input_state.defined()) {
+    detail::check_same_dtype(op, "input_state", input_state, output.dtype(), "output");
+    detail::check_rank(op, "input_state", input_state, 3);
+    all.push_back({"input_state", input_state.size(1)});
+  }
+  const std::int64_t heads = common_heads(op, all);
+  detail::check_shape(op, "output", output, token_shape(rows, heads));
+  check_optional(op, "input_state", input_state, output, "output", state_shape(rows, heads));
+  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
+  check_optional(op, "grad_final_state", grad_final_state, output, "output",
+                 state_shape(rows, heads));
+  for (int k = 0; k < 3; ++k) {
+    detail::check_output(op, kGradInputNames[k], *gru_inputs(grads, k),
+                         gru_inputs(params, k)->shape(), output.dtype());
+    detail::check_output(op, kGradWeightNames[k], *gru_weights(grads, k),
+                         gru_weights(params, k)->shape(), output.dtype());
+  }
+  if (grad_input_state.defined()) {
+    MESHFUSE_CHECK(input_state.defined(), ErrorCode::InvalidArgument,
+                   "{}: 'grad_input_state' is given but 'input_state' is not", op);
+    detail::check_output(op, "grad_input_state", grad_input_state, input_state.shape(),
+                         output.dtype());
+  }
+
+  std::vector<detail::Contiguous> c;
+  c.reserve(10);
+  detail::GruPointers p{};
+  detail::GruGradPointers g{};
+  for (int k = 0; k < 3; ++k) {
+    p.input[k] = c.emplace_back(host.input(*gru_inputs(params, k)), host.stream()).view().data();
+    p.weight[k] = c.emplace_back(host.input(*gru_weights(params, k)), host.stream()).view().data();
+    g.input[k] = host.output(*gru_inputs(grads, k)).data();
+    g.weight[k] = host.output(*gru_weights(grads, k)).data();
+  }
+  const detail::Contiguous dy(host.input(grad_output), host.stream()),
+      dhn(host.input(grad_final_state), host.stream()), y(host.input(output), host.stream()),
+      h0(host.input(input_state), host.stream());
+  RecurrentShape s = make_shape(output.dtype(), rows, heads, host.input(rows.offsets));
+  set_gru_heads(s, counts);
+  fn(s, data_or_null(dy), data_or_null(dhn), y.view().data(), p, data_or_null(h0), g,
+     data_or_null_out(host.output(grad_input_state)), clip, host.stream());
+  host.finish();
+}
+
+}  // namespace meshfuse
