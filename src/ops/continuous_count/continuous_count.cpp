@@ -1,0 +1,37 @@
+// continuous_count front-end: checks and backend dispatch.
+#include "meshfuse/ops/continuous_count.h"
+
+#include "ops/common.h"
+#include "ops/continuous_count/continuous_count_kernels.h"
+
+namespace meshfuse {
+namespace {
+
+const KernelTable<detail::CountFn> kCount(
+    "continuous_count",
+    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kIndexDTypes,
+      &detail::reference::continuous_count},
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kIndexDTypes,
+      &detail::cpu::continuous_count} MESHFUSE_CUDA_ENTRY(detail::kIndexDTypes, continuous_count)});
+
+}  // namespace
+
+void continuous_count(const TensorView& x, const TensorView& out, const Stream& stream) {
+  constexpr std::string_view op = "continuous_count";
+  detail::check_defined(op, "x", x);
+  detail::check_dtype(op, "x", x, {DType::I32, DType::I64});
+  detail::check_rank(op, "x", x, 1);
+  detail::check_defined(op, "out", out);
+  detail::check_rank(op, "out", out, 1);
+  detail::check_output(op, "out", out, out.shape(), DType::I64);
+  auto* fn = kCount.select({{"x", x}, {"out", out}});
+  detail::HostStaging host(op, x, stream);
+  const detail::Contiguous xc(host.input(x), host.stream());
+  fn({x.dtype(), x.size(0), out.size(0)}, xc.view().data(),
+     host.output(out).data_ptr<std::int64_t>(), host.stream());
+  host.finish();
+}
+
+}  // namespace meshfuse
