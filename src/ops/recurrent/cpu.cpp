@@ -1,32 +1,557 @@
-// CPU RNN and GRU: for now the reference loops (the optimised kernels follow).
+// CPU RNN and GRU. The recurrences of the (sequence, head) pairs are independent: OpenMP threads
+// take them in static chunks, head-major, so a thread widens each head's weights to fp32 once
+// (16 KiB at H = 64, in L1/L2 for the whole sequence) and carries the state in fp32 buffers of H
+// values. A step then reads an input row and writes an output row from memory; the products with
+// the weights run from cache and registers (add_vec_mat).
+//
+// Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
+// The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
+// steps at a time (add_outer_products: one load and store of the gradient per kSteps products)
+// into a per-pair fp32 partial; the partials are added in a fixed order (sequence, then head) at
+// the end, so the result does not depend on the number of threads. Input gradients of a head
+// serving one input head are stored directly; a broadcast input head (serving several heads)
+// takes the sum over its heads, which one task walks one after another into an fp32 buffer.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/recurrent/recurrent_kernels.h"
+#include "ops/recurrent/rows.h"
 
 namespace meshfuse::detail::cpu {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#else
+constexpr int kVectorBytes = 32;
+#endif
+// Columns of a register block: four vector registers of A.
+template <typename A>
+constexpr int kBlock = 4 * kVectorBytes / static_cast<int>(sizeof(A));
+// Steps whose outer products are added to the weight gradient at once.
+constexpr std::int64_t kSteps = 16;
+
+// tanh in float, within 2 ulp. Below |x| = 0.55 an odd polynomial x·P(x²) (least-squares fit of
+// tanh(x)/x on [0, 0.55²], relative error 1.5 ulp in float); above, 1 - 2 / (exp(2|x|) + 1),
+// whose cancellation costs nothing there (tanh >= 0.5). Both are computed and one is selected, so
+// loops vectorise; exp overflowing to inf gives 1, NaN stays NaN.
+inline float vtanh(float x) {
+  const float ax = std::fabs(x);
+  const float u = x * x;
+  float p = -0.0062303506f;
+  p = p * u + 0.021035718f;
+  p = p * u - 0.053841654f;
+  p = p * u + 0.13332449f;
+  p = p * u - 0.3333331f;
+  p = p * u + 1.0f;
+  const float big = 1.0f - 2.0f / (vexp(2.0f * ax) + 1.0f);
+  return ax < 0.55f ? x * p : std::copysign(big, x);
+}
+inline double vtanh(double x) { return std::tanh(x); }
+
+template <typename A>
+inline A sigmoid(A x) {
+  return A(1) / (A(1) + vexp(-x));
+}
+
+// a[j0, j0 + kCols) += (v @ M)[j0, j0 + kCols) for an h x h row-major M: the block accumulates in
+// registers over two interleaved halves of the rows (independent FMA chains hide the latency).
+template <int kCols, typename A>
+inline void add_vec_mat_block(const A* v, const A* m, A* a, std::int64_t h, std::int64_t j0) {
+  A acc0[kCols] = {}, acc1[kCols] = {};
+  std::int64_t i = 0;
+  for (; i + 2 <= h; i += 2) {
+    const A v0 = v[i], v1 = v[i + 1];
+    const A* r0 = m + i * h + j0;
+    const A* r1 = r0 + h;
+#pragma omp simd
+    for (int c = 0; c < kCols; ++c) {
+      acc0[c] += v0 * r0[c];
+      acc1[c] += v1 * r1[c];
+    }
+  }
+  if (i < h) {
+    const A* r0 = m + i * h + j0;
+#pragma omp simd
+    for (int c = 0; c < kCols; ++c) acc0[c] += v[i] * r0[c];
+  }
+#pragma omp simd
+  for (int c = 0; c < kCols; ++c) a[j0 + c] += acc0[c] + acc1[c];
+}
+
+// a += v @ M (row vector v, h x h row-major M).
+template <typename A>
+void add_vec_mat(const A* v, const A* m, A* a, std::int64_t h) {
+  std::int64_t j = 0;
+  for (; j + kBlock<A> <= h; j += kBlock<A>) add_vec_mat_block<kBlock<A>>(v, m, a, h, j);
+  for (; j + 8 <= h; j += 8) add_vec_mat_block<8>(v, m, a, h, j);
+  for (; j < h; ++j) add_vec_mat_block<1>(v, m, a, h, j);
+}
+
+// dw[i0, i0 + kRows) x [j0, j0 + kCols) += sum over k < steps of u_k^T v_k (u, v: steps x h).
+template <int kRows, int kCols, typename A>
+inline void add_outer_block(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h,
+                            std::int64_t i0, std::int64_t j0) {
+  A acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+#pragma omp simd
+    for (int c = 0; c < kCols; ++c) acc[r][c] = dw[(i0 + r) * h + j0 + c];
+  for (std::int64_t k = 0; k < steps; ++k) {
+    const A* vk = v + k * h + j0;
+    for (int r = 0; r < kRows; ++r) {
+      const A ur = u[k * h + i0 + r];
+#pragma omp simd
+      for (int c = 0; c < kCols; ++c) acc[r][c] += ur * vk[c];
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+#pragma omp simd
+    for (int c = 0; c < kCols; ++c) dw[(i0 + r) * h + j0 + c] = acc[r][c];
+}
+
+template <int kRows, typename A>
+void add_outer_rows(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h,
+                    std::int64_t i0) {
+  std::int64_t j = 0;
+  for (; j + kBlock<A> <= h; j += kBlock<A>)
+    add_outer_block<kRows, kBlock<A>>(u, v, steps, dw, h, i0, j);
+  for (; j + 8 <= h; j += 8) add_outer_block<kRows, 8>(u, v, steps, dw, h, i0, j);
+  for (; j < h; ++j) add_outer_block<kRows, 1>(u, v, steps, dw, h, i0, j);
+}
+
+// dw += U^T V for the `steps` rows of U and V (steps x h each).
+template <typename A>
+void add_outer_products(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h) {
+  std::int64_t i = 0;
+  for (; i + 2 <= h; i += 2) add_outer_rows<2>(u, v, steps, dw, h, i);
+  if (i < h) add_outer_rows<1>(u, v, steps, dw, h, i);
+}
+
+template <typename A, typename T>
+inline void widen(const T* src, A* dst, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) dst[j] = to_float(src[j]);
+}
+
+template <typename T, typename A>
+inline void narrow(const A* src, T* dst, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) dst[j] = store_as<T>(src[j]);
+}
+
+// The inputs and weights of a call in RecurrentShape's order (one pair for the RNN, three for the
+// GRU: candidate, forget, reset).
+template <typename T, int kPairs>
+struct Operands {
+  const T* input[kPairs];
+  const T* weight[kPairs];
+};
+
+template <typename T, int kPairs>
+Operands<T, kPairs> operands(const void* const* input, const void* const* weight) {
+  Operands<T, kPairs> op;
+  for (int k = 0; k < kPairs; ++k) {
+    op.input[k] = static_cast<const T*>(input[k]);
+    op.weight[k] = static_cast<const T*>(weight[k]);
+  }
+  return op;
+}
+
+// Pair k's input row for head n at token `row`.
+template <typename T, int kPairs>
+const T* input_row(const RecurrentShape& s, const Operands<T, kPairs>& op, int k, std::int64_t row,
+                   std::int64_t n) {
+  const std::int64_t heads = s.input_heads[k];
+  return op.input[k] + (row * heads + source_head(s, heads, n)) * s.head_dim;
+}
+
+// A thread's fp32 copies of the current head's weights (with their transposes for the
+// backward, whose products with W^T then run as products with a matrix), widened again only when
+// the head changes.
+template <typename T, int kPairs>
+class HeadWeights {
+ public:
+  using A = acc_t<T>;
+  HeadWeights(std::int64_t h, bool transposed) : h_(h), transposed_(transposed) {
+    for (int k = 0; k < kPairs; ++k) {
+      w_[k].resize(h * h);
+      if (transposed) wt_[k].resize(h * h);
+      loaded_[k] = -1;
+    }
+  }
+  void load(const RecurrentShape& s, const Operands<T, kPairs>& op, std::int64_t n) {
+    for (int k = 0; k < kPairs; ++k) {
+      const std::int64_t head = source_head(s, s.weight_heads[k], n);
+      if (head == loaded_[k]) continue;
+      loaded_[k] = head;
+      widen(op.weight[k] + head * h_ * h_, w_[k].data(), h_ * h_);
+      if (!transposed_) continue;
+      for (std::int64_t i = 0; i < h_; ++i)
+        for (std::int64_t j = 0; j < h_; ++j) wt_[k][j * h_ + i] = w_[k][i * h_ + j];
+    }
+  }
+  const A* w(int k) const { return w_[k].data(); }
+  const A* wt(int k) const { return wt_[k].data(); }
+
+ private:
+  std::int64_t h_;
+  bool transposed_;
+  std::vector<A> w_[kPairs], wt_[kPairs];
+  std::int64_t loaded_[kPairs];
+};
+
+// The state before the first step: input_state's row, or zeros.
+template <typename T, typename A>
+void initial_state(const RecurrentShape& s, const T* input_state, std::int64_t b, std::int64_t n,
+                   A* state) {
+  if (input_state != nullptr)
+    widen(input_state + (b * s.heads + n) * s.head_dim, state, s.head_dim);
+  else
+    std::fill(state, state + s.head_dim, A(0));
+}
+
+// --- forward -----------------------------------------------------------------------------------
+
+// Runs every (sequence, head) recurrence. step(weights, row, n, state, work) advances the fp32
+// state by the step at token `row`; work: kWork rows of h scratch values.
+template <typename T, int kPairs, int kWork, typename Step>
+void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const T* input_state,
+                   T* output, T* final_state, Step&& step) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim;
+#pragma omp parallel
+  {
+    HeadWeights<T, kPairs> weights(h, false);
+    std::vector<A> state(h), work(kWork * h);
+#pragma omp for schedule(static)
+    for (std::int64_t task = 0; task < s.heads * s.batch; ++task) {
+      const std::int64_t n = task / s.batch, b = task % s.batch;
+      weights.load(s, op, n);
+      initial_state(s, input_state, b, n, state.data());
+      const SequenceRows seq = sequence_rows(s, b);
+      for (std::int64_t t = 0; t < seq.length; ++t) {
+        const std::int64_t row = seq.first + t;
+        step(weights, row, n, state.data(), work.data());
+        narrow(state.data(), output + (row * s.heads + n) * h, h);
+      }
+      if (final_state != nullptr) narrow(state.data(), final_state + (b * s.heads + n) * h, h);
+    }
+  }
+}
+
+// h = tanh(h @ W + x)
+template <typename T>
+void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* input_state,
+                   T* output, T* final_state) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim;
+  const auto step = [&](const HeadWeights<T, 1>& w, std::int64_t row, std::int64_t n, A* state,
+                        A* a) {
+    widen(input_row(s, op, 0, row, n), a, h);
+    add_vec_mat(state, w.w(0), a, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) state[j] = vtanh(a[j]);
+  };
+  forward_pairs<T, 1, 1>(s, op, input_state, output, final_state, step);
+}
+
+// f = sigmoid(h @ W_f + x_f), r = sigmoid(h @ W_r + x_r), z = tanh((h * r) @ W + x),
+// h = f * h + (1 - f) * z
+template <typename T>
+void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
+                   T* output, T* final_state) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim;
+  const auto step = [&](const HeadWeights<T, 3>& w, std::int64_t row, std::int64_t n, A* state,
+                        A* work) {
+    A *f = work, *r = work + h, *q = work + 2 * h, *z = work + 3 * h;
+    widen(input_row(s, op, 1, row, n), f, h);
+    widen(input_row(s, op, 2, row, n), r, h);
+    widen(input_row(s, op, 0, row, n), z, h);
+    add_vec_mat(state, w.w(1), f, h);
+    add_vec_mat(state, w.w(2), r, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) {
+      f[j] = sigmoid(f[j]);
+      q[j] = state[j] * sigmoid(r[j]);
+    }
+    add_vec_mat(q, w.w(0), z, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
+  };
+  forward_pairs<T, 3, 4>(s, op, input_state, output, final_state, step);
+}
+
+// --- backward ----------------------------------------------------------------------------------
+
+// Pointers of a backward call.
+template <typename T, int kPairs>
+struct BackwardArgs {
+  const T* grad_output;       // nullable
+  const T* grad_final_state;  // nullable
+  const T* output;
+  const T* input_state;  // nullable
+  T* grad_input[kPairs];
+  T* grad_weight[kPairs];
+  T* grad_input_state;  // nullable
+  double clip;
+};
+
+// One backward step's buffers: the state before the step (prev), after it (y, as stored), the
+// clamped gradient of y (g), and what the step writes: per pair k the gradient of its
+// pre-activation da[k] (= the input's gradient) and the row u[k] whose outer product with da[k]
+// adds to the weight's gradient; carry (the gradient of prev); work: scratch rows.
+template <typename A, int kPairs>
+struct StepBuffers {
+  const A* prev;
+  const A* y;
+  const A* g;
+  A* da[kPairs];
+  A* u[kPairs];
+  A* carry;
+  A* work;
+};
+
+// Runs every (sequence, head) recurrence backwards (see the top of the file). Tasks are
+// (group of heads, sequence); a group holds the heads sharing a broadcast input head.
+template <typename T, int kPairs, int kWork, typename Step>
+void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
+                    const BackwardArgs<T, kPairs>& args, Step&& step) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim, heads = s.heads, hh = h * h;
+  std::int64_t divisor = 0;
+  for (int k = 0; k < kPairs; ++k) divisor = std::gcd(divisor, s.input_heads[k]);
+  const std::int64_t group = divisor > 0 ? heads / divisor : 1;
+  const A clip = static_cast<A>(args.clip);
+  // Per (sequence, head) weight-gradient partials, each zeroed by the task that fills it.
+  std::vector<std::unique_ptr<A[]>> partial(kPairs);
+  for (auto& p : partial) p.reset(new A[static_cast<std::size_t>(s.batch * heads * hh)]);
+
+#pragma omp parallel
+  {
+    HeadWeights<T, kPairs> weights(h, true);
+    std::vector<A> prev(h), y(h), g(h), carry(h), work(kWork * h);
+    std::vector<A> u[kPairs], v[kPairs], sums[kPairs];
+    for (int k = 0; k < kPairs; ++k) u[k].resize(kSteps * h), v[k].resize(kSteps * h);
+#pragma omp for schedule(static)
+    for (std::int64_t task = 0; task < heads / group * s.batch; ++task) {
+      const std::int64_t n0 = task / s.batch * group, b = task % s.batch;
+      const SequenceRows seq = sequence_rows(s, b);
+      for (int k = 0; k < kPairs; ++k)
+        if (s.input_heads[k] < heads)
+          sums[k].assign(seq.length * (group * s.input_heads[k] / heads) * h, A(0));
+      for (std::int64_t n = n0; n < n0 + group; ++n) {
+        weights.load(s, op, n);
+        A* dw[kPairs];
+        for (int k = 0; k < kPairs; ++k) {
+          dw[k] = partial[k].get() + (b * heads + n) * hh;
+          std::fill(dw[k], dw[k] + hh, A(0));
+        }
+        if (args.grad_final_state != nullptr)
+          widen(args.grad_final_state + (b * heads + n) * h, carry.data(), h);
+        else
+          std::fill(carry.begin(), carry.end(), A(0));
+        std::int64_t pending = 0;  // steps whose outer products wait in u and v
+        for (std::int64_t t = seq.length - 1; t >= 0; --t) {
+          const std::int64_t row = seq.first + t;
+          widen(args.output + (row * heads + n) * h, y.data(), h);
+          if (t > 0)
+            widen(args.output + ((row - 1) * heads + n) * h, prev.data(), h);
+          else
+            initial_state(s, args.input_state, b, n, prev.data());
+          if (args.grad_output != nullptr)
+            widen(args.grad_output + (row * heads + n) * h, g.data(), h);
+          else
+            std::fill(g.begin(), g.end(), A(0));
+#pragma omp simd
+          for (std::int64_t j = 0; j < h; ++j) {
+            const A gj = g[j] + carry[j];
+            g[j] = gj < -clip ? -clip : (gj > clip ? clip : gj);
+          }
+          StepBuffers<A, kPairs> buf{prev.data(), y.data(),     g.data(),   {},
+                                     {},          carry.data(), work.data()};
+          for (int k = 0; k < kPairs; ++k) {
+            buf.da[k] = v[k].data() + pending * h;
+            buf.u[k] = u[k].data() + pending * h;
+          }
+          step(weights, row, n, buf);
+          for (int k = 0; k < kPairs; ++k) {
+            const std::int64_t nx = s.input_heads[k];
+            if (nx == heads) {
+              narrow(buf.da[k], args.grad_input[k] + (row * heads + n) * h, h);
+            } else {
+              const std::int64_t local = source_head(s, nx, n) - source_head(s, nx, n0);
+              A* sum = sums[k].data() + (t * (group * nx / heads) + local) * h;
+#pragma omp simd
+              for (std::int64_t j = 0; j < h; ++j) sum[j] += buf.da[k][j];
+            }
+          }
+          if (++pending == kSteps || t == 0) {
+            for (int k = 0; k < kPairs; ++k)
+              add_outer_products(u[k].data(), v[k].data(), pending, dw[k], h);
+            pending = 0;
+          }
+        }
+        if (args.grad_input_state != nullptr)
+          narrow(carry.data(), args.grad_input_state + (b * heads + n) * h, h);
+      }
+      for (int k = 0; k < kPairs; ++k) {
+        const std::int64_t nx = s.input_heads[k];
+        if (nx == heads) continue;
+        const std::int64_t count = group * nx / heads, first = source_head(s, nx, n0);
+        for (std::int64_t t = 0; t < seq.length; ++t)
+          narrow(sums[k].data() + t * count * h,
+                 args.grad_input[k] + ((seq.first + t) * nx + first) * h, count * h);
+      }
+    }
+
+    // grad_weight[k][w] = sum over sequences b, then over the heads n that w serves, of the
+    // partials: one weight row per iteration.
+    for (int k = 0; k < kPairs; ++k) {
+      const std::int64_t nw = s.weight_heads[k], served = heads / nw;
+#pragma omp for schedule(static)
+      for (std::int64_t wr = 0; wr < nw * h; ++wr) {
+        const std::int64_t w = wr / h, i = wr % h;
+        A* acc = g.data();
+        std::fill(acc, acc + h, A(0));
+        for (std::int64_t b = 0; b < s.batch; ++b)
+          for (std::int64_t n = w * served; n < (w + 1) * served; ++n) {
+            const A* p = partial[k].get() + (b * heads + n) * hh + i * h;
+#pragma omp simd
+            for (std::int64_t j = 0; j < h; ++j) acc[j] += p[j];
+          }
+        narrow(acc, args.grad_weight[k] + wr * h, h);
+      }
+    }
+  }
+}
+
+// da = g (1 - y^2), dW += prev^T da, carry = da @ W^T
+template <typename T>
+void rnn_backward_t(const RecurrentShape& s, const Operands<T, 1>& op,
+                    const BackwardArgs<T, 1>& args) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim;
+  const auto step = [&](const HeadWeights<T, 1>& w, std::int64_t, std::int64_t,
+                        const StepBuffers<A, 1>& b) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) {
+      b.da[0][j] = b.g[j] * (A(1) - b.y[j] * b.y[j]);
+      b.u[0][j] = b.prev[j];
+      b.carry[j] = A(0);
+    }
+    add_vec_mat(b.da[0], w.wt(0), b.carry, h);
+  };
+  backward_pairs<T, 1, 0>(s, op, args, step);
+}
+
+// With f, r, q = prev * r and z recomputed from prev:
+//   da_z = g (1 - f)(1 - z^2),        dW   += q^T da_z,    dq = da_z @ W^T
+//   da_f = g (prev - z) f (1 - f),     dW_f += prev^T da_f
+//   da_r = dq prev r (1 - r),          dW_r += prev^T da_r
+//   carry = g f + dq r + da_f @ W_f^T + da_r @ W_r^T
+template <typename T>
+void gru_backward_t(const RecurrentShape& s, const Operands<T, 3>& op,
+                    const BackwardArgs<T, 3>& args) {
+  using A = acc_t<T>;
+  const std::int64_t h = s.head_dim;
+  const auto step = [&](const HeadWeights<T, 3>& w, std::int64_t row, std::int64_t n,
+                        const StepBuffers<A, 3>& b) {
+    A *f = b.work, *r = b.work + h, *z = b.work + 2 * h, *dq = b.work + 3 * h;
+    A* q = b.u[0];
+    widen(input_row(s, op, 1, row, n), f, h);
+    widen(input_row(s, op, 2, row, n), r, h);
+    widen(input_row(s, op, 0, row, n), z, h);
+    add_vec_mat(b.prev, w.w(1), f, h);
+    add_vec_mat(b.prev, w.w(2), r, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) {
+      f[j] = sigmoid(f[j]);
+      r[j] = sigmoid(r[j]);
+      q[j] = b.prev[j] * r[j];
+    }
+    add_vec_mat(q, w.w(0), z, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) {
+      const A zj = vtanh(z[j]);
+      b.da[0][j] = b.g[j] * (A(1) - f[j]) * (A(1) - zj * zj);
+      b.da[1][j] = b.g[j] * (b.prev[j] - zj) * f[j] * (A(1) - f[j]);
+      dq[j] = A(0);
+    }
+    add_vec_mat(b.da[0], w.wt(0), dq, h);
+#pragma omp simd
+    for (std::int64_t j = 0; j < h; ++j) {
+      b.da[2][j] = dq[j] * b.prev[j] * r[j] * (A(1) - r[j]);
+      b.carry[j] = b.g[j] * f[j] + dq[j] * r[j];
+      b.u[1][j] = b.u[2][j] = b.prev[j];
+    }
+    add_vec_mat(b.da[1], w.wt(1), b.carry, h);
+    add_vec_mat(b.da[2], w.wt(2), b.carry, h);
+  };
+  backward_pairs<T, 3, 4>(s, op, args, step);
+}
+
+}  // namespace
 
 void rnn_forward(const RecurrentShape& s, const void* input, const void* weight,
-                 const void* input_state, void* output, void* final_state, const Stream& stream) {
-  reference::rnn_forward(s, input, weight, input_state, output, final_state, stream);
+                 const void* input_state, void* output, void* final_state, const Stream&) {
+  dispatch_float(s.dtype, "rnn", [&](auto tag) {
+    using T = decltype(tag);
+    rnn_forward_t<T>(s, operands<T, 1>(&input, &weight), static_cast<const T*>(input_state),
+                     static_cast<T*>(output), static_cast<T*>(final_state));
+  });
 }
 
 void rnn_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
                   const void* output, const void* weight, const void* input_state, void* grad_input,
                   void* grad_weight, void* grad_input_state, double gradient_clipping,
-                  const Stream& stream) {
-  reference::rnn_backward(s, grad_output, grad_final_state, output, weight, input_state, grad_input,
-                          grad_weight, grad_input_state, gradient_clipping, stream);
+                  const Stream&) {
+  dispatch_float(s.dtype, "rnn_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const void* no_input = nullptr;  // the RNN's backward needs only the outputs
+    const BackwardArgs<T, 1> args{
+        static_cast<const T*>(grad_output), static_cast<const T*>(grad_final_state),
+        static_cast<const T*>(output),      static_cast<const T*>(input_state),
+        {static_cast<T*>(grad_input)},      {static_cast<T*>(grad_weight)},
+        static_cast<T*>(grad_input_state),  gradient_clipping};
+    rnn_backward_t<T>(s, operands<T, 1>(&no_input, &weight), args);
+  });
 }
 
 void gru_forward(const RecurrentShape& s, const GruPointers& p, const void* input_state,
-                 void* output, void* final_state, const Stream& stream) {
-  reference::gru_forward(s, p, input_state, output, final_state, stream);
+                 void* output, void* final_state, const Stream&) {
+  dispatch_float(s.dtype, "gru", [&](auto tag) {
+    using T = decltype(tag);
+    gru_forward_t<T>(s, operands<T, 3>(p.input, p.weight), static_cast<const T*>(input_state),
+                     static_cast<T*>(output), static_cast<T*>(final_state));
+  });
 }
 
 void gru_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
                   const void* output, const GruPointers& p, const void* input_state,
                   const GruGradPointers& grads, void* grad_input_state, double gradient_clipping,
-                  const Stream& stream) {
-  reference::gru_backward(s, grad_output, grad_final_state, output, p, input_state, grads,
-                          grad_input_state, gradient_clipping, stream);
+                  const Stream&) {
+  dispatch_float(s.dtype, "gru_backward", [&](auto tag) {
+    using T = decltype(tag);
+    BackwardArgs<T, 3> args{static_cast<const T*>(grad_output),
+                            static_cast<const T*>(grad_final_state),
+                            static_cast<const T*>(output),
+                            static_cast<const T*>(input_state),
+                            {},
+                            {},
+                            static_cast<T*>(grad_input_state),
+                            gradient_clipping};
+    for (int k = 0; k < 3; ++k) {
+      args.grad_input[k] = static_cast<T*>(grads.input[k]);
+      args.grad_weight[k] = static_cast<T*>(grads.weight[k]);
+    }
+    gru_backward_t<T>(s, operands<T, 3>(p.input, p.weight), args);
+  });
 }
 
 }  // namespace meshfuse::detail::cpu

@@ -106,7 +106,7 @@ Vec state_grad(const RecurrentShape& s, const Vec& carry, const void* grad_outpu
     const Vec dy = load<T>(grad_output, s.heads, row, n, s.head_dim);
     for (std::size_t j = 0; j < g.size(); ++j) g[j] += dy[j];
   }
-  for (double& v : g) v = std::fmin(std::fmax(v, -clip), clip);
+  for (double& v : g) v = v < -clip ? -clip : (v > clip ? clip : v);  // NaN stays NaN
   return g;
 }
 
