@@ -1,4 +1,4 @@
-// The meshfuse CLI: `info`, `bench` and `launch`.
+// The meshfuse CLI: `info`, `bench`, `launch` and `comm-bench`.
 //
 // Exit codes: 0 success; 1 a bench check failed; 2 bad arguments, a bad model config, or a
 // device / backend this build or machine does not have (the message says which); 3 an unexpected
@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "bench.h"
+#include "comm_bench.h"
 #include "info.h"
 #include "launch.h"
 #include "meshfuse/core/error.h"
@@ -77,8 +78,40 @@ int main(int argc, char** argv) {
         break;
       }
 
+  meshfuse::cli::CommBenchOptions comm_options;
+  CLI::App* comm_bench = app.add_subcommand(
+      "comm-bench",
+      "time one collective per message size (doubling) with the nccl-tests algorithm and bus "
+      "bandwidths; run it under `meshfuse launch` or mpirun, or with --backend local -n N");
+  comm_bench->add_option("--backend", comm_options.backend,
+                         "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else gloo under a "
+                         "launcher, else local)");
+  comm_bench
+      ->add_option("--op", comm_options.op,
+                   "all_reduce, all_gather, reduce_scatter, broadcast or all_to_all")
+      ->capture_default_str();
+  comm_bench->add_option("--min-bytes", comm_options.min_bytes, "smallest message (K, M, G)")
+      ->capture_default_str();
+  comm_bench->add_option("--max-bytes", comm_options.max_bytes, "largest message (K, M, G)")
+      ->capture_default_str();
+  comm_bench->add_option("--dtype", comm_options.dtype, "f32 or bf16")->capture_default_str();
+  comm_bench->add_option("--iters", comm_options.iters, "timed iterations per size")
+      ->capture_default_str();
+  comm_bench->add_option("--warmup", comm_options.warmup, "untimed iterations per size")
+      ->capture_default_str();
+  comm_bench->add_option("--format", comm_options.format, "table, csv or json")
+      ->capture_default_str();
+  comm_bench->add_option("-n,--nranks", comm_options.nranks,
+                         "ranks as threads of this process (--backend local; default 2)");
+  comm_bench->add_flag("--check", comm_options.check,
+                       "keep the cross-rank metadata check before each collective (off: the "
+                       "transfer alone is timed)");
+  comm_bench->add_flag("!--no-copy-bandwidth", comm_options.copy_bandwidth,
+                       "skip measuring the device's copy bandwidth (about a second)");
+
   try {
     app.parse(argc, argv);
+    if (*comm_bench) return meshfuse::cli::run_comm_bench(comm_options, std::cout);
     if (*launch) {
       return meshfuse::cli::run_launch(launch_options);
     }

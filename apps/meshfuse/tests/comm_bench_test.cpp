@@ -1,0 +1,177 @@
+// `meshfuse comm-bench` run as a user runs it (local ranks as threads, gloo ranks under `meshfuse
+// launch`), and its size parser.
+#include "comm_bench.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "meshfuse/core/error.h"
+#include "meshfuse/dist/communicator.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+CliResult run_cli(const std::string& args) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("meshfuse_comm_bench_{}", getpid());
+  fs::create_directories(dir);
+  const std::string command =
+      fmt::format("'{0}' {1} >'{2}/out' 2>'{2}/err'", MESHFUSE_CLI_PATH, args, dir.string());
+  const int status = std::system(command.c_str());
+  CliResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(dir / "out"),
+              read_file(dir / "err")};
+  fs::remove_all(dir);
+  return r;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+constexpr const char* kQuick = "--iters 3 --warmup 1 --no-copy-bandwidth";
+
+// The checks every record passes: its keys, the quantiles' order and the nccl-tests definitions.
+void expect_consistent(const nlohmann::json& record, double bus_factor) {
+  const double median = record["median_us"], algbw = record["algbw_gbps"];
+  EXPECT_GT(median, 0);
+  EXPECT_LE(record["p20_us"].get<double>(), median);
+  EXPECT_GE(record["p80_us"].get<double>(), median);
+  EXPECT_NEAR(algbw, record["bytes"].get<double>() / (median * 1e3), 1e-9 * algbw);
+  EXPECT_NEAR(record["busbw_gbps"].get<double>(), algbw * bus_factor, 1e-9 * algbw);
+}
+
+TEST(CommBench, LocalAllReduceGivesOneRecordPerDoublingSizeWithTheBusBandwidth) {
+  const CliResult r = run_cli(fmt::format(
+      "comm-bench --backend local -n 4 --min-bytes 1K --max-bytes 8K --format json {}", kQuick));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json records = nlohmann::json::parse(r.out);
+  ASSERT_EQ(records.size(), 4u) << r.out;
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    EXPECT_EQ(records[i]["bytes"], 1024 << i);
+    EXPECT_EQ(records[i]["count"], 256 << i);
+    EXPECT_EQ(records[i]["op"], "all_reduce");
+    EXPECT_EQ(records[i]["backend"], "local");
+    EXPECT_EQ(records[i]["device"], "cpu");
+    EXPECT_EQ(records[i]["ranks"], 4);
+    EXPECT_TRUE(records[i]["copy_gbps"].is_null());
+    expect_consistent(records[i], 2.0 * 3 / 4);
+  }
+}
+
+TEST(CommBench, EveryOpUsesItsNcclTestsBusFactorAndSize) {
+  for (const auto& [op, factor] :
+       std::vector<std::pair<std::string, double>>{{"all_gather", 0.75},
+                                                   {"reduce_scatter", 0.75},
+                                                   {"all_to_all", 0.75},
+                                                   {"broadcast", 1}}) {
+    const CliResult r = run_cli(fmt::format(
+        "comm-bench --backend local -n 4 --op {} --dtype bf16 --min-bytes 4K --max-bytes 4K "
+        "--format json {}",
+        op, kQuick));
+    ASSERT_EQ(r.exit_code, 0) << op << ": " << r.err;
+    const nlohmann::json records = nlohmann::json::parse(r.out);
+    ASSERT_EQ(records.size(), 1u) << r.out;
+    EXPECT_EQ(records[0]["op"], op);
+    EXPECT_EQ(records[0]["dtype"], "bf16");
+    EXPECT_EQ(records[0]["bytes"], 4096) << op << ": the larger buffer";
+    EXPECT_EQ(records[0]["count"], 2048) << op;
+    expect_consistent(records[0], factor);
+  }
+}
+
+TEST(CommBench, SizesAreRoundedDownToAMultipleOfTheRanks) {
+  const CliResult r = run_cli(fmt::format(
+      "comm-bench --backend local -n 3 --min-bytes 1000 --max-bytes 1000 --format csv {}", kQuick));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string header, row;
+  std::getline(lines, header);
+  std::getline(lines, row);
+  EXPECT_EQ(header,
+            "op,backend,device,dtype,ranks,bytes,count,median_us,p20_us,p80_us,algbw_gbps,"
+            "busbw_gbps,copy_gbps");
+  EXPECT_TRUE(row.starts_with("all_reduce,local,cpu,f32,3,996,249,")) << row;
+}
+
+TEST(CommBench, TableStatesTheDefinitionsAndTheCopyBandwidth) {
+  const CliResult r =
+      run_cli("comm-bench --backend local --op all_gather --max-bytes 1K --iters 3 --warmup 1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "all_gather f32, 2 ranks on local (cpu)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "busbw = algbw * (n-1)/n (nccl-tests)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "copy bandwidth (cpu, STREAM-style")) << r.out;
+  EXPECT_TRUE(contains(r.out, "        1024         256    local")) << r.out;
+}
+
+TEST(CommBench, GlooRanksUnderTheLauncherPrintOnceFromRankZero) {
+  if (!meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Gloo))
+    GTEST_SKIP() << "this build has no gloo";
+  const CliResult r = run_cli(fmt::format(
+      "launch -n 2 --no-prefix -- '{}' comm-bench --backend gloo --max-bytes 2K --format json {}",
+      MESHFUSE_CLI_PATH, kQuick));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json records = nlohmann::json::parse(r.out);
+  ASSERT_EQ(records.size(), 2u) << r.out;
+  for (const auto& record : records) {
+    EXPECT_EQ(record["backend"], "gloo");
+    EXPECT_EQ(record["ranks"], 2);
+    expect_consistent(record, 1.0);
+  }
+}
+
+TEST(CommBench, BadOptionsAreUsageErrors) {
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--op all_sum",
+            "--op: expected all_reduce, all_gather, reduce_scatter, broadcast or "
+            "all_to_all, got 'all_sum'"},
+           {"--dtype f16", "--dtype: expected f32 or bf16, got 'f16'"},
+           {"--min-bytes 2M --max-bytes 1M", "--min-bytes (2M) is larger than --max-bytes (1M)"},
+           {"--max-bytes lots", "--max-bytes: expected a number of bytes"},
+           {"--backend tcp", "--backend"},
+           {"--format xml", "--format: expected table, csv or json, got 'xml'"},
+           {"--iters 0", "--iters: expected >= 1"}}) {
+    const CliResult r = run_cli("comm-bench --backend local " + args);
+    EXPECT_EQ(r.exit_code, 2) << args;
+    EXPECT_TRUE(contains(r.err, message)) << args << ": " << r.err;
+  }
+}
+
+TEST(CommBench, LocalBackendUnderALauncherIsRejected) {
+  const CliResult r = run_cli(
+      fmt::format("launch -n 2 -- '{}' comm-bench --backend local {}", MESHFUSE_CLI_PATH, kQuick));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "--backend local runs its ranks as threads of one process")) << r.err;
+}
+
+TEST(CommBench, ByteSizesTakeBinarySuffixes) {
+  using meshfuse::cli::parse_bytes;
+  EXPECT_EQ(parse_bytes("4096", "x"), 4096);
+  EXPECT_EQ(parse_bytes("1K", "x"), 1024);
+  EXPECT_EQ(parse_bytes("1kib", "x"), 1024);
+  EXPECT_EQ(parse_bytes("64M", "x"), 64 << 20);
+  EXPECT_EQ(parse_bytes("1GB", "x"), 1 << 30);
+  EXPECT_EQ(parse_bytes("8G", "x"), std::int64_t{8} << 30);
+  for (const char* bad : {"", "K", "1T", "-1K", "0", "1.5M"})
+    EXPECT_THROW(parse_bytes(bad, "--max-bytes"), meshfuse::Error) << bad;
+}
+
+}  // namespace
