@@ -5,9 +5,10 @@
 //   size   the bytes of the larger buffer of one rank: all_reduce and broadcast the tensor,
 //          all_gather the gathered output, reduce_scatter the input, all_to_all the input
 //          (CommRecord::bytes)
-//   time   per iteration the slowest rank's time, from a barrier to its completion (CPU: the
-//          steady clock around the call and Work::wait; CUDA: events on the stream); median and
-//          p20/p80 over the iterations after the warm-up
+//   time   per iteration the slowest rank's time, from a barrier to the call's completion (CPU:
+//          the steady clock around the call and Work::wait after the barrier's; CUDA: events on
+//          the stream right behind the barrier's kernel, so that the host's launch latency is left
+//          out); median and p20/p80 over the iterations after the warm-up
 //   algbw  size / time
 //   busbw  algbw x 2(n-1)/n for all_reduce; x (n-1)/n for all_gather, reduce_scatter and
 //          all_to_all; x 1 for broadcast: the bandwidth each rank's link needs for the collective
