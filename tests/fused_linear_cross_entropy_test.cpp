@@ -11,8 +11,8 @@ namespace meshfuse {
 namespace {
 
 using test::from;
-using test::values;
 using test::make_labels;
+using test::values;
 
 using test::randn;
 
@@ -149,28 +149,120 @@ TEST_P(FusedLinearCrossEntropyTest, MatchesTheUnfusedCompositionOfLinearAndCross
   if (dt == DType::F32 || dt == DType::F64) expect_bitwise(run(p, o, n), unfused, "one chunk");
 }
 
+// The dtypes a parameter's gradient may have for inputs of `dtype`: its own, and f32 for 16-bit.
+std::vector<DType> grad_dtypes(DType dtype) {
+  if (dtype == DType::BF16 || dtype == DType::F16) return {dtype, DType::F32};
+  return {dtype};
+}
+
 TEST_P(FusedLinearCrossEntropyTest, SeveralWeightBlocksMatchTheReferenceWithOneOrManyChunks) {
   // 16-bit weights are widened to fp32 a block of rows at a time; blocks of 16 rows over V = 37
-  // (the last one partial) cover the block loop, with one chunk (each grad_weight block rounded
-  // straight into the output) and several (the fp32 accumulator).
+  // (the last one partial) cover the block loop, with one chunk and several (a 16-bit grad_weight
+  // block's product added and rounded per chunk; an f32 one accumulated by the GEMM).
   const std::int64_t n = 9, h = 16, v = 37;
   const Problem p = make_problem(GetParam(), n, h, v, true, Reduction::None, 4);
   const CrossEntropyOptions o = option_sets(Reduction::None)[1];
-  const Result ref = run_reference(p, o);
-  for (std::int64_t chunk : {std::int64_t{4}, n}) {
-    Result out{Tensor({n}, GetParam()), test::empty_like(p.x), test::empty_like(p.weight),
-               test::empty_like(p.bias)};
-    const FusedLinearCrossEntropyShape s{GetParam(),  n,    h,    v,    chunk,
-                                         o.reduction, true, true, true, true};
-    detail::cpu::fused_linear_cross_entropy_blocked(
-        16 * h, s, DType::I64,
-        {p.x.data_ptr<void>(), p.weight.data_ptr<void>(), p.bias.data_ptr<void>(),
-         p.labels.data_ptr<void>(), p.grad_loss.data_ptr<void>(), out.loss.data_ptr<void>(),
-         out.grad_x.data_ptr<void>(), out.grad_weight.data_ptr<void>(),
-         out.grad_bias.data_ptr<void>()},
-        o);
-    expect_close(out, ref, tolerance(GetParam()), fmt::format("chunk={}", chunk));
+  for (DType gdt : grad_dtypes(GetParam())) {
+    Result ref{Tensor({n}, GetParam()), test::empty_like(p.x), Tensor(p.weight.shape(), gdt),
+               Tensor(p.bias.shape(), gdt)};
+    {
+      ForceKernelBackend force(KernelBackend::Reference);
+      fused_linear_cross_entropy(p.x, p.weight, p.bias, p.labels, p.grad_loss, ref.loss, ref.grad_x,
+                                 ref.grad_weight, ref.grad_bias, o);
+    }
+    for (std::int64_t chunk : {std::int64_t{4}, n}) {
+      Result out{Tensor({n}, GetParam()), test::empty_like(p.x), Tensor(p.weight.shape(), gdt),
+                 Tensor(p.bias.shape(), gdt)};
+      const FusedLinearCrossEntropyShape s{GetParam(),  n,    h,    v,    chunk,
+                                           o.reduction, true, true, true, true};
+      detail::cpu::fused_linear_cross_entropy_blocked(
+          16 * h, s, DType::I64,
+          {p.x.data_ptr<void>(), p.weight.data_ptr<void>(), p.bias.data_ptr<void>(),
+           p.labels.data_ptr<void>(), p.grad_loss.data_ptr<void>(), out.loss.data_ptr<void>(),
+           out.grad_x.data_ptr<void>(), out.grad_weight.data_ptr<void>(),
+           out.grad_bias.data_ptr<void>(), gdt, gdt},
+          o);
+      expect_close(out, ref, tolerance(GetParam()),
+                   fmt::format("chunk={} grad dtype {}", chunk, to_string(gdt)));
+    }
   }
+}
+
+// Unit roundoff of a 16-bit dtype (RNE: |round(y) - y| <= u |y|).
+double unit_roundoff(DType dtype) { return dtype == DType::BF16 ? 0x1p-8 : 0x1p-11; }
+
+// grad_weight over many chunks, both ways, against the exact gradient of the reference (double,
+// rounded once to f32). Reduction sum, so that the gradient of the first k chunks' rows alone is
+// the running sum s_k after chunk k. A 16-bit grad_weight is rounded once per chunk: its error at
+// each element is at most sum over k of u |s_k| (plus fp32 GEMM rounding, orders smaller), the
+// bound checked here (x1.1 for the rounding of the running sums themselves); typical errors grow
+// like sqrt(chunks) u |s|. An f32 grad_weight (also a 16-bit bias's f32 grad_bias) accumulates
+// every chunk in fp32: within 1e-5 of the largest value, whatever the number of chunks.
+TEST_P(FusedLinearCrossEntropyTest, ManyChunksAccumulateGradWeightAsItsDTypeSays) {
+  const DType dt = GetParam();
+  if (dt != DType::BF16 && dt != DType::F16) GTEST_SKIP() << "16-bit weights only";
+  const std::int64_t n = 64, h = 16, v = 37, chunk = 4, chunks = n / chunk;
+  const Problem p = make_problem(dt, n, h, v, true, Reduction::Sum, 19);
+  const CrossEntropyOptions o{.reduction = Reduction::Sum};
+  // The exact running sums s_k (k = 1..chunks) of grad_weight, from the reference on k chunks.
+  std::vector<std::vector<double>> partial;
+  for (std::int64_t k = 1; k <= chunks; ++k) {
+    Tensor loss({}, dt), dw({v, h}, DType::F32);
+    ForceKernelBackend force(KernelBackend::Reference);
+    fused_linear_cross_entropy(p.x.view().narrow(0, 0, k * chunk), p.weight, p.bias,
+                               p.labels.view().narrow(0, 0, k * chunk), p.grad_loss, loss, {}, dw,
+                               {}, o);
+    partial.push_back(values(dw));
+  }
+  const std::vector<double>& exact = partial.back();
+  double largest = 0;
+  for (double e : exact) largest = std::max(largest, std::fabs(e));
+
+  for (DType gdt : {dt, DType::F32}) {
+    Tensor loss({}, dt), dw({v, h}, gdt), db({v}, gdt);
+    fused_linear_cross_entropy(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, {}, dw, db, o,
+                               chunk);
+    const std::vector<double> got = values(dw);
+    for (std::size_t i = 0; i < exact.size(); ++i) {
+      double bound = 1e-5 * largest;
+      if (gdt != DType::F32) {
+        double sum = 0;
+        for (const std::vector<double>& s : partial) sum += std::fabs(s[i]);
+        bound = 1.1 * unit_roundoff(dt) * sum + 1e-5 * largest;
+      }
+      ASSERT_LE(std::fabs(got[i] - exact[i]), bound) << to_string(gdt) << " element " << i;
+    }
+    if (gdt == DType::F32) {
+      // The bias's gradient (rows' sums of dlogits) in f32 too, against the reference's.
+      Tensor ref_db({v}, DType::F32), ref_loss({}, dt);
+      ForceKernelBackend force(KernelBackend::Reference);
+      fused_linear_cross_entropy(p.x, p.weight, p.bias, p.labels, p.grad_loss, ref_loss, {}, {},
+                                 ref_db, o);
+      test::expect_close(db, ref_db, 1e-5, "f32 grad_bias");
+    }
+  }
+}
+
+TEST(FusedLinearCrossEntropy, AnF32GradWeightSumsEveryChunkWhereABf16OneRoundsEachAway) {
+  // Weight (2, 1) = 0: logits 0, p = 1/2 in both columns, labels 0, reduction sum: every row's
+  // dlogits are [-1/2, 1/2], so grad_weight = [-1/2, 1/2] * sum of x. x = [512, 1 x 15]: the first
+  // chunk of one row gives 256, then fifteen steps of 1/2 each. bf16 holds 256 with an ulp of 2,
+  // so 256 + 1/2 rounds back to 256 every chunk; the f32 grad_weight gets 263.5, and one chunk
+  // rounds 263.5 once, to 264 (p is 1/2 within fp32 rounding of exp and log, hence NEAR for f32).
+  const std::int64_t n = 16;
+  Tensor x = test::full({n, 1}, DType::BF16, 1);
+  copy(test::full({1, 1}, DType::F64, 512), x.view().narrow(0, 0, 1));
+  const Tensor w = Tensor::zeros({2, 1}, DType::BF16), labels = Tensor::zeros({n}, DType::I64);
+  const Tensor grad_loss = test::full({}, DType::BF16, 1);
+  const CrossEntropyOptions o{.reduction = Reduction::Sum};
+  Tensor loss({}, DType::BF16), dw16({2, 1}, DType::BF16), dw32({2, 1}, DType::F32);
+  fused_linear_cross_entropy(x, w, {}, labels, grad_loss, loss, {}, dw16, {}, o, 1);
+  fused_linear_cross_entropy(x, w, {}, labels, grad_loss, loss, {}, dw32, {}, o, 1);
+  EXPECT_EQ(values(dw16), (std::vector<double>{-256, 256}));
+  EXPECT_NEAR(values(dw32)[0], -263.5, 1e-4);
+  EXPECT_NEAR(values(dw32)[1], 263.5, 1e-4);
+  fused_linear_cross_entropy(x, w, {}, labels, grad_loss, loss, {}, dw16, {}, o, n);
+  EXPECT_EQ(values(dw16), (std::vector<double>{-264, 264}));
 }
 
 TEST_P(FusedLinearCrossEntropyTest, Int32AndInt64LabelsGiveBitwiseTheSameResults) {
@@ -412,27 +504,28 @@ TEST(FusedLinearCrossEntropy, WorkspaceLogitsAreChunkRowsTimesVocabTimesFourByte
   FusedLinearCrossEntropyWorkspace ws = fused_linear_cross_entropy_workspace(s);
   EXPECT_EQ(ws.logits, 128 * 32000 * 4);
   EXPECT_EQ(ws.per_row, 512 * (8 + 4));
-  EXPECT_EQ(ws.grad_weight, std::int64_t{32000} * 2048 * 4);  // several chunks: fp32 accumulator
-  // fp32 x and grad_x rows of a chunk, and a 32 MiB block of weight rows (4096 rows of 2048).
+  // fp32 x and grad_x rows of a chunk, and a 32 MiB block of weight rows (4096 rows of 2048), which
+  // also holds a block's grad_weight product: no V x H accumulator, however many chunks.
   EXPECT_EQ(ws.staging, 2 * 128 * 2048 * 4 + 4096 * 2048 * 4);
   EXPECT_EQ(ws.grad_bias, 0);
-  EXPECT_EQ(ws.total(), ws.logits + ws.per_row + ws.staging + ws.grad_weight);
+  EXPECT_EQ(ws.total(), ws.logits + ws.per_row + ws.staging);
 
   // The logits part does not grow with N, and is min(chunk_rows, N) rows.
   s.rows = 1 << 20;
   EXPECT_EQ(fused_linear_cross_entropy_workspace(s).logits, 128 * 32000 * 4);
   s.rows = 100;
   EXPECT_EQ(fused_linear_cross_entropy_workspace(s).logits, 100 * 32000 * 4);
-  // One chunk: no grad_weight accumulator.
-  s.chunk_rows = 100;
-  EXPECT_EQ(fused_linear_cross_entropy_workspace(s).grad_weight, 0);
+  // chunk_rows 0: the cpu's default.
+  s.rows = 4096;
+  s.chunk_rows = 0;
+  EXPECT_EQ(fused_linear_cross_entropy_workspace(s).logits,
+            kFusedLinearCrossEntropyCpuChunkRows * 32000 * 4);
   // f32 needs no staging and accumulates in the outputs; f64 logits take 8 bytes.
   s = {DType::F32, 512, 2048, 32000, 128, Reduction::None, true, true, true, true};
   ws = fused_linear_cross_entropy_workspace(s);
   EXPECT_EQ(ws.logits, 128 * 32000 * 4);
   EXPECT_EQ(ws.per_row, 512 * (8 + 4 + 8));  // + the per-row upstream of `none`
   EXPECT_EQ(ws.staging, 0);
-  EXPECT_EQ(ws.grad_weight, 0);
   EXPECT_EQ(ws.grad_bias, 32000 * 4);
   s.dtype = DType::F64;
   EXPECT_EQ(fused_linear_cross_entropy_workspace(s).logits, 128 * 32000 * 8);
@@ -441,7 +534,6 @@ TEST(FusedLinearCrossEntropy, WorkspaceLogitsAreChunkRowsTimesVocabTimesFourByte
   ws = fused_linear_cross_entropy_workspace(s);
   EXPECT_EQ(ws.per_row, 512 * (8 + 4));
   EXPECT_EQ(ws.staging, (128 * 2048 + 4096 * 2048 + 32000) * 4);  // x rows, weight block, bias
-  EXPECT_EQ(ws.grad_weight, 0);
 }
 
 TEST(FusedLinearCrossEntropy, WorkspaceSizesPast2To31AreExact) {
@@ -450,13 +542,31 @@ TEST(FusedLinearCrossEntropy, WorkspaceSizesPast2To31AreExact) {
                                        Reduction::Mean, false,   true, true,   false};
   const FusedLinearCrossEntropyWorkspace ws = fused_linear_cross_entropy_workspace(s);
   EXPECT_EQ(ws.logits, std::int64_t{16'810'770'432});
-  EXPECT_EQ(ws.grad_weight, std::int64_t{2'101'346'304});
+}
+
+TEST(FusedLinearCrossEntropy, TheDefaultChunkIs512RowsOnTheCpuAndAGibibyteOfLogitsOnCuda) {
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CPU, 128256), 512);
+  // floor(2^30 / (4 V)) rounded down to a multiple of 256, at least 256.
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 128256), 2048);
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 32000), 8192);
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 262144), 1024);
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 1 << 24), 256);
+  EXPECT_EQ(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 0), 256 * 4096 * 256);
+}
+
+TEST(FusedLinearCrossEntropy, ChunkRowsZeroRunsTheCpuDefaultChunks) {
+  // 600 rows: 512 and 88 with the default, bitwise the same as asking for 512; one chunk of 600
+  // sums grad_weight in another order (bf16: rounded per chunk), so it differs.
+  const Problem p = make_problem(DType::BF16, 600, 8, 6, false, Reduction::Mean, 20);
+  const Result by_default = run(p, {}, 0);
+  expect_bitwise(by_default, run(p, {}, 512), "0 vs 512");
+  EXPECT_FALSE(testing::bitwise_equal(by_default.grad_weight, run(p, {}, 600).grad_weight));
 }
 
 TEST(FusedLinearCrossEntropy, WorkspaceRejectsBadSizes) {
-  FusedLinearCrossEntropyShape s{DType::F32, 4, 8, 16, 0};
+  FusedLinearCrossEntropyShape s{DType::F32, 4, 8, 16, -1};
   test::expect_error([&] { fused_linear_cross_entropy_workspace(s); }, ErrorCode::InvalidArgument,
-                     {"fused_linear_cross_entropy", "chunk_rows", "positive", "0"});
+                     {"fused_linear_cross_entropy", "chunk_rows", "positive", "-1"});
   s.chunk_rows = 2;
   s.vocab = -1;
   test::expect_error([&] { fused_linear_cross_entropy_workspace(s); }, ErrorCode::InvalidArgument,
@@ -517,10 +627,9 @@ TEST(FusedLinearCrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   expect_error(
       call(p.x, p.weight, p.bias, Tensor::zeros({5}, DType::I64), p.grad_loss, loss, dx, dw, db),
       ErrorCode::ShapeMismatch, {op, "'labels'", "[4]", "[5]"});
-  for (std::int64_t chunk : {0, -3})
-    expect_error(call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, dw, db, {}, chunk),
-                 ErrorCode::InvalidArgument,
-                 {op, "chunk_rows must be positive", fmt::format("got {}", chunk)});
+  expect_error(call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, dw, db, {}, -3),
+               ErrorCode::InvalidArgument,
+               {op, "chunk_rows must be positive, or 0 for the device's default", "got -3"});
   expect_error(call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, dw, db,
                     {.label_smoothing = 1.5}),
                ErrorCode::InvalidArgument, {op, "label_smoothing", "1.5"});
@@ -540,6 +649,21 @@ TEST(FusedLinearCrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   expect_error(
       call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, Tensor({4, 8}, DType::F64), dw, db),
       ErrorCode::DTypeMismatch, {op, "'grad_x'", "f64"});
+  // grad_weight and grad_bias: the input's dtype, or f32 for 16-bit inputs only.
+  expect_error(
+      call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, Tensor({10, 8}, DType::F64), db),
+      ErrorCode::DTypeMismatch, {op, "'grad_weight'", "'x' (f32)", "got f64"});
+  const Problem h = make_problem(DType::BF16, 4, 8, 10, true, Reduction::Mean, 18);
+  const Tensor hloss({}, DType::BF16), hdx({4, 8}, DType::BF16);
+  expect_error(call(h.x, h.weight, h.bias, h.labels, h.grad_loss, hloss, hdx,
+                    Tensor({10, 8}, DType::F16), {}),
+               ErrorCode::DTypeMismatch, {op, "'grad_weight'", "(bf16) or f32", "got f16"});
+  expect_error(
+      call(h.x, h.weight, h.bias, h.labels, h.grad_loss, hloss, hdx, {}, Tensor({10}, DType::F64)),
+      ErrorCode::DTypeMismatch, {op, "'grad_bias'", "(bf16) or f32", "got f64"});
+  expect_error(call(h.x, h.weight, h.bias, h.labels, h.grad_loss, hloss, hdx,
+                    Tensor({10, 7}, DType::F32), {}),
+               ErrorCode::ShapeMismatch, {op, "'grad_weight'", "[10, 8]", "[10, 7]"});
 }
 
 TEST(FusedLinearCrossEntropy, BothDirectionsAreRegisteredForReferenceAndCpu) {

@@ -25,18 +25,34 @@
 // later calls again with it). Without any gradient output only the loss is computed (no
 // backward work; grad_loss may then be undefined).
 //
-// Chunks and memory. The cpu backend runs chunks of chunk_rows rows: the chunk's logits in fp32
-// (f64 for f64) from the cpu GEMM, the loss rows (lse, per-row loss), the logits' gradient in
-// place, then grad_x of the chunk, grad_weight += and grad_bias += (summed over chunks in fp32,
-// f64 for f64, and rounded once). Its scratch memory (fused_linear_cross_entropy_workspace gives
-// it exactly) does not grow with N beyond small per-row statistics:
+// Chunks and memory. Every backend but the reference runs chunks of chunk_rows rows (0, the
+// default, picks the device's: fused_linear_cross_entropy_chunk_rows below): the chunk's logits in
+// fp32 (f64 for f64), the loss rows (lse, per-row loss), the logits' gradient in place, then the
+// chunk's grad_x rows and its share of grad_weight and grad_bias.
+//
+// Gradient accumulation (grad_weight = sum over chunks of dlogits_c^T @ x_c). grad_weight may have
+// the weight's dtype or, for bf16 / f16 weights, f32 (like Megatron-LM's fp32 main_grad); its dtype
+// decides how the chunks' products add up, with no V x H scratch either way:
+//   - f32 (any weight) or f64: exact fp32 (f64) accumulation in the caller's buffer: each chunk's
+//     product is added in the GEMM (beta = 1), one rounding of the running fp32 sum per chunk,
+//     as in one GEMM over all rows;
+//   - bf16 / f16: each chunk's product (fp32 accumulation inside the GEMM) is added in fp32 to the
+//     16-bit running sum and rounded to the dtype (Liger Kernel's in-place addmm): one 16-bit
+//     rounding per chunk, so with C = ceil(N / chunk_rows) chunks the error grows like sqrt(C)
+//     roundings (random walk) instead of one: relative ~ sqrt(C) * 2^-9 for bf16 in the worst
+//     column. With one chunk it is the single rounding of the unfused op. Pass an f32 grad_weight
+//     when that matters (gradient accumulation over micro-batches, many chunks).
+// grad_bias follows the same dtype rule, but its V sums are always accumulated in fp32 (f64) over
+// all rows and rounded once (V x 4 bytes of scratch, nothing to save there).
+// The gradients are written, not added to: the caller's previous contents are not read.
+//
+// Scratch memory of the cpu backend (fused_linear_cross_entropy_workspace gives it exactly); it
+// does not grow with N beyond small per-row statistics:
 //   - min(chunk_rows, N) x V x 4 bytes (8 for f64): one chunk of logits, then their gradient;
 //   - N x 12 bytes (f64: 16; + 8 for reduction none with gradients): per-row loss, lse, upstream;
 //   - bf16 / f16 only, fp32 staging for the fp32 GEMM: the chunk's x and grad_x rows
-//     (chunk x H x 4 each), a block of weight rows (at most 32 MiB) and the bias (V x 4);
-//   - bf16 / f16 with grad_weight and more than one chunk (N > chunk_rows): grad_weight's fp32
-//     accumulator, V x H x 4 bytes (with one chunk each block is rounded straight into
-//     grad_weight);
+//     (chunk x H x 4 each), a block of weight rows (at most 32 MiB, also the buffer of a block's
+//     grad_weight product for a 16-bit grad_weight) and the bias (V x 4);
 //   - with grad_bias: its accumulator, V x 4 bytes (8 for f64);
 // plus the GEMM library's own scratch. The weight (in fp32 blocks for 16-bit types) is read twice
 // per chunk (logits, then grad_x): fewer, larger chunks are faster; smaller chunks use less memory.
@@ -44,27 +60,29 @@
 // fp32 accumulation: the chunk's logits in fp32 (f64 for f64), the loss rows and grad_bias from
 // them, and for bf16 / f16 the logits' gradient rounded once to the input dtype (in place) for the
 // grad_x and grad_weight GEMMs, as the unfused linear + cross_entropy uses it (cuBLASLt has no
-// fp32 x bf16 product). Its scratch memory, all allocated on the call's stream: the same chunk of
-// logits (min(chunk_rows, N) x V x 4 bytes, 8 for f64) and, for bf16 / f16 with grad_weight and
-// more than one chunk, the same V x H x 4 fp32 grad_weight accumulator; besides those only
-// N x 20 bytes per-row statistics (f64: 24), V x 4 bytes each for a 16-bit bias in fp32 and
-// grad_bias's 16-bit accumulator, and cuBLASLt's workspace (at most 32 MiB); no staging of x or
-// the weight. fused_linear_cross_entropy_workspace describes the cpu backend.
-// The reference backend ignores chunk_rows and computes the unfused composition in double (the
-// whole (N, V) logits and their gradient): it is the ground truth, not a memory-bounded kernel.
+// fp32 x bf16 product). Its scratch memory, all allocated on the call's stream (the device's
+// stream-ordered pool: device_memory_stats in memory.h measures it): the same chunk of logits
+// (min(chunk_rows, N) x V x 4 bytes, 8 for f64); besides that only N x 20 bytes of per-row
+// statistics (f64: 24), V x 4 bytes each for a 16-bit bias in fp32 and a 16-bit grad_bias's fp32
+// accumulator, and cuBLASLt's workspace (at most 32 MiB); no staging of x or the weight. At
+// N = 16384, V = 128256, H = 4096 in bf16 with the default 2048-row chunks that is ~1.08 GB,
+// against 8.4 GB for the unfused bf16 logits and their gradient. The reference backend ignores
+// chunk_rows and computes the unfused composition in double (the whole (N, V) logits and their
+// gradient), each output rounded once to its dtype: it is the ground truth (the exact gradients),
+// not a memory-bounded kernel.
 //
 // Numerics and determinism: results are bitwise the same run to run for a fixed chunk_rows and
 // thread count. A different chunk_rows changes the GEMM shapes and the order of the sums over
 // rows, so results agree within rounding (chunk_rows >= N all give the same bits).
 //
-// Dtypes: x, weight, bias, loss, grad_loss and the gradients share one dtype: f32, f64, bf16 or
-// f16; labels are i32 or i64. Inputs may be strided (copied once when not contiguous); outputs
-// are contiguous and preallocated by the caller; optional tensors are undefined TensorViews.
-// Errors: InvalidArgument (wrong rank, chunk_rows <= 0, label_smoothing outside [0, 1], a label
-// outside [0, V) that is not ignore_index (naming the first such row and value; nothing is
-// computed), a gradient output without grad_loss, grad_bias without bias, an output not
-// contiguous), ShapeMismatch, DTypeMismatch, DeviceMismatch, Unsupported / BackendUnavailable
-// (see kernel_backend.h).
+// Dtypes: x, weight, bias, loss, grad_loss and grad_x share one dtype: f32, f64, bf16 or f16;
+// grad_weight and grad_bias have it too, or f32 when it is bf16 / f16; labels are i32 or i64.
+// Inputs may be strided (copied once when not contiguous); outputs are contiguous and preallocated
+// by the caller; optional tensors are undefined TensorViews. Errors: InvalidArgument (wrong rank,
+// chunk_rows < 0, label_smoothing outside [0, 1], a label outside [0, V) that is not ignore_index
+// (naming the first such row and value; nothing is computed), a gradient output without grad_loss,
+// grad_bias without bias, an output not contiguous), ShapeMismatch, DTypeMismatch, DeviceMismatch,
+// Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include <cstdint>
@@ -75,9 +93,21 @@
 
 namespace meshfuse {
 
-// Rows per chunk by default: 512 x 32000 x 4 B = 66 MB of fp32 logits for a 32k vocabulary,
-// 262 MB for 128k.
-inline constexpr std::int64_t kFusedLinearCrossEntropyChunkRows = 512;
+// chunk_rows = 0 (the default of every entry point) picks the device's chunk size:
+//   cpu:  512 rows (512 x 32000 x 4 B = 66 MB of fp32 logits for a 32k vocabulary, 262 MB for
+//         128k); the cpu GEMMs are compute-bound far below that.
+//   CUDA: as many rows as keep one chunk's fp32 logits within 1 GiB, a multiple of 256, at least
+//         256: 2048 rows for V = 128256, 8192 for 32000. Below ~1024 rows the grad_weight GEMM
+//         (K = chunk rows) reads and writes all of grad_weight per chunk for few flops and turns
+//         memory-bound on an H100 / H200; 1 GiB stays a small part of the unfused (N, V) logits
+//         for training-size N.
+// chunk_rows > 0 is used as given.
+inline constexpr std::int64_t kFusedLinearCrossEntropyChunkRows = 0;
+inline constexpr std::int64_t kFusedLinearCrossEntropyCpuChunkRows = 512;
+inline constexpr std::int64_t kFusedLinearCrossEntropyCudaChunkBytes = std::int64_t{1} << 30;
+
+// The rows per chunk that chunk_rows = 0 means on a device of `type` for a vocabulary of `vocab`.
+std::int64_t fused_linear_cross_entropy_chunk_rows(DeviceType type, std::int64_t vocab);
 
 // x: (N, H); weight: (V, H); bias: (V) or undefined; labels: (N,) i32/i64; grad_loss: the loss's
 // shape and dtype, required when any gradient output is given.
@@ -95,10 +125,10 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
 // What a call's scratch memory depends on.
 struct FusedLinearCrossEntropyShape {
   DType dtype = DType::BF16;
-  std::int64_t rows = 0;    // N
-  std::int64_t hidden = 0;  // H
-  std::int64_t vocab = 0;   // V
-  std::int64_t chunk_rows = kFusedLinearCrossEntropyChunkRows;
+  std::int64_t rows = 0;                                        // N
+  std::int64_t hidden = 0;                                      // H
+  std::int64_t vocab = 0;                                       // V
+  std::int64_t chunk_rows = kFusedLinearCrossEntropyChunkRows;  // 0: the cpu's default
   Reduction reduction = Reduction::Mean;
   bool bias = false;                                            // a bias is given
   bool grad_x = false, grad_weight = false, grad_bias = false;  // these outputs are wanted
@@ -106,15 +136,14 @@ struct FusedLinearCrossEntropyShape {
 
 // The scratch memory of one call on the cpu backend, in bytes, by part (see above).
 struct FusedLinearCrossEntropyWorkspace {
-  std::int64_t logits = 0;       // one chunk of logits / their gradient
-  std::int64_t per_row = 0;      // per-row loss, lse and upstream gradient
-  std::int64_t staging = 0;      // bf16 / f16: fp32 x and grad_x rows, weight block, bias
-  std::int64_t grad_weight = 0;  // bf16 / f16, several chunks: grad_weight's fp32 accumulator
-  std::int64_t grad_bias = 0;    // grad_bias's accumulator
-  std::int64_t total() const { return logits + per_row + staging + grad_weight + grad_bias; }
+  std::int64_t logits = 0;     // one chunk of logits / their gradient
+  std::int64_t per_row = 0;    // per-row loss, lse and upstream gradient
+  std::int64_t staging = 0;    // bf16 / f16: fp32 x and grad_x rows, weight block, bias
+  std::int64_t grad_bias = 0;  // grad_bias's accumulator
+  std::int64_t total() const { return logits + per_row + staging + grad_bias; }
 };
 
-// Throws InvalidArgument for a negative size or chunk_rows <= 0, DTypeMismatch for a dtype that
+// Throws InvalidArgument for a negative size or chunk_rows < 0, DTypeMismatch for a dtype that
 // is not floating.
 FusedLinearCrossEntropyWorkspace fused_linear_cross_entropy_workspace(
     const FusedLinearCrossEntropyShape& shape);

@@ -4,6 +4,7 @@
 // (x per chunk, the weight per block of rows) so that every GEMM is the library's fp32 one, which
 // yields fp32 logits and fp32 gradient sums (the 16-bit GEMM would round its output).
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -31,6 +32,15 @@ template <typename U, typename T>
 void convert(const T* in, std::int64_t n, U* out) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<U>(to_float(in[i]));
+}
+
+// out[i] = round(out[i] + p[i]) with the sum in A, or round(p[i]) when !accumulate, for i < n: a
+// chunk's product added to a 16-bit running sum, one rounding per chunk.
+template <typename T, typename A>
+void add_rounded(const A* p, std::int64_t n, T* out, bool accumulate) {
+  if (!accumulate) return convert(p, n, out);
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<T>(to_float(out[i]) + p[i]);
 }
 
 // n elements of src as A: src itself when T is A, else converted into buf.
@@ -88,12 +98,12 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   const std::int64_t count = check_labels(kFusedLinearCrossEntropy, ce, a.labels, o.ignore_index);
   const FusedLinearCrossEntropyPlan p = plan(s, block_floats);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
-  const bool one_chunk = n <= s.chunk_rows;
+  // grad_weight in A (f32 / f64, or f32 for 16-bit weights): the GEMMs accumulate in it.
+  A* const dw_acc = a.grad_weight_dtype == dtype_of<A>() ? static_cast<A*>(a.grad_weight) : nullptr;
 
   const auto logits = scratch<A>(p.logits), lse = scratch<A>(p.lse);
   const auto x32 = scratch<A>(p.x_chunk), dx32 = scratch<A>(p.grad_x_chunk),
-             w32 = scratch<A>(p.weight_block), b32 = scratch<A>(p.bias),
-             dw32 = scratch<A>(p.grad_weight);
+             w32 = scratch<A>(p.weight_block), b32 = scratch<A>(p.bias);
   std::vector<double> row_loss(static_cast<std::size_t>(p.row_loss)), row_grad;
   std::vector<A> dbias(static_cast<std::size_t>(p.grad_bias), A(0));
   const CrossEntropyUpstream up = grads
@@ -133,32 +143,31 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
         matmul<A>(c, h, vb, row_major(dl + v0, v), row_major(wb, h), row_major(dx, h), b > 0);
       }
       if (!a.grad_weight) continue;
-      // grad_weight[block] (vb, H) (+)= dl[:, block]^T (vb, c) @ xc (c, H): straight into the
-      // output for f32 / f64; for 16-bit into the fp32 accumulator, or with a single chunk into
-      // the weight block's buffer (free again) and rounded from there.
+      // grad_weight[block] (vb, H) (+)= dl[:, block]^T (vb, c) @ xc (c, H): accumulated by the
+      // GEMM in an A grad_weight; for a 16-bit one the product goes to the weight block's buffer
+      // (free again) and is added to the output in fp32, rounded once per chunk.
       const GemmMatrix dlt = transposed(dl + v0, v);
-      if constexpr (kWiden) {
-        if (one_chunk) {
-          matmul<A>(vb, h, c, dlt, row_major(xc, h), row_major(w32.get(), h), false);
-          convert(w32.get(), vb * h, static_cast<T*>(a.grad_weight) + row_offset(v0, h));
-        } else {
-          matmul<A>(vb, h, c, dlt, row_major(xc, h), row_major(dw32.get() + row_offset(v0, h), h),
-                    r0 > 0);
-        }
+      if (dw_acc) {
+        matmul<A>(vb, h, c, dlt, row_major(xc, h), row_major(dw_acc + row_offset(v0, h), h),
+                  r0 > 0);
       } else {
-        matmul<A>(vb, h, c, dlt, row_major(xc, h),
-                  row_major(static_cast<A*>(a.grad_weight) + row_offset(v0, h), h), r0 > 0);
+        matmul<A>(vb, h, c, dlt, row_major(xc, h), row_major(w32.get(), h), false);
+        add_rounded(w32.get(), vb * h, static_cast<T*>(a.grad_weight) + row_offset(v0, h), r0 > 0);
       }
     }
     if constexpr (kWiden)
       if (a.grad_x) convert(dx32.get(), c * h, static_cast<T*>(a.grad_x) + row_offset(r0, h));
   }
 
-  if (a.grad_weight && n == 0)
-    std::fill_n(static_cast<T*>(a.grad_weight), v * h, store_as<T>(A(0)));
-  if constexpr (kWiden)
-    if (a.grad_weight && !one_chunk) convert(dw32.get(), v * h, static_cast<T*>(a.grad_weight));
-  if (a.grad_bias) convert(dbias.data(), v, static_cast<T*>(a.grad_bias));
+  if (a.grad_weight && n == 0)  // all-zero bits are +0 in every float dtype
+    std::memset(a.grad_weight, 0,
+                static_cast<std::size_t>(v * h) * element_size(a.grad_weight_dtype));
+  if (a.grad_bias) {
+    if (a.grad_bias_dtype == dtype_of<A>())
+      std::copy(dbias.begin(), dbias.end(), static_cast<A*>(a.grad_bias));
+    else
+      convert(dbias.data(), v, static_cast<T*>(a.grad_bias));
+  }
   store_loss(ce, row_loss, count, o.reduction, a.loss);
 }
 
@@ -185,7 +194,6 @@ FusedLinearCrossEntropyPlan plan(const FusedLinearCrossEntropyShape& s,
     p.grad_x_chunk = s.grad_x ? chunk * h : 0;
     p.weight_block = std::min(p.weight_block_rows, v) * h;
     p.bias = s.bias ? v : 0;
-    p.grad_weight = s.grad_weight && n > s.chunk_rows ? v * h : 0;
   }
   p.grad_bias = s.grad_bias ? v : 0;
   return p;

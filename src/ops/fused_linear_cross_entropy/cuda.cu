@@ -15,12 +15,18 @@
 // the cuda ones of cross_entropy_kernels.h. What is shared is every kernel: the GEMM, the
 // cross-entropy rows, the label check and the loss reduction.
 //
+// grad_weight: each chunk's GEMM adds its product into grad_weight in place (beta = 1 from the
+// second chunk, C = D), in grad_weight's dtype: fp32 (f64) sums for an f32 (f64) grad_weight, the
+// 16-bit running sum plus the fp32 product rounded once per chunk for a 16-bit one (the header says
+// what that costs in accuracy). No V x H scratch: with chunks of K >= ~1024 rows each GEMM is
+// compute-bound, where an fp32 accumulator beside a 16-bit output would add 8 bytes of traffic per
+// element and chunk, and V x H x 4 bytes of memory.
+//
 // Memory (all on the caller's stream, released when the call returns): the chunk's logits,
-// min(chunk_rows, N) x V x sizeof(A); for 16-bit weights with grad_weight and more than one chunk
-// grad_weight's fp32 accumulator, V x H x 4 (with one chunk cuBLASLt rounds its fp32 sums straight
-// into grad_weight); V x 4 each for a 16-bit bias in fp32 (the epilogue adds it to fp32 logits)
-// and for grad_bias's accumulator (16-bit; f32 / f64 accumulate in grad_bias); N x (4 + 8 + 8)
-// for lse, row losses and upstream (f64: 8 + 8 + 8); plus cuBLASLt's workspace (<= 32 MiB).
+// min(chunk_rows, N) x V x sizeof(A); V x 4 each for a 16-bit bias in fp32 (the epilogue adds it
+// to fp32 logits) and for a 16-bit grad_bias's fp32 accumulator (f32 / f64 accumulate in
+// grad_bias); N x (4 + 8 + 8) for lse, row losses and upstream (f64: 8 + 8 + 8); plus cuBLASLt's
+// workspace (<= 32 MiB).
 //
 // Determinism: a fixed sequence of kernels with fixed shapes per chunk_rows; cuBLASLt's choice is
 // cached per problem (gemm/cuda.cu); grad_bias sums each column in row order; no atomics. The only
@@ -50,20 +56,39 @@ __global__ void add_column_sums_kernel(const A* d, std::int64_t rows, std::int64
 }
 
 // Row i of the fp32 matrix d (rows, cols) rounded to T into the first half of its own storage:
-// the T rows then have leading dimension 2 * cols. One block per row, a tile of blockDim.x
-// elements at a time: every thread reads its element, the block waits, then each writes. Tile k's
-// T elements lie in bytes [0, 4 (k + 1) B) of the row, which tiles 0..k have already read, and
-// later tiles read beyond them, so no value is overwritten before it is read.
+// the T rows then have leading dimension 2 * cols. One block per row, a tile of 4 * blockDim.x
+// elements at a time: every thread reads its 4 elements (one 16-byte load when the rows are
+// 16-byte aligned, cols % 4 == 0), the block waits, then each writes. Tile k's T elements lie in
+// bytes [0, 2 (k + 1) B) of the row (B the tile's elements), which tiles 0..k have already read,
+// and later tiles read beyond them, so no value is overwritten before it is read.
 template <typename T>
 __global__ void narrow_rows_kernel(float* d, std::int64_t rows, std::int64_t cols) {
+  constexpr int kPer = 4;
+  const bool vec = cols % kPer == 0;  // d comes from a Tensor: 256-byte aligned
+  const std::int64_t tile = static_cast<std::int64_t>(blockDim.x) * kPer;
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     float* row = d + i * cols;
     T* out = reinterpret_cast<T*>(row);
-    for (std::int64_t j0 = 0; j0 < cols; j0 += blockDim.x) {
-      const std::int64_t j = j0 + threadIdx.x;
-      const float v = j < cols ? row[j] : 0.0f;
+    for (std::int64_t j0 = 0; j0 < cols; j0 += tile) {
+      // Element k of this thread: j0 + 4 t + k when vectorised, else j0 + k blockDim + t.
+      const std::int64_t first = vec ? j0 + threadIdx.x * kPer : j0 + threadIdx.x;
+      const std::int64_t step = vec ? 1 : blockDim.x;
+      Vec<float, kPer> v{};
+      if (vec && first < cols) {
+        v = *reinterpret_cast<const Vec<float, kPer>*>(row + first);
+      } else if (!vec) {
+        for (int k = 0; k < kPer; ++k)
+          if (first + k * step < cols) v.v[k] = row[first + k * step];
+      }
       __syncthreads();
-      if (j < cols) out[j] = store<T>(v);
+      if (vec && first < cols) {
+        Vec<T, kPer> t;
+        for (int k = 0; k < kPer; ++k) t.v[k] = store<T>(v.v[k]);
+        *reinterpret_cast<Vec<T, kPer>*>(out + first) = t;
+      } else if (!vec) {
+        for (int k = 0; k < kPer; ++k)
+          if (first + k * step < cols) out[first + k * step] = store<T>(v.v[k]);
+      }
     }
   }
 }
@@ -101,12 +126,11 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   using A = acc_t<T>;
   constexpr bool kNarrow = !std::is_same_v<T, A>;
   const DType dt = s.dtype, at = dtype_of<A>();
-  const std::int64_t n = s.rows, h = s.hidden, v = s.vocab, esize = sizeof(T);
+  const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const CrossEntropyShape ce{dt, label_dtype, n, v};
   const std::int64_t count = check_labels(kOp, ce, a.labels, o.ignore_index, stream);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
   const std::int64_t chunk = std::min(s.chunk_rows, n);
-  const bool one_chunk = n <= s.chunk_rows;
 
   const Tensor logits = scratch(at, {chunk * v}, stream), lse = scratch(at, {n}, stream),
                row_loss = scratch(DType::F64, {n}, stream);
@@ -114,20 +138,19 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   const CrossEntropyUpstream up =
       grads ? read_upstream(ce, a.grad_loss, count, o.reduction, row_grad, stream)
             : CrossEntropyUpstream{0.0, nullptr};
-  Tensor bias32, dw32, db32;
+  Tensor bias32, db32;
   const void* bias = a.bias;
   if (kNarrow && a.bias) {
     bias32 = scratch(at, {v}, stream);
     copy(TensorView(const_cast<void*>(a.bias), dt, {v}, stream.device), bias32, stream);
     bias = bias32.view().data();
   }
-  void* dw = a.grad_weight;  // where grad_weight's sums go
-  if (kNarrow && a.grad_weight && !one_chunk)
-    dw = (dw32 = scratch(at, {v, h}, stream)).view().data();
   A* db = static_cast<A*>(a.grad_bias);  // grad_bias's accumulator
-  if (kNarrow && a.grad_bias) db = (db32 = scratch(at, {v}, stream)).data_ptr<A>();
+  if (a.grad_bias && a.grad_bias_dtype != at) db = (db32 = scratch(at, {v}, stream)).data_ptr<A>();
   if (a.grad_bias) zero(db, v * static_cast<std::int64_t>(sizeof(A)), stream);
-  if (a.grad_weight && n == 0) zero(a.grad_weight, v * h * esize, stream);
+  if (a.grad_weight && n == 0)
+    zero(a.grad_weight, v * h * static_cast<std::int64_t>(element_size(a.grad_weight_dtype)),
+         stream);
 
   const T* w = static_cast<const T*>(a.weight);
   A* l = logits.defined() ? logits.data_ptr<A>() : nullptr;
@@ -158,12 +181,11 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
     if (a.grad_x)  // grad_x (c, H) = dl (c, V) @ weight (V, H)
       matmul(dt, dt, c, h, v, row_major(l, ldl), row_major(w, h),
              row_major(static_cast<T*>(a.grad_x) + r0 * h, h), false, nullptr, stream);
-    if (a.grad_weight)  // grad_weight (V, H) (+)= dl^T (V, c) @ xc (c, H)
-      matmul(dt, dw == a.grad_weight ? dt : at, v, h, c, transposed(l, ldl), row_major(xc, h),
-             row_major(dw, h), r0 > 0, nullptr, stream);
+    if (a.grad_weight)  // grad_weight (V, H) (+)= dl^T (V, c) @ xc (c, H), in its own dtype
+      matmul(dt, a.grad_weight_dtype, v, h, c, transposed(l, ldl), row_major(xc, h),
+             row_major(a.grad_weight, h), r0 > 0, nullptr, stream);
   }
 
-  if (dw32.defined()) copy(dw32, TensorView(a.grad_weight, dt, {v, h}, stream.device), stream);
   if (db32.defined()) copy(db32, TensorView(a.grad_bias, dt, {v}, stream.device), stream);
   store_loss(ce, row_loss.defined() ? row_loss.data_ptr<double>() : nullptr, count, o.reduction,
              a.loss, stream);

@@ -29,8 +29,22 @@ const KernelTable<detail::FusedLinearCrossEntropyFn> kBackward(
     std::string(kFusedLinearCrossEntropy) + "_backward", entries());
 
 void check_chunk_rows(std::int64_t chunk_rows) {
-  MESHFUSE_CHECK(chunk_rows > 0, ErrorCode::InvalidArgument,
-                 "{}: chunk_rows must be positive, got {}", kFusedLinearCrossEntropy, chunk_rows);
+  MESHFUSE_CHECK(chunk_rows >= 0, ErrorCode::InvalidArgument,
+                 "{}: chunk_rows must be positive, or 0 for the device's default, got {}",
+                 kFusedLinearCrossEntropy, chunk_rows);
+}
+
+// A parameter's gradient output: its shape, and the input dtype or f32 for a 16-bit input.
+void check_parameter_grad(std::string_view name, const TensorView& t, const Shape& shape,
+                          DType dtype) {
+  constexpr std::string_view op = kFusedLinearCrossEntropy;
+  const bool widened =
+      t.defined() && t.dtype() == DType::F32 && (dtype == DType::BF16 || dtype == DType::F16);
+  if (t.defined() && t.dtype() != dtype && !widened)
+    fail(ErrorCode::DTypeMismatch, "{}: '{}' must have the dtype of 'x' ({}){}, got {}", op, name,
+         to_string(dtype), dtype == DType::BF16 || dtype == DType::F16 ? " or f32" : "",
+         to_string(t.dtype()));
+  detail::check_output(op, name, t, shape, t.dtype());
 }
 
 void check_like(std::string_view name, const TensorView& t, DType dtype, const Shape& shape) {
@@ -56,10 +70,10 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
   MESHFUSE_CHECK(weight.size(1) == x.size(1), ErrorCode::ShapeMismatch,
                  "{}: 'weight' {} must be (V, {}) to match 'x' {}", op, shape_str(weight.shape()),
                  x.size(1), shape_str(x.shape()));
-  const FusedLinearCrossEntropyShape s{x.dtype(),          x.size(0),        x.size(1),
-                                       weight.size(0),     chunk_rows,       options.reduction,
-                                       bias.defined(),     grad_x.defined(), grad_weight.defined(),
-                                       grad_bias.defined()};
+  FusedLinearCrossEntropyShape s{x.dtype(),          x.size(0),        x.size(1),
+                                 weight.size(0),     chunk_rows,       options.reduction,
+                                 bias.defined(),     grad_x.defined(), grad_weight.defined(),
+                                 grad_bias.defined()};
   if (bias.defined()) check_like("bias", bias, s.dtype, {s.vocab});
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
@@ -68,6 +82,8 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                  ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
                  options.label_smoothing);
   check_chunk_rows(chunk_rows);
+  if (chunk_rows == 0) chunk_rows = fused_linear_cross_entropy_chunk_rows(x.device().type, s.vocab);
+  s.chunk_rows = chunk_rows;
   const Shape loss_shape = s.reduction == Reduction::None ? Shape{s.rows} : Shape{};
   detail::check_output(op, "loss", loss, loss_shape, s.dtype);
   const bool grads = s.grad_x || s.grad_weight || s.grad_bias;
@@ -77,11 +93,11 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                  op);
   if (grad_loss.defined()) check_like("grad_loss", grad_loss, s.dtype, loss_shape);
   if (s.grad_x) detail::check_output(op, "grad_x", grad_x, x.shape(), s.dtype);
-  if (s.grad_weight) detail::check_output(op, "grad_weight", grad_weight, weight.shape(), s.dtype);
+  if (s.grad_weight) check_parameter_grad("grad_weight", grad_weight, weight.shape(), s.dtype);
   if (s.grad_bias) {
     MESHFUSE_CHECK(s.bias, ErrorCode::InvalidArgument, "{}: 'grad_bias' is given but 'bias' is not",
                    op);
-    detail::check_output(op, "grad_bias", grad_bias, {s.vocab}, s.dtype);
+    check_parameter_grad("grad_bias", grad_bias, {s.vocab}, s.dtype);
   }
   auto* fn = (grads ? kBackward : kForward)
                  .select({{"x", x},
@@ -102,23 +118,34 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
   const auto out = [&](const TensorView& t) { return host.output(t).data(); };
   fn(s, labels.dtype(),
      {xc.view().data(), wc.view().data(), bc.view().data(), yc.view().data(), gc.view().data(),
-      out(loss), out(grad_x), out(grad_weight), out(grad_bias)},
+      out(loss), out(grad_x), out(grad_weight), out(grad_bias),
+      grad_weight.defined() ? grad_weight.dtype() : s.dtype,
+      grad_bias.defined() ? grad_bias.dtype() : s.dtype},
      options, host.stream());
   host.finish();
 }
 
+std::int64_t fused_linear_cross_entropy_chunk_rows(DeviceType type, std::int64_t vocab) {
+  if (type == DeviceType::CPU) return kFusedLinearCrossEntropyCpuChunkRows;
+  constexpr std::int64_t kMultiple = 256;
+  const std::int64_t rows =
+      kFusedLinearCrossEntropyCudaChunkBytes / (4 * std::max<std::int64_t>(vocab, 1));
+  return std::max(kMultiple, rows / kMultiple * kMultiple);
+}
+
 FusedLinearCrossEntropyWorkspace fused_linear_cross_entropy_workspace(
-    const FusedLinearCrossEntropyShape& s) {
+    const FusedLinearCrossEntropyShape& shape) {
+  FusedLinearCrossEntropyShape s = shape;
   MESHFUSE_CHECK(s.rows >= 0 && s.hidden >= 0 && s.vocab >= 0, ErrorCode::InvalidArgument,
                  "{}: sizes must be non-negative, got rows={} hidden={} vocab={}",
                  kFusedLinearCrossEntropy, s.rows, s.hidden, s.vocab);
   check_chunk_rows(s.chunk_rows);
+  if (s.chunk_rows == 0) s.chunk_rows = kFusedLinearCrossEntropyCpuChunkRows;
   if (!is_floating_point(s.dtype)) detail::fail_dtype(kFusedLinearCrossEntropy, s.dtype);
   const detail::cpu::FusedLinearCrossEntropyPlan p = detail::cpu::plan(s);
   const std::int64_t a = s.dtype == DType::F64 ? 8 : 4;  // the compute type's size
   return {p.logits * a, p.lse * a + (p.row_loss + p.row_grad) * 8,
-          (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_weight * 4,
-          p.grad_bias * a};
+          (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_bias * a};
 }
 
 }  // namespace meshfuse

@@ -16,15 +16,17 @@ inline constexpr std::string_view kFusedLinearCrossEntropy = "fused_linear_cross
 // Contiguous operands of one call, in the memory of the backend's device. bias, grad_loss and the
 // gradients may be null (not given / not wanted); loss is always written.
 struct FusedLinearCrossEntropyArgs {
-  const void* x;          // (N, H)
-  const void* weight;     // (V, H)
-  const void* bias;       // (V)
-  const void* labels;     // (N,), of label_dtype
-  const void* grad_loss;  // () or (N,)
-  void* loss;             // () or (N,)
-  void* grad_x;           // (N, H)
-  void* grad_weight;      // (V, H)
-  void* grad_bias;        // (V)
+  const void* x;            // (N, H)
+  const void* weight;       // (V, H)
+  const void* bias;         // (V)
+  const void* labels;       // (N,), of label_dtype
+  const void* grad_loss;    // () or (N,)
+  void* loss;               // () or (N,)
+  void* grad_x;             // (N, H)
+  void* grad_weight;        // (V, H)
+  void* grad_bias;          // (V)
+  DType grad_weight_dtype;  // the input dtype, or f32 for 16-bit inputs
+  DType grad_bias_dtype;    // likewise
 };
 
 // One kernel for both directions: registered as "fused_linear_cross_entropy" (loss only) and
@@ -55,7 +57,6 @@ struct FusedLinearCrossEntropyPlan {
   std::int64_t grad_x_chunk;       // float, 16-bit with grad_x: chunk_rows x H
   std::int64_t weight_block;       // float, 16-bit: weight_block_rows x H
   std::int64_t bias;               // float, 16-bit with bias: V
-  std::int64_t grad_weight;        // float, 16-bit with grad_weight and more than one chunk: V x H
   std::int64_t grad_bias;          // A, with grad_bias: V
 };
 

@@ -1,6 +1,9 @@
 // Reference fused linear cross-entropy: the unfused composition, all in double: the whole (N, V)
 // logits from the reference GEMM, the reference cross-entropy forward and backward, then the
-// gradients' GEMMs and column sum; each output rounded once. Not memory-bounded: the ground truth.
+// gradients' GEMMs and column sum; each output rounded once to its own dtype (grad_weight and
+// grad_bias may be f32 for 16-bit inputs). No chunks, so none of the per-chunk roundings of a
+// 16-bit grad_weight in the other backends: the exact gradient. Not memory-bounded: the ground
+// truth.
 #include <algorithm>
 #include <vector>
 
@@ -68,12 +71,12 @@ void fused_linear_cross_entropy(const FusedLinearCrossEntropyShape& s, DType lab
     std::vector<double> dw(static_cast<std::size_t>(v * h));
     gemm({DType::F64, 1, v, h, n, 1.0, 0.0}, matrix(dl, v, true), matrix(x, h), {}, matrix(dw, h),
          stream);
-    store(dw, s.dtype, a.grad_weight);
+    store(dw, a.grad_weight_dtype, a.grad_weight);
   }
   if (a.grad_bias) {
     std::vector<double> db(static_cast<std::size_t>(v));
     column_sum(DType::F64, n, v, matrix(dl, v), db.data(), stream);
-    store(db, s.dtype, a.grad_bias);
+    store(db, a.grad_bias_dtype, a.grad_bias);
   }
 }
 
