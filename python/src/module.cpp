@@ -12,6 +12,7 @@
 
 #include <optional>
 
+#include "arrays.h"
 #include "meshfuse/meshfuse.h"
 
 namespace nb = nanobind;
@@ -24,49 +25,6 @@ using In = nb::ndarray<nb::ro>;
 using Out = nb::ndarray<>;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
-
-DType to_dtype(nb::dlpack::dtype t) {
-  using Code = nb::dlpack::dtype_code;
-  const auto code = static_cast<Code>(t.code);
-  if (t.lanes == 1) {
-    if (code == Code::Float && t.bits == 32) return DType::F32;
-    if (code == Code::Float && t.bits == 64) return DType::F64;
-    if (code == Code::Float && t.bits == 16) return DType::F16;
-    if (code == Code::Bfloat && t.bits == 16) return DType::BF16;
-    if (code == Code::Int && t.bits == 32) return DType::I32;
-    if (code == Code::Int && t.bits == 64) return DType::I64;
-    if (code == Code::UInt && t.bits == 8) return DType::U8;
-    if (code == Code::Bool) return DType::Bool;
-  }
-  throw Error(ErrorCode::DTypeMismatch,
-              "meshfuse: unsupported array dtype (DLPack code " + std::to_string(t.code) +
-                  ", " + std::to_string(t.bits) + " bits, " + std::to_string(t.lanes) +
-                  " lanes)");
-}
-
-Device to_device(int type, int id) {
-  if (type == nb::device::cpu::value) return {DeviceType::CPU, 0};
-  if (type == nb::device::cuda::value) return {DeviceType::CUDA, id};
-  throw Error(ErrorCode::Unsupported,
-              "meshfuse: arrays on DLPack device type " + std::to_string(type) +
-                  " are not supported (cpu and cuda are)");
-}
-
-template <typename... Ts>
-TensorView view(const nb::ndarray<Ts...>& a) {
-  Shape shape(a.ndim()), strides(a.ndim());
-  for (std::size_t d = 0; d < a.ndim(); ++d) {
-    shape[d] = static_cast<std::int64_t>(a.shape(d));
-    strides[d] = a.stride(d);
-  }
-  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype()),
-          std::move(shape), std::move(strides), to_device(a.device_type(), a.device_id())};
-}
-
-template <typename A>
-TensorView view(const std::optional<A>& a) {
-  return a ? view(*a) : TensorView{};
-}
 
 Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
 
@@ -260,9 +218,14 @@ void bind_ops(nb::module_& m) {
 }  // namespace
 }  // namespace meshfuse::python
 
+namespace meshfuse::python {
+void bind_dist(nb::module_& m);  // dist.cpp
+}  // namespace meshfuse::python
+
 NB_MODULE(_meshfuse, m) {
   m.doc() = "meshfuse kernels on DLPack arrays (see the meshfuse package for the PyTorch API)";
   meshfuse::python::bind_core(m);
   meshfuse::python::bind_ops(m);
   meshfuse::python::bind_gemm(m);
+  meshfuse::python::bind_dist(m);
 }

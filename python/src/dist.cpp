@@ -1,0 +1,315 @@
+// Communicators in the _meshfuse extension: init_communicator (from the launcher's environment),
+// LocalWorld / run_local (ranks as threads), the collectives on DLPack arrays, Work, CommRecord.
+// Collectives and waits release the GIL. A Work keeps its arrays alive until it is gone.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "arrays.h"
+#include "meshfuse/dist/communicator.h"
+
+namespace meshfuse::python {
+namespace {
+
+using namespace nb::literals;
+using Array = nb::ndarray<>;
+using OptArray = std::optional<Array>;
+using Splits = std::optional<std::vector<std::int64_t>>;
+
+// A Work and the arrays it reads and writes.
+struct PyWork {
+  Work work;
+  std::vector<Array> arrays;
+};
+
+std::chrono::milliseconds milliseconds(double seconds) {
+  MESHFUSE_CHECK(std::isfinite(seconds) && seconds >= 0, ErrorCode::InvalidArgument,
+                 "communicator: timeout: expected seconds >= 0, got {}", seconds);
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1e3)));
+}
+
+CommOptions options(const std::string& backend, double timeout, bool check) {
+  CommOptions o;
+  o.backend = backend;
+  o.timeout = milliseconds(timeout);
+  o.check = check;
+  return o;
+}
+
+// `stream` (a cudaStream_t as an integer) on the device of the arrays: collectives on CUDA arrays
+// run on it (0: the device's default stream).
+Stream stream_for(const TensorView& t, std::uintptr_t stream) {
+  return {t.defined() ? t.device() : Device{}, reinterpret_cast<void*>(stream)};
+}
+
+// Calls `op` with the GIL released; the Work holds `arrays`.
+template <typename Op>
+PyWork run(Op&& op, std::vector<Array> arrays) {
+  Work work;
+  {
+    nb::gil_scoped_release release;
+    work = op();
+  }
+  return {std::move(work), std::move(arrays)};
+}
+
+std::vector<Array> present(std::initializer_list<const OptArray*> arrays) {
+  std::vector<Array> out;
+  for (const OptArray* a : arrays)
+    if (*a) out.push_back(**a);
+  return out;
+}
+
+void bind_record(nb::module_& m) {
+  nb::class_<CommRecord>(m, "CommRecord",
+                         "What one communication did, as seen from one rank; str() prints it.")
+      .def_prop_ro("op", [](const CommRecord& r) { return std::string(to_string(r.op)); })
+      .def_prop_ro("backend", [](const CommRecord& r) { return std::string(to_string(r.backend)); })
+      .def_ro("team", &CommRecord::team)
+      .def_ro("rank", &CommRecord::rank)
+      .def_ro("root", &CommRecord::root)
+      .def_prop_ro("reduction",
+                   [](const CommRecord& r) -> std::optional<std::string> {
+                     if (!r.reduction) return std::nullopt;
+                     return std::string(to_string(*r.reduction));
+                   })
+      .def_prop_ro("dtype", [](const CommRecord& r) { return std::string(to_string(r.dtype)); })
+      .def_ro("count", &CommRecord::count)
+      .def_ro("bytes", &CommRecord::bytes)
+      .def_ro("seq", &CommRecord::seq)
+      .def_ro("uneven", &CommRecord::uneven)
+      .def("__str__", &CommRecord::to_string)
+      .def("__repr__", [](const CommRecord& r) { return "<CommRecord " + r.to_string() + ">"; });
+
+  nb::class_<PyWork>(m, "Work", "The handle of one asynchronous communication.")
+      .def(
+          "wait",
+          [](PyWork& w, std::optional<double> timeout) {
+            nb::gil_scoped_release release;
+            if (timeout)
+              w.work.wait(milliseconds(*timeout));
+            else
+              w.work.wait();
+          },
+          "timeout"_a = nb::none(),
+          "Blocks until done (timeout in seconds; default: the communicator's). Raises the "
+          "operation's error.")
+      .def("is_completed", [](const PyWork& w) { return w.work.is_completed(); })
+      .def_prop_ro("record", [](const PyWork& w) { return w.work.record(); })
+      .def("__repr__", [](const PyWork& w) {
+        return "<Work " + w.work.record().to_string() +
+               (w.work.is_completed() ? ", completed>" : ", pending>");
+      });
+}
+
+void bind_communicator(nb::module_& m) {
+  nb::class_<Communicator>(m, "Communicator",
+                           "A team of ranks and the backends that move its arrays (see "
+                           "include/meshfuse/dist/communicator.h).")
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def_prop_ro("team", &Communicator::team)
+      .def_prop_ro("spec", [](const Communicator& c) { return c.spec().str(); })
+      .def(
+          "backend",
+          [](const Communicator& c, const std::string& device) {
+            return std::string(to_string(c.backend(Device::parse(device).type)));
+          },
+          "device"_a = "cpu", "The backend serving a device type ('cpu', 'cuda').")
+      .def_prop_rw(
+          "timeout", [](const Communicator& c) { return c.timeout().count() / 1e3; },
+          [](Communicator& c, double seconds) { c.set_timeout(milliseconds(seconds)); },
+          "Seconds a rank waits for its peers.")
+      .def_prop_rw("checks", &Communicator::checks, &Communicator::set_checks,
+                   "The cross-rank metadata check before each collective.")
+      .def_prop_rw("history_size", &Communicator::history_size, &Communicator::set_history_size)
+      .def("history", &Communicator::history, "The last history_size records, oldest first.")
+      .def("split", &Communicator::split, "color"_a, "key"_a = 0,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("new_group", &Communicator::new_group, "ranks"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "all_reduce",
+          [](Communicator& c, Array t, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t);
+            const ReduceOp r = parse_reduce_op(op);
+            return run([&] { return c.all_reduce(v, r, stream_for(v, stream)); }, {t});
+          },
+          "tensor"_a, "op"_a = "sum", "stream"_a = 0)
+      .def(
+          "broadcast",
+          [](Communicator& c, Array t, int root, std::uintptr_t stream) {
+            const TensorView v = view(t);
+            return run([&] { return c.broadcast(v, root, stream_for(v, stream)); }, {t});
+          },
+          "tensor"_a, "root"_a, "stream"_a = 0)
+      .def(
+          "reduce",
+          [](Communicator& c, Array t, int root, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t);
+            const ReduceOp r = parse_reduce_op(op);
+            return run([&] { return c.reduce(v, root, r, stream_for(v, stream)); }, {t});
+          },
+          "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
+      .def(
+          "all_gather",
+          [](Communicator& c, Array input, Array output, const Splits& splits,
+             std::uintptr_t stream) {
+            const TensorView in = view(input), out = view(output);
+            const Stream s = stream_for(in, stream);
+            return run(
+                [&] {
+                  return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
+                },
+                {input, output});
+          },
+          "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
+      .def(
+          "reduce_scatter",
+          [](Communicator& c, Array input, Array output, const Splits& splits,
+             const std::string& op, std::uintptr_t stream) {
+            const TensorView in = view(input), out = view(output);
+            const ReduceOp r = parse_reduce_op(op);
+            const Stream s = stream_for(in, stream);
+            return run(
+                [&] {
+                  return splits ? c.reduce_scatter(in, out, *splits, r, s)
+                                : c.reduce_scatter(in, out, r, s);
+                },
+                {input, output});
+          },
+          "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
+      .def(
+          "gather",
+          [](Communicator& c, Array input, const OptArray& output, int root,
+             std::uintptr_t stream) {
+            const TensorView in = view(input), out = view(output);
+            return run([&] { return c.gather(in, out, root, stream_for(in, stream)); },
+                       present({&output}));
+          },
+          "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
+          "output is only used on the root (None elsewhere).")
+      .def(
+          "scatter",
+          [](Communicator& c, const OptArray& input, Array output, int root,
+             std::uintptr_t stream) {
+            const TensorView in = view(input), out = view(output);
+            std::vector<Array> keep = present({&input});
+            keep.push_back(output);
+            return run([&] { return c.scatter(in, out, root, stream_for(out, stream)); },
+                       std::move(keep));
+          },
+          "input"_a.none(), "output"_a, "root"_a, "stream"_a = 0,
+          "input is only used on the root (None elsewhere).")
+      .def(
+          "all_to_all",
+          [](Communicator& c, Array input, Array output, const Splits& in_splits,
+             const Splits& out_splits, std::uintptr_t stream) {
+            const TensorView in = view(input), out = view(output);
+            return run(
+                [&] {
+                  return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
+                                      out_splits.value_or(std::vector<std::int64_t>{}),
+                                      stream_for(in, stream));
+                },
+                {input, output});
+          },
+          "input"_a, "output"_a, "input_split_sizes"_a = nb::none(),
+          "output_split_sizes"_a = nb::none(), "stream"_a = 0)
+      .def(
+          "send",
+          [](Communicator& c, Array t, int dst, int tag, std::uintptr_t stream) {
+            const TensorView v = view(t);
+            return run([&] { return c.send(v, dst, tag, stream_for(v, stream)); }, {t});
+          },
+          "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
+      .def(
+          "recv",
+          [](Communicator& c, Array t, int src, int tag, std::uintptr_t stream) {
+            const TensorView v = view(t);
+            return run([&] { return c.recv(v, src, tag, stream_for(v, stream)); }, {t});
+          },
+          "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
+      .def(
+          "barrier",
+          [](Communicator& c, const std::string& device, std::uintptr_t stream) {
+            const Stream s{Device::parse(device), reinterpret_cast<void*>(stream)};
+            return run([&] { return c.barrier(s); }, {});
+          },
+          "device"_a = "cpu", "stream"_a = 0,
+          "Completes once every rank has called it, on the backend of `device`.");
+
+  m.def(
+      "init_communicator",
+      [](const std::string& backend, double timeout, bool check) {
+        const CommOptions o = options(backend, timeout, check);
+        nb::gil_scoped_release release;
+        return init_communicator(o);
+      },
+      "backend"_a = "", "timeout"_a = 300.0, "check"_a = true,
+      "The world communicator of this process from its launcher's environment (torchrun / "
+      "meshfuse launch, mpirun, srun). backend: 'cpu:gloo,cuda:nccl' style, or one name; empty: "
+      "the default (cpu:gloo,cuda:nccl).");
+
+  nb::class_<LocalWorld>(m, "LocalWorld",
+                         "N ranks as threads of this process (the local backend); each thread "
+                         "takes its rank's communicator once.")
+      .def(
+          "__init__",
+          [](LocalWorld* w, int size, double timeout, bool check) {
+            new (w) LocalWorld(size, options("", timeout, check));
+          },
+          "size"_a, "timeout"_a = 300.0, "check"_a = true)
+      .def_prop_ro("size", &LocalWorld::size)
+      .def("communicator", &LocalWorld::communicator, "rank"_a);
+
+  m.def(
+      "run_local",
+      [](int size, nb::callable fn, double timeout, bool check) {
+        const CommOptions o = options("", timeout, check);
+        nb::gil_scoped_release release;
+        run_local(
+            size,
+            [&](Communicator& c) {
+              nb::gil_scoped_acquire acquire;
+              try {
+                fn(nb::cast(&c, nb::rv_policy::reference));
+              } catch (nb::python_error& e) {
+                // The rank's Python exception as an Error (its message kept), rethrown by
+                // run_local for the lowest rank that raised.
+                throw Error(ErrorCode::Internal,
+                            std::string("rank ") + std::to_string(c.rank()) + ": " + e.what());
+              }
+            },
+            o);
+      },
+      "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
+      "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld and joins them; "
+      "re-raises the error of the lowest rank that raised.");
+}
+
+}  // namespace
+
+void bind_dist(nb::module_& m) {
+  m.def(
+      "communicator_backends",
+      [] {
+        std::vector<std::string> names;
+        for (CommunicatorBackend b : {CommunicatorBackend::Local, CommunicatorBackend::Gloo,
+                                      CommunicatorBackend::Mpi, CommunicatorBackend::Nccl})
+          if (communicator_backend_built(b)) names.emplace_back(to_string(b));
+        return names;
+      },
+      "The communicator backends in this build.");
+  bind_record(m);
+  bind_communicator(m);
+}
+
+}  // namespace meshfuse::python

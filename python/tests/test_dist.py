@@ -1,0 +1,112 @@
+"""Communicators from Python: the local backend (ranks as threads) and gloo (two processes)."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import meshfuse
+
+
+def value(rank, n):
+    return (rank + 1) * (np.arange(n) % 5 + 1)
+
+
+def test_local_ranks_reduce_gather_and_report_the_backend():
+    results = {}
+
+    def rank_fn(comm):
+        r, n = comm.rank, comm.size
+        x = value(r, 10).astype(np.float32)
+        work = comm.all_reduce(x, op="max")
+        work.wait()
+        assert work.record.backend == "local"
+        assert work.record.op == "all_reduce" and work.record.reduction == "max"
+        assert "all_reduce(max) f32 x 10" in str(work.record) and "on local" in str(work.record)
+        # Uneven shards: rank r contributes r + 1 rows of 2.
+        rows = [1, 2, 3]
+        mine = np.full((rows[r], 2), r, np.int64)
+        gathered = np.empty((sum(rows), 2), np.int64)
+        comm.all_gather(mine, gathered, output_split_sizes=rows).wait()
+        results[r] = (x, gathered, n)
+
+    meshfuse.run_local(3, rank_fn)
+    expected_max = value(2, 10).astype(np.float32)
+    expected_gather = np.repeat([0, 1, 1, 2, 2, 2], 2).reshape(6, 2)
+    for r in range(3):
+        x, gathered, n = results[r]
+        assert n == 3
+        np.testing.assert_array_equal(x, expected_max)
+        np.testing.assert_array_equal(gathered, expected_gather)
+
+
+def test_local_bf16_avg_and_reduce_scatter():
+    torch = pytest.importorskip("torch")
+    results = {}
+
+    def rank_fn(comm):
+        x = torch.tensor(value(comm.rank, 8), dtype=torch.bfloat16)
+        comm.all_reduce(x, op="avg").wait()
+        full = torch.arange(8, dtype=torch.float32) * (comm.rank + 1)
+        out = torch.empty(4, dtype=torch.float32)
+        comm.reduce_scatter(full, out).wait()
+        results[comm.rank] = (x.float(), out)
+
+    meshfuse.run_local(2, rank_fn)
+    avg = torch.tensor((value(0, 8) + value(1, 8)) / 2, dtype=torch.float32)
+    for r in range(2):
+        x, out = results[r]
+        assert torch.equal(x, avg)
+        assert torch.equal(out, torch.arange(4 * r, 4 * r + 4, dtype=torch.float32) * 3)
+
+
+def test_mismatched_counts_raise_naming_the_ranks():
+    def rank_fn(comm):
+        comm.all_reduce(np.zeros(4 if comm.rank == 0 else 8, np.float32)).wait()
+
+    with pytest.raises(meshfuse.Error, match="ranks disagree"):
+        meshfuse.run_local(2, rank_fn)
+
+
+def test_local_world_gives_each_thread_its_communicator_once():
+    world = meshfuse.LocalWorld(2)
+    assert world.size == 2
+    world.communicator(0)
+    with pytest.raises(meshfuse.Error):
+        world.communicator(0)
+
+
+GLOO_RANK = textwrap.dedent("""
+    import numpy as np
+    import meshfuse
+    comm = meshfuse.init_communicator(backend="cpu:gloo", timeout=20)
+    x = np.full(5, comm.rank + 1, np.float32)
+    work = comm.all_reduce(x)
+    work.wait()
+    out = np.empty(2 * 5, np.float32)
+    comm.all_gather(x, out).wait()
+    print(comm.rank, comm.size, work.record.backend, x.tolist(), out.tolist(), flush=True)
+""")
+
+
+def test_gloo_all_reduce_across_two_processes():
+    if "gloo" not in meshfuse.communicator_backends():
+        pytest.skip("this build has no gloo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", GLOO_RANK], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, err
+        assert out.strip() == f"{rank} 2 gloo [3.0, 3.0, 3.0, 3.0, 3.0] [3.0, 3.0, 3.0, 3.0, 3.0, " \
+                              "3.0, 3.0, 3.0, 3.0, 3.0]"
