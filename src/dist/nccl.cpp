@@ -126,6 +126,8 @@ struct Handle {
   }
   // The communicator's asynchronous error (a failed peer, a network error), as an Error.
   void check_async() const {
+    MESHFUSE_CHECK(!aborted, ErrorCode::CommunicationFailure,
+                   "nccl: the communicator was aborted after an earlier failure");
     ncclResult_t async = ncclSuccess;
     if (ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess &&
         async != ncclInProgress)
@@ -177,11 +179,15 @@ class NcclComm : public CommImpl {
   }
 
   ~NcclComm() override {
-    const DeviceGuard guard(device_);
+    // Errors ignored: nothing is left to tell them to (at exit the driver may be gone already).
+    int previous = -1;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
     if (scratch_) cudaFree(scratch_);
     if (host_scratch_) cudaFreeHost(host_scratch_);
     if (barrier_) cudaFree(barrier_);
     if (side_stream_) cudaStreamDestroy(side_stream_);
+    if (previous >= 0) cudaSetDevice(previous);
   }
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Nccl; }
