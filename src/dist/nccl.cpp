@@ -471,10 +471,11 @@ void NcclWork::wait(Deadline deadline) {
   // Spin briefly (short collectives), then poll every 50 us, watching NCCL's own errors.
   const auto spin_until = CommClock::now() + std::chrono::microseconds(200);
   while (true) {
+    // After an abort the kernels stop early and the event completes, without the results.
+    handle_->check_async();
     const cudaError_t status = cudaEventQuery(event_);
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) check_cuda(status, "waiting for the operation");
-    handle_->check_async();
     const auto now = CommClock::now();
     if (now >= deadline)
       fail(ErrorCode::Timeout,
