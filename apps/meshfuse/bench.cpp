@@ -191,6 +191,10 @@ Record time_direction(const Plan& plan, const Peaks& peaks, const std::string& o
                                     d.flops / (t[1].median_ms * 1e-3) / 1e12));
     }
   }
+  if (d.steps > 0)
+    r.notes.push_back(fmt::format("{:.2f} us per step ({} steps), {:.1f} KiB moved per step",
+                                  t[0].median_ms * 1e3 / static_cast<double>(d.steps), d.steps,
+                                  d.bytes / static_cast<double>(d.steps) / 1024));
   const double working_set = d.working_set > 0 ? d.working_set : d.bytes;
   if (working_set < static_cast<double>(peaks.cache_bytes))
     r.notes.push_back(fmt::format("working set {} < the {} last-level cache: a cache figure",

@@ -72,6 +72,8 @@ struct Direction {
   std::function<void()> blas{};
   // Bytes of all tensors one call touches (for "fits in the cache" notes); 0: use `bytes`.
   double working_set = 0;
+  // Recurrences: the sequential steps of one call; the record's notes give the time per step.
+  std::int64_t steps = 0;
   std::function<void()> run{};  // one call of the op
   // Runs the `reference` backend on the inputs of the last call (or their first rows) and
   // compares the outputs; called after the timed calls.
@@ -100,6 +102,8 @@ std::vector<BenchCase> swiglu_cases();
 std::vector<BenchCase> softmax_cases();
 std::vector<BenchCase> cross_entropy_cases();
 std::vector<BenchCase> fused_linear_cross_entropy_cases();
+// Outside a transformer layer (in_layer = false), at their own sizes.
+std::vector<BenchCase> recurrent_cases();
 
 // --- helpers for the cases ------------------------------------------------------------------
 
