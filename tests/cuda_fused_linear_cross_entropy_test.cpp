@@ -5,14 +5,15 @@
 #include <tuple>
 #include <vector>
 
+#include "meshfuse/core/memory.h"
 #include "meshfuse/meshfuse.h"
 #include "test_util.h"
 
 namespace meshfuse {
 namespace {
 
-using test::values;
 using test::make_labels;
+using test::values;
 
 using test::kCuda;
 using test::randn;
@@ -265,6 +266,73 @@ TEST_P(CudaFusedLinearCrossEntropyTest, ForcedReferenceOnCudaTensorsMatchesTheCp
   expect_bitwise(staged, run_reference(p, o), "reference through host staging");
 }
 
+// grad_weight and grad_bias of 16-bit inputs in f32 over 16 chunks (the GEMM accumulates in the
+// caller's f32 buffer), against the reference's exact gradients rounded to f32. The tolerance is
+// that of the 16-bit outputs: the GEMMs take the logits' gradient rounded to the dtype.
+TEST_P(CudaFusedLinearCrossEntropyTest, AnF32GradWeightOfSixteenBitWeightsMatchesTheReference) {
+  const DType dt = GetParam();
+  if (dt != DType::BF16 && dt != DType::F16) GTEST_SKIP() << "16-bit weights only";
+  const std::int64_t n = 64, h = 40, v = 300;
+  const Problem p = make_problem(dt, n, h, v, true, Reduction::Mean, 12);
+  const CrossEntropyOptions o = option_sets(Reduction::Mean)[1];
+  const auto run_f32_grads = [&](Device device) {
+    const bool cuda = device.type == DeviceType::CUDA;
+    const auto in = [&](const Tensor& t) { return cuda ? to_cuda(t) : t; };
+    const Tensor loss({}, dt, device), dw({v, h}, DType::F32, device), db({v}, DType::F32, device);
+    fused_linear_cross_entropy(in(p.x), in(p.weight), in(p.bias), in(p.labels), in(p.grad_loss),
+                               loss, {}, dw, db, o, 4);
+    return std::pair{to_cpu(dw), to_cpu(db)};
+  };
+  const auto [dw, db] = run_f32_grads(kCuda);
+  std::pair<Tensor, Tensor> ref;
+  {
+    ForceKernelBackend force(KernelBackend::Reference);
+    ref = run_f32_grads(Device{});
+  }
+  test::expect_close(dw, ref.first, tolerance(dt), "f32 grad_weight");
+  test::expect_close(db, ref.second, tolerance(dt), "f32 grad_bias");
+}
+
+// A 16-bit grad_weight takes each chunk's fp32 product added to its 16-bit running sum and rounded
+// once per chunk: against the f32 grad_weight of the same chunks (same products), the difference
+// at each element is at most sum over k of u |s_k| (u the dtype's unit roundoff, s_k the running
+// sum after chunk k, from the f32 runs on the first k chunks; x1.1 for the rounding of the sums
+// themselves), plus fp32-level differences between the two GEMMs' algorithms (1e-5 of the largest).
+TEST_P(CudaFusedLinearCrossEntropyTest, ASixteenBitGradWeightRoundsOncePerChunkAndNoMore) {
+  const DType dt = GetParam();
+  if (dt != DType::BF16 && dt != DType::F16) GTEST_SKIP() << "16-bit weights only";
+  const std::int64_t n = 64, h = 24, v = 50, chunk = 4, chunks = n / chunk;
+  const Problem p = make_problem(dt, n, h, v, false, Reduction::Sum, 13);
+  const CrossEntropyOptions o{.reduction = Reduction::Sum};
+  const Tensor x = to_cuda(p.x), w = to_cuda(p.weight), y = to_cuda(p.labels),
+               g = to_cuda(p.grad_loss);
+  const auto grad_weight = [&](std::int64_t rows, DType gdt) {
+    const Tensor loss({}, dt, kCuda), dw({v, h}, gdt, kCuda);
+    fused_linear_cross_entropy(x.view().narrow(0, 0, rows), w, {}, y.view().narrow(0, 0, rows), g,
+                               loss, {}, dw, {}, o, chunk);
+    return values(to_cpu(dw));
+  };
+  std::vector<std::vector<double>> partial;  // s_1 .. s_chunks
+  for (std::int64_t k = 1; k <= chunks; ++k) partial.push_back(grad_weight(k * chunk, DType::F32));
+  const std::vector<double>& f32 = partial.back();
+  const std::vector<double> narrow = grad_weight(n, dt);
+  double largest = 0;
+  for (double e : f32) largest = std::max(largest, std::fabs(e));
+  const double u = dt == DType::BF16 ? 0x1p-8 : 0x1p-11;
+  for (std::size_t i = 0; i < f32.size(); ++i) {
+    double sum = 0;
+    for (const std::vector<double>& s : partial) sum += std::fabs(s[i]);
+    ASSERT_LE(std::fabs(narrow[i] - f32[i]), 1.1 * u * sum + 1e-5 * largest) << "element " << i;
+  }
+}
+
+TEST_P(CudaFusedLinearCrossEntropyTest, ChunkRowsZeroRunsTheCudaDefaultChunk) {
+  // V = 300: the default is far more than N rows, so one chunk, bitwise that of chunk_rows = N.
+  const Problem p = make_problem(GetParam(), 40, 16, 300, true, Reduction::Mean, 14);
+  ASSERT_GT(fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, 300), 40);
+  expect_bitwise(run_cuda(p, {}, 0), run_cuda(p, {}, 40), "0 vs 40");
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypes, CudaFusedLinearCrossEntropyTest,
                          ::testing::ValuesIn(test::kFloatDTypes), test::dtype_name);
 
@@ -274,6 +342,35 @@ TEST(CudaFusedLinearCrossEntropy, BadLabelNamesTheRowAndValue) {
   set(p.labels, 4, 10);
   test::expect_error([&] { run_cuda(p, {}, 2); }, ErrorCode::InvalidArgument,
                      {"fused_linear_cross_entropy", "4", "10"});
+}
+
+TEST(CudaFusedLinearCrossEntropy, PeakExtraMemoryIsOneChunkOfFp32LogitsAndNoGradWeightCopy) {
+  // bf16, N = 1024, H = 2048, V = 16384 in chunks of 256: the chunk's fp32 logits are 16 MiB;
+  // besides them only per-row statistics (N x 20 bytes) and cuBLASLt's workspace (<= 32 MiB). A
+  // V x H fp32 grad_weight accumulator (128 MiB) or the bf16 (N, V) logits (32 MiB) and their
+  // gradient would not fit the bound, with a bf16 or an f32 grad_weight. Inputs and outputs are
+  // allocated before the measure.
+  MESHFUSE_REQUIRE_CUDA();
+  const std::int64_t n = 1024, h = 2048, v = 16384, chunk = 256;
+  const Tensor x = to_cuda(randn({n, h}, DType::BF16, 15)),
+               w = to_cuda(randn({v, h}, DType::BF16, 16, 0.02)),
+               y = to_cuda(make_labels(n, v, DType::I64, 17)),
+               g = to_cuda(test::full({}, DType::BF16, 1));
+  const std::int64_t logits = chunk * v * 4, bound = logits + n * 20 + (std::int64_t{34} << 20);
+  for (DType gdt : {DType::BF16, DType::F32}) {
+    const Tensor loss({}, DType::BF16, kCuda), dx({n, h}, DType::BF16, kCuda),
+        dw({v, h}, gdt, kCuda);
+    synchronize(Stream{kCuda});
+    reset_peak_memory_stats(kCuda);
+    const std::int64_t before = device_memory_stats(kCuda).allocated;
+    fused_linear_cross_entropy(x, w, {}, y, g, loss, dx, dw, {}, {}, chunk);
+    synchronize(Stream{kCuda});
+    const DeviceMemoryStats after = device_memory_stats(kCuda);
+    EXPECT_EQ(after.allocated, before) << to_string(gdt);  // all scratch released
+    const std::int64_t extra = after.peak_allocated - before;
+    EXPECT_GE(extra, logits) << to_string(gdt);
+    EXPECT_LE(extra, bound) << to_string(gdt);
+  }
 }
 
 #ifdef MESHFUSE_WITH_CUDA

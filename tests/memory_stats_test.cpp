@@ -1,0 +1,49 @@
+// device_memory_stats / reset_peak_memory_stats (meshfuse/core/memory.h). The CUDA tests are
+// skipped without a GPU.
+#include "meshfuse/core/memory.h"
+#include "meshfuse/meshfuse.h"
+#include "test_util.h"
+
+namespace meshfuse {
+namespace {
+
+using test::kCuda;
+
+TEST(MemoryStats, ACpuDeviceIsAnError) {
+  test::expect_error([] { device_memory_stats(Device{}); }, ErrorCode::InvalidArgument,
+                     {"device_memory_stats", "CUDA devices only", "cpu"});
+  test::expect_error([] { reset_peak_memory_stats(Device{}); }, ErrorCode::InvalidArgument,
+                     {"reset_peak_memory_stats", "cpu"});
+}
+
+TEST(MemoryStats, ACudaDeviceThisProcessLacksIsUnavailable) {
+  const Device missing{DeviceType::CUDA, cuda_device_count()};
+  test::expect_error([&] { device_memory_stats(missing); }, ErrorCode::BackendUnavailable,
+                     {"device_memory_stats", missing.str()});
+}
+
+TEST(MemoryStats, TensorsCountWhileAliveAndThePeakKeepsTheMostAtOnceUntilReset) {
+  MESHFUSE_REQUIRE_CUDA();
+  constexpr std::int64_t kBytes = std::int64_t{64} << 20;
+  synchronize(Stream{kCuda});
+  reset_peak_memory_stats(kCuda);
+  const DeviceMemoryStats before = device_memory_stats(kCuda);
+  EXPECT_EQ(before.peak_allocated, before.allocated);
+  {
+    const Tensor a({kBytes}, DType::U8, kCuda);
+    synchronize(Stream{kCuda});
+    const DeviceMemoryStats during = device_memory_stats(kCuda);
+    EXPECT_GE(during.allocated - before.allocated, kBytes);
+    EXPECT_GE(during.reserved, during.allocated);
+  }
+  synchronize(Stream{kCuda});
+  const DeviceMemoryStats after = device_memory_stats(kCuda);
+  EXPECT_EQ(after.allocated, before.allocated);
+  EXPECT_GE(after.peak_allocated - before.allocated, kBytes);  // the tensor's bytes, gone now
+  EXPECT_LT(after.peak_allocated - before.allocated, 2 * kBytes);
+  reset_peak_memory_stats(kCuda);
+  EXPECT_EQ(device_memory_stats(kCuda).peak_allocated, after.allocated);
+}
+
+}  // namespace
+}  // namespace meshfuse
