@@ -1,8 +1,21 @@
-// CUDA cross-entropy: one block per row. The forward streams a row's logits once (online
-// log-sum-exp in fp32, the sum of the logits for label smoothing, the label's logit loaded at the
-// start), writes lse and the row's loss in double to a scratch buffer, and a single block sums
-// those in a fixed order for mean and sum. The backward reads a row once and writes its gradient.
-// Labels are checked on the device first; the op waits for that check alone.
+// CUDA cross-entropy: one block per row, or a row split over a cluster of blocks (forward,
+// statistics combined through distributed shared memory) or over independent blocks (backward).
+// The forward streams a row's logits once (online log-sum-exp in fp32, the sum of the logits for
+// label smoothing, the label's logit loaded at the start), writes lse and the row's loss in double
+// to a scratch buffer, and a single block sums those in a fixed order for mean and sum. The
+// backward reads a row once and writes its gradient.
+//
+// Labels: a bad label must raise the op's error (naming the row and the value) with nothing
+// written. A one-block check kernel runs first; it writes its verdict (bad row and value, rows not
+// ignored) to device memory, where the row kernels read it and write nothing after a bad label,
+// and to pinned host memory. The row kernels are queued behind it at once, and only then does the
+// host wait, for the check's event alone: the GPU never idles between the kernels, and the call
+// returns (or throws) while the row kernels run. The cost is one small kernel per call and a host
+// wait on the work queued before the op (any op that reports a device-side error from the call
+// itself needs that wait). The backward's check kernel also writes the upstream gradient per row
+// (scaled by 1 / count for mean), so nothing needs the count on the host before the row kernel.
+#include <vector>
+
 #include "core/cuda/cuda_utils.cuh"
 #include "ops/common.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
@@ -60,29 +73,89 @@ __global__ void check_labels_kernel(Labels labels, std::int64_t rows, std::int64
   }
 }
 
+// The verdict of check_kernel: bad != 0 when some label is neither in [0, vocab) nor
+// ignore_index; then row is the first such row and label its value. count: rows not ignored.
+struct LabelStatus {
+  long long bad, row, label, count;
+};
+
+// One block scans the labels (first bad row, rows not ignored: integer results, order free),
+// writes the verdict to `device` and `host`, and, when row_grad is given, the upstream gradient
+// per row: grad_loss[i] (none) or grad_loss[0] (sum), times 1 / count for mean (0 when count is
+// 0), in double as the row kernels take it.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    check_kernel(Labels labels, std::int64_t rows, std::int64_t vocab, std::int64_t ignore_index,
+                 LabelStatus* device, LabelStatus* host, const T* grad_loss, bool per_row,
+                 bool mean, double* row_grad) {
+  __shared__ long long bad_of[32], count_of[32];
+  __shared__ double scale_shared;
+  std::int64_t bad = rows;
+  long long count = 0;
+#pragma unroll 4
+  for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    const std::int64_t y = labels[i];
+    if (y == ignore_index) continue;
+    if (y < 0 || y >= vocab)
+      bad = bad < i ? bad : i;
+    else
+      ++count;
+  }
+  bad = warp_allreduce(bad, [](std::int64_t a, std::int64_t b) { return a < b ? a : b; });
+  count = warp_allreduce(count, [](long long a, long long b) { return a + b; });
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    bad_of[warp] = bad;
+    count_of[warp] = count;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < warps; ++w) {
+      bad = bad < bad_of[w] ? bad : bad_of[w];
+      count += count_of[w];
+    }
+    const LabelStatus st{bad < rows, bad < rows ? bad : 0, bad < rows ? labels[bad] : 0, count};
+    *device = st;
+    *host = st;
+    __threadfence_system();
+    scale_shared = !mean ? 1.0 : count == 0 ? 0.0 : 1.0 / static_cast<double>(count);
+  }
+  if (!row_grad) return;
+  __syncthreads();
+  const double scale = scale_shared;
+  for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x)
+    row_grad[i] = scale * static_cast<double>(load(grad_loss[per_row ? i : 0]));
+}
+
+// A row over a cluster of `cluster` blocks (1: one block), each streaming its part; the parts'
+// statistics combine in rank order. Writes nothing when status reports a bad label.
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
                         std::int64_t vocab, acc_t<T>* lse, double* row_loss,
-                        Coefficients<acc_t<T>> c) {
+                        Coefficients<acc_t<T>> c, const LabelStatus* status, int cluster) {
   using A = acc_t<T>;
-  for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+  const Part part(vocab / W, cluster);
+  const bool lead = blockIdx.x % cluster == 0 && threadIdx.x == 0;
+  for (std::int64_t i = blockIdx.x / cluster; i < rows; i += gridDim.x / cluster) {
     const std::int64_t g = row_begin + i, y = labels[g];
     if (y == c.ignore_index) {
-      if (threadIdx.x == 0) {
+      if (lead && !(status && status->bad)) {
         lse[g] = 0;
         row_loss[g] = 0;
       }
       continue;
     }
     const T* x = logits + i * vocab;
-    // Loaded first, so that its latency hides behind the row's. Labels were checked; a bad one
-    // still reads nothing out of the row.
+    // Loaded first, so that its latency hides behind the row's. A bad label reads nothing out of
+    // the row.
     A label_logit = 0;
-    if (threadIdx.x == 0)
-      label_logit = y >= 0 && y < vocab ? load(x[y]) : std::numeric_limits<A>::quiet_NaN();
-    const RowStats<A> st = block_stats(thread_row_stats<T, W, true>(x, vocab / W, c.ml));
-    if (threadIdx.x == 0) {
+    if (lead) label_logit = y >= 0 && y < vocab ? load(x[y]) : std::numeric_limits<A>::quiet_NaN();
+    RowStats<A> st =
+        block_stats(thread_row_stats<T, W, true>(x + part.begin * W, part.count, c.ml));
+    st = cluster_allreduce(
+        st, cluster, [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
+    if (lead && !(status && status->bad)) {
       const A l = natural_lse(st);
       const double nll = double(l) - double(label_logit * c.m);
       double loss = (1 - c.eps) * nll;
@@ -91,27 +164,35 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       lse[g] = l;
       row_loss[g] = loss;
     }
+    cluster_wait(cluster);
   }
 }
 
+// A row over `split` blocks (1: one block), each writing its part. Writes nothing when status
+// reports a bad label.
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     backward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
                          std::int64_t vocab, const acc_t<T>* lse, double scale,
-                         const double* row_grad, T* grad_logits, Coefficients<acc_t<T>> c) {
+                         const double* row_grad, T* grad_logits, Coefficients<acc_t<T>> c,
+                         const LabelStatus* status, int split) {
   using A = acc_t<T>;
   using V = Chunk<T, W>;
-  const std::int64_t nv = vocab / W, stride = blockDim.x;
+  const Part part(vocab / W, split);
+  const std::int64_t nv = part.count, stride = blockDim.x;
   const A eps = static_cast<A>(c.eps), smooth = eps / static_cast<A>(vocab), hit = A(1) - eps;
-  for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+  // Read with the first row's loads, tested only before a store.
+  const bool skip = status && status->bad;
+  for (std::int64_t i = blockIdx.x / split; i < rows; i += gridDim.x / split) {
     const std::int64_t g = row_begin + i, y = labels[g];
     // grad_logits may be logits itself (stream_row: a thread writes only vectors it has read).
-    const V* x = reinterpret_cast<const V*>(logits + i * vocab);
-    V* dx = reinterpret_cast<V*>(grad_logits + i * vocab);
+    const V* x = reinterpret_cast<const V*>(logits + i * vocab) + part.begin;
+    V* dx = reinterpret_cast<V*>(grad_logits + i * vocab) + part.begin;
     if (y == c.ignore_index) {
       const A zeros[W] = {};
       const V zero = V::from(zeros);
-      for (std::int64_t j = threadIdx.x; j < nv; j += stride) dx[j] = zero;
+      if (!skip)
+        for (std::int64_t j = threadIdx.x; j < nv; j += stride) dx[j] = zero;
       continue;
     }
     // dx_j = cg * (p_j * p_scale - eps / V - [j == y] (1 - eps)), with the factors folded.
@@ -120,13 +201,15 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     const A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1));
     const A offset = cg * smooth, label_offset = cg * (smooth + hit);
     const A shift2 = l * A(kLog2e);
+    // The label's place in the part's vectors.
+    const std::int64_t y_part = y - part.begin * W;
     stream_row(x, nv, [&](const V(&v)[kU], std::int64_t base) {
 #pragma unroll
       for (int k = 0; k < kU; ++k) {
         const std::int64_t j = base + k * stride;
-        if (j < nv) {
+        if (j < nv && !skip) {
           // The label's place in this vector, if any.
-          const std::int64_t d = y - j * W;
+          const std::int64_t d = y_part - j * W;
           const int label_at = d >= 0 && d < W ? static_cast<int>(d) : -1;
           A out[W];
 #pragma unroll
@@ -171,10 +254,108 @@ void dispatch_rows(const CrossEntropyRows& b, std::string_view op,
   });
 }
 
-}  // namespace
+// Pinned, mapped host memory for this thread's label verdicts, and an event per device; reused
+// call after call (each call waits for its check before it returns).
+struct HostSide {
+  LabelStatus* status = nullptr;
+  std::vector<cudaEvent_t> events;
+  HostSide() = default;
+  HostSide(const HostSide&) = delete;
+  HostSide& operator=(const HostSide&) = delete;
+  ~HostSide() {  // errors ignored: the runtime may be unloading at thread exit
+    if (status) cudaFreeHost(status);
+    for (cudaEvent_t e : events)
+      if (e) cudaEventDestroy(e);
+  }
+};
 
-std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          std::int64_t ignore_index, const Stream& stream) {
+HostSide& host_side() {
+  thread_local HostSide h;
+  return h;
+}
+
+// A label check queued on the stream (see the file comment); the current device must be the
+// stream's. wait() waits for the check alone, raises the error of a bad label and returns the
+// rows not ignored.
+class LabelCheck {
+ public:
+  LabelCheck(std::string_view op, const CrossEntropyShape& s, const void* labels,
+             std::int64_t ignore_index, const Stream& stream, const void* grad_loss = nullptr,
+             Reduction reduction = Reduction::None, double* row_grad = nullptr)
+      : op_(op), s_(s), ignore_index_(ignore_index) {
+    if (s.rows == 0) return;
+    HostSide& h = host_side();
+    if (!h.status) {
+      void* p = nullptr;
+      check(cudaHostAlloc(&p, sizeof(LabelStatus), cudaHostAllocMapped | cudaHostAllocPortable),
+            op);
+      h.status = static_cast<LabelStatus*>(p);
+    }
+    const auto d = static_cast<std::size_t>(stream.device.index);
+    if (h.events.size() <= d) h.events.resize(d + 1, nullptr);
+    if (!h.events[d]) check(cudaEventCreateWithFlags(&h.events[d], cudaEventDisableTiming), op);
+    host_ = h.status;
+    event_ = h.events[d];
+    device_ = Tensor({4}, DType::I64, stream.device, stream);
+    dispatch_float(s.dtype, op, [&](auto tag) {
+      using T = cuda_t<decltype(tag)>;
+      check_kernel<T><<<1, 1024, 0, native(stream)>>>(
+          Labels{labels, s.label_dtype == DType::I64}, s.rows, s.vocab, ignore_index, device(),
+          host_, static_cast<const T*>(grad_loss), reduction == Reduction::None,
+          reduction == Reduction::Mean, row_grad);
+    });
+    check_launch(op);
+    check(cudaEventRecord(event_, native(stream)), op);
+  }
+  LabelCheck(const LabelCheck&) = delete;
+  LabelCheck& operator=(const LabelCheck&) = delete;
+  ~LabelCheck() {
+    if (event_ && !waited_) cudaEventSynchronize(event_);  // the host buffer is free again
+  }
+
+  LabelStatus* device() const {
+    return device_.defined() ? reinterpret_cast<LabelStatus*>(device_.data_ptr<std::int64_t>())
+                             : nullptr;
+  }
+
+  std::int64_t wait() {
+    if (!event_) return 0;
+    waited_ = true;
+    check(cudaEventSynchronize(event_), op_);
+    // Written by the device: read through volatile, after the event.
+    const volatile LabelStatus* st = host_;
+    if (st->bad) fail_label(op_, s_, st->row, st->label, ignore_index_);
+    return st->count;
+  }
+
+ private:
+  std::string_view op_;
+  CrossEntropyShape s_;
+  std::int64_t ignore_index_;
+  LabelStatus* host_ = nullptr;
+  cudaEvent_t event_ = nullptr;
+  Tensor device_;
+  bool waited_ = false;
+};
+
+// TEMPORARY tuning variants (MESHFUSE_VARIANT_CE_FWD / _BWD; removed after tuning): 0 is the
+// former design (check, wait, then the row kernel, one block per row); v >= 1 the queued check
+// and kBlocksPerRow[v] blocks per row (a cluster in the forward).
+constexpr int kBlocksPerRow[] = {1, 1, 2, 4, 8};
+
+int blocks_per_row(const char* name) {
+  const int v = tuning_variant(name);
+  return kBlocksPerRow[v >= 0 && v < static_cast<int>(std::size(kBlocksPerRow)) ? v : 0];
+}
+
+bool queued_check(const char* name) {
+  const int v = tuning_variant(name);
+  return v >= 1 && v < static_cast<int>(std::size(kBlocksPerRow));
+}
+
+// Former check: labels scanned on the device, then a wait for the result before any other work.
+std::int64_t check_labels_sync(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                               std::int64_t ignore_index, const Stream& stream) {
   if (s.rows == 0) return 0;
   DeviceGuard guard(stream.device.index);
   const Tensor status({2}, DType::I64, stream.device, stream);
@@ -200,6 +381,61 @@ std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const
     fail_label(op, s, row, is64 ? label : label32, ignore_index);
   }
   return static_cast<std::int64_t>(host[1]);
+}
+
+void forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels, void* lse,
+                  double* row_loss, const CrossEntropyOptions& o, const LabelStatus* status,
+                  const Stream& stream) {
+  if (b.rows == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int W = decltype(width)::value;
+    const auto kernel = forward_rows_kernel<T, W>;
+    const std::int64_t nv = b.vocab / W;
+    const int cluster = static_cast<int>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>(usable_cluster(kernel, blocks_per_row("MESHFUSE_VARIANT_CE_FWD")),
+                                  nv)));
+    launch_row_clusters(kernel, cluster, row_threads((nv + cluster - 1) / cluster, kU), 0, b.rows,
+                        stream, "cross_entropy", static_cast<const T*>(logits),
+                        Labels{labels, b.label_dtype == DType::I64}, b.row_begin, b.rows, b.vocab,
+                        static_cast<A*>(lse), row_loss, coefficients<A>(o), status, cluster);
+  });
+  check_launch("cross_entropy");
+}
+
+void backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                   const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                   const CrossEntropyOptions& o, const LabelStatus* status, const Stream& stream) {
+  if (b.rows == 0) return;
+  DeviceGuard guard(stream.device.index);
+  dispatch_rows(b, "cross_entropy_backward", {logits, grad_logits}, [&](auto tag, auto width) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int W = decltype(width)::value;
+    const std::int64_t nv = b.vocab / W;
+    const int split = static_cast<int>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>(blocks_per_row("MESHFUSE_VARIANT_CE_BWD"), nv)));
+    const unsigned blocks =
+        row_blocks(std::min<std::int64_t>(b.rows, std::int64_t{1} << 27)) * split;
+    backward_rows_kernel<T, W>
+        <<<blocks, row_threads((nv + split - 1) / split, kU), 0, native(stream)>>>(
+            static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
+            b.rows, b.vocab, static_cast<const A*>(lse), upstream.scale, upstream.row_grad,
+            static_cast<T*>(grad_logits), coefficients<A>(o), status, split);
+  });
+  check_launch("cross_entropy_backward");
+}
+
+}  // namespace
+
+std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                          std::int64_t ignore_index, const Stream& stream) {
+  if (s.rows == 0) return 0;
+  DeviceGuard guard(stream.device.index);
+  LabelCheck c(op, s, labels, ignore_index, stream);
+  return c.wait();
 }
 
 void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,
@@ -237,57 +473,57 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
 void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
                                 void* lse, double* row_loss, const CrossEntropyOptions& o,
                                 const Stream& stream) {
-  if (b.rows == 0) return;
-  DeviceGuard guard(stream.device.index);
-  dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
-    using T = decltype(tag);
-    using A = acc_t<T>;
-    constexpr int W = decltype(width)::value;
-    forward_rows_kernel<T, W>
-        <<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
-            static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-            b.rows, b.vocab, static_cast<A*>(lse), row_loss, coefficients<A>(o));
-  });
-  check_launch("cross_entropy");
+  forward_rows(b, logits, labels, lse, row_loss, o, nullptr, stream);
 }
 
 void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
                                  const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
                                  const CrossEntropyOptions& o, const Stream& stream) {
-  if (b.rows == 0) return;
-  DeviceGuard guard(stream.device.index);
-  dispatch_rows(b, "cross_entropy_backward", {logits, grad_logits}, [&](auto tag, auto width) {
-    using T = decltype(tag);
-    using A = acc_t<T>;
-    constexpr int W = decltype(width)::value;
-    backward_rows_kernel<T, W>
-        <<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
-            static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-            b.rows, b.vocab, static_cast<const A*>(lse), upstream.scale, upstream.row_grad,
-            static_cast<T*>(grad_logits), coefficients<A>(o));
-  });
-  check_launch("cross_entropy_backward");
+  backward_rows(b, logits, labels, lse, upstream, grad_logits, o, nullptr, stream);
 }
 
 void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const void* labels,
                            void* loss, void* lse, const CrossEntropyOptions& o,
                            const Stream& stream) {
-  const std::int64_t count = check_labels("cross_entropy", s, labels, o.ignore_index, stream);
+  constexpr std::string_view op = "cross_entropy";
+  const CrossEntropyRows all{s.dtype, s.label_dtype, 0, s.rows, s.vocab};
+  if (!queued_check("MESHFUSE_VARIANT_CE_FWD")) {
+    const std::int64_t count = check_labels_sync(op, s, labels, o.ignore_index, stream);
+    const Tensor row_loss({s.rows}, DType::F64, stream.device, stream);
+    forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, nullptr, stream);
+    store_loss(s, row_loss.data_ptr<double>(), count, o.reduction, loss, stream);
+    return;
+  }
+  DeviceGuard guard(stream.device.index);
+  LabelCheck check(op, s, labels, o.ignore_index, stream);
   const Tensor row_loss({s.rows}, DType::F64, stream.device, stream);
-  cross_entropy_forward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse,
-                             row_loss.data_ptr<double>(), o, stream);
+  forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, check.device(), stream);
+  const std::int64_t count = check.wait();
   store_loss(s, row_loss.data_ptr<double>(), count, o.reduction, loss, stream);
 }
 
 void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, const void* logits,
                             const void* labels, const void* lse, void* grad_logits,
                             const CrossEntropyOptions& o, const Stream& stream) {
-  const std::int64_t count =
-      check_labels("cross_entropy_backward", s, labels, o.ignore_index, stream);
-  Tensor row_grad;
-  const CrossEntropyUpstream up = read_upstream(s, grad_loss, count, o.reduction, row_grad, stream);
-  cross_entropy_backward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse, up,
-                              grad_logits, o, stream);
+  constexpr std::string_view op = "cross_entropy_backward";
+  const CrossEntropyRows all{s.dtype, s.label_dtype, 0, s.rows, s.vocab};
+  if (!queued_check("MESHFUSE_VARIANT_CE_BWD")) {
+    const std::int64_t count = check_labels_sync(op, s, labels, o.ignore_index, stream);
+    Tensor row_grad;
+    const CrossEntropyUpstream up =
+        read_upstream(s, grad_loss, count, o.reduction, row_grad, stream);
+    backward_rows(all, logits, labels, lse, up, grad_logits, o, nullptr, stream);
+    return;
+  }
+  if (s.rows == 0) return;
+  DeviceGuard guard(stream.device.index);
+  const Tensor row_grad({s.rows}, DType::F64, stream.device, stream);
+  LabelCheck check(op, s, labels, o.ignore_index, stream, grad_loss, o.reduction,
+                   row_grad.data_ptr<double>());
+  // The check kernel folded 1 / count into row_grad: scale 1 gives the same bits.
+  backward_rows(all, logits, labels, lse, {1.0, row_grad.data_ptr<double>()}, grad_logits, o,
+                check.device(), stream);
+  check.wait();
 }
 
 }  // namespace meshfuse::detail::cuda
