@@ -199,3 +199,137 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
                    label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
                    z_loss_scale=z_loss_scale)
     return _CrossEntropy.apply(logits, labels, options)
+
+
+# --- rnn and gru ---------------------------------------------------------------------------------
+def _recurrent_shapes(inputs, weights, input_state, cu_seqlens):
+    """(output shape, final_state shape): N = the largest head count (head broadcasting)."""
+    heads = max([x.shape[-2] for x in inputs] + [w.shape[0] for w in weights] +
+                ([] if input_state is None else [input_state.shape[1]]))
+    x = inputs[0]
+    batch = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return (*x.shape[:-2], heads, x.shape[-1]), (batch, heads, x.shape[-1])
+
+
+def _max_seqlen(max_seqlen):
+    return -1 if max_seqlen is None else int(max_seqlen)
+
+
+def rnn_forward(input, weight, input_state=None, cu_seqlens=None, max_seqlen=None):
+    """Returns (output, final_state); see rnn()."""
+    out_shape, state_shape = _recurrent_shapes([input], [weight], input_state, cu_seqlens)
+    output = input.new_empty(out_shape)
+    final_state = input.new_empty(state_shape)
+    _C.rnn(_d(input), _d(weight), _d(input_state), output, final_state, cu_seqlens=cu_seqlens,
+           max_seqlen=_max_seqlen(max_seqlen), stream=_stream(input))
+    return output, final_state
+
+
+def rnn_backward(grad_output, grad_final_state, output, input_shape, weight, input_state=None,
+                 gradient_clipping=None, cu_seqlens=None, max_seqlen=None,
+                 need_input_state_grad=True):
+    """Returns (grad_input, grad_weight, grad_input_state or None); the upstream gradients may be
+    None (zeros). input_shape: the forward input's shape (the kernel needs only the outputs)."""
+    grad_input = output.new_empty(input_shape)
+    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    grad_input_state = (None if input_state is None or not need_input_state_grad
+                        else torch.empty_like(input_state, memory_format=torch.contiguous_format))
+    _C.rnn_backward(_d(grad_output), _d(grad_final_state), _d(output), _d(weight),
+                    _d(input_state), grad_input, grad_weight, grad_input_state,
+                    gradient_clipping=gradient_clipping, cu_seqlens=cu_seqlens,
+                    max_seqlen=_max_seqlen(max_seqlen), stream=_stream(output))
+    return grad_input, grad_weight, grad_input_state
+
+
+class _Rnn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen):
+        output, final_state = rnn_forward(input, weight, input_state, cu_seqlens, max_seqlen)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (zeros)
+        ctx.save_for_backward(output, weight, input_state, cu_seqlens)
+        ctx.options = (input.shape, gradient_clipping, max_seqlen)
+        return output, final_state
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_final_state):
+        output, weight, input_state, cu_seqlens = ctx.saved_tensors
+        input_shape, gradient_clipping, max_seqlen = ctx.options
+        grads = rnn_backward(grad_output, grad_final_state, output, input_shape, weight,
+                             input_state, gradient_clipping, cu_seqlens, max_seqlen,
+                             need_input_state_grad=ctx.needs_input_grad[2])
+        return (*grads, None, None, None)
+
+
+def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None,
+        max_seqlen=None):
+    """Multi-head RNN, per head n: ``h_t = tanh(h_{t-1} @ weight[n] + input_t)``.
+
+    input (B, S, N, H), or packed (T, N, H) with cu_seqlens (B+1,) int32/int64; weight (N, H, H);
+    input_state (B, N, H) or None (zeros). Inputs and weights may have fewer heads than N when
+    their count divides N (broadcast). gradient_clipping = c clamps the state's gradient to
+    [-c, c] at every step of the backward. Returns (output like input with N heads,
+    final_state (B, N, H))."""
+    return _Rnn.apply(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen)
+
+
+def gru_forward(input, weight, forget_input, forget_weight, reset_input, reset_weight,
+                input_state=None, cu_seqlens=None, max_seqlen=None):
+    """Returns (output, final_state); see gru()."""
+    inputs, weights = [input, forget_input, reset_input], [weight, forget_weight, reset_weight]
+    out_shape, state_shape = _recurrent_shapes(inputs, weights, input_state, cu_seqlens)
+    output = input.new_empty(out_shape)
+    final_state = input.new_empty(state_shape)
+    _C.gru(_d(input), _d(weight), _d(forget_input), _d(forget_weight), _d(reset_input),
+           _d(reset_weight), _d(input_state), output, final_state, cu_seqlens=cu_seqlens,
+           max_seqlen=_max_seqlen(max_seqlen), stream=_stream(input))
+    return output, final_state
+
+
+def gru_backward(grad_output, grad_final_state, output, input, weight, forget_input,
+                 forget_weight, reset_input, reset_weight, input_state=None,
+                 gradient_clipping=None, cu_seqlens=None, max_seqlen=None,
+                 need_input_state_grad=True):
+    """Returns the gradients of (input, weight, forget_input, forget_weight, reset_input,
+    reset_weight, input_state or None); the upstream gradients may be None (zeros)."""
+    params = [input, weight, forget_input, forget_weight, reset_input, reset_weight]
+    grads = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+    grad_input_state = (None if input_state is None or not need_input_state_grad
+                        else torch.empty_like(input_state, memory_format=torch.contiguous_format))
+    _C.gru_backward(_d(grad_output), _d(grad_final_state), _d(output), *[_d(p) for p in params],
+                    _d(input_state), *grads, grad_input_state,
+                    gradient_clipping=gradient_clipping, cu_seqlens=cu_seqlens,
+                    max_seqlen=_max_seqlen(max_seqlen), stream=_stream(output))
+    return (*grads, grad_input_state)
+
+
+class _Gru(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, forget_input, forget_weight, reset_input, reset_weight,
+                input_state, gradient_clipping, cu_seqlens, max_seqlen):
+        params = (input, weight, forget_input, forget_weight, reset_input, reset_weight)
+        output, final_state = gru_forward(*params, input_state, cu_seqlens, max_seqlen)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(output, *params, input_state, cu_seqlens)
+        ctx.options = (gradient_clipping, max_seqlen)
+        return output, final_state
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_final_state):
+        output, *params, input_state, cu_seqlens = ctx.saved_tensors
+        gradient_clipping, max_seqlen = ctx.options
+        grads = gru_backward(grad_output, grad_final_state, output, *params, input_state,
+                             gradient_clipping, cu_seqlens, max_seqlen,
+                             need_input_state_grad=ctx.needs_input_grad[6])
+        return (*grads, None, None, None)
+
+
+def gru(input, weight, forget_input, forget_weight, reset_input, reset_weight, input_state=None,
+        gradient_clipping=None, cu_seqlens=None, max_seqlen=None):
+    """Multi-head GRU (Cho et al. 2014, row-vector form), per head n and step:
+    ``f = sigmoid(h @ forget_weight[n] + forget_input_t)``,
+    ``r = sigmoid(h @ reset_weight[n] + reset_input_t)``,
+    ``z = tanh((h * r) @ weight[n] + input_t)``, ``h = f * h + (1 - f) * z``.
+    Shapes, head broadcasting, packing and gradient_clipping as for rnn(); returns
+    (output, final_state)."""
+    return _Gru.apply(input, weight, forget_input, forget_weight, reset_input, reset_weight,
+                      input_state, gradient_clipping, cu_seqlens, max_seqlen)

@@ -1,0 +1,84 @@
+// rnn and gru (forward and backward) in the _meshfuse extension: arrays in, caller-allocated
+// outputs written in place, the GIL released while they run.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+
+#include "arrays.h"
+#include "meshfuse/ops/recurrent.h"
+
+namespace meshfuse::python {
+namespace {
+
+using namespace nb::literals;
+using In = nb::ndarray<nb::ro>;
+using Out = nb::ndarray<>;
+using OptIn = std::optional<In>;
+using OptOut = std::optional<Out>;
+
+Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
+
+}  // namespace
+
+void bind_recurrent(nb::module_& m) {
+  const auto release = nb::call_guard<nb::gil_scoped_release>();
+  m.def("rnn", [](In input, In weight, OptIn input_state, Out output, OptOut final_state,
+                  OptIn cu_seqlens, std::int64_t max_seqlen, std::uintptr_t stream) {
+    rnn(view(input), view(weight), view(input_state), view(output), view(final_state),
+        view(cu_seqlens), max_seqlen, stream_of(stream));
+  }, "input"_a, "weight"_a, "input_state"_a.none(), "output"_a, "final_state"_a.none(),
+     "cu_seqlens"_a.none() = nb::none(), "max_seqlen"_a = -1, "stream"_a = 0, release);
+  m.def("rnn_backward",
+        [](OptIn grad_output, OptIn grad_final_state, In output, In weight, OptIn input_state,
+           Out grad_input, Out grad_weight, OptOut grad_input_state,
+           std::optional<double> gradient_clipping, OptIn cu_seqlens, std::int64_t max_seqlen,
+           std::uintptr_t stream) {
+          rnn_backward(view(grad_output), view(grad_final_state), view(output), view(weight),
+                       view(input_state), view(grad_input), view(grad_weight),
+                       view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
+                       stream_of(stream));
+        },
+        "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "weight"_a,
+        "input_state"_a.none(), "grad_input"_a, "grad_weight"_a, "grad_input_state"_a.none(),
+        "gradient_clipping"_a.none() = nb::none(), "cu_seqlens"_a.none() = nb::none(),
+        "max_seqlen"_a = -1, "stream"_a = 0, release);
+  m.def("gru",
+        [](In input, In weight, In forget_input, In forget_weight, In reset_input,
+           In reset_weight, OptIn input_state, Out output, OptOut final_state, OptIn cu_seqlens,
+           std::int64_t max_seqlen, std::uintptr_t stream) {
+          gru({view(input), view(weight), view(forget_input), view(forget_weight),
+               view(reset_input), view(reset_weight)},
+              view(input_state), view(output), view(final_state), view(cu_seqlens), max_seqlen,
+              stream_of(stream));
+        },
+        "input"_a, "weight"_a, "forget_input"_a, "forget_weight"_a, "reset_input"_a,
+        "reset_weight"_a, "input_state"_a.none(), "output"_a, "final_state"_a.none(),
+        "cu_seqlens"_a.none() = nb::none(), "max_seqlen"_a = -1, "stream"_a = 0, release);
+  m.def("gru_backward",
+        [](OptIn grad_output, OptIn grad_final_state, In output, In input, In weight,
+           In forget_input, In forget_weight, In reset_input, In reset_weight, OptIn input_state,
+           Out grad_input, Out grad_weight, Out grad_forget_input, Out grad_forget_weight,
+           Out grad_reset_input, Out grad_reset_weight, OptOut grad_input_state,
+           std::optional<double> gradient_clipping, OptIn cu_seqlens, std::int64_t max_seqlen,
+           std::uintptr_t stream) {
+          gru_backward(view(grad_output), view(grad_final_state), view(output),
+                       {view(input), view(weight), view(forget_input), view(forget_weight),
+                        view(reset_input), view(reset_weight)},
+                       view(input_state),
+                       {view(grad_input), view(grad_weight), view(grad_forget_input),
+                        view(grad_forget_weight), view(grad_reset_input),
+                        view(grad_reset_weight)},
+                       view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
+                       stream_of(stream));
+        },
+        "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "input"_a, "weight"_a,
+        "forget_input"_a, "forget_weight"_a, "reset_input"_a, "reset_weight"_a,
+        "input_state"_a.none(), "grad_input"_a, "grad_weight"_a, "grad_forget_input"_a,
+        "grad_forget_weight"_a, "grad_reset_input"_a, "grad_reset_weight"_a,
+        "grad_input_state"_a.none(), "gradient_clipping"_a.none() = nb::none(),
+        "cu_seqlens"_a.none() = nb::none(), "max_seqlen"_a = -1, "stream"_a = 0, release);
+}
+
+}  // namespace meshfuse::python
