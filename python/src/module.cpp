@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "arrays.h"
+#include "meshfuse/core/memory.h"
 #include "meshfuse/meshfuse.h"
 
 namespace nb = nanobind;
@@ -65,6 +66,20 @@ void bind_core(nb::module_& m) {
   nb::exception<Error>(m, "Error", PyExc_RuntimeError);
   m.def("version", &version);
   m.def("cuda_device_count", &cuda_device_count);
+  m.def("device_memory_stats", [](const std::string& device) {
+    const DeviceMemoryStats s = device_memory_stats(Device::parse(device));
+    nb::dict d;
+    d["allocated"] = s.allocated;
+    d["peak_allocated"] = s.peak_allocated;
+    d["reserved"] = s.reserved;
+    d["peak_reserved"] = s.peak_reserved;
+    return d;
+  }, "device"_a, "The CUDA device's stream-ordered pool, which meshfuse allocates from (tensors "
+                 "and ops' scratch), in bytes: allocated, peak_allocated (since the last reset), "
+                 "reserved, peak_reserved (meshfuse/core/memory.h).");
+  m.def("reset_peak_memory_stats", [](const std::string& device) {
+    reset_peak_memory_stats(Device::parse(device));
+  }, "device"_a, "Sets the device's peak_allocated and peak_reserved to the current values.");
   nb::class_<ForceKernelBackendScope>(m, "force_kernel_backend",
                                       "Context manager: forces a kernel backend ('reference', "
                                       "'cpu', 'cuda') on this thread while active; nests.")

@@ -117,3 +117,31 @@ def test_fused_linear_cross_entropy_equals_linear_then_cross_entropy():
     meshfuse.cross_entropy_backward(np.ones(()), logits, labels, lse, dlogits)
     np.testing.assert_allclose(grad_x, dlogits @ w, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad_w, dlogits.T @ x, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_linear_cross_entropy_takes_f32_parameter_gradients_of_f16_inputs():
+    # Many chunks (chunk_rows=2 over 16 rows): the f32 grad_weight and grad_bias accumulate in
+    # fp32, so they match the float64 composition to fp32 accuracy.
+    x, w = randn(16, 8, dtype=np.float16, seed=19), randn(11, 8, dtype=np.float16, seed=20)
+    bias = randn(11, dtype=np.float16, seed=21)
+    labels = np.random.default_rng(22).integers(0, 11, 16)
+    loss, grad_w, grad_b = np.empty((), np.float16), np.empty((11, 8), np.float32), \
+        np.empty(11, np.float32)
+    meshfuse.fused_linear_cross_entropy(x, w, bias, labels, np.ones((), np.float16), loss, None,
+                                        grad_w, grad_b, reduction="sum", chunk_rows=2)
+    logits = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(16), labels] -= 1
+    np.testing.assert_allclose(grad_w, p.T @ x.astype(np.float64), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grad_b, p.sum(0), rtol=1e-4, atol=1e-5)
+    with pytest.raises(meshfuse.Error, match="'grad_weight'.*f16.*or f32.*got f64"):
+        meshfuse.fused_linear_cross_entropy(x, w, bias, labels, np.ones((), np.float16), loss,
+                                            None, np.empty((11, 8)), None)
+
+
+def test_memory_stats_are_for_cuda_devices_only():
+    with pytest.raises(meshfuse.Error, match="CUDA devices only"):
+        meshfuse.device_memory_stats("cpu")
+    with pytest.raises(meshfuse.Error, match="reset_peak_memory_stats"):
+        meshfuse.reset_peak_memory_stats("cpu")
