@@ -137,7 +137,9 @@ struct CommRecord {
                           // (send: destination, recv: source); -1 otherwise
   std::optional<ReduceOp> reduction;  // all_reduce, reduce, reduce_scatter
   DType dtype = DType::U8;
-  std::int64_t count = 0;  // elements of the caller's input (recv: of its output)
+  // Elements per rank: the tensor (all_reduce, broadcast, reduce, send, recv), the caller's input
+  // (all_gather, gather, all_to_all) or the caller's output (reduce_scatter, scatter).
+  std::int64_t count = 0;
   std::int64_t bytes = 0;  // the larger of the caller's input and output bytes: the nccl-tests
                            // "size" (all_gather: the gathered output, reduce_scatter: the input)
   std::uint64_t seq = 0;   // position among the operations of this communicator, from 0

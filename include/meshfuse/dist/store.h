@@ -55,9 +55,11 @@ class HashStore : public Store {
   explicit HashStore(std::chrono::milliseconds timeout = std::chrono::minutes(5));
   ~HashStore() override;
   void set(const std::string& key, const Bytes& value) override;
+  using Store::set;
   Bytes get(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  using Store::wait;
 
  private:
   struct State;
@@ -71,6 +73,7 @@ class FileStore : public Store {
  public:
   explicit FileStore(std::string path, std::chrono::milliseconds timeout = std::chrono::minutes(5));
   void set(const std::string& key, const Bytes& value) override;
+  using Store::set;
   Bytes get(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   const std::string& path() const { return path_; }
@@ -92,6 +95,7 @@ class TcpStore : public Store {
            std::chrono::milliseconds timeout = std::chrono::minutes(5));
   ~TcpStore() override;
   void set(const std::string& key, const Bytes& value) override;
+  using Store::set;
   Bytes get(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   // The port served (useful with port 0 on the server: the kernel picks a free one).
@@ -107,9 +111,11 @@ class PrefixStore : public Store {
  public:
   PrefixStore(std::string prefix, std::shared_ptr<Store> store);
   void set(const std::string& key, const Bytes& value) override;
+  using Store::set;
   Bytes get(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  using Store::wait;
   const std::shared_ptr<Store>& base() const { return store_; }
 
  private:

@@ -1,0 +1,150 @@
+// Launch information from the environment of torchrun, Open MPI and Slurm; the rendezvous store.
+#include "meshfuse/dist/bootstrap.h"
+
+#include <charconv>
+#include <cstdlib>
+#include <optional>
+
+#include "meshfuse/core/error.h"
+
+extern char** environ;
+
+namespace meshfuse {
+
+std::string_view to_string(Launcher launcher) {
+  switch (launcher) {
+    case Launcher::None:
+      return "none";
+    case Launcher::Torchrun:
+      return "torchrun";
+    case Launcher::OpenMpi:
+      return "openmpi";
+    case Launcher::Slurm:
+      return "slurm";
+  }
+  return "?";
+}
+
+std::string LaunchInfo::str() const {
+  std::string s = fmt::format("{} rank {}/{} (local {}/{})", to_string(launcher), rank, world_size,
+                              local_rank, local_world_size);
+  if (!master_addr.empty()) s += fmt::format(", master {}:{}", master_addr, master_port);
+  return s;
+}
+
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+std::optional<std::string> lookup(const Env& env, const std::string& name) {
+  auto it = env.find(name);
+  if (it == env.end()) return std::nullopt;
+  return it->second;
+}
+
+// A non-negative integer, or InvalidArgument naming the variable. `text` may carry a suffix
+// after the number only when allow_suffix (Slurm's "4(x2)").
+int to_int(const std::string& name, const std::string& text, bool allow_suffix = false) {
+  int value = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  MESHFUSE_CHECK(
+      ec == std::errc() && value >= 0 && (allow_suffix || end == text.data() + text.size()),
+      ErrorCode::InvalidArgument, "launch environment: {}='{}' is not a non-negative integer", name,
+      text);
+  return value;
+}
+
+int require(const Env& env, const std::string& name, const std::string& because) {
+  const std::optional<std::string> v = lookup(env, name);
+  MESHFUSE_CHECK(v.has_value(), ErrorCode::InvalidArgument,
+                 "launch environment: {} is set but {} is missing", because, name);
+  return to_int(name, *v);
+}
+
+int optional_int(const Env& env, const std::string& name, int fallback) {
+  const std::optional<std::string> v = lookup(env, name);
+  return v ? to_int(name, *v) : fallback;
+}
+
+}  // namespace
+
+LaunchInfo parse_launch_env(const Env& env) {
+  LaunchInfo info;
+  // The variables that name each launcher's ranks, in order of precedence.
+  struct Names {
+    Launcher launcher;
+    const char *rank, *size, *local_rank, *local_size;
+  };
+  static const Names kLaunchers[] = {
+      {Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {Launcher::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+  };
+  for (const Names& n : kLaunchers) {
+    if (!lookup(env, n.rank)) continue;
+    info.launcher = n.launcher;
+    info.rank = to_int(n.rank, *lookup(env, n.rank));
+    info.world_size = require(env, n.size, n.rank);
+    if (n.local_size) {
+      info.local_rank = optional_int(env, n.local_rank, info.world_size == 1 ? 0 : -1);
+      info.local_world_size = optional_int(env, n.local_size, info.world_size);
+    } else {
+      // Slurm: the tasks of this node are the first number of "4(x2),3" in either variable.
+      info.local_rank = require(env, n.local_rank, n.rank);
+      const char* per_node =
+          lookup(env, "SLURM_NTASKS_PER_NODE") ? "SLURM_NTASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
+      const std::optional<std::string> v = lookup(env, per_node);
+      info.local_world_size = v ? to_int(per_node, *v, true) : info.world_size;
+    }
+    MESHFUSE_CHECK(info.local_rank >= 0, ErrorCode::InvalidArgument,
+                   "launch environment: {} is set but {} is missing (the CUDA device of a rank "
+                   "is its local rank)",
+                   n.rank, n.local_rank);
+    MESHFUSE_CHECK(info.world_size >= 1 && info.rank < info.world_size, ErrorCode::InvalidArgument,
+                   "launch environment: {}={} is not below {}={}", n.rank, info.rank, n.size,
+                   info.world_size);
+    MESHFUSE_CHECK(info.local_world_size >= 1 && info.local_world_size <= info.world_size &&
+                       info.local_rank < info.local_world_size,
+                   ErrorCode::InvalidArgument,
+                   "launch environment: local rank {} of {} does not fit a world of {} ({}, {})",
+                   info.local_rank, info.local_world_size, info.world_size, n.local_rank,
+                   n.local_size ? n.local_size : "SLURM_NTASKS_PER_NODE");
+    break;
+  }
+  const std::optional<std::string> addr = lookup(env, "MASTER_ADDR");
+  const std::optional<std::string> port = lookup(env, "MASTER_PORT");
+  MESHFUSE_CHECK(addr.has_value() == port.has_value(), ErrorCode::InvalidArgument,
+                 "launch environment: {} is set but {} is missing",
+                 addr ? "MASTER_ADDR" : "MASTER_PORT", addr ? "MASTER_PORT" : "MASTER_ADDR");
+  if (addr) {
+    info.master_addr = *addr;
+    info.master_port = to_int("MASTER_PORT", *port);
+    MESHFUSE_CHECK(info.master_port >= 1 && info.master_port <= 65535, ErrorCode::InvalidArgument,
+                   "launch environment: MASTER_PORT={} is outside 1..65535", info.master_port);
+  }
+  return info;
+}
+
+LaunchInfo launch_info_from_env() {
+  Env env;
+  for (char** e = environ; *e; ++e) {
+    const std::string entry = *e;
+    const std::size_t eq = entry.find('=');
+    if (eq != std::string::npos) env.emplace(entry.substr(0, eq), entry.substr(eq + 1));
+  }
+  return parse_launch_env(env);
+}
+
+std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::milliseconds timeout) {
+  if (const char* path = std::getenv("MESHFUSE_STORE_PATH"); path && *path)
+    return std::make_shared<FileStore>(path, timeout);
+  if (launch.master_addr.empty()) return nullptr;
+  // torchrun's agent holds MASTER_PORT with its own store (c10d's protocol): serve next to it.
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool beside_agent = agent && std::string_view(agent) == "True";
+  return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
+                                    launch.rank == 0, timeout);
+}
+
+}  // namespace meshfuse

@@ -1,0 +1,353 @@
+// The local backend: the ranks are threads of one process and copy through shared memory.
+//
+// A collective is a few "meetings" of the team: every rank posts a pointer to its arguments and
+// waits until all have (a barrier that also hands out the pointers), then reads what it needs
+// from the others' buffers and writes only its own, and meets again before it returns, so no
+// rank reuses a buffer that another still reads. In-place reductions are split in one chunk
+// per rank: each rank reduces its chunk into a scratch, the team meets, and each writes its chunk
+// back. Collectives run on one worker thread per rank (asynchronous, in call order); exchange()
+// and send/recv run on the calling thread.
+#include "dist/local.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "dist/comm_impl.h"
+#include "dist/reduce.h"
+#include "meshfuse/core/error.h"
+
+namespace meshfuse::detail {
+
+namespace {
+
+// A reusable barrier that gives every rank the pointer each rank posted. After a timeout it is
+// broken for good: a late rank must not read pointers of ranks that have given up.
+class Meeting {
+ public:
+  explicit Meeting(int size) : posted_(size), handed_(size) {}
+
+  std::vector<const void*> meet(int rank, const void* mine, Deadline deadline) {
+    std::unique_lock lock(mutex_);
+    MESHFUSE_CHECK(!broken_, ErrorCode::CommunicationFailure,
+                   "local: another rank of the team gave up after a timeout");
+    const std::uint64_t generation = generation_;
+    posted_[rank] = mine;
+    if (++arrived_ == static_cast<int>(posted_.size())) {
+      handed_ = posted_;
+      arrived_ = 0;
+      ++generation_;
+      changed_.notify_all();
+      return handed_;
+    }
+    // Woken by the deadline, or by a peer whose deadline came first: both are timeouts.
+    changed_.wait_until(lock, deadline, [&] { return broken_ || generation_ != generation; });
+    if (generation_ == generation) {
+      broken_ = true;
+      changed_.notify_all();
+      fail(ErrorCode::Timeout, "local: {} of {} ranks arrived", arrived_, posted_.size());
+    }
+    return handed_;  // valid: the next generation needs this rank to arrive again
+  }
+
+  // Gives up: wakes the waiting ranks (as timed out) and refuses later arrivals.
+  void abort() {
+    {
+      std::lock_guard lock(mutex_);
+      broken_ = true;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<const void*> posted_, handed_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool broken_ = false;
+};
+
+// A receive waiting for its send.
+struct PendingRecv {
+  PendingRecv(void* data, std::size_t bytes) : data(data), bytes(bytes) {}
+  void* data;
+  std::size_t bytes;
+  bool done = false;
+  ErrorCode code = ErrorCode::CommunicationFailure;
+  std::string error;  // empty: received
+};
+
+}  // namespace
+
+struct LocalTeam {
+  explicit LocalTeam(int size) : ops(size), checks(size) {}
+
+  Meeting ops;     // collectives (worker threads)
+  Meeting checks;  // exchange() (calling threads)
+
+  // Point to point, keyed by (source, destination, tag): sends not yet received (copied, so a
+  // send completes at once and ring exchanges cannot deadlock), and receives not yet matched.
+  std::mutex p2p_mutex;
+  std::condition_variable p2p_changed;
+  using Key = std::tuple<int, int, int>;
+  std::map<Key, std::deque<std::vector<std::uint8_t>>> sent;
+  std::map<Key, std::deque<std::shared_ptr<PendingRecv>>> waiting;
+};
+
+namespace {
+
+// Where each rank's arguments are, for the others to read.
+struct Args {
+  explicit Args(const void* in = nullptr, std::vector<std::int64_t> in_counts = {})
+      : in(static_cast<const std::uint8_t*>(in)), in_counts(std::move(in_counts)) {}
+
+  const std::uint8_t* in;
+  std::vector<std::int64_t> in_counts;  // all_to_all
+};
+
+std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& counts) {
+  std::vector<std::int64_t> off(counts.size() + 1, 0);
+  for (std::size_t i = 0; i < counts.size(); ++i) off[i + 1] = off[i] + counts[i];
+  return off;
+}
+
+const Args& args_of(const std::vector<const void*>& all, int r) {
+  return *static_cast<const Args*>(all[r]);
+}
+
+class RecvWork : public WorkImpl {
+ public:
+  RecvWork(std::shared_ptr<LocalTeam> team, LocalTeam::Key key, std::shared_ptr<PendingRecv> p)
+      : team_(std::move(team)), key_(key), pending_(std::move(p)) {}
+
+  bool test() override {
+    std::lock_guard lock(team_->p2p_mutex);
+    return pending_->done;
+  }
+
+  void wait(Deadline deadline) override {
+    std::unique_lock lock(team_->p2p_mutex);
+    if (!team_->p2p_changed.wait_until(lock, deadline, [&] { return pending_->done; })) {
+      // Withdraw, so that a late send does not write into a buffer nobody waits for.
+      auto& queue = team_->waiting[key_];
+      queue.erase(std::find(queue.begin(), queue.end(), pending_));
+      pending_->done = true;
+      pending_->code = ErrorCode::Timeout;
+      pending_->error = "local: no matching send arrived";
+    }
+    if (!pending_->error.empty()) throw Error(pending_->code, pending_->error);
+  }
+
+ private:
+  std::shared_ptr<LocalTeam> team_;
+  LocalTeam::Key key_;
+  std::shared_ptr<PendingRecv> pending_;
+};
+
+class LocalComm : public CommImpl {
+ public:
+  LocalComm(const TeamContext& context, std::shared_ptr<LocalTeam> team)
+      : rank_(context.rank),
+        size_(static_cast<int>(context.team.size())),
+        timeout_(context.timeout),
+        team_(std::move(team)),
+        queue_("local " + context.name) {}
+
+  CommunicatorBackend backend() const override { return CommunicatorBackend::Local; }
+
+  void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
+    const auto ptrs = team_->checks.meet(rank_, mine, deadline);
+    for (int r = 0; r < size_; ++r)
+      std::memcpy(static_cast<std::uint8_t*>(all) + r * bytes, ptrs[r], bytes);
+    team_->checks.meet(rank_, nullptr, deadline);
+  }
+
+  std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op, const Stream&) override {
+    return reduce_chunks(t, op, -1);
+  }
+
+  std::shared_ptr<WorkImpl> reduce(const TensorView& t, int root, ReduceOp op,
+                                   const Stream&) override {
+    return reduce_chunks(t, op, root);
+  }
+
+  std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root, const Stream&) override {
+    return collective(Args(t.data()), [=, this](const std::vector<const void*>& all) {
+      if (rank_ != root) std::memcpy(t.data(), args_of(all, root).in, t.nbytes());
+    });
+  }
+
+  std::shared_ptr<WorkImpl> all_gather(const TensorView& in, const TensorView& out,
+                                       const std::vector<std::int64_t>& counts,
+                                       const Stream&) override {
+    const std::size_t es = element_size(in.dtype());
+    return collective(Args(in.data()),
+                      [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
+                        auto* dst = static_cast<std::uint8_t*>(out.data());
+                        for (int s = 0; s < size_; ++s)
+                          copy_bytes(dst + off[s] * es, args_of(all, s).in, counts[s] * es);
+                      });
+  }
+
+  std::shared_ptr<WorkImpl> reduce_scatter(const TensorView& in, const TensorView& out,
+                                           const std::vector<std::int64_t>& counts, ReduceOp op,
+                                           const Stream&) override {
+    const std::size_t es = element_size(in.dtype());
+    return collective(Args(in.data()),
+                      [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
+                        std::vector<const void*> srcs;
+                        for (int s = 0; s < size_; ++s)
+                          srcs.push_back(args_of(all, s).in + off[rank_] * es);
+                        reduce_buffers(in.dtype(), op, srcs, out.data(), counts[rank_]);
+                      });
+  }
+
+  std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
+                                   const Stream&) override {
+    return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
+      if (rank_ != root) return;
+      auto* dst = static_cast<std::uint8_t*>(out.data());
+      for (int s = 0; s < size_; ++s)
+        copy_bytes(dst + s * in.nbytes(), args_of(all, s).in, in.nbytes());
+    });
+  }
+
+  std::shared_ptr<WorkImpl> scatter(const TensorView& in, const TensorView& out, int root,
+                                    const Stream&) override {
+    return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
+      copy_bytes(static_cast<std::uint8_t*>(out.data()),
+                 args_of(all, root).in + rank_ * out.nbytes(), out.nbytes());
+    });
+  }
+
+  std::shared_ptr<WorkImpl> all_to_all(const TensorView& in, const TensorView& out,
+                                       const std::vector<std::int64_t>& in_counts,
+                                       const std::vector<std::int64_t>& out_counts,
+                                       const Stream&) override {
+    const std::size_t es = element_size(in.dtype());
+    return collective(Args(in.data(), in_counts), [=, this, out_off = offsets(out_counts)](
+                                                      const std::vector<const void*>& all) {
+      auto* dst = static_cast<std::uint8_t*>(out.data());
+      for (int s = 0; s < size_; ++s) {
+        const Args& a = args_of(all, s);
+        std::int64_t from = 0;  // where rank s's block for this rank starts
+        for (int r = 0; r < rank_; ++r) from += a.in_counts[r];
+        copy_bytes(dst + out_off[s] * es, a.in + from * es, out_counts[s] * es);
+      }
+    });
+  }
+
+  std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
+    const auto* data = static_cast<const std::uint8_t*>(t.data());
+    std::lock_guard lock(team_->p2p_mutex);
+    const LocalTeam::Key key{rank_, peer, tag};
+    auto& receivers = team_->waiting[key];
+    if (receivers.empty()) {
+      team_->sent[key].emplace_back(data, data + t.nbytes());
+    } else {
+      deliver(*receivers.front(), data, t.nbytes());
+      receivers.pop_front();
+      team_->p2p_changed.notify_all();
+    }
+    return completed_work();
+  }
+
+  std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
+    std::lock_guard lock(team_->p2p_mutex);
+    const LocalTeam::Key key{peer, rank_, tag};
+    auto pending = std::make_shared<PendingRecv>(t.data(), t.nbytes());
+    auto& messages = team_->sent[key];
+    if (messages.empty()) {
+      team_->waiting[key].push_back(pending);
+    } else {
+      deliver(*pending, messages.front().data(), messages.front().size());
+      messages.pop_front();
+    }
+    return std::make_shared<RecvWork>(team_, key, pending);
+  }
+
+  std::shared_ptr<WorkImpl> barrier(const Stream&) override {
+    return collective(Args(), [](const std::vector<const void*>&) {});
+  }
+
+  void abort() override {
+    team_->ops.abort();
+    team_->checks.abort();
+  }
+
+ private:
+  static void copy_bytes(std::uint8_t* dst, const std::uint8_t* src, std::size_t n) {
+    if (dst != src && n > 0) std::memcpy(dst, src, n);
+  }
+
+  static void deliver(PendingRecv& r, const std::uint8_t* data, std::size_t bytes) {
+    if (bytes == r.bytes)
+      std::memcpy(r.data, data, bytes);
+    else
+      r.error = fmt::format("local: a recv of {} bytes matched a send of {} bytes", r.bytes, bytes);
+    r.done = true;
+  }
+
+  // Runs `body` between two meetings of the team, on this rank's worker.
+  template <typename Body>
+  std::shared_ptr<WorkImpl> collective(Args args, Body body) {
+    return queue_.submit([this, args, body = std::move(body)] {
+      const auto all = team_->ops.meet(rank_, &args, CommClock::now() + timeout_);
+      body(all);
+      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+    });
+  }
+
+  // all_reduce (root < 0: into every rank's tensor) and reduce (into root's): rank r reduces
+  // chunk r of all tensors into a scratch, and writes it back once every rank has read.
+  std::shared_ptr<WorkImpl> reduce_chunks(const TensorView& t, ReduceOp op, int root) {
+    return queue_.submit([=, this] {
+      const std::int64_t n = t.numel();
+      const std::size_t es = element_size(t.dtype());
+      const std::int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
+      const Args args(t.data());
+      const auto all = team_->ops.meet(rank_, &args, CommClock::now() + timeout_);
+      std::vector<const void*> srcs;
+      for (int s = 0; s < size_; ++s) srcs.push_back(args_of(all, s).in + begin * es);
+      std::vector<std::uint8_t> chunk((end - begin) * es);
+      reduce_buffers(t.dtype(), op, srcs, chunk.data(), end - begin);
+      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+      for (int s = 0; s < size_; ++s)
+        if (root < 0 || s == root)
+          copy_bytes(const_cast<std::uint8_t*>(args_of(all, s).in) + begin * es, chunk.data(),
+                     chunk.size());
+      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+    });
+  }
+
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<LocalTeam> team_;
+  WorkerQueue queue_;  // last: joined before the rest goes
+};
+
+}  // namespace
+
+std::unique_ptr<CommImpl> make_local_comm(const TeamContext& context) {
+  MESHFUSE_CHECK(context.local != nullptr, ErrorCode::InvalidArgument,
+                 "communicator backend local: only for the threads of a LocalWorld");
+  LocalWorldState& world = *context.local;
+  std::shared_ptr<LocalTeam> team;
+  {
+    std::lock_guard lock(world.mutex);
+    std::weak_ptr<LocalTeam>& slot = world.teams[context.name];
+    team = slot.lock();
+    if (!team) {
+      team = std::make_shared<LocalTeam>(static_cast<int>(context.team.size()));
+      slot = team;
+    }
+  }
+  return std::make_unique<LocalComm>(context, std::move(team));
+}
+
+}  // namespace meshfuse::detail

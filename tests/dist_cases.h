@@ -1,0 +1,340 @@
+// The communicator checks shared by the local (threads) and the gloo / mpi (processes) tests.
+// Every rank of a team calls the same function; each EXPECTs its own result against values
+// computed from all ranks' inputs. Inputs are small integers, so sums, products and averages over
+// a few ranks are exact in bf16 too and every result is compared exactly.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "meshfuse/dist/communicator.h"
+#include "test_util.h"
+
+namespace meshfuse::test::dist {
+
+inline const std::vector<DType> kDTypes = {DType::F32, DType::BF16, DType::I64};
+inline const std::vector<ReduceOp> kReduceOps = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min,
+                                                 ReduceOp::Max, ReduceOp::Avg};
+
+// Rank r's element i: integers in [-6, 6]; for products, factors in {-2, -1, 1, 2}.
+inline double value(int rank, std::int64_t i, ReduceOp op = ReduceOp::Sum) {
+  if (op == ReduceOp::Prod) {
+    static const double kFactors[] = {-2, -1, 1, 2};
+    return kFactors[(rank + i) % 4];
+  }
+  return static_cast<double>((rank * 7 + i * 3) % 13 - 6);
+}
+
+inline std::vector<double> values(int rank, std::int64_t n, ReduceOp op = ReduceOp::Sum,
+                                  std::int64_t first = 0) {
+  std::vector<double> v(n);
+  for (std::int64_t i = 0; i < n; ++i) v[i] = value(rank, first + i, op);
+  return v;
+}
+
+inline Tensor tensor_of(const std::vector<double>& v, DType dtype, Shape shape) {
+  Tensor d(shape, DType::F64);
+  std::copy(v.begin(), v.end(), d.data_ptr<double>());
+  Tensor t(std::move(shape), dtype);
+  copy(d, t);
+  return t;
+}
+
+inline std::vector<double> values_of(const TensorView& t) {
+  Tensor d(t.shape(), DType::F64);
+  copy(t, d);
+  return {d.data_ptr<double>(), d.data_ptr<double>() + d.numel()};
+}
+
+inline double reduce_values(ReduceOp op, const std::vector<double>& xs) {
+  double acc = xs[0];
+  for (std::size_t i = 1; i < xs.size(); ++i) {
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg:
+        acc += xs[i];
+        break;
+      case ReduceOp::Prod:
+        acc *= xs[i];
+        break;
+      case ReduceOp::Min:
+        acc = std::min(acc, xs[i]);
+        break;
+      case ReduceOp::Max:
+        acc = std::max(acc, xs[i]);
+        break;
+    }
+  }
+  return op == ReduceOp::Avg ? acc / static_cast<double>(xs.size()) : acc;
+}
+
+// Element i reduced over the ranks' values(rank, ...) starting at `first`.
+inline std::vector<double> reduced(int size, std::int64_t n, ReduceOp op, std::int64_t first = 0) {
+  std::vector<double> out(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<double> xs;
+    for (int r = 0; r < size; ++r) xs.push_back(value(r, first + i, op));
+    out[i] = reduce_values(op, xs);
+  }
+  return out;
+}
+
+inline std::string where(const Communicator& c, DType dtype, const std::string& what) {
+  return fmt::format("{} {} on rank {} of {}", what, to_string(dtype), c.rank(), c.size());
+}
+
+inline std::vector<std::int64_t> prefix_sums(const std::vector<std::int64_t>& v) {
+  std::vector<std::int64_t> out(v.size() + 1, 0);
+  std::partial_sum(v.begin(), v.end(), out.begin() + 1);
+  return out;
+}
+
+inline void check_all_reduce(Communicator& c, DType dtype, ReduceOp op) {
+  if (op == ReduceOp::Avg && !is_floating_point(dtype)) return;
+  const std::int64_t n = 37;  // not a multiple of the team size
+  Tensor t = tensor_of(values(c.rank(), n, op), dtype, {n});
+  c.all_reduce(t, op).wait();
+  EXPECT_EQ(values_of(t), reduced(c.size(), n, op))
+      << where(c, dtype, fmt::format("all_reduce({})", to_string(op)));
+}
+
+inline void check_broadcast(Communicator& c, DType dtype) {
+  const int root = c.size() - 1;
+  Tensor t = tensor_of(values(c.rank(), 11), dtype, {11});
+  c.broadcast(t, root).wait();
+  EXPECT_EQ(values_of(t), values(root, 11)) << where(c, dtype, "broadcast");
+}
+
+inline void check_reduce(Communicator& c, DType dtype, ReduceOp op) {
+  if (op == ReduceOp::Avg && !is_floating_point(dtype)) return;
+  const int root = 1 % c.size();
+  Tensor t = tensor_of(values(c.rank(), 13, op), dtype, {13});
+  c.reduce(t, root, op).wait();
+  EXPECT_EQ(values_of(t), c.rank() == root ? reduced(c.size(), 13, op) : values(c.rank(), 13, op))
+      << where(c, dtype, "reduce");
+}
+
+// Equal: 3 rows of 2 per rank. Uneven: r % 3 rows per rank (ranks with none included).
+inline void check_all_gather(Communicator& c, DType dtype, bool uneven) {
+  std::vector<std::int64_t> rows(c.size(), 3);
+  if (uneven)
+    for (int r = 0; r < c.size(); ++r) rows[r] = r % 3;
+  const auto starts = prefix_sums(rows);
+  Tensor in = tensor_of(values(c.rank(), rows[c.rank()] * 2), dtype, {rows[c.rank()], 2});
+  Tensor out = Tensor::zeros({starts.back(), 2}, dtype);
+  (uneven ? c.all_gather(in, out, rows) : c.all_gather(in, out)).wait();
+  std::vector<double> expected;
+  for (int r = 0; r < c.size(); ++r) {
+    const auto v = values(r, rows[r] * 2);
+    expected.insert(expected.end(), v.begin(), v.end());
+  }
+  EXPECT_EQ(values_of(out), expected)
+      << where(c, dtype, uneven ? "uneven all_gather" : "all_gather");
+}
+
+// Equal: 2 rows of 3 per rank. Uneven: (r + 2) % 3 rows for rank r.
+inline void check_reduce_scatter(Communicator& c, DType dtype, bool uneven, ReduceOp op) {
+  if (op == ReduceOp::Avg && !is_floating_point(dtype)) return;
+  std::vector<std::int64_t> rows(c.size(), 2);
+  if (uneven)
+    for (int r = 0; r < c.size(); ++r) rows[r] = (r + 2) % 3;
+  const auto starts = prefix_sums(rows);
+  Tensor in = tensor_of(values(c.rank(), starts.back() * 3, op), dtype, {starts.back(), 3});
+  Tensor out = Tensor::zeros({rows[c.rank()], 3}, dtype);
+  (uneven ? c.reduce_scatter(in, out, rows, op) : c.reduce_scatter(in, out, op)).wait();
+  EXPECT_EQ(values_of(out), reduced(c.size(), rows[c.rank()] * 3, op, starts[c.rank()] * 3))
+      << where(c, dtype,
+               fmt::format("{}reduce_scatter({})", uneven ? "uneven " : "", to_string(op)));
+}
+
+inline void check_gather(Communicator& c, DType dtype) {
+  const int root = c.size() / 2;
+  Tensor in = tensor_of(values(c.rank(), 5), dtype, {5});
+  Tensor out = c.rank() == root ? Tensor::zeros({5 * c.size()}, dtype) : Tensor();
+  c.gather(in, out.view(), root).wait();
+  if (c.rank() != root) return;
+  std::vector<double> expected;
+  for (int r = 0; r < c.size(); ++r) {
+    const auto v = values(r, 5);
+    expected.insert(expected.end(), v.begin(), v.end());
+  }
+  EXPECT_EQ(values_of(out), expected) << where(c, dtype, "gather");
+}
+
+inline void check_scatter(Communicator& c, DType dtype) {
+  const int root = c.size() / 2;
+  Tensor in =
+      c.rank() == root ? tensor_of(values(root, 4 * c.size()), dtype, {4 * c.size()}) : Tensor();
+  Tensor out = Tensor::zeros({4}, dtype);
+  c.scatter(in.view(), out, root).wait();
+  EXPECT_EQ(values_of(out), values(root, 4, ReduceOp::Sum, 4 * c.rank()))
+      << where(c, dtype, "scatter");
+}
+
+// Rows of 2 elements. Equal: 2 rows to every rank. Uneven: rank r sends (r + s) % 3 rows to s.
+inline void check_all_to_all(Communicator& c, DType dtype, bool uneven) {
+  const int n = c.size(), me = c.rank();
+  auto rows_from_to = [&](int from, int to) { return uneven ? (from + to) % 3 : 2; };
+  std::vector<std::int64_t> in_rows(n), out_rows(n);
+  for (int s = 0; s < n; ++s) {
+    in_rows[s] = rows_from_to(me, s);
+    out_rows[s] = rows_from_to(s, me);
+  }
+  const auto in_starts = prefix_sums(in_rows), out_starts = prefix_sums(out_rows);
+  Tensor in = tensor_of(values(me, in_starts.back() * 2), dtype, {in_starts.back(), 2});
+  Tensor out = Tensor::zeros({out_starts.back(), 2}, dtype);
+  (uneven ? c.all_to_all(in, out, in_rows, out_rows) : c.all_to_all(in, out)).wait();
+  std::vector<double> expected;
+  for (int s = 0; s < n; ++s) {
+    std::int64_t first = 0;  // rank s's rows before its block for this rank
+    for (int r = 0; r < me; ++r) first += rows_from_to(s, r);
+    const auto v = values(s, rows_from_to(s, me) * 2, ReduceOp::Sum, first * 2);
+    expected.insert(expected.end(), v.begin(), v.end());
+  }
+  EXPECT_EQ(values_of(out), expected)
+      << where(c, dtype, uneven ? "uneven all_to_all" : "all_to_all");
+}
+
+// A ring: every rank sends to the next and receives from the previous (receive posted first).
+inline void check_send_recv(Communicator& c, DType dtype) {
+  const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  Tensor mine = tensor_of(values(c.rank(), 9), dtype, {9});
+  Tensor got = Tensor::zeros({9}, dtype);
+  Work r = c.recv(got, prev, 3);
+  Work s = c.send(mine, next, 3);
+  s.wait();
+  r.wait();
+  EXPECT_EQ(values_of(got), values(prev, 9)) << where(c, dtype, "send/recv");
+}
+
+// Every collective, dtype and shard kind.
+inline void check_every_collective(Communicator& c) {
+  for (DType dtype : kDTypes) {
+    for (ReduceOp op : kReduceOps) {
+      check_all_reduce(c, dtype, op);
+      check_reduce(c, dtype, op);
+    }
+    check_broadcast(c, dtype);
+    for (bool uneven : {false, true}) {
+      check_all_gather(c, dtype, uneven);
+      check_reduce_scatter(c, dtype, uneven, ReduceOp::Sum);
+      check_reduce_scatter(c, dtype, uneven, uneven ? ReduceOp::Max : ReduceOp::Avg);
+      check_all_to_all(c, dtype, uneven);
+    }
+    check_gather(c, dtype);
+    check_scatter(c, dtype);
+    check_send_recv(c, dtype);
+  }
+  c.barrier().wait();
+}
+
+// Asynchronous: several collectives in flight before the first wait, waited in reverse order.
+inline void check_many_in_flight(Communicator& c) {
+  std::vector<Tensor> ts;
+  std::vector<Work> works;
+  for (int k = 0; k < 4; ++k) {
+    ts.push_back(tensor_of(values(c.rank(), 100 + k), DType::F32, {100 + k}));
+    works.push_back(c.all_reduce(ts.back()));
+  }
+  for (int k = 3; k >= 0; --k) {
+    works[k].wait();
+    EXPECT_TRUE(works[k].is_completed());
+    EXPECT_EQ(values_of(ts[k]), reduced(c.size(), 100 + k, ReduceOp::Sum)) << "in flight " << k;
+  }
+}
+
+// Sub-teams: split by parity with the ranks reversed, and new_group of the first and last rank.
+inline void check_sub_teams(Communicator& c) {
+  const auto half = c.split(c.rank() % 2, -c.rank());
+  ASSERT_NE(half, nullptr);
+  std::vector<int> members;
+  for (int r = c.size() - 1; r >= 0; --r)
+    if (r % 2 == c.rank() % 2) members.push_back(c.team()[r]);
+  EXPECT_EQ(half->team(), members);
+  EXPECT_EQ(half->team()[half->rank()], c.team()[c.rank()]);
+  Tensor t = tensor_of({static_cast<double>(c.rank())}, DType::I64, {1});
+  half->all_reduce(t).wait();
+  double sum = 0;
+  for (int r = c.rank() % 2; r < c.size(); r += 2) sum += r;
+  EXPECT_EQ(values_of(t), std::vector<double>{sum}) << "all_reduce over the split";
+
+  const auto ends = c.new_group({c.size() - 1, 0});
+  const bool member = c.rank() == 0 || c.rank() == c.size() - 1;
+  ASSERT_EQ(ends != nullptr, member);
+  if (ends) {
+    EXPECT_EQ(ends->rank(), c.rank() == 0 ? 1 : 0);
+    Tensor b = tensor_of({static_cast<double>(c.rank())}, DType::F32, {1});
+    ends->broadcast(b, 0).wait();  // from the last rank of c
+    EXPECT_EQ(values_of(b), std::vector<double>{static_cast<double>(c.size() - 1)});
+  }
+  EXPECT_EQ(c.split(-1), nullptr);  // collective too: every rank opts out
+}
+
+// Mismatched calls: every rank gets the same error naming the ranks and what differed, and the
+// communicator stays usable. Needs 4 ranks.
+inline void check_mismatch(Communicator& c) {
+  const std::int64_t n = c.rank() == 2 ? 512 : 1024;
+  Tensor t = Tensor::zeros({n}, DType::F32);
+  expect_error(
+      [&] { c.all_reduce(t); }, ErrorCode::InvalidArgument,
+      {"ranks disagree", "rank 0 has all_reduce(sum) f32 x 1024",
+       "rank 2 has all_reduce(sum) f32 x 512", "on " + std::string(to_string(c.backend()))});
+
+  Tensor d = Tensor::zeros({8}, c.rank() == 1 ? DType::I64 : DType::F32);
+  if (c.rank() == 3)
+    expect_error([&] { c.broadcast(d, 0); }, ErrorCode::InvalidArgument,
+                 {"rank 0 has all_reduce(max) f32 x 8", "rank 1 has all_reduce(max) i64 x 8",
+                  "rank 3 has broadcast f32 x 8, root 0"});
+  else
+    expect_error([&] { c.all_reduce(d, ReduceOp::Max); }, ErrorCode::InvalidArgument,
+                 {"rank 1 has all_reduce(max) i64 x 8", "rank 3 has broadcast"});
+
+  // Uneven all_gather where rank 3 passes other split sizes.
+  const bool odd = c.rank() == 3;
+  const std::vector<std::int64_t> sizes =
+      odd ? std::vector<std::int64_t>{1, 1, 1, 1} : std::vector<std::int64_t>{1, 1, 1, 2};
+  Tensor in = Tensor::zeros({1}, DType::F32), out = Tensor::zeros({odd ? 4 : 5}, DType::F32);
+  expect_error([&] { c.all_gather(in, out, sizes); }, ErrorCode::InvalidArgument,
+               {"rank 0 has all_gather f32 split [1 1 1 2] elements but rank 3 has all_gather f32 "
+                "split [1 1 1 1] elements"});
+
+  // all_to_all where rank 1 expects more from rank 2 than rank 2 sends.
+  std::vector<std::int64_t> in_rows{1, 1, 1, 1}, out_rows{1, 1, 1, 1};
+  if (c.rank() == 1) out_rows[2] = 2;
+  Tensor a = Tensor::zeros({4}, DType::F32);
+  Tensor b = Tensor::zeros({c.rank() == 1 ? 5 : 4}, DType::F32);
+  expect_error([&] { c.all_to_all(a, b, in_rows, out_rows); }, ErrorCode::InvalidArgument,
+               {"rank 2 sends 1 elements to rank 1, which expects 2"});
+
+  // Still in step.
+  Tensor ok = tensor_of(values(c.rank(), 6), DType::F32, {6});
+  c.all_reduce(ok).wait();
+  EXPECT_EQ(values_of(ok), reduced(c.size(), 6, ReduceOp::Sum)) << "after the mismatches";
+}
+
+// The last rank never calls: the others get Timeout, with the check (from the call) and without
+// it (from wait); afterwards the sub-team refuses work. The world team stays usable.
+inline void check_timeout(Communicator& c) {
+  const bool absent = c.rank() == c.size() - 1;
+  for (bool checks : {true, false}) {
+    auto sub = c.split(0, c.rank());
+    sub->barrier().wait();  // every backend set up on every rank before one goes missing
+    sub->set_checks(checks);
+    sub->set_timeout(std::chrono::milliseconds(300));
+    if (!absent) {
+      Tensor t = Tensor::zeros({16}, DType::F32);
+      expect_error([&] { sub->all_reduce(t).wait(); }, ErrorCode::Timeout,
+                   {"all_reduce(sum) f32 x 16", "not finished after 300 ms"});
+      expect_error([&] { sub->barrier(); }, ErrorCode::CommunicationFailure,
+                   {"unusable after an earlier failure"});
+    }
+    c.barrier().wait();  // the absent rank keeps its sub-team until the others have timed out
+  }
+}
+
+}  // namespace meshfuse::test::dist

@@ -1,0 +1,344 @@
+// Communicators on the local backend (4 ranks as threads), and what every backend shares: names,
+// backend specs, records, argument errors, the launch environment and the stores.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "dist_cases.h"
+#include "meshfuse/dist/bootstrap.h"
+#include "meshfuse/dist/communicator.h"
+#include "meshfuse/dist/store.h"
+#include "test_util.h"
+
+namespace meshfuse::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Four ranks; a failing test times out in seconds, not minutes.
+void on_four_ranks(const std::function<void(Communicator&)>& fn) {
+  CommOptions options;
+  options.timeout = 20s;
+  run_local(4, fn, options);
+}
+
+TEST(DistLocal, EveryCollectiveGivesTheExpectedValuesForEveryDtypeAndShardKind) {
+  on_four_ranks(dist::check_every_collective);
+}
+
+TEST(DistLocal, EveryCollectiveWorksWithoutTheMetadataCheck) {
+  on_four_ranks([](Communicator& c) {
+    c.set_checks(false);
+    dist::check_every_collective(c);
+  });
+}
+
+TEST(DistLocal, SeveralOperationsInFlightCompleteInAnyWaitOrder) {
+  on_four_ranks(dist::check_many_in_flight);
+}
+
+TEST(DistLocal, SplitAndNewGroupFormSubTeamsThatCommunicate) {
+  on_four_ranks(dist::check_sub_teams);
+}
+
+TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
+  on_four_ranks(dist::check_mismatch);
+}
+
+TEST(DistLocal, ARankThatNeverCallsGivesTheOthersATimeout) { on_four_ranks(dist::check_timeout); }
+
+TEST(DistLocal, OneRankAndThreeRanksWork) {
+  for (int n : {1, 3}) {
+    run_local(n, [](Communicator& c) {
+      for (DType dtype : dist::kDTypes) {
+        dist::check_all_reduce(c, dtype, ReduceOp::Sum);
+        dist::check_all_gather(c, dtype, true);
+        dist::check_reduce_scatter(c, dtype, true, ReduceOp::Sum);
+        dist::check_all_to_all(c, dtype, true);
+      }
+    });
+  }
+}
+
+TEST(DistLocal, Bf16SumsAreComputedInFp32AndRoundedOnce) {
+  // 256 + 1 + 1 + 1 = 259 rounds to 260 in bf16 (8 bits); pairwise bf16 rounding would give 256.
+  on_four_ranks([](Communicator& c) {
+    Tensor t = dist::tensor_of({c.rank() == 0 ? 256.0 : 1.0}, DType::BF16, {1});
+    c.all_reduce(t).wait();
+    EXPECT_EQ(dist::values_of(t), std::vector<double>{260.0});
+  });
+}
+
+TEST(DistLocal, RecordsNameTheOperationTeamBackendAndSize) {
+  on_four_ranks([](Communicator& c) {
+    c.set_history_size(2);
+    Tensor t = Tensor::zeros({1024}, DType::F32);
+    Work w = c.all_reduce(t, ReduceOp::Avg);
+    w.wait();
+    EXPECT_EQ(
+        w.record().to_string(),
+        fmt::format("all_reduce(avg) f32 x 1024 (4 KiB) on local, team [0 1 2 3], rank {}, #0",
+                    c.rank()));
+    EXPECT_EQ(w.record().bytes, 4096);
+    Tensor out = Tensor::zeros({4096}, DType::F32);
+    c.all_gather(t, out).wait();
+    c.broadcast(t, 2).wait();
+    const std::vector<CommRecord> h = c.history();
+    ASSERT_EQ(h.size(), 2u);
+    EXPECT_EQ(h[0].op, CommOp::AllGather);
+    EXPECT_EQ(h[0].bytes, 4 * 4096);
+    EXPECT_EQ(
+        h[1].to_string(),
+        fmt::format("broadcast f32 x 1024 (4 KiB) on local, team [0 1 2 3], rank {}, root 2, #2",
+                    c.rank()));
+    EXPECT_EQ(c.backend(), CommunicatorBackend::Local);
+    expect_error([&] { c.backend(DeviceType::CUDA); }, ErrorCode::BackendUnavailable,
+                 {"'cpu:local'", "cuda"});
+  });
+}
+
+TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
+  // Each rank fails on its own: nothing is exchanged, so nothing waits for the others.
+  run_local(2, [](Communicator& c) {
+    Tensor t = Tensor::zeros({4, 3}, DType::F32);
+    expect_error([&] { c.broadcast(t, 2); }, ErrorCode::InvalidArgument,
+                 {"broadcast", "root 2", "0..1"});
+    expect_error(
+        [&] {
+          c.all_gather(t, Tensor::zeros({7, 3}, DType::F32));
+        },
+        ErrorCode::ShapeMismatch, {"all_gather", "output", "24 elements"});
+    expect_error(
+        [&] {
+          c.all_gather(t, Tensor::zeros({8, 3}, DType::I64));
+        },
+        ErrorCode::DTypeMismatch, {"one dtype"});
+    expect_error([&] { c.all_reduce(t.view().transpose(0, 1)); }, ErrorCode::InvalidArgument,
+                 {"contiguous"});
+    expect_error(
+        [&] {
+          c.all_gather(t, Tensor::zeros({5, 3}, DType::F32), {2, 3});
+        },
+        ErrorCode::ShapeMismatch, {"input", "should have"});
+    expect_error(
+        [&] {
+          c.all_gather(t, Tensor::zeros({5, 3}, DType::F32), {4, 2});
+        },
+        ErrorCode::InvalidArgument, {"output_split_sizes [4 2] add up to 6 rows"});
+    expect_error(
+        [&] {
+          c.reduce_scatter(t, Tensor::zeros({4, 2}, DType::F32), {2, 2});
+        },
+        ErrorCode::ShapeMismatch, {"every dim but dim 0"});
+    expect_error(
+        [&] {
+          c.all_to_all(t, Tensor::zeros({4, 3}, DType::F32), {1, 2, 1});
+        },
+        ErrorCode::InvalidArgument, {"input_split_sizes has 3 entries for a team of 2"});
+    expect_error([&] { c.all_reduce(Tensor::zeros({4}, DType::I64), ReduceOp::Avg); },
+                 ErrorCode::InvalidArgument, {"avg needs a floating dtype"});
+    expect_error([&] { c.all_reduce(Tensor::zeros({4}, DType::Bool)); }, ErrorCode::InvalidArgument,
+                 {"bool"});
+    expect_error([&] { c.send(t, c.rank()); }, ErrorCode::InvalidArgument, {"no sends to self"});
+    expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
+    c.barrier().wait();  // still in step
+  });
+}
+
+TEST(DistLocal, ARecvWithoutASendTimesOutAndASizeMismatchFails) {
+  run_local(2, [](Communicator& c) {
+    Tensor t = Tensor::zeros({4}, DType::F32);
+    if (c.rank() == 0)
+      expect_error([&] { c.recv(t, 1, 7).wait(50ms); }, ErrorCode::Timeout,
+                   {"recv f32 x 4", "from 1", "not finished after 50 ms"});
+  });
+  run_local(2, [](Communicator& c) {
+    if (c.rank() == 0)
+      c.send(Tensor::zeros({4}, DType::F32), 1).wait();
+    else
+      expect_error([&] { c.recv(Tensor::zeros({2}, DType::F32), 0).wait(); },
+                   ErrorCode::CommunicationFailure, {"recv of 8 bytes matched a send of 16 bytes"});
+  });
+}
+
+TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
+  expect_error([] { LocalWorld world(2, CommOptions{"gloo"}); }, ErrorCode::InvalidArgument,
+               {"not local"});
+  LaunchInfo launch;
+  expect_error([&] { init_communicator(launch, nullptr, CommOptions{"local"}); },
+               ErrorCode::InvalidArgument, {"LocalWorld"});
+  LocalWorld world(2);
+  world.communicator(1);
+  expect_error([&] { world.communicator(1); }, ErrorCode::InvalidArgument, {"already taken"});
+}
+
+TEST(DistLocal, RunLocalRethrowsTheLowestFailingRanksError) {
+  expect_error(
+      [] {
+        run_local(3, [](Communicator& c) {
+          if (c.rank() > 0) fail(ErrorCode::Internal, "rank {} failed", c.rank());
+        });
+      },
+      ErrorCode::Internal, {"rank 1 failed"});
+}
+
+// --- names and specs
+// ------------------------------------------------------------------------------
+
+TEST(DistNames, BackendsReduceOpsAndOpsRoundTripThroughTheirNames) {
+  for (auto b : {CommunicatorBackend::Local, CommunicatorBackend::Gloo, CommunicatorBackend::Mpi,
+                 CommunicatorBackend::Nccl})
+    EXPECT_EQ(parse_communicator_backend(to_string(b)), b);
+  for (ReduceOp op : dist::kReduceOps) EXPECT_EQ(parse_reduce_op(to_string(op)), op);
+  EXPECT_EQ(parse_reduce_op("MEAN"), ReduceOp::Avg);
+  EXPECT_EQ(parse_comm_op("reduce_scatter"), CommOp::ReduceScatter);
+  expect_error([] { parse_communicator_backend("ucc"); }, ErrorCode::InvalidArgument,
+               {"'ucc'", "local, gloo, mpi, nccl"});
+  EXPECT_TRUE(communicator_backend_built(CommunicatorBackend::Local));
+}
+
+TEST(DistNames, BackendSpecsMapDeviceTypesToBackends) {
+  EXPECT_EQ(BackendSpec::parse("").str(), "cpu:gloo,cuda:nccl");
+  EXPECT_EQ(BackendSpec::parse("cuda:nccl, cpu:mpi").str(), "cpu:mpi,cuda:nccl");
+  EXPECT_EQ(BackendSpec::parse("gloo").str(), "cpu:gloo");
+  EXPECT_EQ(BackendSpec::parse("NCCL").str(), "cuda:nccl");
+  EXPECT_EQ(BackendSpec::parse("cpu:mpi").for_device(DeviceType::CPU), CommunicatorBackend::Mpi);
+  expect_error([] { BackendSpec::parse("cuda:gloo"); }, ErrorCode::InvalidArgument,
+               {"gloo cannot serve cuda tensors"});
+  expect_error([] { BackendSpec::parse("cpu:gloo,cpu:mpi"); }, ErrorCode::InvalidArgument,
+               {"cpu is listed twice"});
+  expect_error([] { BackendSpec::parse("cpu=gloo,cuda:nccl"); }, ErrorCode::InvalidArgument,
+               {"'cpu=gloo' is not device:backend"});
+  expect_error([] { BackendSpec::parse("gloo").for_device(DeviceType::CUDA); },
+               ErrorCode::BackendUnavailable, {"no backend for cuda tensors"});
+}
+
+// --- launch environment
+// ---------------------------------------------------------------------------
+
+TEST(DistBootstrap, TorchrunVariablesGiveRanksAndTheMaster) {
+  const LaunchInfo info = parse_launch_env({{"RANK", "5"},
+                                            {"WORLD_SIZE", "8"},
+                                            {"LOCAL_RANK", "1"},
+                                            {"LOCAL_WORLD_SIZE", "4"},
+                                            {"MASTER_ADDR", "10.0.0.1"},
+                                            {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(info.launcher, Launcher::Torchrun);
+  EXPECT_EQ(info.rank, 5);
+  EXPECT_EQ(info.world_size, 8);
+  EXPECT_EQ(info.cuda_device(), 1);  // the local rank, not the global one
+  EXPECT_EQ(info.str(), "torchrun rank 5/8 (local 1/4), master 10.0.0.1:29500");
+}
+
+TEST(DistBootstrap, OpenMpiAndSlurmVariablesGiveRanks) {
+  const LaunchInfo mpi = parse_launch_env({{"OMPI_COMM_WORLD_RANK", "3"},
+                                           {"OMPI_COMM_WORLD_SIZE", "4"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(mpi.launcher, Launcher::OpenMpi);
+  EXPECT_EQ(mpi.str(), "openmpi rank 3/4 (local 1/2)");
+  const LaunchInfo slurm = parse_launch_env({{"SLURM_PROCID", "6"},
+                                             {"SLURM_NTASKS", "8"},
+                                             {"SLURM_LOCALID", "2"},
+                                             {"SLURM_TASKS_PER_NODE", "4(x2)"}});
+  EXPECT_EQ(slurm.str(), "slurm rank 6/8 (local 2/4)");
+  EXPECT_EQ(parse_launch_env({}).str(), "none rank 0/1 (local 0/1)");
+  // torchrun wins over the launcher around it.
+  EXPECT_EQ(parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "3"}}).launcher,
+            Launcher::Torchrun);
+}
+
+TEST(DistBootstrap, MissingOrInconsistentVariablesNameTheVariable) {
+  expect_error(
+      [] {
+        parse_launch_env({{"RANK", "1"}});
+      },
+      ErrorCode::InvalidArgument, {"RANK is set but WORLD_SIZE is missing"});
+  expect_error(
+      [] {
+        parse_launch_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}});
+      },
+      ErrorCode::InvalidArgument, {"RANK=4 is not below WORLD_SIZE=4"});
+  expect_error(
+      [] {
+        parse_launch_env({{"RANK", "1"}, {"WORLD_SIZE", "4"}});
+      },
+      ErrorCode::InvalidArgument, {"LOCAL_RANK is missing", "local rank"});
+  expect_error(
+      [] {
+        parse_launch_env({{"RANK", "x"}, {"WORLD_SIZE", "4"}});
+      },
+      ErrorCode::InvalidArgument, {"RANK='x' is not a non-negative integer"});
+  expect_error(
+      [] {
+        parse_launch_env(
+            {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}});
+      },
+      ErrorCode::InvalidArgument, {"local rank 2 of 2"});
+  expect_error(
+      [] {
+        parse_launch_env({{"MASTER_ADDR", "h"}});
+      },
+      ErrorCode::InvalidArgument, {"MASTER_ADDR is set but MASTER_PORT is missing"});
+  expect_error(
+      [] {
+        parse_launch_env({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}});
+      },
+      ErrorCode::InvalidArgument, {"MASTER_PORT=70000 is outside 1..65535"});
+}
+
+// --- stores
+// ---------------------------------------------------------------------------------------
+
+// A value set by one thread is seen by another that waits for it; a missing key times out.
+void check_store(Store& writer, Store& reader) {
+  std::thread t([&] {
+    std::this_thread::sleep_for(20ms);
+    writer.set("a/b c", std::string("value\0with nul", 14));
+  });
+  EXPECT_EQ(reader.get_string("a/b c"), std::string("value\0with nul", 14));
+  t.join();
+  EXPECT_TRUE(reader.check({"a/b c"}));
+  EXPECT_FALSE(reader.check({"a/b c", "missing"}));
+  writer.set("empty", Store::Bytes{});
+  EXPECT_TRUE(reader.get("empty").empty());
+  reader.set_timeout(30ms);
+  expect_error([&] { reader.get("missing"); }, ErrorCode::Timeout, {"'missing'"});
+  expect_error([&] { reader.wait({"a/b c", "missing"}, 30ms); }, ErrorCode::Timeout, {"'missing'"});
+}
+
+TEST(DistStore, HashStoreSharesValuesBetweenThreads) {
+  HashStore store;
+  check_store(store, store);
+}
+
+TEST(DistStore, FileStoreSharesValuesThroughADirectory) {
+  const std::string dir = ::testing::TempDir() + "meshfuse_filestore_" +
+                          std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  std::filesystem::remove_all(dir);
+  FileStore a(dir), b(dir);
+  check_store(a, b);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
+  TcpStore server("127.0.0.1", 0, true, 5s);  // port 0: the kernel picks a free one
+  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  check_store(server, client);
+  auto shared = std::make_shared<TcpStore>("127.0.0.1", server.port(), false, 5s);
+  PrefixStore team1("team1", shared), team2("team2", shared);
+  team1.set("k", std::string("one"));
+  team2.set("k", std::string("two"));
+  EXPECT_EQ(team1.get_string("k"), "one");
+  EXPECT_EQ(client.get_string("team2/k"), "two");
+}
+
+TEST(DistStore, TcpStoreClientGivesUpWhenNoServerAnswers) {
+  expect_error([] { TcpStore("127.0.0.1", 1, false, 100ms); }, ErrorCode::CommunicationFailure,
+               {"cannot reach 127.0.0.1:1"});
+}
+
+}  // namespace
+}  // namespace meshfuse::test
