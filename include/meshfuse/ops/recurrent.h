@@ -23,9 +23,9 @@
 // N is the largest head count among the inputs, weights and input_state; every count must divide
 // it. The gradient of a broadcast tensor is the sum over the heads it serves.
 //
-// max_seqlen: optional (-1 = unknown); when given it must be >= the longest sequence. cu_seqlens
-// is read on the host to check it (a small device-to-host copy and stream synchronisation when it
-// lives on a GPU).
+// max_seqlen: packed input only (-1 = unknown, the only value allowed for padded input); when
+// given it must be >= the longest sequence. cu_seqlens is read on the host to check it (a small
+// device-to-host copy and stream synchronisation when it lives on a GPU).
 //
 // Dtypes: inputs, weights, states, outputs and gradients share one dtype: f32, f64, bf16 or f16.
 // The state is carried in fp32 (f64 for f64) across time steps and rounded once per stored value;
@@ -35,7 +35,11 @@
 // Backward: upstream gradients for output and final_state, each optional (undefined = zeros).
 // gradient_clipping = c clamps the gradient of the state to [-c, c] at every step of the backward
 // recurrence, before it flows into the previous step (as in the seed library); nullopt = no
-// clipping.
+// clipping. Precisely: the gradient of h_t (that of output[t], plus what flows back from step
+// t+1, plus grad_final_state at the last step) is clamped, then taken back through step t; the
+// gradient of input_state is what step 1 sends back, not clamped again. In PyTorch terms:
+// h.register_hook(lambda g: g.clamp(-c, c)) on every new state h of a per-step loop. NaN stays
+// NaN.
 //
 // Errors: DTypeMismatch (dtypes differ, not floating, cu_seqlens not i32/i64), ShapeMismatch (a
 // shape that does not follow the above, a head count that does not divide N), InvalidArgument
