@@ -14,8 +14,9 @@
 // products with W^T read the same weight rows transposed: thread cp owns the rows cp and
 // cp + pairs. The weight gradient sum_t u_t^T da_t is accumulated in the same loop (the da rows
 // are already loaded): each entry belongs to one thread and grows step by step in a fixed order,
-// in shared memory (or per-block global memory when it does not fit), and the per-block partials
-// are added per weight head in a fixed order afterwards: bitwise reproducible, no atomics.
+// in shared memory (per-block global memory for the matrices that do not fit: two of the GRU's
+// three at H = 128), and the per-block partials are added per weight head in a fixed order
+// afterwards: bitwise reproducible, no atomics.
 //
 // Shared-memory rows are padded (weights: `wstride` elements, a row of word pairs that puts the
 // lanes of a warp on distinct banks; gradients: `dwstride`); padding holds zeros. What does not
@@ -74,7 +75,9 @@ struct Args {
   std::int64_t input_heads[3], weight_heads[3];
   int h, pairs, lanes, wstride, dwstride, groups;
   // Placement: shared memory (at the byte offsets) or global memory.
-  bool states_shared, weights_shared, dw_shared;
+  bool states_shared, weights_shared;
+  int dw_shared;  // weight gradients 0 .. dw_shared - 1 grow in shared memory, the others in
+                  // dw_partial
   int weights_offset, dw_offset;
   A* states_global;  // blocks x buffers x HP x kSeqs, when !states_shared
   // Weights: the caller's (heads, H, H) when weights_shared, else padded (heads, HP, wstride).
@@ -181,8 +184,9 @@ template <typename T, int M>
 struct Workspace {
   using A = acc_t<T>;
   const T* w[M];  // HP x wstride each
-  A* dw[M];       // HP x dwstride each (backward)
-  A* states;      // buffers x HP x kSeqs
+  A* dw[M];       // HP x dwstride[m] each (backward)
+  int dwstride[M];
+  A* states;  // buffers x HP x kSeqs
 };
 
 // Places the weights of head n (staged into shared memory when they fit), the weight-gradient
@@ -204,11 +208,13 @@ __device__ Workspace<T, M> make_workspace(const Args<T>& a, unsigned char* smem,
       ws.w[m] = a.weight[m] + wn * hp * a.wstride;
     }
     if (backward) {
-      if (a.dw_shared) {
+      if (m < a.dw_shared) {
         ws.dw[m] = reinterpret_cast<A*>(smem + a.dw_offset) + m * hp * a.dwstride;
+        ws.dwstride[m] = a.dwstride;
         for (int i = threadIdx.x; i < hp * a.dwstride; i += kThreads) ws.dw[m][i] = A(0);
       } else {
         ws.dw[m] = a.dw_partial + (blk * M + m) * hp * hp;  // zeroed by the host
+        ws.dwstride[m] = hp;
       }
     }
   }
@@ -247,9 +253,9 @@ __device__ __forceinline__ void vec_mat(const T* const (&w)[M], int wstride, con
 // Also dw_m[r_e][j] += sum_g u[r_e][g] * d_m[j][g] (the weight gradient u^T d).
 template <int M, typename T, typename A>
 __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
-                                          const A* const (&d)[M], A* const (&dw)[M], int dwstride,
-                                          const A* u, int pairs, int cp, int ks, int lanes,
-                                          A (&acc)[kSeqs][2]) {
+                                          const A* const (&d)[M], A* const (&dw)[M],
+                                          const int (&dwstride)[M], const A* u, int pairs, int cp,
+                                          int ks, int lanes, A (&acc)[kSeqs][2]) {
 #pragma unroll
   for (int g = 0; g < kSeqs; ++g) acc[g][0] = acc[g][1] = A(0);
   const int r0 = cp, r1 = cp + pairs;
@@ -273,8 +279,8 @@ __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
         s10 += u1.v[g] * d0.v[g];
         s11 += u1.v[g] * d1.v[g];
       }
-      Pair<A>* q0 = reinterpret_cast<Pair<A>*>(dw[m] + r0 * dwstride + j);
-      Pair<A>* q1 = reinterpret_cast<Pair<A>*>(dw[m] + r1 * dwstride + j);
+      Pair<A>* q0 = reinterpret_cast<Pair<A>*>(dw[m] + r0 * dwstride[m] + j);
+      Pair<A>* q1 = reinterpret_cast<Pair<A>*>(dw[m] + r1 * dwstride[m] + j);
       Pair<A> a0 = *q0, a1 = *q1;
       a0.a += s00;
       a0.b += s01;
@@ -509,9 +515,8 @@ __device__ void finish_backward(const Args<T>& a, const Seqs& seq, int n, const 
       if (seq.batch_index[g] < a.batch)
         a.grad_input_state[at(seq.batch_index[g], a.heads, n, h, j)] = store<T>(dh[j * kSeqs + g]);
     }
-  if (!a.dw_shared) return;
   const std::int64_t blk = blockIdx.x;
-  for (int m = 0; m < M; ++m) {
+  for (int m = 0; m < a.dw_shared; ++m) {
     acc_t<T>* dst = a.dw_partial + (blk * M + m) * hp * hp;
     for (int i = threadIdx.x; i < hp * hp; i += kThreads)
       dst[i] = ws.dw[m][(i / hp) * a.dwstride + i % hp];
@@ -602,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Args<T>
         fetch(t + 1, threadIdx.x + k * kThreads, py[k], pu[k], pdy[k]);
     for_pairs(d, [&](int cp, bool valid) {
       A acc[1][kSeqs][2];
-      vec_mat_t<1>(ws.w, a.wstride, das, dws, a.dwstride, u, valid ? pairs : 0, cp, ks, lanes,
+      vec_mat_t<1>(ws.w, a.wstride, das, dws, ws.dwstride, u, valid ? pairs : 0, cp, ks, lanes,
                    acc[0]);
       reduce_lanes(acc, lanes);
       for_owned(ks, lanes, [&](int g, int e) {
@@ -664,6 +669,8 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
   const A* const d_fr[2] = {da_f, da_r};
   A* const dw_z[1] = {ws.dw[0]};
   A* const dw_fr[2] = {ws.dw[1], ws.dw[2]};
+  const int dws_z[1] = {ws.dwstride[0]};
+  const int dws_fr[2] = {ws.dwstride[1], ws.dwstride[2]};
   constexpr int kItems = kH ? (kH + 1) / 2 * 2 * kSeqs / kThreads : 1;
   constexpr bool kPrefetch = kH != 0 && (kH + 1) / 2 * 2 * kSeqs % kThreads == 0;
   A next_prev[kItems] = {};
@@ -730,8 +737,7 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
     // 3. dq = da_z W^T, da_r, dh += dq r, dW += q^T da_z
     for_pairs(d, [&](int cp, bool valid) {
       A acc[1][kSeqs][2];
-      vec_mat_t<1>(w_z, a.wstride, d_z, dw_z, a.dwstride, q, valid ? pairs : 0, cp, ks, lanes,
-                   acc[0]);
+      vec_mat_t<1>(w_z, a.wstride, d_z, dw_z, dws_z, q, valid ? pairs : 0, cp, ks, lanes, acc[0]);
       reduce_lanes(acc, lanes);
       for_owned(ks, lanes, [&](int g, int e) {
         const int j = cp + e * pairs, i = j * kSeqs + g;
@@ -750,8 +756,8 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
     // 4. dh += da_f W_f^T + da_r W_r^T, dW_f += h^T da_f, dW_r += h^T da_r; the next u
     for_pairs(d, [&](int cp, bool valid) {
       A acc[1][kSeqs][2];
-      vec_mat_t<2>(w_fr, a.wstride, d_fr, dw_fr, a.dwstride, hprev, valid ? pairs : 0, cp, ks,
-                   lanes, acc[0]);
+      vec_mat_t<2>(w_fr, a.wstride, d_fr, dw_fr, dws_fr, hprev, valid ? pairs : 0, cp, ks, lanes,
+                   acc[0]);
       reduce_lanes(acc, lanes);
       for_owned(ks, lanes, [&](int g, int e) {
         const int j = cp + e * pairs;
@@ -906,7 +912,7 @@ void run(Op op, const char* name, const RecurrentShape& s, Args<T>& a, T* const*
         name);
   const std::size_t states = align16(std::size_t(state_buffers(op)) * hp * kSeqs * sizeof(A));
   const std::size_t weights = align16(std::size_t(mats) * hp * a.wstride * sizeof(T));
-  const std::size_t dw = align16(std::size_t(mats) * hp * dw_padded * sizeof(A));
+  const std::size_t dw = align16(std::size_t(hp) * dw_padded * sizeof(A));  // one matrix
   const std::size_t limit = static_cast<std::size_t>(max_shared) - sizeof(Seqs);
   std::size_t shared = 0;
   a.states_shared = states <= limit;
@@ -930,16 +936,13 @@ void run(Op op, const char* name, const RecurrentShape& s, Args<T>& a, T* const*
   }
   if (backward) {
     a.dw_partial = static_cast<A*>(allocate(blocks * mats * hp * hp, acc_dtype));
-    a.dw_shared = shared + dw <= limit;
-    if (a.dw_shared) {
-      a.dw_offset = static_cast<int>(shared);
-      shared += dw;
-      a.dwstride = dw_padded;
-    } else {
+    a.dw_shared = static_cast<int>(std::min<std::size_t>(mats, (limit - shared) / dw));
+    a.dw_offset = static_cast<int>(shared);
+    a.dwstride = dw_padded;
+    shared += a.dw_shared * dw;
+    if (a.dw_shared < mats)
       check(cudaMemsetAsync(a.dw_partial, 0, blocks * mats * hp * hp * sizeof(A), native(stream)),
             name);
-      a.dwstride = hp;
-    }
   }
   std::int64_t rows = -1;  // token rows, read only when a broadcast input needs a scratch
   if (backward)

@@ -19,25 +19,37 @@ const KernelTable<detail::RnnForwardFn> kRnn{
     "rnn",
     {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::rnn_forward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::rnn_forward}}};
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::rnn_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rnn_forward)}};
 
 const KernelTable<detail::RnnBackwardFn> kRnnBackward{
     "rnn_backward",
     {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::rnn_backward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::rnn_backward}}};
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::rnn_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rnn_backward)}};
 
 const KernelTable<detail::GruForwardFn> kGru{
     "gru",
     {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::gru_forward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gru_forward}}};
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::gru_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gru_forward)}};
 
 const KernelTable<detail::GruBackwardFn> kGruBackward{
     "gru_backward",
     {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
       &detail::reference::gru_backward},
-     {KernelBackend::CPU, {DeviceType::CPU}, detail::kFloatDTypes, &detail::cpu::gru_backward}}};
+     {KernelBackend::CPU,
+      {DeviceType::CPU},
+      detail::kFloatDTypes,
+      &detail::cpu::gru_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gru_backward)}};
 
 // The GRU's tensors in RecurrentShape's order (candidate, forget, reset), with their names.
 constexpr std::string_view kGruInputNames[3] = {"input", "forget_input", "reset_input"};
