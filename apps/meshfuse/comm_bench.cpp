@@ -59,7 +59,10 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   std::string backend = o.backend;
   if (backend.empty()) {
     const char* env = std::getenv("MESHFUSE_BACKEND");
-    backend = env && *env ? env : launch.world_size > 1 ? "gloo" : "local";
+    backend = env && *env                            ? env
+              : launch.launcher == Launcher::OpenMpi ? "mpi"
+              : launch.world_size > 1                ? "gloo"
+                                                     : "local";
   }
   try {
     s.backend = parse_communicator_backend(backend);

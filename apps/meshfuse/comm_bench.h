@@ -22,7 +22,8 @@
 namespace meshfuse::cli {
 
 struct CommBenchOptions {
-  // local, gloo, mpi or nccl; empty: MESHFUSE_BACKEND, else gloo under a launcher, else local.
+  // local, gloo, mpi or nccl; empty: MESHFUSE_BACKEND, else mpi under mpirun, gloo under another
+  // launcher, local without one.
   std::string backend;
   std::string op = "all_reduce";  // all_reduce | all_gather | reduce_scatter | broadcast |
                                   // all_to_all

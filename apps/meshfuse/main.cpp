@@ -83,9 +83,10 @@ int main(int argc, char** argv) {
       "comm-bench",
       "time one collective per message size (doubling) with the nccl-tests algorithm and bus "
       "bandwidths; run it under `meshfuse launch` or mpirun, or with --backend local -n N");
-  comm_bench->add_option("--backend", comm_options.backend,
-                         "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else gloo under a "
-                         "launcher, else local)");
+  comm_bench->add_option(
+      "--backend", comm_options.backend,
+      "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else mpi under mpirun, "
+      "gloo under another launcher, local without one)");
   comm_bench
       ->add_option("--op", comm_options.op,
                    "all_reduce, all_gather, reduce_scatter, broadcast or all_to_all")
