@@ -2,8 +2,15 @@
 // hidden), and its cross-entropy, in chunks of rows. GEMM-bound (2·N·V·H flops per product), so
 // rated in TFLOP/s against the vendor GEMM doing the same products (blas.h).
 //
-// It runs on at most kRows rows (its products are N·V·H multiply-adds: 34 G for 64 rows of
-// llama-3.2-1b). Inputs: x std-normal, weight normal(0, 1/H) as initialised, so that the logits
+// On the CPU it runs on at most kCpuRows rows (its products are N·V·H multiply-adds: 34 G for 64
+// rows of llama-3.2-1b), on CUDA on at most kCudaRows, the size (16384 rows of
+// llama-3.1-8b: 8.6 T multiply-adds per product). On CUDA the backward's notes also compare one
+// call with the unfused linear -> cross_entropy -> cross_entropy_backward -> linear_backward on the
+// same inputs: the peak extra memory of each (the high-water mark of meshfuse's CUDA memory pool
+// over the call, inputs and outputs allocated before: the fused op's chunk of logits and
+// cuBLASLt's workspace; the unfused (N, V) logits and their gradient) and their time (median of
+// kCompareCalls calls each, interleaved, when the case is built), against the targets.
+// Inputs: x std-normal, weight normal(0, 1/H) as initialised, so that the logits
 // are ~N(0, 1) and the softmax spreads over the vocabulary like a model's; reduction none with a
 // random upstream per row, so that rows can be checked on their own.
 //
@@ -16,22 +23,72 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "bench_cases/blas.h"
 #include "bench_cases/case.h"
+#include "meshfuse/core/memory.h"
+#include "meshfuse/core/stream.h"
+#include "meshfuse/ops/cross_entropy.h"
+#include "meshfuse/ops/gemm.h"
 
 namespace meshfuse::cli {
 namespace {
 
-constexpr std::int64_t kRows = 64;
+constexpr std::int64_t kCpuRows = 64;
+constexpr std::int64_t kCudaRows = 16384;
 constexpr std::int64_t kCheckRows = 4;
 constexpr std::int64_t kWeightCheckRows = 1024;
+constexpr int kCompareCalls = 3;
+// The targets for the fused op against the unfused one (fwd + bwd).
+constexpr double kMemoryTarget = 0.20, kTimeTarget = 1.15;
+
+// The most bytes of meshfuse's pool that f allocates at once on `device`, beyond what was
+// allocated before.
+std::int64_t peak_extra_bytes(Device device, const std::function<void()>& f) {
+  const Stream stream{device};
+  synchronize(stream);
+  reset_peak_memory_stats(device);
+  const std::int64_t before = device_memory_stats(device).allocated;
+  f();
+  synchronize(stream);
+  return device_memory_stats(device).peak_allocated - before;
+}
+
+// Median milliseconds of `calls` calls of each of a and b, interleaved, after one of each.
+std::pair<double, double> median_ms(Device device, const std::function<void()>& a,
+                                    const std::function<void()>& b, int calls) {
+  StreamTimer timer(Stream{device});
+  const auto time = [&](const std::function<void()>& f) {
+    timer.start();
+    f();
+    return timer.stop();
+  };
+  time(a);
+  time(b);
+  std::vector<double> ta, tb;
+  for (int i = 0; i < calls; ++i) {
+    ta.push_back(time(a));
+    tb.push_back(time(b));
+  }
+  const auto median = [](std::vector<double>& t) {
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  return {median(ta), median(tb)};
+}
+
+std::string gib(std::int64_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30));
+}
 
 std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s) {
   std::vector<std::string> notes;
-  const std::int64_t n = std::min(s.tokens, kRows), v = s.model.vocab_size, h = s.model.hidden_size,
-                     checked = std::min(n, kCheckRows);
+  const bool on_cpu = s.device.type == DeviceType::CPU;
+  const std::int64_t n = std::min(s.tokens, on_cpu ? kCpuRows : kCudaRows), v = s.model.vocab_size,
+                     h = s.model.hidden_size, checked = std::min(n, kCheckRows);
   if (n < s.tokens)
     notes.push_back(fmt::format("runs on {} of the {} tokens ({:.0f} M multiply-adds per row)", n,
                                 s.tokens, static_cast<double>(v * h) / 1e6));
@@ -75,7 +132,6 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
   };
 
   // The vendor GEMM's f32 operands (CPU only: on a GPU the yardstick would be cuBLAS).
-  const bool on_cpu = s.device.type == DeviceType::CPU;
   const Tensor x32 = on_cpu ? widened_to_f32(x) : Tensor();
   const Tensor w32 = on_cpu ? widened_to_f32(weight) : Tensor();
   const Tensor logits32 = on_cpu ? Tensor({n, v}, DType::F32) : Tensor();
@@ -106,6 +162,39 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
     return std::vector{compare_output("loss", first_rows(loss, checked), loss_ref, loss_tol)};
   };
 
+  const auto fused = [=] {
+    fused_linear_cross_entropy(x, weight, TensorView{}, labels, grad_loss, loss, grad_x,
+                               grad_weight, TensorView{}, options);
+  };
+  std::vector<std::string> backward_notes = notes;
+  if (!on_cpu) {
+    // The unfused step into the same outputs; its (N, V) tensors are allocated in the call, the
+    // logits freed once their gradient is written.
+    const auto unfused = [=] {
+      Tensor logits = output_tensor(s, {n, v});
+      const Tensor lse = output_tensor(s, {n}, s.dtype == DType::F64 ? DType::F64 : DType::F32),
+                   dlogits = output_tensor(s, {n, v});
+      linear(x, weight, TensorView{}, logits);
+      cross_entropy(logits, labels, loss, lse, options);
+      cross_entropy_backward(grad_loss, logits, labels, lse, dlogits, options);
+      logits = Tensor();
+      linear_backward(dlogits, x, weight, grad_x, grad_weight, TensorView{});
+    };
+    const std::int64_t fused_bytes = peak_extra_bytes(s.device, fused),
+                       unfused_bytes = peak_extra_bytes(s.device, unfused);
+    const auto [fused_ms, unfused_ms] = median_ms(s.device, fused, unfused, kCompareCalls);
+    const double memory = static_cast<double>(fused_bytes) / static_cast<double>(unfused_bytes),
+                 time = fused_ms / unfused_ms;
+    backward_notes.push_back(fmt::format(
+        "vs unfused linear + cross_entropy fwd + bwd: peak extra memory {} vs {} = {:.1f}% "
+        "(target <= {:.0f}%: {}), time {:.1f} vs {:.1f} ms = {:.3f}x (target <= {:.2f}x: {}); "
+        "memory: meshfuse pool high-water mark over one call, inputs and outputs excluded; time: "
+        "median of {} calls each, interleaved",
+        gib(fused_bytes), gib(unfused_bytes), 100 * memory, 100 * kMemoryTarget,
+        memory <= kMemoryTarget ? "met" : "NOT met", fused_ms, unfused_ms, time, kTimeTarget,
+        time <= kTimeTarget ? "met" : "NOT met", kCompareCalls));
+  }
+
   Direction backward{
       .kernel = "fused_linear_cross_entropy_backward",
       .direction = "backward",
@@ -113,11 +202,8 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
       .flops = 3 * product,
       .formula = "3 x 2·N·V·H (logits, grad_x, grad_weight: loss and gradients in one call)",
       .working_set = (2 * n * h + 2 * v * h) * e,
-      .notes = notes};
-  backward.run = [=] {
-    fused_linear_cross_entropy(x, weight, TensorView{}, labels, grad_loss, loss, grad_x,
-                               grad_weight, TensorView{}, options);
-  };
+      .notes = backward_notes};
+  backward.run = fused;
   if (on_cpu) {
     const Tensor dx32({n, h}, DType::F32), dw32({v, h}, DType::F32);
     backward.blas = [=] {
