@@ -5,6 +5,7 @@
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/kernel_backend.h"
+#include "meshfuse/core/memory.h"
 #include "meshfuse/core/platform.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
