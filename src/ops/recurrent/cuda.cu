@@ -115,10 +115,10 @@ __device__ __forceinline__ A sigmoid(A x) {
   return A(1) / (A(1) + exp(-x));
 }
 
-// The reference's clamp (note: fmax turns NaN into -clip).
+// The state-gradient clamp; NaN stays NaN (as in the reference).
 template <typename A>
 __device__ __forceinline__ A clamp_grad(A x, A clip) {
-  return fmin(fmax(x, -clip), clip);
+  return x < -clip ? -clip : (x > clip ? clip : x);
 }
 
 // Sizes: constants for kH = 64 / 128, from the arguments otherwise.
