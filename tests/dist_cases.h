@@ -323,9 +323,9 @@ inline void check_timeout(Communicator& c) {
   const bool absent = c.rank() == c.size() - 1;
   for (bool checks : {true, false}) {
     auto sub = c.split(0, c.rank());
-    sub->barrier().wait();  // every backend set up on every rank before one goes missing
     sub->set_checks(checks);
-    sub->set_timeout(std::chrono::milliseconds(300));
+    sub->set_timeout(std::chrono::milliseconds(300));  // before the backends take it up
+    sub->barrier().wait();  // every backend set up on every rank before one goes missing
     if (!absent) {
       Tensor t = Tensor::zeros({16}, DType::F32);
       expect_error([&] { sub->all_reduce(t).wait(); }, ErrorCode::Timeout,

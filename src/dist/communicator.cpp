@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -42,7 +43,10 @@ constexpr CommOp kCommOps[] = {CommOp::AllGather, CommOp::ReduceScatter, CommOp:
 template <typename E, std::size_t N>
 std::string names_of(const E (&values)[N]) {
   std::string s;
-  for (E v : values) s += (s.empty() ? "" : ", ") + std::string(to_string(v));
+  for (E v : values) {
+    if (!s.empty()) s += ", ";
+    s += to_string(v);
+  }
   return s;
 }
 
@@ -1056,7 +1060,10 @@ std::unique_ptr<CommState> world_state(const LaunchInfo& launch, BackendSpec spe
 
 }  // namespace
 
-std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
+std::shared_ptr<Communicator> init_communicator(const CommOptions& given) {
+  CommOptions options = given;
+  if (const char* env = std::getenv("MESHFUSE_BACKEND"); options.backend.empty() && env)
+    options.backend = env;
   const LaunchInfo launch = launch_info_from_env();
   std::shared_ptr<Store> store = store_from_env(launch, options.timeout);
   // A process started without a launcher and without a backend named is a world of one thread.

@@ -1,6 +1,388 @@
-// The gloo backend.
+// The gloo backend: Gloo's collectives over its TCP transport, a full mesh of connections per
+// team set up through the team's store.
+//
+// Gloo moves bytes; meshfuse gives it the element width (an unsigned integer of the dtype's size)
+// and does the arithmetic itself (reduce.h), so every dtype reduces, bf16 and f16 in fp32 per
+// pairwise step of Gloo's ring. reduce_scatter, which this Gloo has only for float types in its
+// old API, is an all_to_all of the blocks followed by a local reduction of the team's blocks (the
+// same bytes on the wire as a ring, reduced in fp32 and rounded once). Avg = sum, then divide.
+//
+// Collectives run in call order on one worker thread per team (Gloo's calls block); send and
+// recv are posted from the calling thread (Gloo's unbound buffers are asynchronous) and a small
+// thread per message waits for its completion.
+//
+// Address: GLOO_SOCKET_IFNAME (as in PyTorch) names the interface; otherwise 127.0.0.1 when every
+// rank is on this machine, else this machine's hostname.
 #include "dist/comm_impl.h"
 #include "meshfuse/core/error.h"
+
+#ifdef MESHFUSE_WITH_GLOO
+
+#include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/gather.h>
+#include <gloo/reduce.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/scatter.h>
+#include <gloo/transport/tcp/device.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "dist/reduce.h"
+
+namespace meshfuse::detail {
+
+namespace {
+
+// Gloo's rendezvous reads and writes through this view of the team's store.
+class StoreForGloo : public gloo::rendezvous::Store {
+ public:
+  explicit StoreForGloo(std::shared_ptr<meshfuse::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, meshfuse::Store::Bytes(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const meshfuse::Store::Bytes v = store_->get(key);
+    return {v.begin(), v.end()};
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  std::shared_ptr<meshfuse::Store> store_;
+};
+
+// Gloo's exceptions as meshfuse errors: its timeouts say "Timed out".
+template <typename F>
+void as_errors(F&& f) {
+  try {
+    f();
+  } catch (const gloo::Exception& e) {
+    const std::string what = e.what();
+    throw Error(what.find("Timed out") != std::string::npos ? ErrorCode::Timeout
+                                                            : ErrorCode::CommunicationFailure,
+                "gloo: " + what);
+  }
+}
+
+// Calls f(W{}) with W an unsigned integer as wide as one element of `dtype`.
+template <typename F>
+void with_word(DType dtype, F&& f) {
+  switch (element_size(dtype)) {
+    case 1:
+      return f(std::uint8_t{});
+    case 2:
+      return f(std::uint16_t{});
+    case 4:
+      return f(std::uint32_t{});
+    default:
+      return f(std::uint64_t{});
+  }
+}
+
+std::vector<std::size_t> as_sizes(const std::vector<std::int64_t>& v) {
+  return {v.begin(), v.end()};
+}
+
+// One TCP device per process, shared by every team's context (each device runs a thread).
+std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch) {
+  static std::mutex mutex;
+  static std::weak_ptr<gloo::transport::Device> cached;
+  std::lock_guard lock(mutex);
+  if (auto device = cached.lock()) return device;
+  gloo::transport::tcp::attr attr;
+  if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface) {
+    attr.iface = iface;
+  } else if (launch.local_world_size == launch.world_size) {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    attr.hostname = host;
+  }
+  std::shared_ptr<gloo::transport::Device> device;
+  as_errors([&] { device = gloo::transport::tcp::CreateDevice(attr); });
+  cached = device;
+  return device;
+}
+
+// A send or receive: a thread waits for Gloo to complete it.
+class P2pWork : public WorkImpl {
+ public:
+  P2pWork(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
+          std::chrono::milliseconds timeout)
+      : buffer_(std::move(buffer)) {
+    waiter_ = std::thread([this, is_send, timeout] {
+      std::string error;
+      ErrorCode code = ErrorCode::CommunicationFailure;
+      try {
+        as_errors([&] { is_send ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout); });
+      } catch (const Error& e) {
+        error = e.what();
+        code = e.code();
+      }
+      std::lock_guard lock(mutex_);
+      done_ = true;
+      error_ = error;
+      code_ = code;
+      finished_.notify_all();
+    });
+  }
+  ~P2pWork() override { waiter_.join(); }
+
+  bool test() override {
+    std::lock_guard lock(mutex_);
+    return done_;
+  }
+  void wait(Deadline deadline) override {
+    std::unique_lock lock(mutex_);
+    if (!finished_.wait_until(lock, deadline, [&] { return done_; }))
+      fail(ErrorCode::Timeout, "gloo: the transfer has not finished");
+    if (!error_.empty()) throw Error(code_, error_);
+  }
+
+ private:
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+  std::mutex mutex_;
+  std::condition_variable finished_;
+  bool done_ = false;
+  std::string error_;
+  ErrorCode code_ = ErrorCode::CommunicationFailure;
+  std::thread waiter_;
+};
+
+class GlooComm : public CommImpl {
+ public:
+  explicit GlooComm(const TeamContext& context)
+      : size_(static_cast<int>(context.team.size())),
+        timeout_(context.timeout),
+        queue_("gloo " + context.name) {
+    MESHFUSE_CHECK(context.store != nullptr, ErrorCode::InvalidArgument,
+                   "communicator backend gloo: needs a rendezvous store (MASTER_ADDR and "
+                   "MASTER_PORT, or MESHFUSE_STORE_PATH)");
+    auto device = shared_device(context.launch);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(context.rank, size_);
+    ctx->setTimeout(timeout_);
+    StoreForGloo store(context.store);
+    as_errors([&] { ctx->connectFullMesh(store, device); });
+    context_ = std::move(ctx);
+  }
+
+  CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }
+
+  void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
+    queue_
+        .submit([=, this] {
+          gloo::AllgatherOptions opts(context_);
+          opts.setInput(static_cast<std::uint8_t*>(const_cast<void*>(mine)), bytes);
+          opts.setOutput(static_cast<std::uint8_t*>(all), bytes * size_);
+          opts.setTimeout(timeout_);
+          gloo::allgather(opts);
+        })
+        ->wait(deadline);
+  }
+
+  std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op, const Stream&) override {
+    return run([=, this] {
+      with_word(t.dtype(), [&](auto w) {
+        using W = decltype(w);
+        gloo::AllreduceOptions opts(context_);
+        opts.setOutput(t.data_ptr<W>(), static_cast<std::size_t>(t.numel()));
+        opts.setReduceFunction(pairwise(t.dtype(), op));
+        opts.setTimeout(timeout_);
+        gloo::allreduce(opts);
+      });
+      if (op == ReduceOp::Avg) divide_buffer(t.dtype(), t.data(), t.numel(), size_);
+    });
+  }
+
+  std::shared_ptr<WorkImpl> reduce(const TensorView& t, int root, ReduceOp op,
+                                   const Stream&) override {
+    return run([=, this] {
+      with_word(t.dtype(), [&](auto w) {
+        using W = decltype(w);
+        // Gloo works in its output on every rank: other ranks keep their tensor as it was.
+        const auto n = static_cast<std::size_t>(t.numel());
+        std::vector<W> scratch(context_->rank == root ? 0 : n);
+        gloo::ReduceOptions opts(context_);
+        opts.setInput(t.data_ptr<W>(), n);
+        opts.setOutput(context_->rank == root ? t.data_ptr<W>() : scratch.data(), n);
+        opts.setRoot(root);
+        opts.setReduceFunction(pairwise(t.dtype(), op));
+        opts.setTimeout(timeout_);
+        gloo::reduce(opts);
+      });
+      if (op == ReduceOp::Avg && context_->rank == root)
+        divide_buffer(t.dtype(), t.data(), t.numel(), size_);
+    });
+  }
+
+  std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root, const Stream&) override {
+    return run([=, this] {
+      with_word(t.dtype(), [&](auto w) {
+        using W = decltype(w);
+        gloo::BroadcastOptions opts(context_);
+        opts.setOutput(t.data_ptr<W>(), static_cast<std::size_t>(t.numel()));
+        opts.setRoot(root);
+        opts.setTimeout(timeout_);
+        gloo::broadcast(opts);
+      });
+    });
+  }
+
+  std::shared_ptr<WorkImpl> all_gather(const TensorView& in, const TensorView& out,
+                                       const std::vector<std::int64_t>& counts,
+                                       const Stream&) override {
+    return run([=, this] {
+      with_word(in.dtype(), [&](auto w) {
+        using W = decltype(w);
+        gloo::AllgathervOptions opts(context_);
+        opts.setInput(in.data_ptr<W>(), static_cast<std::size_t>(in.numel()));
+        opts.setOutput(out.data_ptr<W>(), as_sizes(counts));
+        opts.setTimeout(timeout_);
+        gloo::allgatherv(opts);
+      });
+    });
+  }
+
+  std::shared_ptr<WorkImpl> reduce_scatter(const TensorView& in, const TensorView& out,
+                                           const std::vector<std::int64_t>& counts, ReduceOp op,
+                                           const Stream&) override {
+    return run([=, this] {
+      // Block r of every rank's input goes to rank r, which reduces the team's blocks.
+      const int me = context_->rank;
+      const std::int64_t mine = counts[me];
+      const std::size_t es = element_size(in.dtype());
+      std::vector<std::uint8_t> blocks(static_cast<std::size_t>(mine * size_) * es);
+      alltoallv(in, counts, blocks.data(), std::vector<std::int64_t>(size_, mine));
+      std::vector<const void*> srcs;
+      for (int r = 0; r < size_; ++r) srcs.push_back(blocks.data() + r * mine * es);
+      reduce_buffers(in.dtype(), op, srcs, out.data(), mine);
+    });
+  }
+
+  std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
+                                   const Stream&) override {
+    return run([=, this] {
+      with_word(in.dtype(), [&](auto w) {
+        using W = decltype(w);
+        gloo::GatherOptions opts(context_);
+        opts.setInput(in.data_ptr<W>(), static_cast<std::size_t>(in.numel()));
+        if (context_->rank == root)
+          opts.setOutput(out.data_ptr<W>(), static_cast<std::size_t>(out.numel()));
+        opts.setRoot(root);
+        opts.setTimeout(timeout_);
+        gloo::gather(opts);
+      });
+    });
+  }
+
+  std::shared_ptr<WorkImpl> scatter(const TensorView& in, const TensorView& out, int root,
+                                    const Stream&) override {
+    return run([=, this] {
+      with_word(out.dtype(), [&](auto w) {
+        using W = decltype(w);
+        gloo::ScatterOptions opts(context_);
+        const auto n = static_cast<std::size_t>(out.numel());
+        if (context_->rank == root) {
+          std::vector<W*> blocks;
+          for (int r = 0; r < size_; ++r) blocks.push_back(in.data_ptr<W>() + r * n);
+          opts.setInputs(blocks, n);
+        }
+        opts.setOutput(out.data_ptr<W>(), n);
+        opts.setRoot(root);
+        opts.setTimeout(timeout_);
+        gloo::scatter(opts);
+      });
+    });
+  }
+
+  std::shared_ptr<WorkImpl> all_to_all(const TensorView& in, const TensorView& out,
+                                       const std::vector<std::int64_t>& in_counts,
+                                       const std::vector<std::int64_t>& out_counts,
+                                       const Stream&) override {
+    return run([=, this] { alltoallv(in, in_counts, out.data(), out_counts); });
+  }
+
+  std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
+    auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
+    as_errors([&] { buffer->send(peer, p2p_slot(tag)); });
+    return std::make_shared<P2pWork>(std::move(buffer), true, timeout_);
+  }
+
+  std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
+    auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
+    as_errors([&] { buffer->recv(peer, p2p_slot(tag)); });
+    return std::make_shared<P2pWork>(std::move(buffer), false, timeout_);
+  }
+
+  std::shared_ptr<WorkImpl> barrier(const Stream&) override {
+    return run([this] {
+      gloo::BarrierOptions opts(context_);
+      opts.setTimeout(timeout_);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  // Sends and receives use slots far from those of Gloo's collectives (small prefixes << 56).
+  static std::uint64_t p2p_slot(int tag) {
+    return (std::uint64_t{0xF0} << 56) | static_cast<std::uint32_t>(tag);
+  }
+
+  template <typename F>
+  std::shared_ptr<WorkImpl> run(F&& f) {
+    return queue_.submit([f = std::forward<F>(f)] { as_errors(f); });
+  }
+
+  // Gloo's reduction step c = a op b, on our element types (Avg sums; divided afterwards).
+  static gloo::AllreduceOptions::Func pairwise(DType dtype, ReduceOp op) {
+    const ReduceOp step = op == ReduceOp::Avg ? ReduceOp::Sum : op;
+    return [dtype, step](void* c, const void* a, const void* b, std::size_t n) {
+      reduce_buffers(dtype, step, {a, b}, c, static_cast<std::int64_t>(n));
+    };
+  }
+
+  void alltoallv(const TensorView& in, const std::vector<std::int64_t>& in_counts, void* out,
+                 const std::vector<std::int64_t>& out_counts) {
+    with_word(in.dtype(), [&](auto w) {
+      using W = decltype(w);
+      gloo::AlltoallvOptions opts(context_);
+      opts.setInput(in.data_ptr<W>(), in_counts);
+      opts.setOutput(static_cast<W*>(out), out_counts);
+      opts.setTimeout(timeout_);
+      gloo::alltoallv(opts);
+    });
+  }
+
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::Context> context_;
+  WorkerQueue queue_;  // last: joined before the context goes
+};
+
+}  // namespace
+
+std::unique_ptr<CommImpl> make_gloo_comm(const TeamContext& context) {
+  return std::make_unique<GlooComm>(context);
+}
+
+}  // namespace meshfuse::detail
+
+#else  // MESHFUSE_WITH_GLOO
 
 namespace meshfuse::detail {
 
@@ -11,3 +393,5 @@ std::unique_ptr<CommImpl> make_gloo_comm(const TeamContext&) {
 }
 
 }  // namespace meshfuse::detail
+
+#endif  // MESHFUSE_WITH_GLOO

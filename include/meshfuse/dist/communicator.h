@@ -287,7 +287,9 @@ class Communicator {
 
 // The world communicator of this process, from its launcher's environment: ranks from
 // launch_info_from_env(), the store from store_from_env() (gloo and nccl need one; mpi takes its
-// ranks from mpirun and needs none).
+// ranks from mpirun and needs none), and the backend spec from options.backend or, when that is
+// empty, MESHFUSE_BACKEND (set by `meshfuse launch --backend`). A process started without a
+// launcher, store or backend name is a world of one rank on the local backend.
 std::shared_ptr<Communicator> init_communicator(const CommOptions& options = {});
 // Same with the launch and store given (tests, embedding); store may be null for mpi.
 std::shared_ptr<Communicator> init_communicator(const LaunchInfo& launch,

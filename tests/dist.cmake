@@ -1,0 +1,23 @@
+# The communicator suite across processes: one binary, started 4 times by `meshfuse launch`
+# (gloo, rendezvous through the launcher's TCP store, and once through a file store in a fresh
+# directory) and by mpirun (mpi).
+add_executable(meshfuse_dist_tests ${CMAKE_CURRENT_SOURCE_DIR}/dist_process_main.cpp)
+target_link_libraries(meshfuse_dist_tests PRIVATE meshfuse::meshfuse GTest::gtest)
+target_include_directories(meshfuse_dist_tests PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_compile_options(meshfuse_dist_tests PRIVATE ${MESHFUSE_WARNINGS})
+
+if(MESHFUSE_WITH_GLOO AND TARGET meshfuse_cli)
+  add_test(NAME dist_gloo_4_processes
+           COMMAND meshfuse_cli launch -n 4 --backend gloo -- $<TARGET_FILE:meshfuse_dist_tests>)
+  add_test(NAME dist_gloo_4_processes_file_store
+           COMMAND sh -c "d=$(mktemp -d) && MESHFUSE_STORE_PATH=$d \"$@\"; s=$?; rm -rf \"$d\"; exit $s"
+                   sh $<TARGET_FILE:meshfuse_cli> launch -n 4 --backend gloo --
+                   $<TARGET_FILE:meshfuse_dist_tests> --gtest_filter=*SubTeams*)
+  set_tests_properties(dist_gloo_4_processes dist_gloo_4_processes_file_store PROPERTIES TIMEOUT 120)
+endif()
+if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
+  add_test(NAME dist_mpi_4_processes
+           COMMAND ${MPIEXEC_EXECUTABLE} -np 4 --oversubscribe --allow-run-as-root
+                   -x MESHFUSE_BACKEND=mpi $<TARGET_FILE:meshfuse_dist_tests>)
+  set_tests_properties(dist_mpi_4_processes PROPERTIES TIMEOUT 120)
+endif()

@@ -1,0 +1,50 @@
+// The communicator suite across processes: every rank of a job runs this binary (started by
+// `meshfuse launch -n 4` for gloo, `mpirun -np 4` for mpi) on the backend named by
+// MESHFUSE_BACKEND, and checks its own results. A rank that fails exits non-zero, and the
+// launcher reports it.
+#include <gtest/gtest.h>
+
+#include "dist_cases.h"
+#include "meshfuse/dist/communicator.h"
+
+namespace meshfuse::test {
+namespace {
+
+std::shared_ptr<Communicator> world;
+
+// Tests run in file order on every rank; the timeout case comes last.
+TEST(DistProcess, EveryCollectiveGivesTheExpectedValuesForEveryDtypeAndShardKind) {
+  dist::check_every_collective(*world);
+}
+
+TEST(DistProcess, EveryCollectiveWorksWithoutTheMetadataCheck) {
+  world->set_checks(false);
+  dist::check_every_collective(*world);
+  world->set_checks(true);
+}
+
+TEST(DistProcess, SeveralOperationsInFlightCompleteInAnyWaitOrder) {
+  dist::check_many_in_flight(*world);
+}
+
+TEST(DistProcess, SplitAndNewGroupFormSubTeamsThatCommunicate) { dist::check_sub_teams(*world); }
+
+TEST(DistProcess, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
+  if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";
+  dist::check_mismatch(*world);
+}
+
+TEST(DistProcess, ARankThatNeverCallsGivesTheOthersATimeout) { dist::check_timeout(*world); }
+
+}  // namespace
+}  // namespace meshfuse::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  meshfuse::CommOptions options;
+  options.timeout = std::chrono::seconds(20);  // a failing rank stops the others in seconds
+  meshfuse::test::world = meshfuse::init_communicator(options);
+  const int status = RUN_ALL_TESTS();
+  meshfuse::test::world.reset();
+  return status;
+}
