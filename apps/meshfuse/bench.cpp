@@ -99,13 +99,14 @@ std::vector<BenchCase> select_cases(const std::string& ops) {
 // rather than after minutes of measuring. Without --ops, cases the backend has no kernel for are
 // skipped (and listed); an error only when none is left.
 void resolve_backends(Plan& plan, bool ops_named) {
-  const TensorView probe(nullptr, plan.setup.dtype, {0}, plan.setup.device);
   std::optional<ForceKernelBackend> guard;
   if (plan.forced) guard.emplace(*plan.forced);
   std::vector<BenchCase> runnable;
   std::optional<Error> first_error;
   for (BenchCase& c : plan.cases) {
     try {
+      const TensorView probe(nullptr, c.kernel_dtype.value_or(plan.setup.dtype), {0},
+                             plan.setup.device);
       for (const std::string& kernel : c.kernels)
         plan.backend_of[kernel] = to_string(resolved_backend(kernel, {{"input", probe}}));
       runnable.push_back(std::move(c));

@@ -90,6 +90,8 @@ struct BenchCase {
   // Part of a transformer layer, run when --ops is not given; the others (recurrent and sequence
   // ops, at their own sizes) run only when --ops names them.
   bool in_layer = true;
+  // The dtype its kernels run on when that is not --dtype (continuous_count counts i32 ids).
+  std::optional<DType> kernel_dtype{};
 };
 
 // Every case this build has, family by family (cases.cpp).
@@ -104,6 +106,7 @@ std::vector<BenchCase> cross_entropy_cases();
 std::vector<BenchCase> fused_linear_cross_entropy_cases();
 // Outside a transformer layer (in_layer = false), at their own sizes.
 std::vector<BenchCase> recurrent_cases();
+std::vector<BenchCase> pack_sequence_cases();
 
 // --- helpers for the cases ------------------------------------------------------------------
 
