@@ -4,11 +4,13 @@
 set -euo pipefail
 
 # libdnnl-dev: oneDNN, the CPU GEMM; its CMake config also wants OpenCL (ocl-icd-opencl-dev), as
-# Debian builds it with the OpenCL GPU runtime.
+# Debian builds it with the OpenCL GPU runtime. libgloo-dev, libopenmpi-dev, openmpi-bin: the gloo
+# and mpi communicator backends.
 packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libgloo-dev libopenmpi-dev openmpi-bin
 )
 
 missing=()
