@@ -743,6 +743,12 @@ TEST(Recurrent, DeterministicRunToRun) {
   }
 }
 
+TEST(Recurrent, ManySequencesShareWeightGradientPartials) {
+  // B x N = 1200 pairs: the cpu backend sums the weight gradients of 2 sequences per partial.
+  const Problem p = random_problem(true, DType::F32, {300, 2}, 300, 4, 2, 155);
+  expect_cpu_matches_reference(p);
+}
+
 TEST(Recurrent, Int32AndInt64CuSeqlensAgree) {
   const Problem p = random_problem(true, DType::F32, {6}, 2, 2, 3, 160);
   const Forward a = forward(p, cu_seqlens({0, 2, 6}, DType::I32)),

@@ -7,7 +7,7 @@
 // Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
 // The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
 // steps at a time (add_outer_products: one load and store of the gradient per kSteps products)
-// into a per-pair fp32 partial; the partials are added in a fixed order (sequence, then head) at
+// into an fp32 partial per (block of sequences, head); the partials are added in a fixed order at
 // the end, so the result does not depend on the number of threads. Input gradients of a head
 // serving one input head are stored directly; a broadcast input head (serving several heads)
 // takes the sum over its heads, which one task walks one after another into an fp32 buffer.
@@ -35,6 +35,10 @@ template <typename A>
 constexpr int kBlock = 4 * kVectorBytes / static_cast<int>(sizeof(A));
 // Steps whose outer products are added to the weight gradient at once.
 constexpr std::int64_t kSteps = 16;
+// The most weight-gradient partials per weight (each H x H) of a backward call.
+constexpr std::int64_t kMaxPartials = 1024;
+
+constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 // tanh in float, within 2 ulp. Below |x| = 0.55 an odd polynomial x·P(x²) (least-squares fit of
 // tanh(x)/x on [0, 0.55²], relative error 1.5 ulp in float); above, 1 - 2 / (exp(2|x|) + 1),
@@ -318,7 +322,7 @@ struct StepBuffers {
 };
 
 // Runs every (sequence, head) recurrence backwards (see the top of the file). Tasks are
-// (group of heads, sequence); a group holds the heads sharing a broadcast input head.
+// (group of heads, block of sequences); a group holds the heads sharing a broadcast input head.
 template <typename T, int kPairs, int kWork, typename Step>
 void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
                     const BackwardArgs<T, kPairs>& args, Step&& step) {
@@ -328,9 +332,13 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
   for (int k = 0; k < kPairs; ++k) divisor = std::gcd(divisor, s.input_heads[k]);
   const std::int64_t group = divisor > 0 ? heads / divisor : 1;
   const A clip = static_cast<A>(args.clip);
-  // Per (sequence, head) weight-gradient partials, each zeroed by the task that fills it.
+  // Weight-gradient partials per (block of sequences, head), each zeroed by the task that fills
+  // it. The blocks hold one sequence up to kMaxPartials partials, so that the memory stays bounded
+  // (kMaxPartials x H² per weight) and the sums' order depends on B and N only.
+  const std::int64_t block = std::max<std::int64_t>(1, ceil_div(s.batch * heads, kMaxPartials));
+  const std::int64_t blocks = ceil_div(s.batch, block);
   std::vector<std::unique_ptr<A[]>> partial(kPairs);
-  for (auto& p : partial) p.reset(new A[static_cast<std::size_t>(s.batch * heads * hh)]);
+  for (auto& p : partial) p.reset(new A[static_cast<std::size_t>(blocks * heads * hh)]);
 
 #pragma omp parallel
   {
@@ -339,79 +347,80 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
     std::vector<A> u[kPairs], v[kPairs], sums[kPairs];
     for (int k = 0; k < kPairs; ++k) u[k].resize(kSteps * h), v[k].resize(kSteps * h);
 #pragma omp for schedule(static)
-    for (std::int64_t task = 0; task < heads / group * s.batch; ++task) {
-      const std::int64_t n0 = task / s.batch * group, b = task % s.batch;
-      const SequenceRows seq = sequence_rows(s, b);
+    for (std::int64_t task = 0; task < heads / group * blocks; ++task) {
+      const std::int64_t n0 = task / blocks * group, sb = task % blocks;
       for (int k = 0; k < kPairs; ++k)
-        if (s.input_heads[k] < heads)
-          sums[k].assign(seq.length * (group * s.input_heads[k] / heads) * h, A(0));
-      for (std::int64_t n = n0; n < n0 + group; ++n) {
-        weights.load(s, op, n);
-        A* dw[kPairs];
-        for (int k = 0; k < kPairs; ++k) {
-          dw[k] = partial[k].get() + (b * heads + n) * hh;
-          std::fill(dw[k], dw[k] + hh, A(0));
-        }
-        if (args.grad_final_state != nullptr)
-          widen(args.grad_final_state + (b * heads + n) * h, carry.data(), h);
-        else
-          std::fill(carry.begin(), carry.end(), A(0));
-        std::int64_t pending = 0;  // steps whose outer products wait in u and v
-        for (std::int64_t t = seq.length - 1; t >= 0; --t) {
-          const std::int64_t row = seq.first + t;
-          widen(args.output + (row * heads + n) * h, y.data(), h);
-          if (t > 0)
-            widen(args.output + ((row - 1) * heads + n) * h, prev.data(), h);
+        std::fill_n(partial[k].get() + (sb * heads + n0) * hh, group * hh, A(0));
+      for (std::int64_t b = sb * block; b < std::min(s.batch, (sb + 1) * block); ++b) {
+        const SequenceRows seq = sequence_rows(s, b);
+        for (int k = 0; k < kPairs; ++k)
+          if (s.input_heads[k] < heads)
+            sums[k].assign(seq.length * (group * s.input_heads[k] / heads) * h, A(0));
+        for (std::int64_t n = n0; n < n0 + group; ++n) {
+          weights.load(s, op, n);
+          A* dw[kPairs];
+          for (int k = 0; k < kPairs; ++k) dw[k] = partial[k].get() + (sb * heads + n) * hh;
+          if (args.grad_final_state != nullptr)
+            widen(args.grad_final_state + (b * heads + n) * h, carry.data(), h);
           else
-            initial_state(s, args.input_state, b, n, prev.data());
-          if (args.grad_output != nullptr)
-            widen(args.grad_output + (row * heads + n) * h, g.data(), h);
-          else
-            std::fill(g.begin(), g.end(), A(0));
+            std::fill(carry.begin(), carry.end(), A(0));
+          std::int64_t pending = 0;  // steps whose outer products wait in u and v
+          for (std::int64_t t = seq.length - 1; t >= 0; --t) {
+            const std::int64_t row = seq.first + t;
+            widen(args.output + (row * heads + n) * h, y.data(), h);
+            if (t > 0)
+              widen(args.output + ((row - 1) * heads + n) * h, prev.data(), h);
+            else
+              initial_state(s, args.input_state, b, n, prev.data());
+            if (args.grad_output != nullptr)
+              widen(args.grad_output + (row * heads + n) * h, g.data(), h);
+            else
+              std::fill(g.begin(), g.end(), A(0));
 #pragma omp simd
-          for (std::int64_t j = 0; j < h; ++j) {
-            const A gj = g[j] + carry[j];
-            g[j] = gj < -clip ? -clip : (gj > clip ? clip : gj);
-          }
-          StepBuffers<A, kPairs> buf{prev.data(), y.data(),     g.data(),   {},
-                                     {},          carry.data(), work.data()};
-          for (int k = 0; k < kPairs; ++k) {
-            buf.da[k] = v[k].data() + pending * h;
-            buf.u[k] = u[k].data() + pending * h;
-          }
-          step(weights, row, n, buf);
-          for (int k = 0; k < kPairs; ++k) {
-            const std::int64_t nx = s.input_heads[k];
-            if (nx == heads) {
-              narrow(buf.da[k], args.grad_input[k] + (row * heads + n) * h, h);
-            } else {
-              const std::int64_t local = source_head(s, nx, n) - source_head(s, nx, n0);
-              A* sum = sums[k].data() + (t * (group * nx / heads) + local) * h;
+            for (std::int64_t j = 0; j < h; ++j) {
+              const A gj = g[j] + carry[j];
+              g[j] = gj < -clip ? -clip : (gj > clip ? clip : gj);
+            }
+            StepBuffers<A, kPairs> buf{prev.data(), y.data(),     g.data(),   {},
+                                       {},          carry.data(), work.data()};
+            for (int k = 0; k < kPairs; ++k) {
+              buf.da[k] = v[k].data() + pending * h;
+              buf.u[k] = u[k].data() + pending * h;
+            }
+            step(weights, row, n, buf);
+            for (int k = 0; k < kPairs; ++k) {
+              const std::int64_t nx = s.input_heads[k];
+              if (nx == heads) {
+                narrow(buf.da[k], args.grad_input[k] + (row * heads + n) * h, h);
+              } else {
+                const std::int64_t local = source_head(s, nx, n) - source_head(s, nx, n0);
+                A* sum = sums[k].data() + (t * (group * nx / heads) + local) * h;
 #pragma omp simd
-              for (std::int64_t j = 0; j < h; ++j) sum[j] += buf.da[k][j];
+                for (std::int64_t j = 0; j < h; ++j) sum[j] += buf.da[k][j];
+              }
+            }
+            if (++pending == kSteps || t == 0) {
+              for (int k = 0; k < kPairs; ++k)
+                add_outer_products(u[k].data(), v[k].data(), pending, dw[k], h);
+              pending = 0;
             }
           }
-          if (++pending == kSteps || t == 0) {
-            for (int k = 0; k < kPairs; ++k)
-              add_outer_products(u[k].data(), v[k].data(), pending, dw[k], h);
-            pending = 0;
-          }
+          if (args.grad_input_state != nullptr)
+            narrow(carry.data(), args.grad_input_state + (b * heads + n) * h, h);
         }
-        if (args.grad_input_state != nullptr)
-          narrow(carry.data(), args.grad_input_state + (b * heads + n) * h, h);
-      }
-      for (int k = 0; k < kPairs; ++k) {
-        const std::int64_t nx = s.input_heads[k];
-        if (nx == heads) continue;
-        const std::int64_t count = group * nx / heads, first = source_head(s, nx, n0);
-        for (std::int64_t t = 0; t < seq.length; ++t)
-          narrow(sums[k].data() + t * count * h,
-                 args.grad_input[k] + ((seq.first + t) * nx + first) * h, count * h);
+        for (int k = 0; k < kPairs; ++k) {
+          const std::int64_t nx = s.input_heads[k];
+          if (nx == heads) continue;
+          const std::int64_t count = group * nx / heads, first = source_head(s, nx, n0);
+          for (std::int64_t t = 0; t < seq.length; ++t)
+            narrow(sums[k].data() + t * count * h,
+                   args.grad_input[k] + ((seq.first + t) * nx + first) * h, count * h);
+        }
       }
     }
 
-    // grad_weight[k][w] = sum over sequences b, then over the heads n that w serves, of the
-    // partials: one weight row per iteration.
+    // grad_weight[k][w] = sum over the blocks of sequences, then over the heads n that w serves,
+    // of the partials: one weight row per iteration.
     for (int k = 0; k < kPairs; ++k) {
       const std::int64_t nw = s.weight_heads[k], served = heads / nw;
 #pragma omp for schedule(static)
@@ -419,9 +428,9 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
         const std::int64_t w = wr / h, i = wr % h;
         A* acc = g.data();
         std::fill(acc, acc + h, A(0));
-        for (std::int64_t b = 0; b < s.batch; ++b)
+        for (std::int64_t sb = 0; sb < blocks; ++sb)
           for (std::int64_t n = w * served; n < (w + 1) * served; ++n) {
-            const A* p = partial[k].get() + (b * heads + n) * hh + i * h;
+            const A* p = partial[k].get() + (sb * heads + n) * hh + i * h;
 #pragma omp simd
             for (std::int64_t j = 0; j < h; ++j) acc[j] += p[j];
           }
