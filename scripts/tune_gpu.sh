@@ -41,6 +41,7 @@ variants (setting i = variant i of every op; an op without variant i runs varian
    2 / 3 / 4: queued check, 2 / 4 / 8 blocks per row (fwd: a cluster; bwd: independent blocks)
 EOF
 
+rm -f "$out/.tested"
 run=0
 for s in "${settings[@]}"; do
   run=$((run + 1))
@@ -57,8 +58,8 @@ for s in "${settings[@]}"; do
   if ! grep -qx "$s" "$out/.tested" 2>/dev/null; then
     echo "$s" >> "$out/.tested"
     if "$tests" --gtest_filter="$filter" --gtest_brief=1 > "$out/tests-s$s.log" 2>&1; then
-      echo "tests: pass ($(grep -c '^\[       OK \]' "$out/tests-s$s.log" 2>/dev/null || true) shown;" \
-        "$(grep -m1 'PASSED' "$out/tests-s$s.log"))"
+      echo "tests: pass: $(grep -m1 -E '\[  PASSED  \]' "$out/tests-s$s.log")" \
+        "$(grep -m1 -E '\[  SKIPPED \]' "$out/tests-s$s.log")"
     else
       echo "tests: FAIL"
       grep -E '^\[  FAILED  \]|Failure|error' "$out/tests-s$s.log" | head -n 20
