@@ -9,7 +9,9 @@
 //
 // Collectives run in call order on one worker thread per team (Gloo's calls block); send and
 // recv are posted from the calling thread (Gloo's unbound buffers are asynchronous) and a small
-// thread per message waits for its completion.
+// thread per message waits for its completion. Gloo cannot cancel an operation: after a timeout
+// in Work::wait shorter than the team's, the worker finishes (or times out) on Gloo's own clock,
+// and destroying the communicator waits for it.
 //
 // Address: GLOO_SOCKET_IFNAME (as in PyTorch) names the interface; otherwise 127.0.0.1 when every
 // rank is on this machine, else this machine's hostname.
