@@ -333,3 +333,63 @@ def gru(input, weight, forget_input, forget_weight, reset_input, reset_weight, i
     (output, final_state)."""
     return _Gru.apply(input, weight, forget_input, forget_weight, reset_input, reset_weight,
                       input_state, gradient_clipping, cu_seqlens, max_seqlen)
+
+
+# --- pack_sequence, unpack_sequence, continuous_count -------------------------------------------
+def pack_sequence_forward(x, cu_seqlens, padding_side="left"):
+    out = x.new_empty((int(cu_seqlens[-1]), *x.shape[2:]))
+    _C.pack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
+    return out
+
+
+def unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
+    out = x.new_empty((batch_size, sequence_length, *x.shape[1:]))
+    _C.unpack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
+    return out
+
+
+class _PackSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cu_seqlens, padding_side):
+        ctx.save_for_backward(cu_seqlens)
+        ctx.options = (x.shape[0], x.shape[1], padding_side)
+        return pack_sequence_forward(x, cu_seqlens, padding_side)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (cu_seqlens,) = ctx.saved_tensors
+        return unpack_sequence_forward(grad, cu_seqlens, *ctx.options), None, None
+
+
+class _UnpackSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cu_seqlens, batch_size, sequence_length, padding_side):
+        ctx.save_for_backward(cu_seqlens)
+        ctx.padding_side = padding_side
+        return unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (cu_seqlens,) = ctx.saved_tensors
+        return pack_sequence_forward(grad, cu_seqlens, ctx.padding_side), None, None, None, None
+
+
+def pack_sequence(x, cu_seqlens, padding_side="left"):
+    """(B, S, ...) -> (T, ...): the tokens of each padded row, sequence after sequence, as
+    cu_seqlens (B+1,) int32/int64 gives them ('left': the tokens sit at the end of each row).
+    Any dtype; the backward is unpack_sequence."""
+    return _PackSequence.apply(x, cu_seqlens, padding_side)
+
+
+def unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
+    """(T, ...) -> (batch_size, sequence_length, ...), the padding zero-filled; the inverse of
+    pack_sequence, whose forward is its backward."""
+    return _UnpackSequence.apply(x, cu_seqlens, batch_size, sequence_length, padding_side)
+
+
+def continuous_count(x, bins):
+    """int64 counts (bins,) of each value of the 1-D int32/int64 x in [0, bins); values outside
+    are ignored (torch.bincount(x, minlength=bins) when all are in range)."""
+    out = torch.empty(bins, dtype=torch.int64, device=x.device)
+    _C.continuous_count(x, out, stream=_stream(x))
+    return out

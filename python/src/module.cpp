@@ -236,6 +236,7 @@ void bind_ops(nb::module_& m) {
 namespace meshfuse::python {
 void bind_dist(nb::module_& m);  // dist.cpp
 void bind_recurrent(nb::module_& m);  // recurrent.cpp
+void bind_sequence(nb::module_& m);  // sequence.cpp
 }  // namespace meshfuse::python
 
 NB_MODULE(_meshfuse, m) {
@@ -245,4 +246,5 @@ NB_MODULE(_meshfuse, m) {
   meshfuse::python::bind_gemm(m);
   meshfuse::python::bind_dist(m);
   meshfuse::python::bind_recurrent(m);
+  meshfuse::python::bind_sequence(m);
 }
