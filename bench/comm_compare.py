@@ -150,7 +150,9 @@ def main():
     if rank != 0:
         return
 
-    print(f"meshfuse nccl vs torch.distributed nccl, {n} ranks, {args.dtype}, {args.iters} "
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    print(f"meshfuse nccl vs torch.distributed nccl (torch {torch.__version__}, its NCCL {nccl}), "
+          f"{n} ranks on {torch.cuda.get_device_name(device)}, {args.dtype}, {args.iters} "
           f"iterations after {args.warmup} warm-up; busbw in GB/s (nccl-tests), median [p20, p80]")
     print(f"{'op':<15} {'bytes':>11} {'torch busbw':>12} {'meshfuse busbw':>15} {'ratio':>7}  "
           f"{'torch us [p20, p80]':>26}  {'meshfuse us [p20, p80]':>26}")
