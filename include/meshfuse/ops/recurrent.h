@@ -43,8 +43,10 @@
 //
 // Errors: DTypeMismatch (dtypes differ, not floating, cu_seqlens not i32/i64), ShapeMismatch (a
 // shape that does not follow the above, a head count that does not divide N), InvalidArgument
-// (cu_seqlens that does not start at 0, decreases or does not end at T; max_seqlen smaller than a
-// sequence; gradient_clipping negative or NaN; an output not contiguous), DeviceMismatch,
+// (the input's rank not 4 without / 3 with cu_seqlens; cu_seqlens that does not start at 0,
+// decreases or does not end at T; max_seqlen smaller than a sequence, or given for padded input;
+// gradient_clipping negative or NaN; grad_input_state without input_state; an output not
+// contiguous), DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
