@@ -139,7 +139,7 @@ class Launcher {
 
     ranks_.resize(static_cast<std::size_t>(options_.nprocs));
     for (int r = 0; r < options_.nprocs; ++r) {
-      if (stop_signal_) break;  // interrupted while starting: start no more
+      if (stop_signal_ || first_failure_) break;  // interrupted or failed: start no more
       start(r, port, old_mask);
       drain_signals();
     }
