@@ -68,27 +68,28 @@ TEST_P(CudaPackSequenceTest, MatchesTheReferenceAndPackUndoesUnpack) {
   };
   const std::vector<Case> cases = {{{3, 5}, {0, 5, 5, 14, 15, 15, 22}, 9},
                                    {{1024}, {0, 300, 301, 500, 777}, 300}};
-  for (const Case& c : cases)
+  for (const Case& c : cases) {
+    const std::int64_t batch = static_cast<std::int64_t>(c.cu.size()) - 1, tokens = c.cu.back();
+    Shape shape = {batch, c.seq_len};
+    shape.insert(shape.end(), c.rows.begin(), c.rows.end());
+    const Tensor x = make_values(shape, GetParam(), 1), gx = to_cuda(x);
     for (PaddingSide side : {PaddingSide::Left, PaddingSide::Right})
       for (DType index : {DType::I32, DType::I64}) {
         const Tensor cu = offsets(index, c.cu), gcu = to_cuda(cu);
-        const std::int64_t batch = cu.size(0) - 1, tokens = c.cu.back();
-        Shape shape = {batch, c.seq_len};
-        shape.insert(shape.end(), c.rows.begin(), c.rows.end());
-        const Tensor x = make_values(shape, GetParam(), 1);
         Tensor p_ref, u_ref;
         {
           ForceKernelBackend force(KernelBackend::Reference);
           p_ref = packed(x, cu, tokens, side);
           u_ref = unpacked(p_ref, cu, c.seq_len, side);
         }
-        const Tensor p = packed(to_cuda(x), gcu, tokens, side);
+        const Tensor p = packed(gx, gcu, tokens, side);
         const Tensor u = unpacked(p, gcu, c.seq_len, side);
         EXPECT_TRUE(testing::bitwise_equal(to_cpu(p), p_ref)) << "pack";
         EXPECT_TRUE(testing::bitwise_equal(to_cpu(u), u_ref)) << "unpack";
         EXPECT_TRUE(testing::bitwise_equal(to_cpu(packed(u, gcu, tokens, side)), p_ref))
             << "pack(unpack(p))";
       }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaPackSequenceTest, ::testing::ValuesIn(kAllDTypes),
