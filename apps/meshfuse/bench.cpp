@@ -246,9 +246,11 @@ std::vector<std::string> header_lines(const Plan& plan, const BenchOptions& o, c
                   "bytes); last-level cache {}",
                   peaks.copy.gbps, bytes_text(static_cast<double>(peaks.copy.buffer_bytes)),
                   bytes_text(static_cast<double>(peaks.cache_bytes))),
-      fmt::format("timing: median (p20-p80) of up to {} calls after up to {} warm-up calls, "
-                  "fewer for calls over {:.0f} ms (column 'calls' in csv/json)",
-                  policy.repeats, policy.warmup, 1e3 * policy.budget_s / policy.repeats),
+      fmt::format("timing: median (p20-p80) of up to {} samples after up to {} warm-up calls, "
+                  "fewer for calls over {:.0f} ms (column 'calls' in csv/json); on a GPU a sample "
+                  "is a burst of back-to-back calls (about {:g} ms, at most {}) / its length",
+                  policy.repeats, policy.warmup, 1e3 * policy.budget_s / policy.repeats,
+                  policy.burst_ms, policy.max_burst),
       fmt::format("of peak: memory-bound ops GB/s / copy bandwidth; GEMMs ours / {} at the same "
                   "shape, timed interleaved (16-bit GEMMs of the cpu backend widen to it)",
                   kVendorGemm),

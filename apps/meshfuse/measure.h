@@ -17,19 +17,24 @@ struct TimingPolicy {
   int min_repeats = 5;  // never fewer timed calls than this
   double warmup_budget_s = 0.5;
   double budget_s = 2.0;
+  // GPU streams: calls per timed burst, about burst_ms of work (from the warm-up), at most
+  // max_burst.
+  double burst_ms = 1.0;
+  int max_burst = 50;
 };
 
 struct Timing {
   double median_ms = 0;
   double p20_ms = 0;
   double p80_ms = 0;
-  int calls = 0;  // timed calls
+  int calls = 0;  // timed samples
+  int burst = 1;  // back-to-back calls per sample (GPU streams; 1 on the CPU)
 };
 
 // Times each function in `fns`, calling them interleaved (A B A B ...) so that they see the same
 // machine state; each call is timed on its own with a StreamTimer on `stream` (the steady clock
-// on the CPU, CUDA events on a GPU stream, where the functions queue their work). Returns one
-// Timing per function.
+// on the CPU, CUDA events on a GPU stream, where the functions queue their work; there a sample
+// is a burst of back-to-back calls divided by their number). Returns one Timing per function.
 std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
                                      const TimingPolicy& policy, const Stream& stream = {});
 
