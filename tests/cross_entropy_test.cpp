@@ -387,6 +387,15 @@ TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   test::expect_error([&] { cross_entropy(logits, labels, loss, lse, {.label_smoothing = 1.5}); },
                      ErrorCode::InvalidArgument, {"cross_entropy", "label_smoothing", "1.5"});
   test::expect_error(
+      [&] { cross_entropy(logits, labels, loss, lse, {.logits_multiplier = std::nan("")}); },
+      ErrorCode::InvalidArgument, {"cross_entropy", "logits_multiplier", "finite", "nan"});
+  test::expect_error(
+      [&] {
+        cross_entropy(logits, labels, loss, lse,
+                      {.z_loss_scale = std::numeric_limits<double>::infinity()});
+      },
+      ErrorCode::InvalidArgument, {"cross_entropy", "z_loss_scale", "finite", "inf"});
+  test::expect_error(
       [&] {
         cross_entropy_backward(Tensor({}, DType::BF16), logits, labels, lse,
                                Tensor({4, 8}, DType::F32));

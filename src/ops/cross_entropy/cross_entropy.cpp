@@ -2,7 +2,10 @@
 // by the reference and cpu backends (label check, loss reduction, upstream gradient).
 #include "meshfuse/ops/cross_entropy.h"
 
+#include <cmath>
+
 #include "ops/common.h"
+#include "ops/cross_entropy/options.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
 
 namespace meshfuse {
@@ -117,9 +120,7 @@ detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& lo
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {logits.size(0)});
-  MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
-                 ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
-                 options.label_smoothing);
+  detail::check_cross_entropy_options(op, options);
   return {logits.dtype(), labels.dtype(), logits.size(0), logits.size(1)};
 }
 
@@ -173,4 +174,17 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   host.finish();
 }
 
+namespace detail {
+
+void check_cross_entropy_options(std::string_view op, const CrossEntropyOptions& options) {
+  MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
+                 ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
+                 options.label_smoothing);
+  MESHFUSE_CHECK(std::isfinite(options.logits_multiplier), ErrorCode::InvalidArgument,
+                 "{}: logits_multiplier must be finite, got {}", op, options.logits_multiplier);
+  MESHFUSE_CHECK(std::isfinite(options.z_loss_scale), ErrorCode::InvalidArgument,
+                 "{}: z_loss_scale must be finite, got {}", op, options.z_loss_scale);
+}
+
+}  // namespace detail
 }  // namespace meshfuse

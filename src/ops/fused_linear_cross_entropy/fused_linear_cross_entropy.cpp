@@ -3,6 +3,7 @@
 #include "meshfuse/ops/fused_linear_cross_entropy.h"
 
 #include "ops/common.h"
+#include "ops/cross_entropy/options.h"
 #include "ops/fused_linear_cross_entropy/fused_linear_cross_entropy_kernels.h"
 
 namespace meshfuse {
@@ -78,9 +79,7 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {s.rows});
-  MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
-                 ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
-                 options.label_smoothing);
+  detail::check_cross_entropy_options(op, options);
   check_chunk_rows(chunk_rows);
   if (chunk_rows == 0) chunk_rows = fused_linear_cross_entropy_chunk_rows(x.device().type, s.vocab);
   s.chunk_rows = chunk_rows;
