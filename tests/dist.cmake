@@ -20,4 +20,10 @@ if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
            COMMAND ${MPIEXEC_EXECUTABLE} -np 4 --oversubscribe --allow-run-as-root
                    -x MESHFUSE_BACKEND=mpi $<TARGET_FILE:meshfuse_dist_tests>)
   set_tests_properties(dist_mpi_4_processes PROPERTIES TIMEOUT 120)
+  # Open MPI leaves ~130 KB per process allocated at exit, mostly from its plugins, which are
+  # unloaded by then (LeakSanitizer cannot even name them, so no suppression file can match):
+  # the sanitizer build checks the mpi run for memory errors and undefined behaviour, not leaks.
+  if(MESHFUSE_SANITIZE)
+    set_tests_properties(dist_mpi_4_processes PROPERTIES ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+  endif()
 endif()
