@@ -34,7 +34,8 @@
 // Tensors: contiguous (InvalidArgument otherwise); one dtype per operation (any DType moves;
 // reductions take f32, f64, f16, bf16, i32, i64, u8, and Avg only floating types); all tensors
 // of an operation on one device. 16-bit reductions are computed in fp32 where the backend lets us
-// choose (local: the whole reduction in fp32, rounded once; gloo and mpi: fp32 per pairwise step).
+// choose (local, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
+// all_reduce and reduce, and mpi: fp32 per pairwise step, rounded at each).
 // Split sizes count slices along dim 0 (as in torch.distributed.all_to_all_single): a tensor
 // with dim-0 size S split into sizes s_0..s_{n-1} (sum S) gives rank r the rows of s_r.
 //
