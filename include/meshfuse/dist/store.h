@@ -68,7 +68,8 @@ class HashStore : public Store {
 
 // One file per key under a directory every rank can reach (a shared filesystem across machines,
 // or /tmp on one machine). Writes are atomic (write a temporary file, then rename). The directory
-// is created if missing; the files are left for the caller to remove.
+// is created if missing; the files are left for the caller to remove. Give every job a fresh
+// directory: keys left by an earlier job would be read as this one's.
 class FileStore : public Store {
  public:
   explicit FileStore(std::string path, std::chrono::milliseconds timeout = std::chrono::minutes(5));
