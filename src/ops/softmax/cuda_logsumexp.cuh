@@ -5,23 +5,13 @@
 // then the warps in index order), so the same inputs give bitwise the same results.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string_view>
 
 #include "core/cuda/cuda_utils.cuh"
 
 namespace meshfuse::detail::cuda {
-
-// TEMPORARY (tuning): the variant named by environment variable `name` (0 when unset), read
-// once per call on the host.
-inline int tuning_variant(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : 0;
-}
 
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
@@ -270,83 +260,18 @@ int vector_width(std::int64_t cols, std::initializer_list<const void*> pointers)
   return kVec16<T>;
 }
 
-// The part of a row of nv vectors that this block of its cluster holds: vectors [begin, begin +
-// count), count <= ceil(nv / cluster); thread t handles part vectors t, t + blockDim.x, ...
+// The part of a row of nv vectors that this block holds when `blocks` consecutive blocks share
+// the row (a cluster, or independent blocks): vectors [begin, begin + count), count <= ceil(nv /
+// blocks); thread t handles part vectors t, t + blockDim.x, ...
 struct Part {
   std::int64_t begin;
   int count;
 
-  __device__ Part(std::int64_t nv, int cluster) {
-    const std::int64_t per = (nv + cluster - 1) / cluster;
-    begin = (blockIdx.x % cluster) * per;
+  __device__ Part(std::int64_t nv, int blocks) {
+    const std::int64_t per = (nv + blocks - 1) / blocks;
+    begin = (blockIdx.x % blocks) * per;
     count = static_cast<int>(begin + per < nv ? per : nv - begin);
   }
 };
-
-// Combines v over the blocks of the cluster in rank order (every block gets the same bits), then
-// signals that this block has read the others; cluster_wait() must follow before the block
-// reduces again or exits, so that no block's shared memory goes while another reads it.
-template <typename V, typename F>
-__device__ V cluster_allreduce(V v, int cluster, F combine_fn) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cluster > 1) {
-    __shared__ V slot;
-    if (threadIdx.x == 0) slot = v;
-    __cluster_barrier_arrive();
-    __cluster_barrier_wait();
-    v = *static_cast<V*>(__cluster_map_shared_rank(&slot, 0));
-    for (int r = 1; r < cluster; ++r)
-      v = combine_fn(v, *static_cast<V*>(__cluster_map_shared_rank(&slot, r)));
-    __cluster_barrier_arrive();
-  }
-#endif
-  return v;
-}
-
-__device__ __forceinline__ void cluster_wait(int cluster) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cluster > 1) __cluster_barrier_wait();
-#endif
-}
-
-// Launches `kernel` with `cluster` blocks per row (a thread-block cluster when cluster > 1) for
-// `rows` rows (rows beyond the grid loop), `threads` per block, `shared` bytes of dynamic shared
-// memory.
-template <typename... P, typename... Args>
-void launch_row_clusters(void (*kernel)(P...), int cluster, int threads, std::size_t shared,
-                         std::int64_t rows, const Stream& stream, std::string_view op,
-                         Args... args) {
-  if (shared > 0)
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(shared)),
-          op);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(row_blocks(std::min<std::int64_t>(rows, std::int64_t{1} << 27)) *
-                        static_cast<unsigned>(cluster));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = shared;
-  config.stream = native(stream);
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = cluster > 1 ? 1 : 0;
-  check(cudaLaunchKernelEx(&config, kernel, args...), op);
-}
-
-// The largest cluster (<= `wanted`) that `kernel` may use on the current device: 1 before sm_90
-// or when the kernel was not compiled for it.
-template <typename Kernel>
-int usable_cluster(Kernel* kernel, int wanted) {
-  int device = 0, major = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute");
-  cudaFuncAttributes attributes{};
-  check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
-  return major >= 9 && attributes.binaryVersion >= 90 ? wanted : 1;
-}
 
 }  // namespace meshfuse::detail::cuda
