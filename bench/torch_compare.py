@@ -10,11 +10,13 @@ kernel against torch.autograd.grad over a graph built once.
 
     python3 bench/torch_compare.py --device cpu --model llama-3.1-8b --tokens 4096
     python3 bench/torch_compare.py --device cuda --model llama-3.1-8b --tokens 16384 --compile
+    python3 bench/torch_compare.py --device cpu --tokens 512 --ops linear   # linears on a CPU
 
 Needs the meshfuse package on PYTHONPATH (<build>/python) and torch (bench/requirements.txt).
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -173,6 +175,38 @@ def cases(cfg, tokens, dtype, device, vocab_tokens):
             "eager": grad_of(lambda: ce(logits, labels), (logits,), one)}, None, None)
 
 
+def linear_cases(cfg, tokens, dtype, device):
+    """(op, direction, flops, {impl: fn}, ref, args) for the layer's linears: meshfuse's linear
+    (cuBLASLt on a GPU) against F.linear (torch.matmul's cuBLAS path) at the same shapes."""
+    from meshfuse import _meshfuse as C
+
+    g = torch.Generator(device=device).manual_seed(1)
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * (
+        cfg.get("head_dim") or H // cfg["num_attention_heads"])
+    stream = (lambda: torch.cuda.current_stream().cuda_stream) if device.type == "cuda" else (
+        lambda: 0)
+    for name, n_out, k in (("linear_q", H, H), ("linear_kv", kv, H), ("linear_gate", I, H),
+                           ("linear_down", H, I)):
+        x = torch.randn(tokens, k, generator=g, device=device, dtype=dtype).requires_grad_(True)
+        w = (torch.randn(n_out, k, generator=g, device=device, dtype=dtype) / k ** 0.5
+             ).requires_grad_(True)
+        dy = torch.randn(tokens, n_out, generator=g, device=device, dtype=dtype)
+        out = torch.empty(tokens, n_out, device=device, dtype=dtype)
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
+        xd, wd = x.detach(), w.detach()
+        flops = 2 * tokens * n_out * k
+        yield (name, "forward", flops,
+               {"meshfuse": lambda xd=xd, wd=wd, out=out: C.linear(xd, wd, None, out, stream()),
+                "eager": lambda x=x, w=w: F.linear(x, w)}, F.linear, (x, w))
+        y = F.linear(x, w)
+        yield (name, "backward", 2 * flops,
+               {"meshfuse": lambda dy=dy, xd=xd, wd=wd, gx=gx, gw=gw: C.linear_backward(
+                   dy, xd, wd, gx, gw, None, stream()),
+                "eager": lambda y=y, x=x, w=w, dy=dy: torch.autograd.grad(
+                    y, (x, w), dy, retain_graph=True)}, None, None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -202,10 +236,14 @@ def main():
           f"hidden-size ops {tokens} rows, vocabulary ops {vocab_tokens} rows; measured copy "
           f"bandwidth {peak:.1f} GB/s", flush=True)
     print(f"{'op':28} {'dir':8} {'impl':9} {'median ms':>10} {'p20':>9} {'p80':>9} "
-          f"{'GB/s':>8} {'of copy':>8} {'meshfuse x':>10}")
+          f"{'GB/s|TF/s':>8} {'of copy':>8} {'meshfuse x':>10}")
     records = []
-    for op, direction, nbytes, impls, fn, args in cases(cfg, tokens, dtype, device, vocab_tokens):
-        if wanted and op not in wanted:
+    memory_bound = ((c, "bytes") for c in cases(cfg, tokens, dtype, device, vocab_tokens))
+    # The linears take seconds per call on a CPU: there only when --ops names them.
+    with_gemms = a.device == "cuda" or any(op.startswith("linear") for op in wanted)
+    gemms = ((c, "flops") for c in linear_cases(cfg, tokens, dtype, device)) if with_gemms else ()
+    for (op, direction, work, impls, fn, args), unit in itertools.chain(memory_bound, gemms):
+        if wanted and op not in wanted and not (op.startswith("linear") and "linear" in wanted):
             continue
         if a.compile and fn is not None:
             compiled = torch.compile(fn)
@@ -214,13 +252,16 @@ def main():
         base = statistics.median(times["meshfuse"])
         for name, ms in times.items():
             med, p20, p80 = stats(ms)
-            gbps = nbytes / (med * 1e-3) / 1e9
+            rate = work / (med * 1e-3) / (1e9 if unit == "bytes" else 1e12)
             speedup = med / base
+            rated = (f"{rate:8.1f} {rate / peak:8.1%}" if unit == "bytes"
+                     else f"{rate:7.2f}T {'-':>8}")
             print(f"{op:28} {direction:8} {name:9} {med:10.4f} {p20:9.4f} {p80:9.4f} "
-                  f"{gbps:8.1f} {gbps / peak:8.1%} {speedup:10.2f}", flush=True)
+                  f"{rated} {speedup:10.2f}", flush=True)
             records.append(dict(op=op, direction=direction, impl=name, device=a.device,
                                 dtype=a.dtype, median_ms=med, p20_ms=p20, p80_ms=p80,
-                                gbps=gbps, fraction_of_copy=gbps / peak,
+                                **({"gbps": rate, "fraction_of_copy": rate / peak}
+                                   if unit == "bytes" else {"tflops": rate}),
                                 meshfuse_speedup=speedup, copy_gbps=peak))
     if a.json:
         with open(a.json, "w") as f:
