@@ -1,13 +1,13 @@
 // CUDA RMSNorm.
 //
 // Forward: a row stays in registers as stored (x and residual) across the reduction of sum(r^2),
-// then y and r are written: every row is read once. Rows of up to 1024 16-byte vectors (bf16 H =
-// 8192) go to groups of 32-128 threads with up to 8 vectors each, several rows per 128-thread
-// block (one barrier per row): at bf16 H = 4096 on an H200, 64 threads x 8 vectors per row
-// measured 82% of copy bandwidth (fused with the residual add: 93%, as before), against 72% for
-// a 256-thread block per row with 2 vectors each, 79-81% for 128 x 4 or 256 x 2 under other
-// register limits, and 70-76% for a warp per row with 16 vectors. Wider rows take one block per
-// row, 2 vectors per thread.
+// then y and r are written: every row is read once. Rows of up to 512 16-byte vectors (bf16 H =
+// 4096) go to groups of 64 threads with up to 8 vectors each, two rows per 128-thread block (one
+// barrier per row): at bf16 H = 4096 on an H200, 64 threads x 8 vectors per row measured 82% of
+// copy bandwidth (fused with the residual add: 93%, as before), against 72% for a 256-thread block
+// per row with 2 vectors each, 79-81% for 128 x 4 or 256 x 2 under other register limits, and
+// 70-76% for a warp per row with 16 vectors. Wider rows take one block per row, 2 vectors per
+// thread.
 //
 // Backward: each block walks a fixed range of rows with one 16-byte vector per thread per row (512
 // threads at bf16 H = 4096), the next row's loads in flight while the current row is reduced and
@@ -31,9 +31,10 @@
 namespace meshfuse::detail::cuda {
 namespace {
 
-// Forward rows in registers: up to kGroupPer vectors per thread in blocks of kGroupBlock threads
-// (rows up to 1024 vectors), else kForwardPer per thread in one block of up to kForwardThreads
-// (rows up to 2048 vectors: bf16 H = 16384).
+// Forward rows in registers: groups of kGroup threads, kGroupPer vectors each, kGroupBlock
+// threads per block (rows up to 512 vectors: bf16 H = 4096), else kForwardPer vectors per thread
+// in one block of up to kForwardThreads per row (rows up to 2048 vectors: bf16 H = 16384).
+constexpr int kGroup = 64;
 constexpr int kGroupPer = 8;
 constexpr int kGroupBlock = 128;
 constexpr int kForwardPer = 2;
@@ -129,22 +130,25 @@ __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int6
   store_vec<T, N>(a.y, off, y);
 }
 
-// Rows held in registers as stored (half the registers of fp32 for 16-bit types): a group of g
-// consecutive threads per row (g a multiple of 32 dividing blockDim.x, blockDim.x / g rows per
-// block at a time), P vectors per thread. r is formed from the stored row twice, with the same
-// operations, so y and r see the same unrounded r.
-template <typename T, int N, int P, int B>
-__global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwardArgs a, int g) {
+// Rows held in registers as stored (half the registers of fp32 for 16-bit types): a group of G
+// consecutive threads per row (B / G rows per block of B threads at a time; G = 0: the whole
+// block, one row), P vectors per thread. G is fixed at compile time so that the column offsets
+// are constants (a run-time G took 119 registers instead of 96 at bf16, G = 64, P = 8: one block
+// fewer per SM). r is formed from the stored row twice, with the same operations, so y and r see
+// the same unrounded r.
+template <typename T, int N, int P, int G, int B>
+__global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwardArgs a) {
   using A = acc_t<T>;
   __shared__ A scratch[2][32];
   const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
   // Resident rows are short: 32-bit column offsets.
-  const int cols = static_cast<int>(s.cols), t = threadIdx.x % g, per_block = blockDim.x / g;
+  const int cols = static_cast<int>(s.cols), g = G > 0 ? G : static_cast<int>(blockDim.x);
+  const int t = G > 0 ? threadIdx.x % G : threadIdx.x, per_block = G > 0 ? B / G : 1;
   const auto col = [&](int i) { return (t + i * g) * N; };
   int parity = 0;
   for (std::int64_t first = std::int64_t{blockIdx.x} * per_block; first < s.rows;
        first += std::int64_t{gridDim.x} * per_block, parity ^= 1) {
-    const std::int64_t row = first + threadIdx.x / g;
+    const std::int64_t row = first + (G > 0 ? threadIdx.x / G : 0);
     // A group past the last row takes part in the reduction's barrier only.
     const bool live = row < s.rows;
     const std::int64_t base = live ? row * s.cols : 0;
@@ -408,20 +412,16 @@ void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const S
     with_width<T>(p.width, [&](auto width) {
       constexpr int N = decltype(width)::value;
       if constexpr (N > 1) {
-        const std::int64_t nv = s.cols / N;
-        if (nv <= std::int64_t{kGroupPer} * kGroupBlock) {
-          // The fewest warps (a power of two) that hold the row at kGroupPer vectors each.
-          int g = 32;
-          while (std::int64_t{g} * kGroupPer < nv) g *= 2;
-          const int rows = kGroupBlock / g;
-          forward_kernel<T, N, kGroupPer, kGroupBlock>
-              <<<row_blocks((s.rows + rows - 1) / rows), kGroupBlock, 0, native(stream)>>>(s, a, g);
+        if (s.cols / N <= kGroup * kGroupPer) {
+          constexpr int rows = kGroupBlock / kGroup;
+          forward_kernel<T, N, kGroupPer, kGroup, kGroupBlock>
+              <<<row_blocks((s.rows + rows - 1) / rows), kGroupBlock, 0, native(stream)>>>(s, a);
           return;
         }
       }
       if (p.resident)
-        forward_kernel<T, N, kForwardPer, kForwardThreads>
-            <<<row_blocks(s.rows), p.threads, 0, native(stream)>>>(s, a, p.threads);
+        forward_kernel<T, N, kForwardPer, 0, kForwardThreads>
+            <<<row_blocks(s.rows), p.threads, 0, native(stream)>>>(s, a);
       else
         forward_streaming_kernel<T, N><<<row_blocks(s.rows), p.threads, 0, native(stream)>>>(s, a);
     });
