@@ -10,7 +10,8 @@
 // A product: thread (column pair cp, lane ks) sums its k-slice (k = ks, ks + lanes, ...) for the
 // two columns 2cp, 2cp+1 and all kSeqs sequences (one 2-element weight load and kSeqs state loads
 // feed 2 kSeqs FMAs), then the `lanes` threads of a pair (adjacent lanes of a warp) add their
-// partial sums with xor shuffles; each finalises the values (2 g + e) % lanes == ks. The backward's
+// partial sums with a reduce-scatter of xor shuffles (reduce_scatter: V - 1 shuffles for V values,
+// not V log2(lanes)); each lane finalises the contiguous values it ends up with. The backward's
 // products with W^T read the same weight rows transposed: thread cp owns the rows cp and
 // cp + pairs. The weight gradient sum_t u_t^T da_t is accumulated in the same loop (the da rows
 // are already loaded): each entry belongs to one thread and grows step by step in a fixed order,
@@ -24,10 +25,16 @@
 // layout and goes through the cache: slower, the same numbers. H = 64 and H = 128 are compiled
 // with constant sizes; other H use the same code with runtime sizes.
 //
-// Inputs a block reads from global memory at a step are issued before that step's product, so
-// their latency hides behind it. Broadcast inputs (fewer heads than N) get their gradient per head
-// in an fp32 scratch tensor that a second kernel adds up per source head.
+// The step's critical path is: product -> shuffles -> activation -> shared store -> barrier. Token
+// rows come from global memory off that path: predicated loads (load_if, no branch, so nothing
+// waits at the load) kept as raw bits until used; with constant sizes they are issued a whole step
+// ahead. (Loads in branches whose value was converted inside the branch made every step wait for
+// memory once per owned value: ~7 us per step.)
+//
+// Broadcast inputs (fewer heads than N) get their gradient per head in an fp32 scratch tensor that
+// a second kernel adds up per source head.
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -224,14 +231,15 @@ __device__ Workspace<T, M> make_workspace(const Args<T>& a, unsigned char* smem,
   return ws;
 }
 
-// acc[m][g][e] = sum over this lane's k (ks, ks + lanes, ... < h) of v[k][g] * W_m[k][2 cp + e].
+// Products hand each lane of a column pair V = M x kSeqs x 2 partial sums, value v = (m kSeqs + g)
+// 2 + e (matrix m, sequence g, column e of the pair); reduce_scatter adds them up over the lanes.
+
+// acc[v] = sum over this lane's k (ks, ks + lanes, ... < h) of v_k[g] * W_m[k][2 cp + e].
 template <int M, typename T, typename A>
 __device__ __forceinline__ void vec_mat(const T* const (&w)[M], int wstride, const A* v, int h,
-                                        int cp, int ks, int lanes, A (&acc)[M][kSeqs][2]) {
+                                        int cp, int ks, int lanes, A (&acc)[M * kSeqs * 2]) {
 #pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int g = 0; g < kSeqs; ++g) acc[m][g][0] = acc[m][g][1] = A(0);
+  for (int i = 0; i < M * kSeqs * 2; ++i) acc[i] = A(0);
 #pragma unroll 2
   for (int k = ks; k < h; k += lanes) {
     const Row<A> x = row_at(v, k);
@@ -241,23 +249,23 @@ __device__ __forceinline__ void vec_mat(const T* const (&w)[M], int wstride, con
       const A w0 = load(p.a), w1 = load(p.b);
 #pragma unroll
       for (int g = 0; g < kSeqs; ++g) {
-        acc[m][g][0] += x.v[g] * w0;
-        acc[m][g][1] += x.v[g] * w1;
+        acc[(m * kSeqs + g) * 2] += x.v[g] * w0;
+        acc[(m * kSeqs + g) * 2 + 1] += x.v[g] * w1;
       }
     }
   }
 }
 
-// acc[g][e] = sum over m and this lane's column pairs jp (ks, ks + lanes, ...) of
+// acc[2 g + e] = sum over m and this lane's column pairs jp (ks, ks + lanes, ...) of
 // d_m[j][g] * W_m[r_e][j] for j = 2 jp, 2 jp + 1 and rows r_0 = cp, r_1 = cp + pairs (d @ W^T).
 // Also dw_m[r_e][j] += sum_g u[r_e][g] * d_m[j][g] (the weight gradient u^T d).
 template <int M, typename T, typename A>
 __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
                                           const A* const (&d)[M], A* const (&dw)[M],
                                           const int (&dwstride)[M], const A* u, int pairs, int cp,
-                                          int ks, int lanes, A (&acc)[kSeqs][2]) {
+                                          int ks, int lanes, A (&acc)[kSeqs * 2]) {
 #pragma unroll
-  for (int g = 0; g < kSeqs; ++g) acc[g][0] = acc[g][1] = A(0);
+  for (int i = 0; i < kSeqs * 2; ++i) acc[i] = A(0);
   const int r0 = cp, r1 = cp + pairs;
   const Row<A> u0 = row_at(u, r0), u1 = row_at(u, r1);
 #pragma unroll 2
@@ -272,8 +280,8 @@ __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
       A s00 = 0, s01 = 0, s10 = 0, s11 = 0;
 #pragma unroll
       for (int g = 0; g < kSeqs; ++g) {
-        acc[g][0] += d0.v[g] * w00 + d1.v[g] * w01;
-        acc[g][1] += d0.v[g] * w10 + d1.v[g] * w11;
+        acc[2 * g] += d0.v[g] * w00 + d1.v[g] * w01;
+        acc[2 * g + 1] += d0.v[g] * w10 + d1.v[g] * w11;
         s00 += u0.v[g] * d0.v[g];
         s01 += u0.v[g] * d1.v[g];
         s10 += u1.v[g] * d0.v[g];
@@ -292,26 +300,102 @@ __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
   }
 }
 
-// Adds up the partial sums of the `lanes` adjacent lanes of a column pair (all lanes take part).
-template <int M, typename A>
-__device__ __forceinline__ void reduce_lanes(A (&acc)[M][kSeqs][2], int lanes) {
-  for (int o = 1; o < lanes; o <<= 1)
+// One level per value count (compile-time sizes: the values stay in registers).
+template <int Live, int V, typename A>
+__device__ __forceinline__ void scatter_levels(A (&acc)[V], int& o, int ks) {
+  if constexpr (Live > 1) {
+    if (o > 0) {
+      const bool upper = (ks & o) != 0;
 #pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int g = 0; g < kSeqs; ++g)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) acc[m][g][e] += __shfl_xor_sync(0xffffffffu, acc[m][g][e], o);
+      for (int i = 0; i < Live / 2; ++i) {
+        const A send = upper ? acc[i] : acc[i + Live / 2];
+        const A keep = upper ? acc[i + Live / 2] : acc[i];
+        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+      o /= 2;
+      scatter_levels<Live / 2>(acc, o, ks);
+    }
+  }
+}
+// Adds up the V partial sums of the `lanes` adjacent lanes of a column pair, halving the values a
+// lane keeps at each shuffle level (V - 1 shuffles instead of V log2(lanes)): the lane sends one
+// half to its partner and adds the partner's copy of the other half. Afterwards acc[0, count) hold
+// the sums of values base, base + 1, ... (see Owned). All lanes take part.
+template <int V, typename A>
+__device__ __forceinline__ void reduce_scatter(A (&acc)[V], int lanes, int ks) {
+  int o = lanes / 2;
+  scatter_levels<V>(acc, o, ks);
+  for (; o > 0; o /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);  // lanes > V
 }
 
-// Calls f(g, e) for the values this lane finalises (compile-time g, e after unrolling).
-template <typename F>
-__device__ __forceinline__ void for_owned(int ks, int lanes, F&& f) {
+// The values a lane holds after reduce_scatter: base .. base + count - 1; `rep` adjacent lanes hold
+// the same ones, and the first of them (owner) writes them.
+struct Owned {
+  int base, count;
+  bool owner;
+};
+template <int V>
+__device__ __forceinline__ Owned owned_values(int lanes, int ks) {
+  const int split = lanes < V ? lanes : V, rep = lanes / split, count = V / split;
+  return {ks / rep * count, count, ks % rep == 0};
+}
+// The most values a lane holds: a constant with constant sizes.
+template <int kH, int V>
+constexpr int max_owned() {
+  if constexpr (kH == 0) {
+    return V;
+  } else {
+    constexpr int lanes = lanes_per_pair((kH + 1) / 2);
+    return lanes < V ? V / lanes : 1;
+  }
+}
+
+// Calls f(i, m, g, e) for the values v = base + i this lane holds (i a constant after unrolling).
+template <int kOwn, typename F>
+__device__ __forceinline__ void for_owned(const Owned& own, F&& f) {
 #pragma unroll
-  for (int g = 0; g < kSeqs; ++g)
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-      if (((2 * g + e) & (lanes - 1)) == ks) f(g, e);
+  for (int i = 0; i < kOwn; ++i) {
+    const int v = own.base + i;
+    if (i < own.count) f(i, v / (2 * kSeqs), (v / 2) % kSeqs, v & 1);
+  }
+}
+
+// *p, or zero where !pred, as raw bits: a predicated load with no branch, so that the value can be
+// left in flight until it is used (a load in a branch whose value is converted inside the branch
+// waits for memory there).
+template <typename T>
+__device__ __forceinline__ T load_if(const T* p, bool pred) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8);
+  T v;
+  if constexpr (sizeof(T) == 2) {
+    unsigned short b;
+    asm("{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n mov.b16 %0, 0;\n @q ld.global.b16 %0, [%1];\n}"
+        : "=h"(b)
+        : "l"(p), "r"(static_cast<int>(pred)));
+    memcpy(&v, &b, sizeof(v));
+  } else if constexpr (sizeof(T) == 4) {
+    unsigned b;
+    asm("{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n mov.b32 %0, 0;\n @q ld.global.b32 %0, [%1];\n}"
+        : "=r"(b)
+        : "l"(p), "r"(static_cast<int>(pred)));
+    memcpy(&v, &b, sizeof(v));
+  } else {
+    unsigned long long b;
+    asm("{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n mov.b64 %0, 0;\n @q ld.global.b64 %0, [%1];\n}"
+        : "=l"(b)
+        : "l"(p), "r"(static_cast<int>(pred)));
+    memcpy(&v, &b, sizeof(v));
+  }
+  return v;
+}
+
+// With constant sizes a thread has one column pair (one pass of for_pairs), so it can load the
+// token rows of step t + 1 during step t: their memory latency leaves the step's critical path.
+template <int kH>
+constexpr bool fetch_ahead() {
+  static_assert(kH == 0 || (kH + 1) / 2 * lanes_per_pair((kH + 1) / 2) == kThreads,
+                "constant sizes take one pass of for_pairs");
+  return kH != 0;
 }
 
 // Runs body(cp, valid) over the column pairs in passes of kThreads / lanes pairs; every thread
@@ -321,7 +405,9 @@ __device__ __forceinline__ void for_pairs(const Dims<kH>& d, F&& body) {
   const int per_pass = kThreads / d.lanes();
   for (int base = 0; base < d.pairs(); base += per_pass) {
     const int cp = base + static_cast<int>(threadIdx.x) / d.lanes();
-    body(cp < d.pairs() ? cp : d.pairs() - 1, cp < d.pairs());
+    // constant sizes: one pass covers the pairs exactly (a constant, so products fully unroll)
+    const bool valid = fetch_ahead<kH>() || cp < d.pairs();
+    body(valid ? cp : d.pairs() - 1, valid);
   }
 }
 
@@ -352,11 +438,23 @@ __device__ __forceinline__ std::int64_t input_head(const Args<T>& a, int m, std:
   return n / (a.heads / a.input_heads[m]);
 }
 
-// Element (row, head xh, j) of input m; xh from input_head.
+// Element (row, head xh, j) of input m as raw bits (load_if), zero where !on; xh from input_head.
 template <typename T>
-__device__ __forceinline__ acc_t<T> load_input(const Args<T>& a, int m, std::int64_t row,
-                                               std::int64_t xh, int j) {
-  return load(a.input[m][at(row, a.input_heads[m], xh, a.h, j)]);
+__device__ __forceinline__ T fetch_input(const Args<T>& a, int m, std::int64_t row, std::int64_t xh,
+                                         int j, bool on) {
+  return load_if(a.input[m] + at(row, a.input_heads[m], xh, a.h, j), on);
+}
+
+// p[i] as raw bits, zero where !on or p is null (an optional tensor).
+template <typename T>
+__device__ __forceinline__ T fetch_or_zero(const T* p, std::int64_t i, bool on) {
+  return load_if(p != nullptr ? p + i : p, on && p != nullptr);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void copy(T (&dst)[N], const T (&src)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) dst[i] = src[i];
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -382,24 +480,39 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_forward_kernel(const Args<T> 
   }
   __syncthreads();
 
+  constexpr int V = 2 * kSeqs, kOwn = max_owned<kH, V>();
+  const Owned own = owned_values<V>(lanes, ks);
+  // x_t of the values this lane holds
+  auto fetch = [&](std::int64_t t, int cp, bool valid, T(&x)[kOwn]) {
+    for_owned<kOwn>(own, [&](int i, int, int g, int e) {
+      const int j = 2 * cp + e;
+      x[i] =
+          fetch_input(a, 0, seq.first[g] + t, xh, j, own.owner && valid && j < h && t < seq.len[g]);
+    });
+  };
+  T ahead[kOwn] = {};
+  if constexpr (fetch_ahead<kH>()) fetch(0, threadIdx.x / lanes, true, ahead);
+
   for (std::int64_t t = 0; t < steps; ++t) {
     const A* cur = hbuf + (t & 1) * size;
     A* next = hbuf + ((t + 1) & 1) * size;
     for_pairs(d, [&](int cp, bool valid) {
-      A x[kSeqs][2];
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e;
-        if (valid && j < h && t < seq.len[g]) x[g][e] = load_input(a, 0, seq.first[g] + t, xh, j);
-      });
-      A acc[1][kSeqs][2];
+      T x[kOwn] = {};
+      if constexpr (fetch_ahead<kH>()) {
+        copy(x, ahead);
+        fetch(t + 1, cp, valid, ahead);
+      } else {
+        fetch(t, cp, valid, x);
+      }
+      A acc[V];
       vec_mat<1>(ws.w, a.wstride, cur, valid ? h : 0, cp, ks, lanes, acc);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn>(own, [&](int i, int, int g, int e) {
         const int j = 2 * cp + e;
-        if (!valid || j >= h) return;
+        if (!own.owner || !valid || j >= h) return;
         A v = cur[j * kSeqs + g];
         if (t < seq.len[g]) {
-          v = tanh(acc[0][g][e] + x[g][e]);
+          v = tanh(acc[i] + load(x[i]));
           a.output[at(seq.first[g] + t, a.heads, n, h, j)] = store<T>(v);
         }
         next[j * kSeqs + g] = v;
@@ -443,52 +556,78 @@ __global__ void __launch_bounds__(kThreads, 1) gru_forward_kernel(const Args<T> 
   const T* const w_z[1] = {ws.w[0]};
   const T* const w_fr[2] = {ws.w[1], ws.w[2]};
 
+  // Gates (x_f, x_r: matrix m reads input m + 1) and candidate (x) values of the lane at step t.
+  constexpr int V1 = 4 * kSeqs, kOwn1 = max_owned<kH, V1>();
+  constexpr int V2 = 2 * kSeqs, kOwn2 = max_owned<kH, V2>();
+  const Owned own1 = owned_values<V1>(lanes, ks), own2 = owned_values<V2>(lanes, ks);
+  auto fetch_gates = [&](std::int64_t t, int cp, bool valid, T(&x)[kOwn1]) {
+    for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
+      const int j = 2 * cp + e;
+      x[i] = fetch_input(a, m + 1, seq.first[g] + t, m == 0 ? xh[1] : xh[2], j,
+                         own1.owner && valid && j < h && t < seq.len[g]);
+    });
+  };
+  auto fetch_candidate = [&](std::int64_t t, int cp, bool valid, T(&x)[kOwn2]) {
+    for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
+      const int j = 2 * cp + e;
+      x[i] = fetch_input(a, 0, seq.first[g] + t, xh[0], j,
+                         own2.owner && valid && j < h && t < seq.len[g]);
+    });
+  };
+  T ahead1[kOwn1] = {}, ahead2[kOwn2] = {};
+  if constexpr (fetch_ahead<kH>()) {
+    fetch_gates(0, threadIdx.x / lanes, true, ahead1);
+    fetch_candidate(0, threadIdx.x / lanes, true, ahead2);
+  }
+
   for (std::int64_t t = 0; t < steps; ++t) {
     const A* cur = hbuf + (t & 1) * size;
     A* next = hbuf + ((t + 1) & 1) * size;
     // f = sigmoid(h W_f + x_f), r = sigmoid(h W_r + x_r), q = h * r
     for_pairs(d, [&](int cp, bool valid) {
-      A xf[kSeqs][2], xr[kSeqs][2];
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e;
-        if (!valid || j >= h || t >= seq.len[g]) return;
-        xf[g][e] = load_input(a, 1, seq.first[g] + t, xh[1], j);
-        xr[g][e] = load_input(a, 2, seq.first[g] + t, xh[2], j);
-      });
-      A acc[2][kSeqs][2];
+      T x[kOwn1] = {};
+      if constexpr (fetch_ahead<kH>()) {
+        copy(x, ahead1);
+        fetch_gates(t + 1, cp, valid, ahead1);
+      } else {
+        fetch_gates(t, cp, valid, x);
+      }
+      A acc[V1];
       vec_mat<2>(w_fr, a.wstride, cur, valid ? h : 0, cp, ks, lanes, acc);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e, i = j * kSeqs + g;
-        if (!valid || j >= h) return;
-        const bool active = t < seq.len[g];
-        const A r = active ? sigmoid(acc[1][g][e] + xr[g][e]) : A(0);
-        f[i] = active ? sigmoid(acc[0][g][e] + xf[g][e]) : A(0);
-        q[i] = cur[i] * r;
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
+        const int j = 2 * cp + e, s = j * kSeqs + g;
+        if (!own1.owner || !valid || j >= h) return;
+        const A gate = t < seq.len[g] ? sigmoid(acc[i] + load(x[i])) : A(0);
+        if (m == 0)
+          f[s] = gate;
+        else
+          q[s] = cur[s] * gate;
       });
     });
     __syncthreads();
     // z = tanh(q W + x), h' = f h + (1 - f) z
     for_pairs(d, [&](int cp, bool valid) {
-      A x[kSeqs][2];
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e;
-        if (valid && j < h && t < seq.len[g])
-          x[g][e] = load_input(a, 0, seq.first[g] + t, xh[0], j);
-      });
-      A acc[1][kSeqs][2];
+      T x[kOwn2] = {};
+      if constexpr (fetch_ahead<kH>()) {
+        copy(x, ahead2);
+        fetch_candidate(t + 1, cp, valid, ahead2);
+      } else {
+        fetch_candidate(t, cp, valid, x);
+      }
+      A acc[V2];
       vec_mat<1>(w_z, a.wstride, q, valid ? h : 0, cp, ks, lanes, acc);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e, i = j * kSeqs + g;
-        if (!valid || j >= h) return;
-        A v = cur[i];
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
+        const int j = 2 * cp + e, s = j * kSeqs + g;
+        if (!own2.owner || !valid || j >= h) return;
+        A v = cur[s];
         if (t < seq.len[g]) {
-          const A z = tanh(acc[0][g][e] + x[g][e]);
-          v = f[i] * v + (A(1) - f[i]) * z;
+          const A z = tanh(acc[i] + load(x[i]));
+          v = f[s] * v + (A(1) - f[s]) * z;
           a.output[at(seq.first[g] + t, a.heads, n, h, j)] = store<T>(v);
         }
-        next[i] = v;
+        next[s] = v;
       });
     });
     __syncthreads();
@@ -523,12 +662,16 @@ __device__ void finish_backward(const Args<T>& a, const Seqs& seq, int n, const 
   }
 }
 
-// The state before position p of sequence g: output[p - 1], or input_state (zeros) at p = 0.
+// The state before position p of sequence g as raw bits (load_if), zero where !on: output[p - 1],
+// or input_state (zeros) at p = 0.
 template <typename T>
-__device__ __forceinline__ acc_t<T> previous_state(const Args<T>& a, const Seqs& seq, int g,
-                                                   std::int64_t p, std::int64_t n, int j) {
-  if (p > 0) return load(a.y[at(seq.first[g] + p - 1, a.heads, n, a.h, j)]);
-  return load_or_zero(a.input_state, at(seq.batch_index[g], a.heads, n, a.h, j));
+__device__ __forceinline__ T fetch_previous_state(const Args<T>& a, const Seqs& seq, int g,
+                                                  std::int64_t p, std::int64_t n, int j, bool on) {
+  const T* src = p > 0 ? a.y + at(seq.first[g] + p - 1, a.heads, n, a.h, j)
+                 : a.input_state != nullptr
+                     ? a.input_state + at(seq.batch_index[g], a.heads, n, a.h, j)
+                     : nullptr;
+  return load_if(src, on && src != nullptr);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -557,20 +700,22 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Args<T>
   __syncthreads();
   const A* const das[1] = {da};
   A* const dws[1] = {ws.dw[0]};
+  constexpr int V = 2 * kSeqs, kOwn = max_owned<kH, V>();
+  const Owned own = owned_values<V>(lanes, ks);
 
   // The elementwise part: item k of this thread is (g, j) = (i / hp, i % hp), i = tid + k kThreads
   // (j fastest: coalesced rows). With constant sizes the next step's loads are issued before this
-  // step's product.
+  // step's product and converted only in the next step.
   constexpr int kItems = kH ? (kH + 1) / 2 * 2 * kSeqs / kThreads : 1;
   constexpr bool kPrefetch = kH != 0 && (kH + 1) / 2 * 2 * kSeqs % kThreads == 0;
-  A py[kItems] = {}, pu[kItems] = {}, pdy[kItems] = {};
-  auto fetch = [&](std::int64_t t, int i, A& y, A& prev, A& dy) {
+  T py[kItems] = {}, pu[kItems] = {}, pdy[kItems] = {};
+  auto fetch = [&](std::int64_t t, int i, T& y, T& prev, T& dy) {
     const int g = i / hp, j = i % hp;
-    if (j >= h || t >= seq.len[g]) return;
+    const bool on = j < h && t < seq.len[g];
     const std::int64_t p = seq.len[g] - 1 - t, row = seq.first[g] + p;
-    y = load(a.y[at(row, a.heads, n, h, j)]);
-    prev = previous_state(a, seq, g, p, n, j);
-    dy = load_or_zero(a.grad_output, at(row, a.heads, n, h, j));
+    y = load_if(a.y + at(row, a.heads, n, h, j), on);
+    prev = fetch_previous_state(a, seq, g, p, n, j, on);
+    dy = fetch_or_zero(a.grad_output, at(row, a.heads, n, h, j), on);
   };
   if constexpr (kPrefetch)
 #pragma unroll
@@ -592,12 +737,12 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Args<T>
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < kItems; ++k)
-        elementwise(threadIdx.x + k * kThreads, py[k], pu[k], pdy[k]);
+        elementwise(threadIdx.x + k * kThreads, load(py[k]), load(pu[k]), load(pdy[k]));
     } else {
       for (int i = threadIdx.x; i < hp * kSeqs; i += kThreads) {
-        A y = 0, prev = 0, dy = 0;
+        T y, prev, dy;
         fetch(t, i, y, prev, dy);
-        elementwise(i, y, prev, dy);
+        elementwise(i, load(y), load(prev), load(dy));
       }
     }
     __syncthreads();
@@ -606,13 +751,13 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Args<T>
       for (int k = 0; k < kItems; ++k)
         fetch(t + 1, threadIdx.x + k * kThreads, py[k], pu[k], pdy[k]);
     for_pairs(d, [&](int cp, bool valid) {
-      A acc[1][kSeqs][2];
+      A acc[V];
       vec_mat_t<1>(ws.w, a.wstride, das, dws, ws.dwstride, u, valid ? pairs : 0, cp, ks, lanes,
-                   acc[0]);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
+                   acc);
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn>(own, [&](int i, int, int g, int e) {
         const int j = cp + e * pairs;
-        if (valid && j < h && t < seq.len[g]) dh[j * kSeqs + g] = acc[0][g][e];
+        if (own.owner && valid && j < h && t < seq.len[g]) dh[j * kSeqs + g] = acc[i];
       });
     });
     __syncthreads();
@@ -650,14 +795,13 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
   A* dh = ws.states + 8 * size;
 
   // The previous state of step t for item i = (g, j) = (i / hp, i % hp) (j fastest: coalesced).
-  auto fetch_prev = [&](std::int64_t t, int i) -> A {
+  auto fetch_prev = [&](std::int64_t t, int i) -> T {
     const int g = i / hp, j = i % hp;
-    if (j >= h || t >= seq.len[g]) return A(0);
-    return previous_state(a, seq, g, seq.len[g] - 1 - t, n, j);
+    return fetch_previous_state(a, seq, g, seq.len[g] - 1 - t, n, j, j < h && t < seq.len[g]);
   };
   for (int i = threadIdx.x; i < size; i += kThreads) {
     const int g = i / hp, j = i % hp;
-    ubuf[j * kSeqs + g] = fetch_prev(0, i);
+    ubuf[j * kSeqs + g] = load(fetch_prev(0, i));
     if (j < h && seq.batch_index[g] < a.batch)
       dh[j * kSeqs + g] =
           load_or_zero(a.grad_final_state, at(seq.batch_index[g], a.heads, n, h, j));
@@ -673,106 +817,136 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
   const int dws_fr[2] = {ws.dwstride[1], ws.dwstride[2]};
   constexpr int kItems = kH ? (kH + 1) / 2 * 2 * kSeqs / kThreads : 1;
   constexpr bool kPrefetch = kH != 0 && (kH + 1) / 2 * 2 * kSeqs % kThreads == 0;
-  A next_prev[kItems] = {};
+  T next_prev[kItems] = {};
+
+  // The lane's token-row values of step t: x_f, x_r (gates: matrix m reads input m + 1) and x, dy
+  // (candidate), as in gru_forward_kernel.
+  constexpr int V1 = 4 * kSeqs, kOwn1 = max_owned<kH, V1>();
+  constexpr int V2 = 2 * kSeqs, kOwn2 = max_owned<kH, V2>();
+  const Owned own1 = owned_values<V1>(lanes, ks), own2 = owned_values<V2>(lanes, ks);
+  auto row_of = [&](int g, std::int64_t t) { return seq.first[g] + seq.len[g] - 1 - t; };
+  auto fetch_gates = [&](std::int64_t t, int cp, bool valid, T(&x)[kOwn1]) {
+    for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
+      const int j = 2 * cp + e;
+      x[i] = fetch_input(a, m + 1, row_of(g, t), m == 0 ? xh[1] : xh[2], j,
+                         own1.owner && valid && j < h && t < seq.len[g]);
+    });
+  };
+  auto fetch_candidate = [&](std::int64_t t, int cp, bool valid, T(&x)[kOwn2], T(&dy)[kOwn2]) {
+    for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
+      const int j = 2 * cp + e;
+      const bool on = own2.owner && valid && j < h && t < seq.len[g];
+      x[i] = fetch_input(a, 0, row_of(g, t), xh[0], j, on);
+      dy[i] = fetch_or_zero(a.grad_output, at(row_of(g, t), a.heads, n, h, j), on);
+    });
+  };
+  T ahead_gates[kOwn1] = {}, ahead_x[kOwn2] = {}, ahead_dy[kOwn2] = {};
+  if constexpr (fetch_ahead<kH>()) {
+    fetch_gates(0, threadIdx.x / lanes, true, ahead_gates);
+    fetch_candidate(0, threadIdx.x / lanes, true, ahead_x, ahead_dy);
+  }
 
   for (std::int64_t t = 0; t < steps; ++t) {
     const A* hprev = ubuf + (t & 1) * size;
     A* hnext = ubuf + ((t + 1) & 1) * size;
-    auto row_of = [&](int g) { return seq.first[g] + seq.len[g] - 1 - t; };
     if constexpr (kPrefetch)
 #pragma unroll
       for (int k = 0; k < kItems; ++k) next_prev[k] = fetch_prev(t + 1, threadIdx.x + k * kThreads);
     // 1. f, r, q
     for_pairs(d, [&](int cp, bool valid) {
-      A xf[kSeqs][2], xr[kSeqs][2];
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e;
-        if (!valid || j >= h || t >= seq.len[g]) return;
-        xf[g][e] = load_input(a, 1, row_of(g), xh[1], j);
-        xr[g][e] = load_input(a, 2, row_of(g), xh[2], j);
-      });
-      A acc[2][kSeqs][2];
+      T x[kOwn1] = {};
+      if constexpr (fetch_ahead<kH>()) {
+        copy(x, ahead_gates);
+        fetch_gates(t + 1, cp, valid, ahead_gates);
+      } else {
+        fetch_gates(t, cp, valid, x);
+      }
+      A acc[V1];
       vec_mat<2>(w_fr, a.wstride, hprev, valid ? h : 0, cp, ks, lanes, acc);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e, i = j * kSeqs + g;
-        if (!valid || j >= h) return;
-        const bool active = t < seq.len[g];
-        f[i] = active ? sigmoid(acc[0][g][e] + xf[g][e]) : A(0);
-        r[i] = active ? sigmoid(acc[1][g][e] + xr[g][e]) : A(0);
-        q[i] = hprev[i] * r[i];
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
+        const int j = 2 * cp + e, s = j * kSeqs + g;
+        if (!own1.owner || !valid || j >= h) return;
+        const A gate = t < seq.len[g] ? sigmoid(acc[i] + load(x[i])) : A(0);
+        if (m == 0) {
+          f[s] = gate;
+        } else {
+          r[s] = gate;
+          q[s] = hprev[s] * gate;
+        }
       });
     });
     __syncthreads();
     // 2. z, da_z, da_f, dh = g f
     for_pairs(d, [&](int cp, bool valid) {
-      A x[kSeqs][2], dy[kSeqs][2];
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e;
-        if (!valid || j >= h || t >= seq.len[g]) return;
-        x[g][e] = load_input(a, 0, row_of(g), xh[0], j);
-        dy[g][e] = load_or_zero(a.grad_output, at(row_of(g), a.heads, n, h, j));
-      });
-      A acc[1][kSeqs][2];
+      T x[kOwn2] = {}, dy[kOwn2] = {};
+      if constexpr (fetch_ahead<kH>()) {
+        copy(x, ahead_x);
+        copy(dy, ahead_dy);
+        fetch_candidate(t + 1, cp, valid, ahead_x, ahead_dy);
+      } else {
+        fetch_candidate(t, cp, valid, x, dy);
+      }
+      A acc[V2];
       vec_mat<1>(w_z, a.wstride, q, valid ? h : 0, cp, ks, lanes, acc);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = 2 * cp + e, i = j * kSeqs + g;
-        if (!valid || j >= h) return;
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
+        const int j = 2 * cp + e, s = j * kSeqs + g;
+        if (!own2.owner || !valid || j >= h) return;
         A dz = 0, df = 0;
         if (t < seq.len[g]) {
-          const A z = tanh(acc[0][g][e] + x[g][e]), fi = f[i];
-          const A grad = clamp_grad(dh[i] + dy[g][e], a.clip);
+          const A z = tanh(acc[i] + load(x[i])), fi = f[s];
+          const A grad = clamp_grad(dh[s] + load(dy[i]), a.clip);
           dz = grad * (A(1) - fi) * (A(1) - z * z);
-          df = grad * (hprev[i] - z) * fi * (A(1) - fi);
-          dh[i] = grad * fi;
-          store_grad_input(a, 0, row_of(g), n, j, dz);
-          store_grad_input(a, 1, row_of(g), n, j, df);
+          df = grad * (hprev[s] - z) * fi * (A(1) - fi);
+          dh[s] = grad * fi;
+          store_grad_input(a, 0, row_of(g, t), n, j, dz);
+          store_grad_input(a, 1, row_of(g, t), n, j, df);
         }
-        da_z[i] = dz;
-        da_f[i] = df;
+        da_z[s] = dz;
+        da_f[s] = df;
       });
     });
     __syncthreads();
     // 3. dq = da_z W^T, da_r, dh += dq r, dW += q^T da_z
     for_pairs(d, [&](int cp, bool valid) {
-      A acc[1][kSeqs][2];
-      vec_mat_t<1>(w_z, a.wstride, d_z, dw_z, dws_z, q, valid ? pairs : 0, cp, ks, lanes, acc[0]);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
-        const int j = cp + e * pairs, i = j * kSeqs + g;
-        if (!valid || j >= h) return;
+      A acc[V2];
+      vec_mat_t<1>(w_z, a.wstride, d_z, dw_z, dws_z, q, valid ? pairs : 0, cp, ks, lanes, acc);
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
+        const int j = cp + e * pairs, s = j * kSeqs + g;
+        if (!own2.owner || !valid || j >= h) return;
         A dr = 0;
         if (t < seq.len[g]) {
-          const A dq = acc[0][g][e], ri = r[i];
-          dr = dq * hprev[i] * ri * (A(1) - ri);
-          dh[i] += dq * ri;
-          store_grad_input(a, 2, row_of(g), n, j, dr);
+          const A dq = acc[i], ri = r[s];
+          dr = dq * hprev[s] * ri * (A(1) - ri);
+          dh[s] += dq * ri;
+          store_grad_input(a, 2, row_of(g, t), n, j, dr);
         }
-        da_r[i] = dr;
+        da_r[s] = dr;
       });
     });
     __syncthreads();
     // 4. dh += da_f W_f^T + da_r W_r^T, dW_f += h^T da_f, dW_r += h^T da_r; the next u
     for_pairs(d, [&](int cp, bool valid) {
-      A acc[1][kSeqs][2];
+      A acc[V2];
       vec_mat_t<2>(w_fr, a.wstride, d_fr, dw_fr, dws_fr, hprev, valid ? pairs : 0, cp, ks, lanes,
-                   acc[0]);
-      reduce_lanes(acc, lanes);
-      for_owned(ks, lanes, [&](int g, int e) {
+                   acc);
+      reduce_scatter(acc, lanes, ks);
+      for_owned<kOwn2>(own2, [&](int i, int, int g, int e) {
         const int j = cp + e * pairs;
-        if (valid && j < h && t < seq.len[g]) dh[j * kSeqs + g] += acc[0][g][e];
+        if (own2.owner && valid && j < h && t < seq.len[g]) dh[j * kSeqs + g] += acc[i];
       });
     });
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
         const int i = threadIdx.x + k * kThreads;
-        hnext[(i % hp) * kSeqs + i / hp] = next_prev[k];
+        hnext[(i % hp) * kSeqs + i / hp] = load(next_prev[k]);
       }
     } else {
       for (int i = threadIdx.x; i < size; i += kThreads)
-        hnext[(i % hp) * kSeqs + i / hp] = fetch_prev(t + 1, i);
+        hnext[(i % hp) * kSeqs + i / hp] = load(fetch_prev(t + 1, i));
     }
     __syncthreads();
   }
