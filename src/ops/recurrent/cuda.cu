@@ -240,7 +240,7 @@ __device__ __forceinline__ void vec_mat(const T* const (&w)[M], int wstride, con
                                         int cp, int ks, int lanes, A (&acc)[M * kSeqs * 2]) {
 #pragma unroll
   for (int i = 0; i < M * kSeqs * 2; ++i) acc[i] = A(0);
-#pragma unroll 2
+#pragma unroll(M == 1 ? 4 : 2)  // more rows in flight where registers allow
   for (int k = ks; k < h; k += lanes) {
     const Row<A> x = row_at(v, k);
 #pragma unroll
