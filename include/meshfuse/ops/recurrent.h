@@ -32,6 +32,11 @@
 // the backward recomputes the gates from the stored (rounded) outputs. Weight gradients are
 // reduced in fp32 (f64) in a fixed order: bitwise the same run to run.
 //
+// Scratch (stream-ordered, freed on return): the cuda backward keeps fp32 weight-gradient
+// partials per group of 8 sequences and head, ceil(B / 8) * N * H * H * 4 bytes per weight (16
+// MiB for B = 16, N = 64, H = 128; it grows with B: split very large batches), and, when an
+// input has fewer heads than N, it reads cu_seqlens[B] back to the host once more.
+//
 // Backward: upstream gradients for output and final_state, each optional (undefined = zeros).
 // gradient_clipping = c clamps the gradient of the state to [-c, c] at every step of the backward
 // recurrence, before it flows into the previous step (as in the seed library); nullopt = no
