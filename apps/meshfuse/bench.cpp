@@ -126,6 +126,8 @@ Plan make_plan(const BenchOptions& o) {
   Plan plan;
   MESHFUSE_CHECK(o.tokens > 0, ErrorCode::InvalidArgument,
                  "--tokens: expected a positive number of tokens, got {}", o.tokens);
+  MESHFUSE_CHECK(o.seq_len >= 0, ErrorCode::InvalidArgument,
+                 "--seq-len: expected a positive number of steps, got {}", o.seq_len);
   MESHFUSE_CHECK(o.repeats > 0, ErrorCode::InvalidArgument,
                  "--repeats: expected a positive number of timed calls, got {}", o.repeats);
   MESHFUSE_CHECK(o.format == "table" || o.format == "csv" || o.format == "json",
@@ -138,6 +140,7 @@ Plan make_plan(const BenchOptions& o) {
   plan.cases = select_cases(o.ops);
   plan.setup.model = load_model_config(o.model);
   plan.setup.tokens = o.tokens;
+  plan.setup.seq_len = o.seq_len;
   resolve_backends(plan, !o.ops.empty());
   return plan;
 }

@@ -14,6 +14,7 @@ inline constexpr std::int64_t kDefaultTokens = 512;
 struct BenchOptions {
   std::string model;  // a shipped model name or the path of a config.json
   std::int64_t tokens = kDefaultTokens;
+  std::int64_t seq_len = 0;  // 0: the recurrent and sequence cases' own default
   std::string dtype = "bf16";  // bf16 | f16 | f32
   std::string device = "cpu";
   std::string backend = "auto";  // auto (the device's) | reference | cpu | cuda

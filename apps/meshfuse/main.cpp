@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
       ->required();
   bench->add_option("--tokens", bench_options.tokens, "rows (tokens) per call")
       ->capture_default_str();
+  bench->add_option("--seq-len", bench_options.seq_len,
+                    "steps per sequence of rnn, gru and pack_sequence (default: 4096; rnn and gru "
+                    "1024 on the CPU)");
   bench->add_option("--dtype", bench_options.dtype, "bf16, f16 or f32")->capture_default_str();
   bench->add_option("--device", bench_options.device, "cpu, or cuda[:N] in CUDA builds")
       ->capture_default_str();

@@ -25,6 +25,8 @@ namespace meshfuse::cli {
 struct BenchSetup {
   ModelConfig model;
   std::int64_t tokens = 0;
+  // Steps per sequence of the recurrent and sequence ops (--seq-len); 0: each case's default.
+  std::int64_t seq_len = 0;
   DType dtype = DType::BF16;
   Device device{};
 };

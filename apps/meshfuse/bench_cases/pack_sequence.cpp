@@ -15,18 +15,20 @@
 namespace meshfuse::cli {
 namespace {
 
-constexpr std::int64_t kBatch = 16, kSeqLen = 4096, kHeads = 64, kHeadDim = 64;
+constexpr std::int64_t kBatch = 16, kDefaultSeqLen = 4096, kHeads = 64, kHeadDim = 64;
 constexpr std::int64_t kExpertIds = 16 * 4096 * 8, kExperts = 64;
 
 // A copy is exact: the reference must agree bitwise.
 constexpr Tolerance kExact{0, 0};
 
-// (B+1,) i32 offsets of sequences of lengths uniform in [S/2, S].
-std::vector<std::int64_t> offsets() {
+std::int64_t seq_len(const BenchSetup& s) { return s.seq_len > 0 ? s.seq_len : kDefaultSeqLen; }
+
+// (B+1,) offsets of sequences of lengths uniform in [S/2, S].
+std::vector<std::int64_t> offsets(std::int64_t steps) {
   std::mt19937_64 gen(2024);
   std::vector<std::int64_t> cu = {0};
   for (std::int64_t b = 0; b < kBatch; ++b)
-    cu.push_back(cu.back() + kSeqLen / 2 + static_cast<std::int64_t>(gen() % (kSeqLen / 2 + 1)));
+    cu.push_back(cu.back() + steps / 2 + static_cast<std::int64_t>(gen() % (steps / 2 + 1)));
   return cu;
 }
 
@@ -38,23 +40,24 @@ Tensor on_device(const BenchSetup& s, const Tensor& host) {
 }
 
 std::vector<Direction> pack_directions(const BenchSetup& s) {
-  const std::vector<std::int64_t> cu_values = offsets();
+  const std::int64_t steps = seq_len(s);
+  const std::vector<std::int64_t> cu_values = offsets(steps);
   const std::int64_t t = cu_values.back(), r = kHeads * kHeadDim;
   Tensor cu_host({kBatch + 1}, DType::I32);
   for (std::int64_t b = 0; b <= kBatch; ++b)
     cu_host.data_ptr<std::int32_t>()[b] = static_cast<std::int32_t>(cu_values[b]);
   const Tensor cu = on_device(s, cu_host);
-  const Shape padded{kBatch, kSeqLen, kHeads, kHeadDim}, packed{t, kHeads, kHeadDim};
+  const Shape padded{kBatch, steps, kHeads, kHeadDim}, packed{t, kHeads, kHeadDim};
   const Tensor x = random_tensor(s, padded, 41), grad_packed = random_tensor(s, packed, 42);
   const Tensor out = output_tensor(s, packed), grad_x = output_tensor(s, padded);
   const double e = static_cast<double>(element_size(s.dtype));
   const std::string shape =
       shape_text({{"x", padded}, {"packed", packed}}) +
-      fmt::format(" (left padding, lengths in [{}, {}])", kSeqLen / 2, kSeqLen);
+      fmt::format(" (left padding, lengths in [{}, {}])", steps / 2, steps);
   const std::vector<std::string> notes = {
       fmt::format("T = {} of B·S = {} tokens; cu_seqlens is read on the host to check it (on a "
                   "GPU a small copy that waits for the stream, in the timing)",
-                  t, kBatch * kSeqLen)};
+                  t, kBatch * steps)};
 
   Direction forward{.kernel = "pack_sequence",
                     .direction = "forward",
@@ -72,7 +75,7 @@ std::vector<Direction> pack_directions(const BenchSetup& s) {
   Direction backward{.kernel = "unpack_sequence",
                      .direction = "backward",
                      .shape = shape,
-                     .bytes = static_cast<double>((t + kBatch * kSeqLen) * r) * e,
+                     .bytes = static_cast<double>((t + kBatch * steps) * r) * e,
                      .formula =
                          "(T + B·S)·N·H·e (read the T tokens; write B·S rows, padding "
                          "zero-filled)",

@@ -17,7 +17,10 @@ constexpr std::int64_t kBatch = 16, kHeads = 64, kHeadDim = 64;
 // independent.
 constexpr std::int64_t kCheckHeads = 4;
 
-std::int64_t seq_len(const BenchSetup& s) { return s.device.type == DeviceType::CPU ? 1024 : 4096; }
+std::int64_t seq_len(const BenchSetup& s) {
+  if (s.seq_len > 0) return s.seq_len;
+  return s.device.type == DeviceType::CPU ? 1024 : 4096;
+}
 
 // The tensors of one call: pairs() (input, weight) pairs, the input state, the outputs and the
 // upstream gradients.

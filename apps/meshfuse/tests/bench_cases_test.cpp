@@ -21,6 +21,7 @@ BenchSetup tiny_setup(DType dtype) {
   s.model.vocab_size = 100;
   s.model.rms_norm_eps = 1e-5;
   s.tokens = 24;  // more than the linears' 16 checked rows
+  s.seq_len = 6;   // the recurrent and sequence cases
   s.dtype = dtype;
   return s;
 }
@@ -75,9 +76,10 @@ TEST_P(BenchCasesInDtype, EveryDirectionRunsAndMatchesTheReference) {
   const BenchSetup s = tiny_setup(GetParam());
   for (const BenchCase& c : all_cases()) {
     const std::vector<Direction> directions = c.make(s);
-    ASSERT_EQ(directions.size(), 2u) << c.name;
+    // Every op has a forward; all but continuous_count a backward.
+    ASSERT_EQ(directions.size(), c.name == "continuous_count" ? 1u : 2u) << c.name;
     EXPECT_EQ(directions[0].direction, "forward");
-    EXPECT_EQ(directions[1].direction, "backward");
+    if (directions.size() == 2) EXPECT_EQ(directions[1].direction, "backward");
     for (const Direction& d : directions) {
       EXPECT_TRUE(std::find(c.kernels.begin(), c.kernels.end(), d.kernel) != c.kernels.end())
           << c.name << " " << d.kernel;
