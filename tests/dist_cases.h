@@ -337,4 +337,31 @@ inline void check_timeout(Communicator& c) {
   }
 }
 
+// With checks on, the last rank arrives only after the others' metadata exchange has timed out
+// (their timeout shortened after set-up, so gloo's own stays long and the exchange stays queued):
+// the backend then completes the abandoned exchange, into buffers that must still be alive (this
+// is for ASan), and the others carry on.
+inline void check_late_rank_after_timeout(Communicator& c) {
+  const bool late = c.rank() == c.size() - 1;
+  auto sub = c.split(0, c.rank());
+  sub->barrier().wait();  // backends set up with the long timeout
+  sub->set_timeout(std::chrono::milliseconds(200));
+  Tensor t = Tensor::zeros({16}, DType::F32);
+  if (!late)
+    expect_error([&] { sub->all_reduce(t); }, ErrorCode::Timeout, {"not finished after 200 ms"});
+  c.barrier().wait();
+  if (late) {
+    // Its barrier meets the others' all_reduce: a mismatch (local: the team has given up).
+    try {
+      sub->barrier().wait();
+      ADD_FAILURE() << "expected an Error";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == ErrorCode::InvalidArgument ||
+                  e.code() == ErrorCode::CommunicationFailure)
+          << e.what();
+    }
+  }
+  c.barrier().wait();
+}
+
 }  // namespace meshfuse::test::dist

@@ -49,6 +49,10 @@ TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
 
 TEST(DistLocal, ARankThatNeverCallsGivesTheOthersATimeout) { on_four_ranks(dist::check_timeout); }
 
+TEST(DistLocal, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
+  on_four_ranks(dist::check_late_rank_after_timeout);
+}
+
 TEST(DistLocal, OneRankAndThreeRanksWork) {
   for (int n : {1, 3}) {
     run_local(n, [](Communicator& c) {

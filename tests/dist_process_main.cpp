@@ -34,6 +34,10 @@ TEST(DistProcess, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
   dist::check_mismatch(*world);
 }
 
+TEST(DistProcess, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
+  dist::check_late_rank_after_timeout(*world);
+}
+
 TEST(DistProcess, ARankThatNeverCallsGivesTheOthersATimeout) { dist::check_timeout(*world); }
 
 }  // namespace

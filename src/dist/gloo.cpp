@@ -37,6 +37,7 @@
 
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -186,15 +187,21 @@ class GlooComm : public CommImpl {
   CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }
 
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
+    // The task owns its buffers: after a timeout here the caller's are gone, and the queued
+    // allgather still runs (and may complete) later.
+    const auto* p = static_cast<const std::uint8_t*>(mine);
+    auto in = std::make_shared<std::vector<std::uint8_t>>(p, p + bytes);
+    auto out = std::make_shared<std::vector<std::uint8_t>>(bytes * size_);
     queue_
         .submit([=, this] {
           gloo::AllgatherOptions opts(context_);
-          opts.setInput(static_cast<std::uint8_t*>(const_cast<void*>(mine)), bytes);
-          opts.setOutput(static_cast<std::uint8_t*>(all), bytes * size_);
+          opts.setInput(in->data(), bytes);
+          opts.setOutput(out->data(), out->size());
           opts.setTimeout(timeout_);
           gloo::allgather(opts);
         })
         ->wait(deadline);
+    std::memcpy(all, out->data(), out->size());
   }
 
   std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op, const Stream&) override {

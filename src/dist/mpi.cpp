@@ -18,6 +18,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -120,13 +121,27 @@ struct Layout {
   }
 };
 
-// One nonblocking operation. What MPI reads until completion (counts, scratch) lives here; `done`
-// runs once it completes (Avg's division).
+// What unfinished works kept: MPI cannot cancel a collective, so it may still use them at any
+// time; they stay until exit.
+void abandon(std::shared_ptr<void> keep) {
+  static std::mutex mutex;
+  static auto* abandoned = new std::vector<std::shared_ptr<void>>;  // never freed, on purpose
+  std::lock_guard lock(mutex);
+  abandoned->push_back(std::move(keep));
+}
+
+// One nonblocking operation. What MPI reads or writes until completion (counts, scratch) lives
+// here, and outlives the work if the operation has not finished; `done` runs once it completes
+// (Avg's division).
 class MpiWork : public WorkImpl {
  public:
   std::shared_ptr<void> keep;
   std::function<void()> done;
   MPI_Request request = MPI_REQUEST_NULL;
+
+  ~MpiWork() override {
+    if (!finished_ && keep) abandon(std::move(keep));
+  }
 
   bool test() override {
     std::lock_guard lock(mutex_);
@@ -209,9 +224,21 @@ class MpiComm : public CommImpl {
   CommunicatorBackend backend() const override { return CommunicatorBackend::Mpi; }
 
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
-    start("MPI_Iallgather", [&](MPI_Request* r) {
-      return MPI_Iallgather(mine, as_int(bytes), MPI_BYTE, all, as_int(bytes), MPI_BYTE, comm_, r);
-    })->wait(deadline);
+    // The work owns the buffers (MPI writes into them until the request completes, possibly
+    // after a timeout here, when the caller's are gone); copied out on success only.
+    const auto* p = static_cast<const std::uint8_t*>(mine);
+    using Buffers = std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>>;
+    auto buffers = std::make_shared<Buffers>(
+        Buffers{{p, p + bytes}, std::vector<std::uint8_t>(bytes * size_)});
+    start(
+        "MPI_Iallgather",
+        [&](MPI_Request* r) {
+          return MPI_Iallgather(buffers->first.data(), as_int(bytes), MPI_BYTE,
+                                buffers->second.data(), as_int(bytes), MPI_BYTE, comm_, r);
+        },
+        nullptr, buffers)
+        ->wait(deadline);
+    std::memcpy(all, buffers->second.data(), buffers->second.size());
   }
 
   std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op, const Stream&) override {

@@ -42,7 +42,9 @@
 // Roots and peers are ranks of the team (0 <= r < size()). A Communicator is driven by one thread
 // at a time, and every rank issues the collectives of a team in the same order; Work may be
 // waited on from any thread. Tensors must stay alive (and unmodified, for inputs) until their
-// Work completes.
+// Work completes. After a Timeout, the backend may still read and write the tensors of the
+// operations that had not finished (gloo and mpi cannot cancel a transfer): keep them alive until
+// the communicator is destroyed (mpi: until the process ends, MPI never gives them up).
 //
 // Errors of every call: InvalidArgument (bad root/peer, non-contiguous tensors, sizes that do not
 // add up, a mismatch between ranks), DTypeMismatch (input and output dtypes differ),
