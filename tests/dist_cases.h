@@ -337,6 +337,31 @@ inline void check_timeout(Communicator& c) {
   }
 }
 
+// is_completed() answers at once while another thread is inside wait() on the same work.
+inline void check_is_completed_while_waiting(Communicator& c) {
+  using namespace std::chrono_literals;
+  Tensor t = Tensor::zeros({4}, DType::F32);
+  if (c.rank() == 0 && c.size() > 1) {
+    Work recv = c.recv(t, 1, 5);
+    std::thread waiter([&] {
+      try {
+        recv.wait();
+      } catch (const Error& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+    std::this_thread::sleep_for(20ms);  // the waiter is in wait()
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(recv.is_completed());
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 100ms) << "is_completed() waited";
+    c.barrier().wait();  // the send comes only now
+    waiter.join();
+  } else {
+    c.barrier().wait();
+    if (c.rank() == 1) c.send(t, 0, 5).wait();
+  }
+}
+
 // With checks on, the last rank arrives only after the others' metadata exchange has timed out
 // (their timeout shortened after set-up, so gloo's own stays long and the exchange stays queued):
 // the backend then completes the abandoned exchange, into buffers that must still be alive (this

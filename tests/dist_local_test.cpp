@@ -49,6 +49,10 @@ TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
 
 TEST(DistLocal, ARankThatNeverCallsGivesTheOthersATimeout) { on_four_ranks(dist::check_timeout); }
 
+TEST(DistLocal, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {
+  on_four_ranks(dist::check_is_completed_while_waiting);
+}
+
 TEST(DistLocal, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
   on_four_ranks(dist::check_late_rank_after_timeout);
 }

@@ -34,6 +34,10 @@ TEST(DistProcess, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
   dist::check_mismatch(*world);
 }
 
+TEST(DistProcess, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {
+  dist::check_is_completed_while_waiting(*world);
+}
+
 TEST(DistProcess, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
   dist::check_late_rank_after_timeout(*world);
 }

@@ -148,12 +148,13 @@ class MpiWork : public WorkImpl {
     return poll();
   }
 
+  // Locks per poll, so that test() (is_completed()) from another thread never waits for this.
   void wait(Deadline deadline) override {
-    std::lock_guard lock(mutex_);
-    while (!poll()) {
+    while (!test()) {
       if (CommClock::now() >= deadline) fail(ErrorCode::Timeout, "mpi: no completion");
       std::this_thread::yield();  // let the other ranks of an oversubscribed machine run
     }
+    std::lock_guard lock(mutex_);
     if (!error_.empty()) fail(ErrorCode::CommunicationFailure, "{}", error_);
   }
 
@@ -180,7 +181,7 @@ class MpiWork : public WorkImpl {
     return finished_;
   }
 
-  std::mutex mutex_;  // one thread polls at a time
+  std::mutex mutex_;  // one thread polls at a time (done runs once)
   bool finished_ = false;
   std::string error_;
 };
