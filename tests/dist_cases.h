@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -360,6 +361,23 @@ inline void check_is_completed_while_waiting(Communicator& c) {
     c.barrier().wait();
     if (c.rank() == 1) c.send(t, 0, 5).wait();
   }
+}
+
+// A receive whose wait timed out (no send ever comes) is dropped at once, not after the
+// backend's own timeout (20 s in these tests).
+inline void check_dropping_a_timed_out_recv(Communicator& c) {
+  using namespace std::chrono_literals;
+  auto sub = c.split(0, c.rank());
+  sub->barrier().wait();  // backends set up on every rank
+  if (c.rank() == 0 && c.size() > 1) {
+    Tensor t = Tensor::zeros({4}, DType::F32);
+    std::optional<Work> recv = sub->recv(t, 1, 9);
+    expect_error([&] { recv->wait(50ms); }, ErrorCode::Timeout, {"recv"});
+    const auto start = std::chrono::steady_clock::now();
+    recv.reset();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "dropping the work waited";
+  }
+  c.barrier().wait();
 }
 
 // With checks on, the last rank arrives only after the others' metadata exchange has timed out

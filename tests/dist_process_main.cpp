@@ -38,6 +38,8 @@ TEST(DistProcess, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {
   dist::check_is_completed_while_waiting(*world);
 }
 
+TEST(DistProcess, ATimedOutRecvIsDroppedAtOnce) { dist::check_dropping_a_timed_out_recv(*world); }
+
 TEST(DistProcess, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
   dist::check_late_rank_after_timeout(*world);
 }

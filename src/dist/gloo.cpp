@@ -127,7 +127,7 @@ class P2pWork : public WorkImpl {
  public:
   P2pWork(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
           std::chrono::milliseconds timeout)
-      : buffer_(std::move(buffer)) {
+      : buffer_(std::move(buffer)), is_send_(is_send) {
     waiter_ = std::thread([this, is_send, timeout] {
       std::string error;
       ErrorCode code = ErrorCode::CommunicationFailure;
@@ -144,7 +144,12 @@ class P2pWork : public WorkImpl {
       finished_.notify_all();
     });
   }
-  ~P2pWork() override { waiter_.join(); }
+  // Unwaited (the work is dropped, or its wait timed out): the waiter would block up to Gloo's
+  // timeout; stop it now.
+  ~P2pWork() override {
+    is_send_ ? buffer_->abortWaitSend() : buffer_->abortWaitRecv();
+    waiter_.join();
+  }
 
   bool test() override {
     std::lock_guard lock(mutex_);
@@ -159,6 +164,7 @@ class P2pWork : public WorkImpl {
 
  private:
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+  bool is_send_;
   std::mutex mutex_;
   std::condition_variable finished_;
   bool done_ = false;
