@@ -1,6 +1,9 @@
 // Communicators on the local backend (4 ranks as threads), and what every backend shares: names,
 // backend specs, records, argument errors, the launch environment and the stores.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
@@ -346,6 +349,48 @@ TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
 TEST(DistStore, TcpStoreClientGivesUpWhenNoServerAnswers) {
   expect_error([] { TcpStore("127.0.0.1", 1, false, 100ms); }, ErrorCode::CommunicationFailure,
                {"cannot reach 127.0.0.1:1"});
+}
+
+// A socket on 127.0.0.1 (port 0: a free one), listening (connects succeed) or connected to `port`.
+int local_socket(int port, bool listen) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  auto* a = reinterpret_cast<sockaddr*>(&addr);
+  EXPECT_EQ(listen ? ::bind(fd, a, sizeof(addr)) + ::listen(fd, 4) : ::connect(fd, a, sizeof(addr)),
+            0);
+  return fd;
+}
+
+int port_of(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  return ntohs(addr.sin_port);
+}
+
+TEST(DistStore, TcpStoreClientTimesOutWhenTheServerNeverAnswers) {
+  const int silent = local_socket(0, true);  // accepts connections (backlog), never reads
+  TcpStore client("127.0.0.1", port_of(silent), false, 100ms);
+  expect_error([&] { client.get("k"); }, ErrorCode::Timeout, {"no answer from", "100 ms"});
+  ::close(silent);
+}
+
+TEST(DistStore, TcpStoreServerHangsUpOnAnOversizedRequestAndServesTheOthers) {
+  TcpStore server("127.0.0.1", 0, true, 5s);
+  const int rogue = local_socket(server.port(), false);
+  const std::uint8_t set = 1;
+  const std::uint32_t key_len = 0xFFFFFFFF;  // 4 GiB of key
+  ASSERT_EQ(::send(rogue, &set, 1, 0), 1);
+  ASSERT_EQ(::send(rogue, &key_len, 4, 0), 4);
+  char byte = 0;
+  EXPECT_EQ(::recv(rogue, &byte, 1, 0), 0) << "the server hangs up";
+  ::close(rogue);
+  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  client.set("k", std::string("v"));
+  EXPECT_EQ(server.get_string("k"), "v");
 }
 
 }  // namespace

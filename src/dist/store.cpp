@@ -6,8 +6,10 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -162,11 +164,13 @@ bool FileStore::check(const std::vector<std::string>& keys) {
 // ------------------------------------------------------------------------------------- Protocol: a
 // request is [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET replies
 // [u8 1]; GET replies [u8 found] and, when found, [u64 length][value]. Clients poll GET until the
-// key is set, so the server never blocks on a missing key.
+// key is set, so the server never blocks on a missing key. Keys and values are at most kMaxLength
+// bytes: the server hangs up on a client that announces more.
 
 namespace {
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
+constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
 
 bool write_all(int fd, const void* data, std::size_t n) {
   const char* p = static_cast<const char*>(data);
@@ -185,6 +189,7 @@ bool read_all(int fd, void* data, std::size_t n) {
   while (n > 0) {
     const ssize_t r = ::recv(fd, p, n, 0);
     if (r < 0 && errno == EINTR) continue;
+    if (r == 0) errno = ECONNRESET;  // the peer hung up (errno says why a read failed)
     if (r <= 0) return false;
     p += r;
     n -= static_cast<std::size_t>(r);
@@ -218,23 +223,36 @@ struct TcpStore::Impl {
   bool stopping = false;
 
   void serve_connection(int fd) {
+    try {
+      serve_requests(fd);
+    } catch (const std::exception&) {
+      // Out of memory for one client's request: that client loses its connection, nobody else.
+    }
+    ::shutdown(fd, SHUT_RDWR);  // the client sees the end (closed by stop_server)
+    std::lock_guard lock(mutex);
+    --open_connections;
+    changed.notify_all();
+  }
+
+  // Returns when the client hangs up or breaks the protocol.
+  void serve_requests(int fd) {
     for (;;) {
       std::uint8_t command = 0;
       std::uint32_t key_len = 0;
-      if (!read_value(fd, command) || !read_value(fd, key_len)) break;
+      if (!read_value(fd, command) || !read_value(fd, key_len) || key_len > kMaxLength) return;
       std::string key(key_len, '\0');
-      if (!read_all(fd, key.data(), key_len)) break;
+      if (!read_all(fd, key.data(), key_len)) return;
       if (command == kSet) {
         std::uint64_t len = 0;
-        if (!read_value(fd, len)) break;
+        if (!read_value(fd, len) || len > kMaxLength) return;
         Bytes value(len);
-        if (!read_all(fd, value.data(), len)) break;
+        if (!read_all(fd, value.data(), len)) return;
         {
           std::lock_guard lock(mutex);
           values[key] = std::move(value);
         }
         const std::uint8_t ok = 1;
-        if (!write_all(fd, &ok, 1)) break;
+        if (!write_all(fd, &ok, 1)) return;
       } else if (command == kGet) {
         Bytes value;
         std::uint8_t found = 0;
@@ -247,15 +265,12 @@ struct TcpStore::Impl {
           }
         }
         const std::uint64_t len = value.size();
-        if (!write_all(fd, &found, 1)) break;
-        if (found && (!write_all(fd, &len, 8) || !write_all(fd, value.data(), len))) break;
+        if (!write_all(fd, &found, 1)) return;
+        if (found && (!write_all(fd, &len, 8) || !write_all(fd, value.data(), len))) return;
       } else {
-        break;  // not a client of ours
+        return;  // not a client of ours
       }
     }
-    std::lock_guard lock(mutex);
-    --open_connections;
-    changed.notify_all();
   }
 
   void accept_loop() {
@@ -348,13 +363,32 @@ struct TcpStore::Impl {
     }
     const int one = 1;
     ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    // A server that stops answering: reads and writes give up after the timeout (a zero timeval
+    // would mean never, hence at least 1 us).
+    const auto us = std::max<std::int64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(timeout).count(), 1);
+    const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   }
 
+  // A request failed (errno says why): the connection is out of step, so later requests fail too.
   [[noreturn]] void lost() {
+    const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+    ::shutdown(client, SHUT_RDWR);
+    if (timed_out)
+      fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
+           timeout.count());
     fail(ErrorCode::CommunicationFailure, "TcpStore: lost the connection to {}:{}", host, port);
   }
 
+  static void check_length(const char* what, std::uint64_t n) {
+    MESHFUSE_CHECK(n <= kMaxLength, ErrorCode::InvalidArgument,
+                   "TcpStore: {} of {} bytes; the most is {} (1 GiB)", what, n, kMaxLength);
+  }
+
   std::optional<Bytes> request_get(const std::string& key) {
+    check_length("key", key.size());
     std::lock_guard lock(client_mutex);
     const std::uint8_t command = kGet;
     const auto key_len = static_cast<std::uint32_t>(key.size());
@@ -366,6 +400,10 @@ struct TcpStore::Impl {
     if (!found) return std::nullopt;
     std::uint64_t len = 0;
     if (!read_value(client, len)) lost();
+    if (len > kMaxLength) {
+      errno = EPROTO;
+      lost();
+    }
     Bytes value(len);
     if (!read_all(client, value.data(), len)) lost();
     return value;
@@ -394,6 +432,8 @@ TcpStore::~TcpStore() {
 int TcpStore::port() const { return impl_->port; }
 
 void TcpStore::set(const std::string& key, const Bytes& value) {
+  Impl::check_length("key", key.size());
+  Impl::check_length("value", value.size());
   std::lock_guard lock(impl_->client_mutex);
   const std::uint8_t command = kSet;
   const auto key_len = static_cast<std::uint32_t>(key.size());
