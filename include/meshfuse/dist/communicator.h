@@ -29,7 +29,8 @@
 // Timeouts: a rank that never arrives gives the others Error(Timeout) after timeout() (from the
 // call when checks are on, from Work::wait otherwise). After a timeout or a transport failure the
 // communicator is out of step with its peers and every later call throws
-// Error(CommunicationFailure) saying so; a mismatch error leaves it usable.
+// Error(CommunicationFailure) saying so; a mismatch error leaves it usable. Any timeout counts,
+// also a short one given to Work::wait(timeout): to poll, use Work::is_completed().
 //
 // Tensors: contiguous (InvalidArgument otherwise); one dtype per operation (any DType moves;
 // reductions take f32, f64, f16, bf16, i32, i64, u8, and Avg only floating types); all tensors
@@ -170,7 +171,8 @@ class Work {
   // inputs may be reused; CUDA: finished on the device; later work on the caller's stream is
   // ordered after it without any wait). Throws the operation's error, its message headed by the
   // record's text: Timeout when not finished after `timeout` (default: the communicator's),
-  // CommunicationFailure when a transport failed. Waiting again rethrows the same error.
+  // CommunicationFailure when a transport failed. Waiting again rethrows the same error. A
+  // Timeout, whatever `timeout` was, makes the communicator unusable (see the top of this file).
   void wait();
   void wait(std::chrono::milliseconds timeout);
   // True once the operation has finished, successfully or not; never blocks.
@@ -210,6 +212,10 @@ class Communicator {
   // The backend serving a device type; Error(BackendUnavailable) when the spec has none.
   CommunicatorBackend backend(DeviceType type = DeviceType::CPU) const;
 
+  // The timeout of the metadata check and of Work::wait() for operations started afterwards. A
+  // backend takes the timeout current when it is set up (first use of its device type) and keeps
+  // it for its own transfers: gloo gives up on that one, and so does local; mpi and nccl have
+  // none of their own. Set it before the first operation to have it apply everywhere.
   std::chrono::milliseconds timeout() const;
   void set_timeout(std::chrono::milliseconds timeout);
   bool checks() const;

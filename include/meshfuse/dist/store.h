@@ -88,8 +88,10 @@ class FileStore : public Store {
 // process, the server included, talks to it as a client. The server keeps serving until it is
 // destroyed; its destructor waits (up to timeout()) for the connected clients to hang up, so a
 // fast rank 0 does not pull the store from under slower ranks.
-// Errors: CommunicationFailure when the port cannot be bound or the server not reached (clients
-// retry connecting until the timeout), Timeout as Store.
+// Keys and values are at most 1 GiB. Errors: CommunicationFailure when the port cannot be bound or
+// the server not reached (clients retry connecting until the timeout) or the connection is lost,
+// Timeout as Store and when the server does not answer a request within the timeout given at
+// construction (the connection is then unusable), InvalidArgument for a key or value over 1 GiB.
 class TcpStore : public Store {
  public:
   TcpStore(std::string host, int port, bool is_server,
