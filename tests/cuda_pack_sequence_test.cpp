@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "meshfuse/meshfuse.h"
+#include "pack_sequence_util.h"
 #include "test_util.h"
 
 namespace meshfuse {
@@ -13,23 +14,9 @@ using test::to_cpu;
 using test::to_cuda;
 using test::values;
 
-const std::vector<DType> kAllDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16,
-                                       DType::I32, DType::I64, DType::U8,  DType::Bool};
-
-// Integers in [0, 100) (0 or 1 for bool), exact in every dtype.
-Tensor make_values(Shape shape, DType dtype, std::uint64_t seed) {
-  Tensor ints(std::move(shape), DType::I64), t(ints.shape(), dtype);
-  testing::fill_uniform_int(ints, seed, 0, dtype == DType::Bool ? 2 : 100);
-  copy(ints, t);
-  return t;
-}
-
-Tensor offsets(DType dtype, const std::vector<std::int64_t>& cu) {
-  Tensor i64({static_cast<std::int64_t>(cu.size())}, DType::I64), t(i64.shape(), dtype);
-  std::copy(cu.begin(), cu.end(), i64.data_ptr<std::int64_t>());
-  copy(i64, t);
-  return t;
-}
+using test::kAllDTypes;
+using test::make_values;
+using test::offsets;
 
 // Outputs on x's device, filled with 7 first so that rows the op should not write are visible.
 Tensor filled(Shape shape, DType dtype, Device device) {
