@@ -35,13 +35,17 @@ Needs the meshfuse package on PYTHONPATH (<build>/python) and torch.
 
 import argparse
 import json
+import os
 import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import meshfuse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_compare import Timer  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 MEMORY_TARGET, TIME_TARGET = 0.20, 1.15
@@ -135,19 +139,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_step(fn, device):
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def peak_extra(step, device):
     """(torch part, meshfuse part) in bytes of one step, as the module docstring says."""
     name = str(device)
@@ -186,10 +177,11 @@ def main():
         for s in steps.values():
             s.fn()
     sync(device)
+    timer = Timer(device)
     times = {k: [] for k in steps}
     for _ in range(a.steps):
         for k, s in steps.items():
-            times[k].append(time_step(s.fn, device))
+            times[k].append(timer(s.fn))
 
     # Agreement with torch eager (bf16 outputs: within a few bf16 ulps of the largest value).
     ref = steps["torch"].outputs()
