@@ -12,40 +12,15 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli_util.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/dist/communicator.h"
 
 namespace {
 
-namespace fs = std::filesystem;
-
-struct CliResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string read_file(const fs::path& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-CliResult run_cli(const std::string& args) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("meshfuse_comm_bench_{}", getpid());
-  fs::create_directories(dir);
-  const std::string command =
-      fmt::format("'{0}' {1} >'{2}/out' 2>'{2}/err'", MESHFUSE_CLI_PATH, args, dir.string());
-  const int status = std::system(command.c_str());
-  CliResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(dir / "out"),
-              read_file(dir / "err")};
-  fs::remove_all(dir);
-  return r;
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using meshfuse::cli::test::CliResult;
+using meshfuse::cli::test::contains;
+using meshfuse::cli::test::run_cli;
 
 constexpr const char* kQuick = "--iters 3 --warmup 1 --no-copy-bandwidth";
 
