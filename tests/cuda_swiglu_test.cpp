@@ -41,6 +41,22 @@ TEST_P(CudaSwigluTest, MatchesTheReferenceAtVectorAndOddWidths) {
   }
 }
 
+TEST_P(CudaSwigluTest, RowsPastTheGridsSixtyFiveThousandAreCovered) {
+  MESHFUSE_REQUIRE_CUDA();
+  // 70000 rows: the grid's y dimension stops at 65535, the kernels loop over the rest; 8 and 3
+  // columns take the vector and the one-element paths.
+  for (std::int64_t cols : {8, 3}) {
+    const Tensor g = test::randn({70000, cols}, GetParam(), 6, 3.0),
+                 u = test::randn({70000, cols}, GetParam(), 7),
+                 dy = test::randn({70000, cols}, GetParam(), 8);
+    const Result cpu = run(g, u, dy, Device{});
+    const Result gpu = run(to_cuda(g), to_cuda(u), to_cuda(dy), kCuda);
+    test::expect_close(to_cpu(gpu.out), cpu.out, "out");
+    test::expect_close(to_cpu(gpu.grad_gate), cpu.grad_gate, "grad_gate");
+    test::expect_close(to_cpu(gpu.grad_up), cpu.grad_up, "grad_up");
+  }
+}
+
 TEST_P(CudaSwigluTest, PackedLayoutsMatchTheCpuBackend) {
   MESHFUSE_REQUIRE_CUDA();
   const Tensor x = test::randn({5, 2 * 40}, GetParam(), 4), dy = test::randn({5, 40}, GetParam(), 5);
