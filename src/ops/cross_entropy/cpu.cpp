@@ -76,7 +76,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
       // Read before the loop: grad_logits may alias logits.
       const A p_label = vexp(A(to_float(x[y])) * m - l);
       stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
-        return store_as<T>(c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth));
+        return c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth);
       });
       dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
     }

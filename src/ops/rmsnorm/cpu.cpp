@@ -1,5 +1,8 @@
 // CPU RMSNorm: rows split over OpenMP threads; within a row, unit-stride loops vectorised with
 // `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
+// Two passes per row, which stays in L1: the statistics, then the outputs through stream_out, which
+// brings the next row into cache meanwhile. The loops are bound by vector arithmetic as much as by
+// memory, hence the multiplier's multiply only where it is not 1.
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
 // block order, so the result does not depend on the thread count either.
 #include <algorithm>
@@ -8,6 +11,7 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/rmsnorm/rmsnorm_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -29,67 +33,85 @@ std::vector<A> weight_as(const void* weight, std::int64_t cols) {
   return w;
 }
 
-template <typename T, bool kResidual>
+template <typename T, bool kResidual, bool kScale>
 void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   using A = acc_t<T>;
   const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
   const A* w = weight.data();
   const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
-#pragma omp parallel for schedule(static)
-  for (std::int64_t row = 0; row < s.rows; ++row) {
-    const T* x = static_cast<const T*>(a.x) + row * s.cols;
-    const T* res = kResidual ? static_cast<const T*>(a.residual) + row * s.cols : nullptr;
-    T* r = kResidual ? static_cast<T*>(a.r) + row * s.cols : nullptr;
-    T* y = static_cast<T*>(a.y) + row * s.cols;
-    A sum_sq = 0;
+  const bool stream =
+      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)});
+  const auto in = [&](const void* p, std::int64_t row) {
+    return static_cast<const T*>(p) + row * s.cols;
+  };
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t row = 0; row < s.rows; ++row) {
+      const T* x = in(a.x, row);
+      const T* res = kResidual ? in(a.residual, row) : nullptr;
+      const std::int64_t next = row + 1 < s.rows ? row + 1 : row;
+      const auto value = [&](std::int64_t c) {
+        A v = A(to_float(x[c]));
+        if constexpr (kScale) v *= m;
+        if constexpr (kResidual) v += A(to_float(res[c]));
+        return v;
+      };
+      A sum_sq = 0;
 #pragma omp simd reduction(+ : sum_sq)
-    for (std::int64_t c = 0; c < s.cols; ++c) {
-      A v = A(to_float(x[c])) * m;
-      if constexpr (kResidual) {
-        v += A(to_float(res[c]));
-        r[c] = store_as<T>(v);
-      }
-      sum_sq += v * v;
-    }
-    const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
-    if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += value(c) * value(c);
+      const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
+      if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      if constexpr (kResidual)
+        stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
+                   [&](std::int64_t c) { return value(c); }, {in(a.residual, next)});
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
-#pragma omp simd
-    for (std::int64_t c = 0; c < s.cols; ++c) {
-      A v = A(to_float(x[c])) * m;
-      if constexpr (kResidual) v += A(to_float(res[c]));
-      y[c] = store_as<T>(v * rstd * w[c]);
+      stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
+                 [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)});
     }
+    stream_fence();
   }
 }
 
-// One row of the backward; adds dy * n into dw_partial when kDweight.
+// One row of the backward; adds dy * n into dw_partial when kDweight. `next` is the row that
+// follows (itself for the last row), brought into cache while this row's outputs are written.
 template <typename T, bool kGradR, bool kDresidual, bool kDweight, typename A = acc_t<T>>
 void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* w, std::int64_t row,
-                  A* dw_partial) {
-  const std::int64_t base = row * s.cols;
-  const T* dy = static_cast<const T*>(a.grad_y) + base;
-  const T* in = static_cast<const T*>(a.input) + base;
+                  std::int64_t next, bool stream, A* dw_partial) {
+  const auto in_row = [&](const void* p, std::int64_t r) {
+    return p ? static_cast<const T*>(p) + r * s.cols : nullptr;
+  };
+  const T* dy = in_row(a.grad_y, row);
+  const T* in = in_row(a.input, row);
+  const T* gr = kGradR ? in_row(a.grad_r, row) : nullptr;
   const A rstd = a.rstd[row];
   const A scale = static_cast<A>(a.input_scale) * rstd;  // n = in * scale
   const A m = static_cast<A>(a.multiplier);
   A dot = 0;
 #pragma omp simd reduction(+ : dot)
-  for (std::int64_t c = 0; c < s.cols; ++c)
-    dot += A(to_float(dy[c])) * w[c] * (A(to_float(in[c])) * scale);
-  const A mean = dot / A(s.cols);
-  const T* gr = kGradR ? static_cast<const T*>(a.grad_r) + base : nullptr;
-  T* dx = static_cast<T*>(a.dx) + base;
-  T* dres = kDresidual ? static_cast<T*>(a.dresidual) + base : nullptr;
-#pragma omp simd
   for (std::int64_t c = 0; c < s.cols; ++c) {
     const A g = to_float(dy[c]);
     const A n = A(to_float(in[c])) * scale;
-    A dr = rstd * (g * w[c] - n * mean);
-    if constexpr (kGradR) dr += A(to_float(gr[c]));
-    dx[c] = store_as<T>(dr * m);
-    if constexpr (kDresidual) dres[c] = store_as<T>(dr);
+    dot += g * w[c] * n;
     if constexpr (kDweight) dw_partial[c] += g * n;
+  }
+  const A mean = dot / A(s.cols);
+  const auto dr = [&](std::int64_t c) {
+    const A n = A(to_float(in[c])) * scale;
+    A d = rstd * (A(to_float(dy[c])) * w[c] - n * mean);
+    if constexpr (kGradR) d += A(to_float(gr[c]));
+    return d;
+  };
+  const T* next_dy = in_row(a.grad_y, next);
+  const T* next_in = in_row(a.input, next);
+  const T* next_gr = kGradR ? in_row(a.grad_r, next) : nullptr;
+  T* dx = static_cast<T*>(a.dx) + row * s.cols;
+  if constexpr (kDresidual) {
+    stream_out(static_cast<T*>(a.dresidual) + row * s.cols, s.cols, stream, dr, {next_dy});
+    stream_out(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; }, {next_in, next_gr});
+  } else {
+    stream_out(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; },
+               {next_dy, next_in, next_gr});
   }
 }
 
@@ -105,13 +127,20 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   }
   const std::int64_t rows_per_block = (s.rows + blocks - 1) / blocks;
   const std::unique_ptr<A[]> partials(kDweight ? new A[blocks * s.cols] : nullptr);
-#pragma omp parallel for schedule(static)
-  for (std::int64_t b = 0; b < blocks; ++b) {
-    A* partial = kDweight ? partials.get() + b * s.cols : nullptr;
-    if constexpr (kDweight) std::fill_n(partial, s.cols, A(0));
-    const std::int64_t end = std::min(s.rows, (b + 1) * rows_per_block);
-    for (std::int64_t row = b * rows_per_block; row < end; ++row)
-      backward_row<T, kGradR, kDresidual, kDweight>(s, a, weight.data(), row, partial);
+  const bool stream =
+      stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)});
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      A* partial = kDweight ? partials.get() + b * s.cols : nullptr;
+      if constexpr (kDweight) std::fill_n(partial, s.cols, A(0));
+      const std::int64_t end = std::min(s.rows, (b + 1) * rows_per_block);
+      for (std::int64_t row = b * rows_per_block; row < end; ++row)
+        backward_row<T, kGradR, kDresidual, kDweight>(
+            s, a, weight.data(), row, row + 1 < s.rows ? row + 1 : row, stream, partial);
+    }
+    stream_fence();
   }
   if constexpr (kDweight) {
     T* dw = static_cast<T*>(a.dweight);
@@ -143,7 +172,9 @@ void with_flag(bool flag, F&& f) {
 void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const Stream&) {
   dispatch_float(s.dtype, "rmsnorm", [&](auto tag) {
     using T = decltype(tag);
-    with_flag(a.residual != nullptr, [&](auto residual) { forward_rows<T, residual>(s, a); });
+    with_flag(a.residual != nullptr, [&](auto residual) {
+      with_flag(a.multiplier != 1.0, [&](auto scale) { forward_rows<T, residual, scale>(s, a); });
+    });
   });
 }
 

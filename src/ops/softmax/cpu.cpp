@@ -38,7 +38,7 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
         stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
-                   [&](std::int64_t c) { return store_as<T>(e[c] * inv); });
+                   [&](std::int64_t c) { return e[c] * inv; });
       }
       stream_fence();
     }
@@ -61,10 +61,11 @@ void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, 
         A dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (std::int64_t c = 0; c < s.cols; ++c) dot += A(to_float(dyr[c])) * A(to_float(yr[c]));
-        stream_out(static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
-                   [&](std::int64_t c) {
-                     return store_as<T>(m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot));
-                   });
+        const std::int64_t next = row_offset(r + 1 < s.rows ? r + 1 : r, s.cols);
+        stream_out(
+            static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
+            [&](std::int64_t c) { return m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot); },
+            {static_cast<const T*>(grad_y) + next, static_cast<const T*>(y) + next});
       }
       stream_fence();
     }

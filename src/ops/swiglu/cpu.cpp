@@ -27,7 +27,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
       const T* u = row<T>(up, r);
       stream_out(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
         const A gv = to_float(g[c * kIn]);
-        return store_as<T>(A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv)));
+        return A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv));
       });
     }
     stream_fence();
