@@ -1,8 +1,9 @@
 // CPU RNN and GRU. The recurrences of the (sequence, head) pairs are independent: OpenMP threads
 // take them in static chunks, head-major, so a thread widens each head's weights to fp32 once
-// (16 KiB at H = 64, in L1/L2 for the whole sequence) and carries the state in fp32 buffers of H
-// values. A step then reads an input row and writes an output row from memory; the products with
-// the weights run from cache and registers (add_vec_mat).
+// (16 KiB at H = 64, in L1/L2 for the whole sequence) and carries the states in fp32 buffers. The
+// forward runs a head's sequences kGroup at a time in lockstep, so that a step's products are one
+// matrix product whose weight loads serve several rows (add_mat_mat); a step reads its input rows
+// and writes its output rows from memory.
 //
 // Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
 // The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
@@ -63,38 +64,46 @@ inline A sigmoid(A x) {
   return A(1) / (A(1) + vexp(-x));
 }
 
-// a[j0, j0 + kCols) += (v @ M)[j0, j0 + kCols) for an h x h row-major M: the block accumulates in
-// registers over two interleaved halves of the rows (independent FMA chains hide the latency).
-template <int kCols, typename A>
-inline void add_vec_mat_block(const A* v, const A* m, A* a, std::int64_t h, std::int64_t j0) {
-  A acc0[kCols] = {}, acc1[kCols] = {};
-  std::int64_t i = 0;
-  for (; i + 2 <= h; i += 2) {
-    const A v0 = v[i], v1 = v[i + 1];
-    const A* r0 = m + i * h + j0;
-    const A* r1 = r0 + h;
+// a[r, j0 + c] += (v[r] @ M)[j0 + c] for r < kRows, c < kCols; v and a are rows of h values, M is
+// h x h row-major. Each load of a row block of M serves kRows rows (FMA-bound, not load-bound), and
+// every row sums over M's rows in order, one chain per column: a row's result does not depend on
+// the rows it is computed with.
+template <int kRows, int kCols, typename A>
+inline void add_rows_mat_block(const A* v, const A* m, A* a, std::int64_t h, std::int64_t j0) {
+  A acc[kRows][kCols] = {};
+  for (std::int64_t i = 0; i < h; ++i) {
+    const A* mi = m + i * h + j0;
+    for (int r = 0; r < kRows; ++r) {
+      const A vr = v[r * h + i];
 #pragma omp simd
-    for (int c = 0; c < kCols; ++c) {
-      acc0[c] += v0 * r0[c];
-      acc1[c] += v1 * r1[c];
+      for (int c = 0; c < kCols; ++c) acc[r][c] += vr * mi[c];
     }
   }
-  if (i < h) {
-    const A* r0 = m + i * h + j0;
+  for (int r = 0; r < kRows; ++r)
 #pragma omp simd
-    for (int c = 0; c < kCols; ++c) acc0[c] += v[i] * r0[c];
-  }
-#pragma omp simd
-  for (int c = 0; c < kCols; ++c) a[j0 + c] += acc0[c] + acc1[c];
+    for (int c = 0; c < kCols; ++c) a[r * h + j0 + c] += acc[r][c];
 }
 
-// a += v @ M (row vector v, h x h row-major M).
+template <int kRows, typename A>
+void add_rows_mat(const A* v, const A* m, A* a, std::int64_t h) {
+  std::int64_t j = 0;
+  for (; j + kBlock<A> <= h; j += kBlock<A>) add_rows_mat_block<kRows, kBlock<A>>(v, m, a, h, j);
+  for (; j + 8 <= h; j += 8) add_rows_mat_block<kRows, 8>(v, m, a, h, j);
+  for (; j < h; ++j) add_rows_mat_block<kRows, 1>(v, m, a, h, j);
+}
+
+// A += V @ M for `rows` rows of V and A (h values each), four rows at a time.
+template <typename A>
+void add_mat_mat(const A* v, const A* m, A* a, std::int64_t rows, std::int64_t h) {
+  std::int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) add_rows_mat<4>(v + r * h, m, a + r * h, h);
+  for (; r < rows; ++r) add_rows_mat<1>(v + r * h, m, a + r * h, h);
+}
+
+// a += v @ M for one row vector v.
 template <typename A>
 void add_vec_mat(const A* v, const A* m, A* a, std::int64_t h) {
-  std::int64_t j = 0;
-  for (; j + kBlock<A> <= h; j += kBlock<A>) add_vec_mat_block<kBlock<A>>(v, m, a, h, j);
-  for (; j + 8 <= h; j += 8) add_vec_mat_block<8>(v, m, a, h, j);
-  for (; j < h; ++j) add_vec_mat_block<1>(v, m, a, h, j);
+  add_mat_mat(v, m, a, 1, h);
 }
 
 // dw[i0, i0 + kRows) x [j0, j0 + kCols) += sum over k < steps of u_k^T v_k (u, v: steps x h).
@@ -221,29 +230,51 @@ void initial_state(const RecurrentShape& s, const T* input_state, std::int64_t b
 
 // --- forward -----------------------------------------------------------------------------------
 
-// Runs every (sequence, head) recurrence. step(weights, row, n, state, work) advances the fp32
-// state by the step at token `row`; work: kWork rows of h scratch values.
+// Sequences a forward task runs together: their step products share each load of the head's
+// weights (add_mat_mat).
+constexpr std::int64_t kGroup = 8;
+
+// Runs every (sequence, head) recurrence, a head's sequences kGroup at a time, in lockstep.
+// step(weights, rows, count, n, state, work) advances the fp32 states of the first `count`
+// sequences of the group (count rows of h values) by their steps at token rows rows[0, count);
+// work: kWork blocks of kGroup rows of h scratch values.
 template <typename T, int kPairs, int kWork, typename Step>
 void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const T* input_state,
                    T* output, T* final_state, Step&& step) {
   using A = acc_t<T>;
-  const std::int64_t h = s.head_dim;
+  const std::int64_t h = s.head_dim, groups = ceil_div(s.batch, kGroup);
 #pragma omp parallel
   {
     HeadWeights<T, kPairs> weights(h, false);
-    std::vector<A> state(h), work(kWork * h);
+    std::vector<A> state(kGroup * h), work(kWork * kGroup * h);
 #pragma omp for schedule(static)
-    for (std::int64_t task = 0; task < s.heads * s.batch; ++task) {
-      const std::int64_t n = task / s.batch, b = task % s.batch;
+    for (std::int64_t task = 0; task < s.heads * groups; ++task) {
+      const std::int64_t n = task / groups, b0 = task % groups * kGroup;
+      const std::int64_t count = std::min(kGroup, s.batch - b0);
       weights.load(s, op, n);
-      initial_state(s, input_state, b, n, state.data());
-      const SequenceRows seq = sequence_rows(s, b);
-      for (std::int64_t t = 0; t < seq.length; ++t) {
-        const std::int64_t row = seq.first + t;
-        step(weights, row, n, state.data(), work.data());
-        narrow(state.data(), output + (row * s.heads + n) * h, h);
+      // Longest first: the sequences still running at a step are then a prefix of the group.
+      std::int64_t order[kGroup], rows[kGroup];
+      SequenceRows seq[kGroup];
+      std::iota(order, order + count, b0);
+      std::stable_sort(order, order + count, [&](std::int64_t x, std::int64_t y) {
+        return sequence_rows(s, x).length > sequence_rows(s, y).length;
+      });
+      for (std::int64_t i = 0; i < count; ++i) {
+        seq[i] = sequence_rows(s, order[i]);
+        initial_state(s, input_state, order[i], n, state.data() + i * h);
       }
-      if (final_state != nullptr) narrow(state.data(), final_state + (b * s.heads + n) * h, h);
+      std::int64_t running = count;
+      for (std::int64_t t = 0;; ++t) {
+        while (running > 0 && seq[running - 1].length <= t) --running;
+        if (running == 0) break;
+        for (std::int64_t i = 0; i < running; ++i) rows[i] = seq[i].first + t;
+        step(weights, rows, running, n, state.data(), work.data());
+        for (std::int64_t i = 0; i < running; ++i)
+          narrow(state.data() + i * h, output + (rows[i] * s.heads + n) * h, h);
+      }
+      if (final_state != nullptr)
+        for (std::int64_t i = 0; i < count; ++i)
+          narrow(state.data() + i * h, final_state + (order[i] * s.heads + n) * h, h);
     }
   }
 }
@@ -254,12 +285,12 @@ void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* i
                    T* output, T* final_state) {
   using A = acc_t<T>;
   const std::int64_t h = s.head_dim;
-  const auto step = [&](const HeadWeights<T, 1>& w, std::int64_t row, std::int64_t n, A* state,
-                        A* a) {
-    widen(input_row(s, op, 0, row, n), a, h);
-    add_vec_mat(state, w.w(0), a, h);
+  const auto step = [&](const HeadWeights<T, 1>& w, const std::int64_t* rows, std::int64_t count,
+                        std::int64_t n, A* state, A* a) {
+    for (std::int64_t i = 0; i < count; ++i) widen(input_row(s, op, 0, rows[i], n), a + i * h, h);
+    add_mat_mat(state, w.w(0), a, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < h; ++j) state[j] = vtanh(a[j]);
+    for (std::int64_t j = 0; j < count * h; ++j) state[j] = vtanh(a[j]);
   };
   forward_pairs<T, 1, 1>(s, op, input_state, output, final_state, step);
 }
@@ -270,23 +301,26 @@ template <typename T>
 void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
                    T* output, T* final_state) {
   using A = acc_t<T>;
-  const std::int64_t h = s.head_dim;
-  const auto step = [&](const HeadWeights<T, 3>& w, std::int64_t row, std::int64_t n, A* state,
-                        A* work) {
-    A *f = work, *r = work + h, *q = work + 2 * h, *z = work + 3 * h;
-    widen(input_row(s, op, 1, row, n), f, h);
-    widen(input_row(s, op, 2, row, n), r, h);
-    widen(input_row(s, op, 0, row, n), z, h);
-    add_vec_mat(state, w.w(1), f, h);
-    add_vec_mat(state, w.w(2), r, h);
+  const std::int64_t h = s.head_dim, block = kGroup * h;
+  const auto step = [&](const HeadWeights<T, 3>& w, const std::int64_t* rows, std::int64_t count,
+                        std::int64_t n, A* state, A* work) {
+    A *f = work, *r = work + block, *q = work + 2 * block, *z = work + 3 * block;
+    for (std::int64_t i = 0; i < count; ++i) {
+      widen(input_row(s, op, 1, rows[i], n), f + i * h, h);
+      widen(input_row(s, op, 2, rows[i], n), r + i * h, h);
+      widen(input_row(s, op, 0, rows[i], n), z + i * h, h);
+    }
+    add_mat_mat(state, w.w(1), f, count, h);
+    add_mat_mat(state, w.w(2), r, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < h; ++j) {
+    for (std::int64_t j = 0; j < count * h; ++j) {
       f[j] = sigmoid(f[j]);
       q[j] = state[j] * sigmoid(r[j]);
     }
-    add_vec_mat(q, w.w(0), z, h);
+    add_mat_mat(q, w.w(0), z, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < h; ++j) state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
+    for (std::int64_t j = 0; j < count * h; ++j)
+      state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
   };
   forward_pairs<T, 3, 4>(s, op, input_state, output, final_state, step);
 }
