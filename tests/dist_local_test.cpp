@@ -210,6 +210,23 @@ TEST(DistNames, BackendsReduceOpsAndOpsRoundTripThroughTheirNames) {
   EXPECT_TRUE(communicator_backend_built(CommunicatorBackend::Local));
 }
 
+TEST(DistNames, TheNcclLibraryIsOpenedAtRunTimeAndNamesItsVersion) {
+  if (!communicator_backend_built(CommunicatorBackend::Nccl)) {
+    try {
+      nccl_library();
+      FAIL() << "nccl_library() without the nccl backend";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::BackendUnavailable);
+      EXPECT_NE(std::string(e.what()).find("not in this build"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  // No GPU needed: dlopen, every symbol found, ncclGetVersion.
+  const std::string library = nccl_library();
+  EXPECT_TRUE(library.starts_with("NCCL 2.")) << library;
+  EXPECT_NE(library.find("libnccl"), std::string::npos) << library;
+}
+
 TEST(DistNames, BackendSpecsMapDeviceTypesToBackends) {
   EXPECT_EQ(BackendSpec::parse("").str(), "cpu:gloo,cuda:nccl");
   EXPECT_EQ(BackendSpec::parse("cuda:nccl, cpu:mpi").str(), "cpu:mpi,cuda:nccl");

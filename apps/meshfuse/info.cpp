@@ -9,6 +9,7 @@
 
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/platform.h"
+#include "meshfuse/dist/communicator.h"
 
 namespace meshfuse::cli {
 namespace {
@@ -45,6 +46,23 @@ void print_info(std::ostream& out) {
     out << "  (no cuda devices: this build has no cuda backend)\n";
   else if (cuda_device_count() == 0)
     out << "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
+
+  // The communicator backends of this build, and the NCCL library nccl opens.
+  std::vector<std::string> comms;
+  for (CommunicatorBackend b : {CommunicatorBackend::Local, CommunicatorBackend::Gloo,
+                                CommunicatorBackend::Mpi, CommunicatorBackend::Nccl}) {
+    if (!communicator_backend_built(b)) continue;
+    std::string text(to_string(b));
+    if (b == CommunicatorBackend::Nccl) {
+      try {
+        text += " (" + nccl_library() + ")";
+      } catch (const Error& e) {
+        text += fmt::format(" (unusable: {})", e.what());
+      }
+    }
+    comms.push_back(text);
+  }
+  out << fmt::format("communicator backends: {}\n", fmt::join(comms, ", "));
 
   // One row per op (kernel name), one column per backend that has any kernel.
   std::vector<KernelBackend> columns;

@@ -308,6 +308,10 @@ void bind_dist(nb::module_& m) {
         return names;
       },
       "The communicator backends in this build.");
+  m.def("nccl_library", &nccl_library,
+        "The NCCL library of the nccl backend, e.g. 'NCCL 2.28.3 (libnccl.so.2)': opened at run "
+        "time, so a process with torch imported first shares torch's NCCL. Raises meshfuse.Error when "
+        "the build has no nccl backend or no NCCL library loads (MESHFUSE_NCCL_LIBRARY names one).");
   bind_record(m);
   bind_communicator(m);
 }

@@ -15,14 +15,87 @@
 #if MESHFUSE_WITH_NCCL
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
+#include <type_traits>
 
 namespace meshfuse::detail {
 namespace {
+
+// NCCL is opened with the first nccl communicator, not linked. A process keeps one libnccl.so.2,
+// the first it loads: a linked one would be the one PyTorch gets when meshfuse is imported first,
+// and PyTorch's import then fails on a symbol of its newer NCCL. Opened late, the name resolves to
+// the copy already in the process (PyTorch's) if there is one, else the loader's (then the one
+// found at build time); MESHFUSE_NCCL_LIBRARY names another file.
+struct NcclApi {
+  std::string path;  // as opened
+  decltype(&::ncclAllGather) AllGather;
+  decltype(&::ncclAllReduce) AllReduce;
+  decltype(&::ncclBroadcast) Broadcast;
+  decltype(&::ncclCommAbort) CommAbort;
+  decltype(&::ncclCommDestroy) CommDestroy;
+  decltype(&::ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&::ncclCommInitRank) CommInitRank;
+  decltype(&::ncclGetErrorString) GetErrorString;
+  decltype(&::ncclGetLastError) GetLastError;
+  decltype(&::ncclGetUniqueId) GetUniqueId;
+  decltype(&::ncclGetVersion) GetVersion;
+  decltype(&::ncclGroupEnd) GroupEnd;
+  decltype(&::ncclGroupStart) GroupStart;
+  decltype(&::ncclRecv) Recv;
+  decltype(&::ncclReduce) Reduce;
+  decltype(&::ncclReduceScatter) ReduceScatter;
+  decltype(&::ncclSend) Send;
+};
+
+const NcclApi& nccl() {
+  static const NcclApi api = [] {
+    const char* env = std::getenv("MESHFUSE_NCCL_LIBRARY");
+    std::string path = env != nullptr && *env != '\0' ? env : "libnccl.so.2";
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr && env == nullptr) {
+      path = MESHFUSE_NCCL_BUILD_LIBRARY;
+      lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    }
+    if (lib == nullptr)
+      fail(ErrorCode::BackendUnavailable,
+           "nccl: cannot load {} ({}); install NCCL or name the library in MESHFUSE_NCCL_LIBRARY",
+           path, dlerror());
+    NcclApi a{};
+    a.path = path;
+    const auto bind = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr)
+        fail(ErrorCode::BackendUnavailable, "nccl: {} has no {} (NCCL 2.13 or newer is needed)",
+             path, name);
+    };
+    bind(a.AllGather, "ncclAllGather");
+    bind(a.AllReduce, "ncclAllReduce");
+    bind(a.Broadcast, "ncclBroadcast");
+    bind(a.CommAbort, "ncclCommAbort");
+    bind(a.CommDestroy, "ncclCommDestroy");
+    bind(a.CommGetAsyncError, "ncclCommGetAsyncError");
+    bind(a.CommInitRank, "ncclCommInitRank");
+    bind(a.GetErrorString, "ncclGetErrorString");
+    bind(a.GetLastError, "ncclGetLastError");
+    bind(a.GetUniqueId, "ncclGetUniqueId");
+    bind(a.GetVersion, "ncclGetVersion");
+    bind(a.GroupEnd, "ncclGroupEnd");
+    bind(a.GroupStart, "ncclGroupStart");
+    bind(a.Recv, "ncclRecv");
+    bind(a.Reduce, "ncclReduce");
+    bind(a.ReduceScatter, "ncclReduceScatter");
+    bind(a.Send, "ncclSend");
+    return a;
+  }();
+  return api;
+}
 
 void check_cuda(cudaError_t status, std::string_view what) {
   if (status == cudaSuccess) return;
@@ -108,7 +181,7 @@ bool all_equal(const std::vector<std::int64_t>& counts) {
 
 [[noreturn]] void fail_nccl(ncclResult_t result, std::string_view what, ncclComm_t comm) {
   fail(ErrorCode::CommunicationFailure, "nccl: {} failed: {} ({})", what,
-       ncclGetErrorString(result), ncclGetLastError(comm));
+       nccl().GetErrorString(result), nccl().GetLastError(comm));
 }
 
 // The NCCL communicator, shared by the backend and its Works, so that a Work outliving the
@@ -121,7 +194,7 @@ struct Handle {
   ~Handle() {
     if (comm && !aborted) {
       cudaSetDevice(device);
-      ncclCommDestroy(comm);
+      nccl().CommDestroy(comm);
     }
   }
   // The communicator's asynchronous error (a failed peer, a network error), as an Error.
@@ -129,7 +202,7 @@ struct Handle {
     MESHFUSE_CHECK(!aborted, ErrorCode::CommunicationFailure,
                    "nccl: the communicator was aborted after an earlier failure");
     ncclResult_t async = ncclSuccess;
-    if (ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess &&
+    if (nccl().CommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess &&
         async != ncclInProgress)
       fail_nccl(async, "the communicator", comm);
   }
@@ -167,12 +240,12 @@ class NcclComm : public CommImpl {
     // offers a deadline only to non-blocking communicators, whose every call would then need
     // polling).
     ncclUniqueId id{};
-    if (rank_ == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    if (rank_ == 0) check(nccl().GetUniqueId(&id), "ncclGetUniqueId");
     std::vector<ncclUniqueId> ids(static_cast<std::size_t>(size_));
     context.bootstrap_exchange(&id, ids.data(), sizeof id);
     const DeviceGuard guard(device_);
     handle_->device = device_;
-    check(ncclCommInitRank(&handle_->comm, size_, ids[0], rank_), "ncclCommInitRank");
+    check(nccl().CommInitRank(&handle_->comm, size_, ids[0], rank_), "ncclCommInitRank");
     comm_ = handle_->comm;
     check_cuda(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags");
@@ -211,7 +284,7 @@ class NcclComm : public CommImpl {
     std::memcpy(host, mine, bytes);
     check_cuda(cudaMemcpyAsync(send, host, bytes, cudaMemcpyHostToDevice, side_stream_),
                "cudaMemcpyAsync");
-    check(ncclAllGather(send, send + bytes, bytes, ncclUint8, comm_, side_stream_),
+    check(nccl().AllGather(send, send + bytes, bytes, ncclUint8, comm_, side_stream_),
           "ncclAllGather");
     check_cuda(cudaMemcpyAsync(host + bytes, send + bytes, total - bytes, cudaMemcpyDeviceToHost,
                                side_stream_),
@@ -223,8 +296,8 @@ class NcclComm : public CommImpl {
   std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op,
                                        const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(ncclAllReduce(t.data(), t.data(), count(t), nccl_type(t.dtype()), nccl_op(op), comm_,
-                        l.stream),
+    check(nccl().AllReduce(t.data(), t.data(), count(t), nccl_type(t.dtype()), nccl_op(op), comm_,
+                           l.stream),
           "ncclAllReduce");
     return record(stream);
   }
@@ -232,16 +305,17 @@ class NcclComm : public CommImpl {
   std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root,
                                       const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(ncclBroadcast(t.data(), t.data(), count(t), nccl_type(t.dtype()), root, comm_, l.stream),
-          "ncclBroadcast");
+    check(
+        nccl().Broadcast(t.data(), t.data(), count(t), nccl_type(t.dtype()), root, comm_, l.stream),
+        "ncclBroadcast");
     return record(stream);
   }
 
   std::shared_ptr<WorkImpl> reduce(const TensorView& t, int root, ReduceOp op,
                                    const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(ncclReduce(t.data(), t.data(), count(t), nccl_type(t.dtype()), nccl_op(op), root, comm_,
-                     l.stream),
+    check(nccl().Reduce(t.data(), t.data(), count(t), nccl_type(t.dtype()), nccl_op(op), root,
+                        comm_, l.stream),
           "ncclReduce");
     return record(stream);
   }
@@ -252,8 +326,8 @@ class NcclComm : public CommImpl {
     const Launch l(*this, output, stream);
     const ncclDataType_t type = nccl_type(output.dtype());
     if (all_equal(counts)) {
-      check(ncclAllGather(input.data(), output.data(), static_cast<std::size_t>(counts[0]), type,
-                          comm_, l.stream),
+      check(nccl().AllGather(input.data(), output.data(), static_cast<std::size_t>(counts[0]), type,
+                             comm_, l.stream),
             "ncclAllGather");
     } else {
       // Rank r broadcasts its rows into their place in everyone's output.
@@ -261,8 +335,8 @@ class NcclComm : public CommImpl {
       grouped([&] {
         for (int r = 0; r < size_; ++r) {
           char* place = bytes_at(output, offsets[r]);
-          check(ncclBroadcast(r == rank_ ? input.data() : place, place,
-                              static_cast<std::size_t>(counts[r]), type, r, comm_, l.stream),
+          check(nccl().Broadcast(r == rank_ ? input.data() : place, place,
+                                 static_cast<std::size_t>(counts[r]), type, r, comm_, l.stream),
                 "ncclBroadcast");
         }
       });
@@ -276,8 +350,8 @@ class NcclComm : public CommImpl {
     const Launch l(*this, input, stream);
     const ncclDataType_t type = nccl_type(input.dtype());
     if (all_equal(counts)) {
-      check(ncclReduceScatter(input.data(), output.data(), static_cast<std::size_t>(counts[0]),
-                              type, nccl_op(op), comm_, l.stream),
+      check(nccl().ReduceScatter(input.data(), output.data(), static_cast<std::size_t>(counts[0]),
+                                 type, nccl_op(op), comm_, l.stream),
             "ncclReduceScatter");
     } else {
       // Block r is reduced onto rank r (the receive buffer only matters on the root).
@@ -285,9 +359,9 @@ class NcclComm : public CommImpl {
       grouped([&] {
         for (int r = 0; r < size_; ++r) {
           char* block = bytes_at(input, offsets[r]);
-          check(ncclReduce(block, r == rank_ ? output.data() : block,
-                           static_cast<std::size_t>(counts[r]), type, nccl_op(op), r, comm_,
-                           l.stream),
+          check(nccl().Reduce(block, r == rank_ ? output.data() : block,
+                              static_cast<std::size_t>(counts[r]), type, nccl_op(op), r, comm_,
+                              l.stream),
                 "ncclReduce");
         }
       });
@@ -301,15 +375,15 @@ class NcclComm : public CommImpl {
     const std::int64_t n = input.numel();
     grouped([&] {
       if (rank_ != root)
-        return check(
-            ncclSend(input.data(), count(input), nccl_type(input.dtype()), root, comm_, l.stream),
-            "ncclSend");
+        return check(nccl().Send(input.data(), count(input), nccl_type(input.dtype()), root, comm_,
+                                 l.stream),
+                     "ncclSend");
       for (int r = 0; r < size_; ++r)
         if (r == rank_)
           copy(input.data(), bytes_at(output, r * n), input.nbytes(), l.stream);
         else
-          check(ncclRecv(bytes_at(output, r * n), count(input), nccl_type(input.dtype()), r, comm_,
-                         l.stream),
+          check(nccl().Recv(bytes_at(output, r * n), count(input), nccl_type(input.dtype()), r,
+                            comm_, l.stream),
                 "ncclRecv");
     });
     return record(stream);
@@ -321,15 +395,15 @@ class NcclComm : public CommImpl {
     const std::int64_t n = output.numel();
     grouped([&] {
       if (rank_ != root)
-        return check(ncclRecv(output.data(), count(output), nccl_type(output.dtype()), root, comm_,
-                              l.stream),
+        return check(nccl().Recv(output.data(), count(output), nccl_type(output.dtype()), root,
+                                 comm_, l.stream),
                      "ncclRecv");
       for (int r = 0; r < size_; ++r)
         if (r == rank_)
           copy(bytes_at(input, r * n), output.data(), output.nbytes(), l.stream);
         else
-          check(ncclSend(bytes_at(input, r * n), count(output), nccl_type(output.dtype()), r, comm_,
-                         l.stream),
+          check(nccl().Send(bytes_at(input, r * n), count(output), nccl_type(output.dtype()), r,
+                            comm_, l.stream),
                 "ncclSend");
     });
     return record(stream);
@@ -353,12 +427,12 @@ class NcclComm : public CommImpl {
           continue;
         }
         if (in_counts[r] > 0)
-          check(ncclSend(bytes_at(input, in_offsets[r]), static_cast<std::size_t>(in_counts[r]),
-                         type, r, comm_, l.stream),
+          check(nccl().Send(bytes_at(input, in_offsets[r]), static_cast<std::size_t>(in_counts[r]),
+                            type, r, comm_, l.stream),
                 "ncclSend");
         if (out_counts[r] > 0)
-          check(ncclRecv(bytes_at(output, out_offsets[r]), static_cast<std::size_t>(out_counts[r]),
-                         type, r, comm_, l.stream),
+          check(nccl().Recv(bytes_at(output, out_offsets[r]),
+                            static_cast<std::size_t>(out_counts[r]), type, r, comm_, l.stream),
                 "ncclRecv");
       }
     });
@@ -368,14 +442,14 @@ class NcclComm : public CommImpl {
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int,
                                  const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(ncclSend(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclSend");
+    check(nccl().Send(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclSend");
     return record(stream);
   }
 
   std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int,
                                  const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(ncclRecv(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclRecv");
+    check(nccl().Recv(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclRecv");
     return record(stream);
   }
 
@@ -384,13 +458,13 @@ class NcclComm : public CommImpl {
     const DeviceGuard guard(device_);
     check_device(stream.device, "stream");
     if (!barrier_) check_cuda(cudaMalloc(&barrier_, sizeof(int)), "cudaMalloc");
-    check(ncclAllReduce(barrier_, barrier_, 1, ncclInt32, ncclSum, comm_, native(stream)),
+    check(nccl().AllReduce(barrier_, barrier_, 1, ncclInt32, ncclSum, comm_, native(stream)),
           "ncclAllReduce (barrier)");
     return record(stream);
   }
 
   void abort() override {
-    if (!handle_->aborted.exchange(true)) ncclCommAbort(comm_);
+    if (!handle_->aborted.exchange(true)) nccl().CommAbort(comm_);
   }
 
  private:
@@ -408,14 +482,14 @@ class NcclComm : public CommImpl {
   // Runs `calls` between ncclGroupStart and ncclGroupEnd: NCCL launches them as one operation.
   template <typename Calls>
   void grouped(const Calls& calls) const {
-    check(ncclGroupStart(), "ncclGroupStart");
+    check(nccl().GroupStart(), "ncclGroupStart");
     try {
       calls();
     } catch (...) {
-      ncclGroupEnd();
+      nccl().GroupEnd();
       throw;
     }
-    check(ncclGroupEnd(), "ncclGroupEnd");
+    check(nccl().GroupEnd(), "ncclGroupEnd");
   }
 
   void check(ncclResult_t result, std::string_view what) const {
@@ -498,7 +572,31 @@ std::unique_ptr<CommImpl> make_nccl_comm(const TeamContext& context) {
 
 }  // namespace meshfuse::detail
 
+namespace meshfuse {
+
+std::string nccl_library() {
+  const detail::NcclApi& api = detail::nccl();
+  int version = 0;
+  if (api.GetVersion(&version) != ncclSuccess)
+    fail(ErrorCode::BackendUnavailable, "nccl: ncclGetVersion failed in {}", api.path);
+  // NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch since 2.9.
+  return fmt::format("NCCL {}.{}.{} ({})", version / 10000, version / 100 % 100, version % 100,
+                     api.path);
+}
+
+}  // namespace meshfuse
+
 #else  // !MESHFUSE_WITH_NCCL
+
+namespace meshfuse {
+
+std::string nccl_library() {
+  fail(ErrorCode::BackendUnavailable,
+       "nccl: not in this build (it needs CUDA and NCCL: configure with -DMESHFUSE_CUDA=ON "
+       "-DMESHFUSE_NCCL=ON)");
+}
+
+}  // namespace meshfuse
 
 namespace meshfuse::detail {
 

@@ -30,6 +30,7 @@ TEST(Cli, InfoListsVersionDevicesAndSwigluForReferenceAndCpu) {
   EXPECT_TRUE(contains(r.out, "meshfuse 0.")) << r.out;
   EXPECT_TRUE(contains(r.out, "blas=")) << r.out;
   EXPECT_TRUE(contains(r.out, "cpu      reference, cpu")) << r.out;
+  EXPECT_TRUE(contains(r.out, "communicator backends: local")) << r.out;
   std::istringstream lines(r.out);
   std::string line;
   bool swiglu_row = false;

@@ -85,6 +85,11 @@ CommunicatorBackend parse_communicator_backend(std::string_view name);
 bool communicator_backend_built(CommunicatorBackend backend);
 // The device types a backend serves: local, gloo, mpi -> cpu; nccl -> cuda.
 std::vector<DeviceType> communicator_backend_devices(CommunicatorBackend backend);
+// The NCCL library of the nccl backend, as "NCCL 2.28.3 (libnccl.so.2)". NCCL is opened at run
+// time (here or at the first nccl communicator), not linked, so that a process with PyTorch loaded
+// first shares PyTorch's NCCL; MESHFUSE_NCCL_LIBRARY names another file. Error(BackendUnavailable)
+// when the build has no nccl backend or no NCCL library loads.
+std::string nccl_library();
 
 // torch.distributed.ReduceOp: SUM, PRODUCT, MIN, MAX, AVG (sum divided by the team size).
 enum class ReduceOp { Sum, Prod, Min, Max, Avg };
