@@ -21,6 +21,12 @@ Result run(const TensorView& gate, const TensorView& up, const TensorView& dy, D
   return r;
 }
 
+void expect_close(const Result& gpu, const Result& expected) {
+  test::expect_close(to_cpu(gpu.out), expected.out, "out");
+  test::expect_close(to_cpu(gpu.grad_gate), expected.grad_gate, "grad_gate");
+  test::expect_close(to_cpu(gpu.grad_up), expected.grad_up, "grad_up");
+}
+
 class CudaSwigluTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(CudaSwigluTest, MatchesTheReferenceAtVectorAndOddWidths) {
@@ -34,10 +40,7 @@ TEST_P(CudaSwigluTest, MatchesTheReferenceAtVectorAndOddWidths) {
       ForceKernelBackend force(KernelBackend::Reference);
       ref = run(g, u, dy, Device{});
     }
-    const Result gpu = run(to_cuda(g), to_cuda(u), to_cuda(dy), kCuda);
-    test::expect_close(to_cpu(gpu.out), ref.out, "out");
-    test::expect_close(to_cpu(gpu.grad_gate), ref.grad_gate, "grad_gate");
-    test::expect_close(to_cpu(gpu.grad_up), ref.grad_up, "grad_up");
+    expect_close(run(to_cuda(g), to_cuda(u), to_cuda(dy), kCuda), ref);
   }
 }
 
@@ -49,17 +52,14 @@ TEST_P(CudaSwigluTest, RowsPastTheGridsSixtyFiveThousandAreCovered) {
     const Tensor g = test::randn({70000, cols}, GetParam(), 6, 3.0),
                  u = test::randn({70000, cols}, GetParam(), 7),
                  dy = test::randn({70000, cols}, GetParam(), 8);
-    const Result cpu = run(g, u, dy, Device{});
-    const Result gpu = run(to_cuda(g), to_cuda(u), to_cuda(dy), kCuda);
-    test::expect_close(to_cpu(gpu.out), cpu.out, "out");
-    test::expect_close(to_cpu(gpu.grad_gate), cpu.grad_gate, "grad_gate");
-    test::expect_close(to_cpu(gpu.grad_up), cpu.grad_up, "grad_up");
+    expect_close(run(to_cuda(g), to_cuda(u), to_cuda(dy), kCuda), run(g, u, dy, Device{}));
   }
 }
 
 TEST_P(CudaSwigluTest, PackedLayoutsMatchTheCpuBackend) {
   MESHFUSE_REQUIRE_CUDA();
-  const Tensor x = test::randn({5, 2 * 40}, GetParam(), 4), dy = test::randn({5, 40}, GetParam(), 5);
+  const Tensor x = test::randn({5, 2 * 40}, GetParam(), 4),
+               dy = test::randn({5, 40}, GetParam(), 5);
   for (SwigluLayout layout : {SwigluLayout::Halves, SwigluLayout::Interleaved}) {
     Tensor out({5, 40}, GetParam()), grad_x(x.shape(), GetParam());
     swiglu_packed(x, layout, out);
