@@ -4,10 +4,13 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -33,6 +36,21 @@ class WorkImpl {
 
 // A finished operation (for backends that complete synchronously).
 std::shared_ptr<WorkImpl> completed_work();
+
+// An operation another thread completes: finish() marks it done, with the failure (if any) that
+// wait() rethrows.
+class TaskWork : public WorkImpl {
+ public:
+  bool test() override;
+  void wait(Deadline deadline) override;
+  void finish(std::exception_ptr error);
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable finished_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
 
 // Runs tasks one at a time, in submission order, on a thread of its own: how a backend with
 // blocking transfers (local, gloo) makes them asynchronous. Since every rank submits a team's

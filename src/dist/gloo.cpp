@@ -123,25 +123,19 @@ std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch)
 }
 
 // A send or receive: a thread waits for Gloo to complete it.
-class P2pWork : public WorkImpl {
+class P2pWork : public TaskWork {
  public:
   P2pWork(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
           std::chrono::milliseconds timeout)
       : buffer_(std::move(buffer)), is_send_(is_send) {
     waiter_ = std::thread([this, is_send, timeout] {
-      std::string error;
-      ErrorCode code = ErrorCode::CommunicationFailure;
+      std::exception_ptr error;
       try {
         as_errors([&] { is_send ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout); });
-      } catch (const Error& e) {
-        error = e.what();
-        code = e.code();
+      } catch (...) {
+        error = std::current_exception();
       }
-      std::lock_guard lock(mutex_);
-      done_ = true;
-      error_ = error;
-      code_ = code;
-      finished_.notify_all();
+      finish(error);
     });
   }
   // Unwaited (the work is dropped, or its wait timed out): the waiter would block up to Gloo's
@@ -151,25 +145,9 @@ class P2pWork : public WorkImpl {
     waiter_.join();
   }
 
-  bool test() override {
-    std::lock_guard lock(mutex_);
-    return done_;
-  }
-  void wait(Deadline deadline) override {
-    std::unique_lock lock(mutex_);
-    if (!finished_.wait_until(lock, deadline, [&] { return done_; }))
-      fail(ErrorCode::Timeout, "gloo: the transfer has not finished");
-    if (!error_.empty()) throw Error(code_, error_);
-  }
-
  private:
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
   bool is_send_;
-  std::mutex mutex_;
-  std::condition_variable finished_;
-  bool done_ = false;
-  std::string error_;
-  ErrorCode code_ = ErrorCode::CommunicationFailure;
   std::thread waiter_;
 };
 

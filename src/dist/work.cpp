@@ -18,38 +18,30 @@ class CompletedWork : public WorkImpl {
   void wait(Deadline) override {}
 };
 
-// A task of a WorkerQueue: done once the worker has run it.
-class TaskWork : public WorkImpl {
- public:
-  bool test() override {
-    std::lock_guard lock(mutex_);
-    return done_;
-  }
-  void wait(Deadline deadline) override {
-    std::unique_lock lock(mutex_);
-    if (!finished_.wait_until(lock, deadline, [&] { return done_; }))
-      fail(ErrorCode::Timeout, "the operation has not finished");
-    if (error_) std::rethrow_exception(error_);
-  }
-  void finish(std::exception_ptr error) {
-    {
-      std::lock_guard lock(mutex_);
-      done_ = true;
-      error_ = std::move(error);
-    }
-    finished_.notify_all();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable finished_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
-
 }  // namespace
 
 std::shared_ptr<WorkImpl> completed_work() { return std::make_shared<CompletedWork>(); }
+
+bool TaskWork::test() {
+  std::lock_guard lock(mutex_);
+  return done_;
+}
+
+void TaskWork::wait(Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  if (!finished_.wait_until(lock, deadline, [&] { return done_; }))
+    fail(ErrorCode::Timeout, "the operation has not finished");
+  if (error_) std::rethrow_exception(error_);
+}
+
+void TaskWork::finish(std::exception_ptr error) {
+  {
+    std::lock_guard lock(mutex_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  finished_.notify_all();
+}
 
 struct WorkerQueue::State {
   std::string name;
