@@ -56,7 +56,8 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   const A eps = static_cast<A>(o.label_smoothing), z = static_cast<A>(o.z_loss_scale);
   const A smooth = eps / static_cast<A>(b.vocab);
   // The gradient is as large as the logits: streamed past the last-level cache.
-  const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)});
+  const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)}, grad_logits,
+                                        b.rows * b.vocab * std::int64_t{sizeof(T)});
 #pragma omp parallel
   {
 #pragma omp for schedule(static)

@@ -40,7 +40,8 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const A* w = weight.data();
   const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
   const bool stream =
-      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)});
+      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.y,
+                        s.rows * s.cols * std::int64_t{sizeof(T)});
   const auto in = [&](const void* p, std::int64_t row) {
     return static_cast<const T*>(p) + row * s.cols;
   };
@@ -128,7 +129,8 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   const std::int64_t rows_per_block = (s.rows + blocks - 1) / blocks;
   const std::unique_ptr<A[]> partials(kDweight ? new A[blocks * s.cols] : nullptr);
   const bool stream =
-      stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)});
+      stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.dx,
+                        s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
   {
 #pragma omp for schedule(static)

@@ -17,7 +17,8 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-    const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)});
+    const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)}, y,
+                                          s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
     {
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
@@ -51,7 +52,8 @@ void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, 
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-    const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)});
+    const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, grad_x,
+                                          s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
     {
 #pragma omp for schedule(static)

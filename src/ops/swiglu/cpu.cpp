@@ -18,7 +18,8 @@ T* row(SwigluOperand op, std::int64_t r) {
 template <typename T, int kIn>
 void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
-  const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)});
+  const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
+                                        s.rows * s.cols * std::int64_t{sizeof(T)});
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
