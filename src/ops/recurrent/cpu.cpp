@@ -65,29 +65,42 @@ inline A sigmoid(A x) {
 }
 
 // a[r, j0 + c] += (v[r] @ M)[j0 + c] for r < kRows, c < kCols; v and a are rows of h values, M is
-// h x h row-major. Each load of a row block of M serves kRows rows (FMA-bound, not load-bound), and
-// every row sums over M's rows in order, one chain per column: a row's result does not depend on
-// the rows it is computed with.
+// h x h row-major. Each load of a row block of M serves kRows rows (FMA-bound, not load-bound).
+// Every column sums M's even and odd rows in two chains (independent FMAs hide the latency), then
+// adds them: the same order for every block shape, so a row's result does not depend on the rows
+// it is computed with.
 template <int kRows, int kCols, typename A>
 inline void add_rows_mat_block(const A* v, const A* m, A* a, std::int64_t h, std::int64_t j0) {
-  A acc[kRows][kCols] = {};
-  for (std::int64_t i = 0; i < h; ++i) {
-    const A* mi = m + i * h + j0;
+  A even[kRows][kCols] = {}, odd[kRows][kCols] = {};
+  std::int64_t i = 0;
+  for (; i + 2 <= h; i += 2) {
+    const A* m0 = m + i * h + j0;
+    const A* m1 = m0 + h;
     for (int r = 0; r < kRows; ++r) {
-      const A vr = v[r * h + i];
+      const A v0 = v[r * h + i], v1 = v[r * h + i + 1];
 #pragma omp simd
-      for (int c = 0; c < kCols; ++c) acc[r][c] += vr * mi[c];
+      for (int c = 0; c < kCols; ++c) {
+        even[r][c] += v0 * m0[c];
+        odd[r][c] += v1 * m1[c];
+      }
     }
   }
+  if (i < h)
+    for (int r = 0; r < kRows; ++r)
+#pragma omp simd
+      for (int c = 0; c < kCols; ++c) even[r][c] += v[r * h + i] * m[i * h + j0 + c];
   for (int r = 0; r < kRows; ++r)
 #pragma omp simd
-    for (int c = 0; c < kCols; ++c) a[r * h + j0 + c] += acc[r][c];
+    for (int c = 0; c < kCols; ++c) a[r * h + j0 + c] += even[r][c] + odd[r][c];
 }
 
+// Columns of a block: four vector registers per row and chain for one row, two for four rows (16
+// accumulators either way, leaving registers for the loads).
 template <int kRows, typename A>
 void add_rows_mat(const A* v, const A* m, A* a, std::int64_t h) {
+  constexpr int kCols = kRows == 1 ? kBlock<A> : kBlock<A> / 2;
   std::int64_t j = 0;
-  for (; j + kBlock<A> <= h; j += kBlock<A>) add_rows_mat_block<kRows, kBlock<A>>(v, m, a, h, j);
+  for (; j + kCols <= h; j += kCols) add_rows_mat_block<kRows, kCols>(v, m, a, h, j);
   for (; j + 8 <= h; j += 8) add_rows_mat_block<kRows, 8>(v, m, a, h, j);
   for (; j < h; ++j) add_rows_mat_block<kRows, 1>(v, m, a, h, j);
 }
