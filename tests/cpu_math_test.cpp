@@ -36,6 +36,53 @@ TEST(CpuMath, VexpHandlesInfNanAndTheRangeEnds) {
   EXPECT_EQ(vexp(0.0f), 1.0f);
 }
 
+#if defined(__AVX512F__)
+// vexp16 on every 997th float bit pattern (all exponents, both signs, NaNs, infs) against exp in
+// double: within 2 ulp of the exact value; results below half the smallest subnormal give 0.
+TEST(CpuMath, Vexp16IsWithinTwoUlpOverTheWholeFloatRange) {
+  double worst = 0;
+  std::int64_t wrong_specials = 0;
+  alignas(64) float in[16], out[16];
+  for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 16 * 997) {
+    for (int i = 0; i < 16; ++i)
+      in[i] = std::bit_cast<float>(static_cast<std::uint32_t>(b + i * 997));
+    _mm512_store_ps(out, detail::cpu::vexp16(_mm512_load_ps(in)));
+    for (int i = 0; i < 16; ++i) {
+      const double exact = std::exp(static_cast<double>(in[i]));
+      if (std::isnan(in[i]) || exact > 3.4028234663852886e38) {
+        wrong_specials += std::isnan(in[i]) ? !std::isnan(out[i]) : out[i] != INFINITY;
+        continue;
+      }
+      const double ulp = std::ldexp(1.0, std::max(std::ilogb(exact), -126) - 23);
+      worst = std::max(worst, std::fabs(out[i] - exact) / ulp);
+    }
+  }
+  EXPECT_LE(worst, 2.0);
+  EXPECT_EQ(wrong_specials, 0);
+}
+
+TEST(CpuMath, Vexp16HandlesInfNanSubnormalsAndTheRangeEnds) {
+  const float inf = std::numeric_limits<float>::infinity();
+  alignas(64) float in[16] = {
+      -inf,   inf,    100.0f,  -104.5f, -100.0f, std::nanf(""),  0.0f,  -0.0f,
+      88.72f, -87.5f, -103.0f, 1.0f,    -1.0f,   -std::nanf(""), 89.0f, -104.0f};
+  alignas(64) float out[16];
+  _mm512_store_ps(out, detail::cpu::vexp16(_mm512_load_ps(in)));
+  EXPECT_TRUE(std::isnan(out[5]));
+  EXPECT_TRUE(std::isnan(out[13]));
+  EXPECT_EQ(out[6], 1.0f);
+  EXPECT_EQ(out[7], 1.0f);
+  EXPECT_EQ(out[14], inf);   // past ln(FLT_MAX)
+  EXPECT_EQ(out[15], 0.0f);  // below half the smallest subnormal
+  EXPECT_GT(out[10], 0.0f);  // subnormal
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], inf);
+  EXPECT_EQ(out[2], inf);
+  EXPECT_EQ(out[3], 0.0f);
+  EXPECT_NEAR(out[4], std::exp(-100.0), 1.5e-45);  // a subnormal float
+}
+#endif
+
 // Every bf16 above and below each rounding boundary: ties, NaN payloads, inf, subnormals (which the
 // AVX512-BF16 conversion would flush; stream_out must not).
 std::vector<float> bf16_boundary_values() {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #ifdef _OPENMP
@@ -58,17 +59,50 @@ inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
   return {rows * t / threads, rows * (t + 1) / threads};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 elements of a row as floats; lanes outside k read as 0.
+template <typename T>
+__m512 load16(const T* p, __mmask16 k) {
+  constexpr __mmask16 kAll = 0xffff;
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_maskz_loadu_ps(k, p);
+  else if constexpr (std::is_same_v<T, bfloat16>)
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        kAll, _mm512_maskz_cvtepu16_epi32(kAll, _mm256_maskz_loadu_epi16(k, p)), 16));
+  else
+    return _mm512_maskz_cvtph_ps(kAll, _mm256_maskz_loadu_epi16(k, p));
+}
+#endif
+
 // sum_j exp(m * x_j - shift) of one row (storing the exps in `exps` when kStoreExps) fused with
 // row_max of the next row: the exp pass is bound by arithmetic and reads its row from L2, the max
-// pass by memory, so in one loop the next row streams in while the exps are computed. The results
-// are those of the two separate loops, bitwise (the same sum order; a max is exact). A NaN in the
-// row makes the sum NaN, and so does +inf (shift = inf, exp(inf - inf)): every result derived from
-// the row is then NaN, as in PyTorch.
+// pass by memory, so in one loop the next row streams in while the exps are computed. The max is
+// that of row_max (exact); the sums are added in another order. A NaN in the row makes the sum NaN,
+// and so does +inf (shift = inf, exp(inf - inf)): every result derived from the row is then NaN,
+// as in PyTorch. With AVX-512 the loop is written with vexp16: the kernels that call it (softmax
+// and cross_entropy forward) are bound by this exp.
 template <bool kStoreExps, typename T>
 std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* next,
                                                            std::int64_t n, acc_t<T> m,
                                                            acc_t<T> shift, acc_t<T>* exps) {
   using A = acc_t<T>;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m512 vm = _mm512_set1_ps(m), vshift = _mm512_set1_ps(shift);
+    __m512 sum = _mm512_setzero_ps(), sum_v = _mm512_setzero_ps();
+    __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = vexp16(_mm512_sub_ps(_mm512_mul_ps(load16(x + j, k), vm), vshift));
+      if constexpr (kStoreExps) _mm512_mask_storeu_ps(exps + j, k, e);
+      sum = _mm512_mask_add_ps(sum, k, sum, e);
+      const __m512 v = _mm512_mul_ps(load16(next + j, k), vm);
+      max = _mm512_mask_max_ps(max, k, v, max);  // a NaN v keeps max, as `v > max ? v : max`
+      sum_v = _mm512_mask_add_ps(sum_v, k, sum_v, v);
+    }
+    return {lane_sum(sum), {lane_max(max), lane_sum(sum_v)}};
+  }
+#endif
   A sum = 0, max = -std::numeric_limits<A>::infinity(), sum_v = 0;
 #pragma omp simd reduction(+ : sum, sum_v) reduction(max : max)
   for (std::int64_t j = 0; j < n; ++j) {
