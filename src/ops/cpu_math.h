@@ -102,6 +102,26 @@ inline float lane_max(__m512 v) {
   for (const float x : lane) max = x > max ? x : max;
   return max;
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 elements as floats; lanes outside k read as 0.
+template <typename T>
+__m512 load16(const T* p, __mmask16 k) {
+  constexpr __mmask16 kAll = 0xffff;
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_maskz_loadu_ps(k, p);
+  else if constexpr (std::is_same_v<T, bfloat16>)
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
+        kAll, _mm512_maskz_cvtepu16_epi32(kAll, _mm256_maskz_loadu_epi16(k, p)), 16));
+  else
+    return _mm512_maskz_cvtph_ps(kAll, _mm256_maskz_loadu_epi16(k, p));
+}
+
+// The lanes of elements [j, n) among 16 from j.
+inline __mmask16 tail_mask(std::int64_t j, std::int64_t n) {
+  return n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+}
+#endif
 #endif
 
 inline std::int64_t max_threads() {
@@ -192,9 +212,11 @@ inline void store_line(char* dst, const void* line, bool stream) {
 // writes, it brings the same elements of each `next` row into cache: a kernel that makes several
 // passes over a row passes its next row's inputs, so that they load while this row's output is
 // written (its last pass would otherwise leave memory reads idle).
-template <typename T, typename F>
-void stream_out(T* out, std::int64_t n, bool stream, F&& f,
-                std::initializer_list<const std::type_identity_t<T>*> next = {}) {
+// stream_out_blocks(out, n, stream, fill, next) does the same with fill(c0, len, buf) writing the
+// values f(c0) .. f(c0 + len - 1) into buf, for kernels that compute a block with intrinsics.
+template <typename T, typename Fill>
+void stream_out_blocks(T* out, std::int64_t n, bool stream, Fill&& fill,
+                       std::initializer_list<const std::type_identity_t<T>*> next = {}) {
   using A = acc_t<T>;
   constexpr std::int64_t kBlock = 1024;
   constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
@@ -202,10 +224,7 @@ void stream_out(T* out, std::int64_t n, bool stream, F&& f,
   alignas(64) T conv[kLine];
   for (std::int64_t c0 = 0; c0 < n; c0 += kBlock) {
     const std::int64_t len = std::min(kBlock, n - c0);
-#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
-#pragma omp simd
-#endif
-    for (std::int64_t i = 0; i < len; ++i) buf[i] = f(c0 + i);
+    fill(c0, len, buf);
     T* dst = out + c0;
     const Prefetch<T> prefetch(next, c0);
     // Ordinary stores up to the first line boundary, then whole lines, then the tail.
@@ -239,6 +258,20 @@ void stream_out(T* out, std::int64_t n, bool stream, F&& f,
     }
     for (; i < len; ++i) dst[i] = store_as<T>(buf[i]);
   }
+}
+
+template <typename T, typename F>
+void stream_out(T* out, std::int64_t n, bool stream, F&& f,
+                std::initializer_list<const std::type_identity_t<T>*> next = {}) {
+  stream_out_blocks(
+      out, n, stream,
+      [&](std::int64_t c0, std::int64_t len, acc_t<T>* buf) {
+#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
+#pragma omp simd
+#endif
+        for (std::int64_t i = 0; i < len; ++i) buf[i] = f(c0 + i);
+      },
+      next);
 }
 
 // The f64 kernels use the libm exp: double loops are not the fast path.

@@ -76,9 +76,24 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
       const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
       // Read before the loop: grad_logits may alias logits.
       const A p_label = vexp(A(to_float(x[y])) * m - l);
-      stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
-        return c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth);
-      });
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      if constexpr (std::is_same_v<A, float>) {  // bound by the exp: vexp16 (cpu_math.h)
+        stream_out_blocks(dx, b.vocab, stream, [&](std::int64_t j0, std::int64_t len, A* buf) {
+          const __m512 vm = _mm512_set1_ps(m), vl = _mm512_set1_ps(l);
+          for (std::int64_t j = 0; j < len; j += 16) {
+            const __mmask16 k = tail_mask(j, len);
+            const __m512 e = vexp16(_mm512_fmsub_ps(load16(x + j0 + j, k), vm, vl));
+            const __m512 g =
+                _mm512_mul_ps(_mm512_set1_ps(c),
+                              _mm512_fmsub_ps(e, _mm512_set1_ps(p_scale), _mm512_set1_ps(smooth)));
+            _mm512_mask_storeu_ps(buf + j, k, g);
+          }
+        });
+      } else
+#endif
+        stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
+          return c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth);
+        });
       dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
     }
     stream_fence();

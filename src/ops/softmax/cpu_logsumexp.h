@@ -59,21 +59,6 @@ inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
   return {rows * t / threads, rows * (t + 1) / threads};
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// 16 elements of a row as floats; lanes outside k read as 0.
-template <typename T>
-__m512 load16(const T* p, __mmask16 k) {
-  constexpr __mmask16 kAll = 0xffff;
-  if constexpr (std::is_same_v<T, float>)
-    return _mm512_maskz_loadu_ps(k, p);
-  else if constexpr (std::is_same_v<T, bfloat16>)
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(
-        kAll, _mm512_maskz_cvtepu16_epi32(kAll, _mm256_maskz_loadu_epi16(k, p)), 16));
-  else
-    return _mm512_maskz_cvtph_ps(kAll, _mm256_maskz_loadu_epi16(k, p));
-}
-#endif
-
 // sum_j exp(m * x_j - shift) of one row (storing the exps in `exps` when kStoreExps) fused with
 // row_max of the next row: the exp pass is bound by arithmetic and reads its row from L2, the max
 // pass by memory, so in one loop the next row streams in while the exps are computed. The max is
@@ -92,7 +77,7 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
     __m512 sum = _mm512_setzero_ps(), sum_v = _mm512_setzero_ps();
     __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (std::int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __mmask16 k = tail_mask(j, n);
       const __m512 e = vexp16(_mm512_sub_ps(_mm512_mul_ps(load16(x + j, k), vm), vshift));
       if constexpr (kStoreExps) _mm512_mask_storeu_ps(exps + j, k, e);
       sum = _mm512_mask_add_ps(sum, k, sum, e);
