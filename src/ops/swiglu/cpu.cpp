@@ -26,6 +26,22 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
       const T* u = row<T>(up, r);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      if constexpr (std::is_same_v<A, float> && kIn == 1) {  // bound by exp and division
+        stream_out_blocks(
+            row<T>(out, r), s.cols, stream, [&](std::int64_t c0, std::int64_t len, A* buf) {
+              for (std::int64_t c = 0; c < len; c += 16) {
+                const __mmask16 k = tail_mask(c, len);
+                const __m512 gv = load16(g + c0 + c, k);
+                const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                               vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+                _mm512_mask_storeu_ps(buf + c, k,
+                                      _mm512_div_ps(_mm512_mul_ps(load16(u + c0 + c, k), gv), d));
+              }
+            });
+        continue;
+      }
+#endif
       stream_out(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
         const A gv = to_float(g[c * kIn]);
         return A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv));
