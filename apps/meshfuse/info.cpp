@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "meshfuse/core/error.h"
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/platform.h"
 #include "meshfuse/dist/communicator.h"
