@@ -281,6 +281,15 @@ void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const
         while (running > 0 && seq[running - 1].length <= t) --running;
         if (running == 0) break;
         for (std::int64_t i = 0; i < running; ++i) rows[i] = seq[i].first + t;
+        // The next step's input rows (N x H elements apart: beyond the hardware prefetcher) load
+        // while this step computes.
+        for (std::int64_t i = 0; i < running; ++i)
+          if (t + 1 < seq[i].length)
+            for (int k = 0; k < kPairs; ++k) {
+              const char* next = reinterpret_cast<const char*>(input_row(s, op, k, rows[i] + 1, n));
+              for (std::int64_t b = 0; b < h * std::int64_t{sizeof(T)}; b += 64)
+                __builtin_prefetch(next + b);
+            }
         step(weights, rows, running, n, state.data(), work.data());
         for (std::int64_t i = 0; i < running; ++i)
           narrow(state.data() + i * h, output + (rows[i] * s.heads + n) * h, h);
