@@ -12,42 +12,26 @@
 #include <sstream>
 #include <thread>
 
+#include "cli_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-std::string read_file(const fs::path& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using meshfuse::cli::test::contains;
+using meshfuse::cli::test::read_file;
 
 // A scratch directory with the ranks' script and what they write, removed at the end.
-class Scratch {
+class Scratch : public meshfuse::cli::test::ScratchDir {
  public:
-  Scratch()
-      : path_(fs::temp_directory_path() /
-              fmt::format("meshfuse_launch_test_{}_{}", getpid(), next_++)) {
-    fs::create_directories(path_);
-  }
-  ~Scratch() { fs::remove_all(path_); }
   // Writes `body` as a sh script run in this directory; returns its path.
   std::string script(const std::string& body) const {
-    const fs::path path = path_ / "rank.sh";
-    std::ofstream(path) << "cd '" << path_.string() << "'\n" << body << "\n";
-    return path.string();
+    const fs::path file = path() / "rank.sh";
+    std::ofstream(file) << "cd '" << path().string() << "'\n" << body << "\n";
+    return file.string();
   }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  static inline int next_ = 0;
-  fs::path path_;
+  fs::path operator/(const std::string& name) const { return path() / name; }
 };
 
 struct LaunchResult {
