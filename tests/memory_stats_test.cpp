@@ -1,5 +1,5 @@
-// device_memory_stats / reset_peak_memory_stats (meshfuse/core/memory.h). The CUDA tests are
-// skipped without a GPU.
+// device_memory_stats / reset_peak_memory_stats / empty_cache (meshfuse/core/memory.h). The CUDA
+// tests are skipped without a GPU.
 #include "meshfuse/core/memory.h"
 #include "meshfuse/meshfuse.h"
 #include "test_util.h"
@@ -14,6 +14,8 @@ TEST(MemoryStats, ACpuDeviceIsAnError) {
                      {"device_memory_stats", "CUDA devices only", "cpu"});
   test::expect_error([] { reset_peak_memory_stats(Device{}); }, ErrorCode::InvalidArgument,
                      {"reset_peak_memory_stats", "cpu"});
+  test::expect_error([] { empty_cache(Device{}); }, ErrorCode::InvalidArgument,
+                     {"empty_cache", "cpu"});
 }
 
 TEST(MemoryStats, ACudaDeviceThisProcessLacksIsUnavailable) {
@@ -43,6 +45,27 @@ TEST(MemoryStats, TensorsCountWhileAliveAndThePeakKeepsTheMostAtOnceUntilReset) 
   EXPECT_LT(after.peak_allocated - before.allocated, 2 * kBytes);
   reset_peak_memory_stats(kCuda);
   EXPECT_EQ(device_memory_stats(kCuda).peak_allocated, after.allocated);
+}
+
+// Freed memory stays reserved across a synchronisation (the next allocation reuses it without the
+// driver) until empty_cache hands it back.
+TEST(MemoryStats, FreedMemoryStaysCachedUntilEmptyCache) {
+  MESHFUSE_REQUIRE_CUDA();
+  constexpr std::int64_t kBytes = std::int64_t{256} << 20;
+  const Stream stream{kCuda};
+  synchronize(stream);
+  empty_cache(kCuda);
+  const std::int64_t base = device_memory_stats(kCuda).reserved;
+  { const Tensor a({kBytes}, DType::U8, kCuda, stream); }
+  synchronize(stream);
+  const DeviceMemoryStats cached = device_memory_stats(kCuda);
+  EXPECT_GE(cached.reserved - base, kBytes);
+  EXPECT_LT(cached.allocated, kBytes);  // nothing else of this size is alive
+  { const Tensor b({kBytes}, DType::U8, kCuda, stream); }  // served from the cache
+  synchronize(stream);
+  EXPECT_EQ(device_memory_stats(kCuda).reserved, cached.reserved);
+  empty_cache(kCuda);
+  EXPECT_LT(device_memory_stats(kCuda).reserved - base, kBytes);
 }
 
 }  // namespace

@@ -74,12 +74,17 @@ void bind_core(nb::module_& m) {
     d["reserved"] = s.reserved;
     d["peak_reserved"] = s.peak_reserved;
     return d;
-  }, "device"_a, "The CUDA device's stream-ordered pool, which meshfuse allocates from (tensors "
+  }, "device"_a, "The CUDA device's meshfuse memory pool, which meshfuse allocates from (tensors "
                  "and ops' scratch), in bytes: allocated, peak_allocated (since the last reset), "
-                 "reserved, peak_reserved (meshfuse/core/memory.h).");
+                 "reserved (allocated or cached for reuse), peak_reserved "
+                 "(meshfuse/core/memory.h).");
   m.def("reset_peak_memory_stats", [](const std::string& device) {
     reset_peak_memory_stats(Device::parse(device));
   }, "device"_a, "Sets the device's peak_allocated and peak_reserved to the current values.");
+  m.def("empty_cache", [](const std::string& device) { empty_cache(Device::parse(device)); },
+        "device"_a, "Hands the memory the device's meshfuse pool caches (freed, unused) back to "
+                    "the device, as torch.cuda.empty_cache; synchronise first to release all of "
+                    "it.");
   nb::class_<ForceKernelBackendScope>(m, "force_kernel_backend",
                                       "Context manager: forces a kernel backend ('reference', "
                                       "'cpu', 'cuda') on this thread while active; nests.")

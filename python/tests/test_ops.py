@@ -145,3 +145,5 @@ def test_memory_stats_are_for_cuda_devices_only():
         meshfuse.device_memory_stats("cpu")
     with pytest.raises(meshfuse.Error, match="reset_peak_memory_stats"):
         meshfuse.reset_peak_memory_stats("cpu")
+    with pytest.raises(meshfuse.Error, match="empty_cache"):
+        meshfuse.empty_cache("cpu")

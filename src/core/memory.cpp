@@ -5,7 +5,7 @@
 #include "meshfuse/core/error.h"
 
 #ifdef MESHFUSE_WITH_CUDA
-#include "core/cuda/memory_stats.h"
+#include "core/cuda/memory_pool.h"
 #include "core/cuda/runtime.h"
 #endif
 
@@ -39,6 +39,13 @@ void reset_peak_memory_stats(Device device) {
   check_device("reset_peak_memory_stats", device);
 #ifdef MESHFUSE_WITH_CUDA
   detail::cuda_reset_peak_memory_stats(device.index);
+#endif
+}
+
+void empty_cache(Device device) {
+  check_device("empty_cache", device);
+#ifdef MESHFUSE_WITH_CUDA
+  detail::cuda_empty_cache(device.index);
 #endif
 }
 

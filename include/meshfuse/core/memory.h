@@ -1,4 +1,5 @@
-// Statistics of the device memory that meshfuse allocates on CUDA devices (torch.cuda naming).
+// The device memory that meshfuse allocates on CUDA devices: statistics and the cache
+// (torch.cuda naming).
 #pragma once
 
 #include <cstdint>
@@ -7,10 +8,11 @@
 
 namespace meshfuse {
 
-// A CUDA device's current stream-ordered memory pool, which meshfuse::Tensor allocates from
-// (cudaMallocAsync): tensors, and every op's scratch memory (ops allocate it as Tensors on their
-// stream, cuBLASLt workspaces included). Other users of the same pool in the process count too;
-// PyTorch's caching allocator does not use it (unless configured with backend:cudaMallocAsync).
+// Each CUDA device has one stream-ordered memory pool of meshfuse's own (cudaMemPoolCreate,
+// cudaMallocFromPoolAsync), which meshfuse::Tensor allocates from: tensors, and every op's scratch
+// memory (ops allocate it as Tensors on their stream, cuBLASLt workspaces included). Nothing else
+// in the process uses it. Freed memory stays reserved in the pool and serves later allocations,
+// as in PyTorch's caching allocator, until empty_cache() hands it back.
 // Read after synchronising the streams that allocate.
 struct DeviceMemoryStats {
   std::int64_t allocated = 0;       // bytes allocated now (cudaMemPoolAttrUsedMemCurrent)
@@ -28,5 +30,10 @@ DeviceMemoryStats device_memory_stats(Device device);
 // Sets the two peaks to the current values, so that the next peak_allocated minus the allocated
 // value read now is the most extra memory allocated at once in between. Errors as above.
 void reset_peak_memory_stats(Device device);
+
+// Hands the pool's unused memory back to the device (cudaMemPoolTrimTo), as torch.cuda.empty_cache:
+// reserved drops to about allocated. Memory freed on a stream counts as unused once the stream's
+// work before the free has run; synchronise first to release all of it. Errors as above.
+void empty_cache(Device device);
 
 }  // namespace meshfuse

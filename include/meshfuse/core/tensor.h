@@ -69,8 +69,8 @@ class TensorView {
 };
 
 // An owning, contiguous tensor for standalone C++ use (CLI, tests, executor). CPU memory is
-// 64-byte aligned; CUDA memory comes from the stream-ordered allocator (cudaMallocAsync on the
-// given stream) and is freed on that same stream, which must outlive the tensor. Copies share the
+// 64-byte aligned; CUDA memory comes from the device's meshfuse memory pool (memory.h), allocated
+// and freed stream-ordered on the given stream, which must outlive the tensor. Copies share the
 // storage (like torch.Tensor); use clone() for a deep copy.
 class Tensor {
  public:

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "core/cuda/cuda_utils.cuh"
+#include "core/cuda/memory_pool.h"
 #include "core/cuda/runtime.h"
 
 namespace meshfuse::detail {
@@ -144,7 +145,7 @@ std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stre
   cuda::DeviceGuard guard(device.index);
   void* p = nullptr;
   const cudaStream_t s = cuda::native(stream);
-  cuda::check(cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, s),
+  cuda::check(cudaMallocFromPoolAsync(&p, bytes == 0 ? 1 : bytes, memory_pool(device.index), s),
               "Tensor: allocating " + std::to_string(bytes) + " bytes on " + device.str());
   const int index = device.index;
   // A deleter must not throw: errors while freeing are ignored.

@@ -12,7 +12,8 @@ namespace meshfuse::detail {
 int cuda_device_count();
 // Throws Error(BackendUnavailable) naming `what` unless `device` is a CUDA device of this process.
 void check_cuda_device(Device device, std::string_view what);
-// cudaMallocAsync on `stream`; the deleter frees with cudaFreeAsync on the same stream.
+// From the device's meshfuse pool (memory_pool.h) on `stream`; the deleter frees with
+// cudaFreeAsync on the same stream.
 std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stream& stream);
 // copy() when either side is on a CUDA device.
 void cuda_copy(const TensorView& src, const TensorView& dst, const Stream& stream);
