@@ -172,7 +172,7 @@ void note_rows_checked(std::vector<std::string>& notes, std::int64_t checked, st
 }
 
 std::int64_t vocab_rows(const BenchSetup& setup, std::vector<std::string>& notes) {
-  if (setup.tokens <= kMaxVocabRows) return setup.tokens;
+  if (setup.tokens <= kMaxVocabRows || setup.device.type == DeviceType::CUDA) return setup.tokens;
   notes.push_back(fmt::format("vocabulary ops run on {} of the {} tokens (memory and time)",
                               kMaxVocabRows, setup.tokens));
   return kMaxVocabRows;

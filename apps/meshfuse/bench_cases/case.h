@@ -128,11 +128,13 @@ void on_reference(const std::function<void()>& f);
 // "[a, b]" joined as "name: [a, b]" pairs: shape_text({{"x", x}, {"w", w}}).
 std::string shape_text(const std::vector<std::pair<std::string, Shape>>& parts);
 // The ops over the whole vocabulary (softmax, cross-entropy) hold tokens x V values per tensor,
-// 263 MB per bf16 tensor for 1024 tokens of a 128k vocabulary: they run on at most this many rows,
-// and the reference (one double exp per value) checks the first kVocabCheckRows of them.
+// 263 MB per bf16 tensor for 1024 tokens of a 128k vocabulary: on the CPU they run on at most this
+// many rows (on a GPU on all tokens, as a training step does), and the reference (one double exp
+// per value) checks the first kVocabCheckRows of them.
 inline constexpr std::int64_t kMaxVocabRows = 1024;
 inline constexpr std::int64_t kVocabCheckRows = 32;
-// min(tokens, kMaxVocabRows), adding a note to `notes` when that is fewer than the tokens.
+// The tokens, or on the CPU min(tokens, kMaxVocabRows), adding a note to `notes` when that is
+// fewer than the tokens.
 std::int64_t vocab_rows(const BenchSetup& setup, std::vector<std::string>& notes);
 
 // Adds "reference checked on the first R of N rows (why)" to `notes` when R < N.
