@@ -48,7 +48,8 @@ template <typename T, int W>
 struct alignas(sizeof(T) * W) Chunk {
   static constexpr bool kPaired = sizeof(T) == 2 && W % 2 == 0;
   using Word = std::conditional_t<kPaired, unsigned, T>;
-  Word w[kPaired ? W / 2 : W];
+  static constexpr int kWords = kPaired ? W / 2 : W;
+  Word w[kWords];
 
   // Element i in the accumulation type (exact).
   __device__ __forceinline__ acc_t<T> operator[](int i) const {
@@ -67,7 +68,7 @@ struct alignas(sizeof(T) * W) Chunk {
   __device__ __forceinline__ static Chunk from(const acc_t<T> (&a)[W]) {
     Chunk c;
 #pragma unroll
-    for (int i = 0; i < (kPaired ? W / 2 : W); ++i) {
+    for (int i = 0; i < kWords; ++i) {
       if constexpr (!kPaired) {
         c.w[i] = store<T>(a[i]);
       } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
