@@ -9,17 +9,16 @@
 //
 // Point to point: NCCL matches the sends and receives between two ranks in the order they are
 // issued; tags are not seen by it.
+#include "core/shared_library.h"
 #include "dist/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 #if MESHFUSE_WITH_NCCL
 
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 #include <nccl.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -28,11 +27,8 @@
 namespace meshfuse::detail {
 namespace {
 
-// NCCL is opened with the first nccl communicator, not linked. A process keeps one libnccl.so.2,
-// the first it loads: a linked one would be the one PyTorch gets when meshfuse is imported first,
-// and PyTorch's import then fails on a symbol of its newer NCCL. Opened late, the name resolves to
-// the copy already in the process (PyTorch's) if there is one, else the loader's (then the one
-// found at build time); MESHFUSE_NCCL_LIBRARY names another file.
+// NCCL is opened with the first nccl communicator, not linked (core/shared_library.h says why);
+// MESHFUSE_NCCL_LIBRARY names another file.
 struct NcclApi {
   std::string path;  // as opened
   decltype(&::ncclAllGather) AllGather;
@@ -56,25 +52,11 @@ struct NcclApi {
 
 const NcclApi& nccl() {
   static const NcclApi api = [] {
-    const char* env = std::getenv("MESHFUSE_NCCL_LIBRARY");
-    std::string path = env != nullptr && *env != '\0' ? env : "libnccl.so.2";
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-    if (lib == nullptr && env == nullptr) {
-      path = MESHFUSE_NCCL_BUILD_LIBRARY;
-      lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-    }
-    if (lib == nullptr)
-      fail(ErrorCode::BackendUnavailable,
-           "nccl: cannot load {} ({}); install NCCL or name the library in MESHFUSE_NCCL_LIBRARY",
-           path, dlerror());
+    const SharedLibrary lib("nccl", "MESHFUSE_NCCL_LIBRARY", "libnccl.so.2",
+                            MESHFUSE_NCCL_BUILD_LIBRARY, "install NCCL");
     NcclApi a{};
-    a.path = path;
-    const auto bind = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-      if (fn == nullptr)
-        fail(ErrorCode::BackendUnavailable, "nccl: {} has no {} (NCCL 2.13 or newer is needed)",
-             path, name);
-    };
+    a.path = lib.path();
+    const auto bind = [&](auto& fn, const char* name) { lib.bind(fn, name, "NCCL 2.13 or newer"); };
     bind(a.AllGather, "ncclAllGather");
     bind(a.AllReduce, "ncclAllReduce");
     bind(a.Broadcast, "ncclBroadcast");

@@ -79,7 +79,9 @@ TEST_P(BenchCasesInDtype, EveryDirectionRunsAndMatchesTheReference) {
     // Every op has a forward; all but continuous_count a backward.
     ASSERT_EQ(directions.size(), c.name == "continuous_count" ? 1u : 2u) << c.name;
     EXPECT_EQ(directions[0].direction, "forward");
-    if (directions.size() == 2) EXPECT_EQ(directions[1].direction, "backward");
+    if (directions.size() == 2) {
+      EXPECT_EQ(directions[1].direction, "backward");
+    }
     for (const Direction& d : directions) {
       EXPECT_TRUE(std::find(c.kernels.begin(), c.kernels.end(), d.kernel) != c.kernels.end())
           << c.name << " " << d.kernel;

@@ -13,7 +13,7 @@
 // f16 operands sets C and D to f32 (a combination cuBLASLt supports with CUBLAS_COMPUTE_32F).
 //
 // Determinism: cuBLASLt is bitwise reproducible for a given algorithm, shape and GPU. The algorithm
-// comes from cublasLtMatmulAlgoGetHeuristic (the path PyTorch takes, with the same 32 MiB workspace
+// comes from lt().MatmulAlgoGetHeuristic (the path PyTorch takes, with the same 32 MiB workspace
 // limit, cuBLAS's recommendation for Hopper) and is cached per problem key (shapes, layouts, batch
 // strides, pointer alignments, epilogue, device) for the life of the process, so one key always
 // runs one algorithm, and repeated calls skip the heuristic.
@@ -37,6 +37,7 @@
 #include <string>
 
 #include "core/cuda/cuda_utils.cuh"
+#include "core/shared_library.h"
 #include "ops/common.h"
 #include "ops/gemm/gemm_kernels.h"
 
@@ -114,6 +115,52 @@ std::int64_t column_sum_blocks(std::int64_t rows) {
 
 // ---- cuBLASLt ----------------------------------------------------------------------------------
 
+// cuBLASLt, opened at its first use instead of linked (core/shared_library.h says why);
+// MESHFUSE_CUBLASLT_LIBRARY names another file.
+struct LtApi {
+  decltype(&::cublasLtCreate) Create;
+  decltype(&::cublasLtGetStatusName) GetStatusName;
+  decltype(&::cublasLtGetStatusString) GetStatusString;
+  decltype(&::cublasLtMatmul) Matmul;
+  decltype(&::cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic;
+  decltype(&::cublasLtMatmulDescCreate) MatmulDescCreate;
+  decltype(&::cublasLtMatmulDescDestroy) MatmulDescDestroy;
+  decltype(&::cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute;
+  decltype(&::cublasLtMatmulPreferenceCreate) MatmulPreferenceCreate;
+  decltype(&::cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy;
+  decltype(&::cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute;
+  decltype(&::cublasLtMatrixLayoutCreate) MatrixLayoutCreate;
+  decltype(&::cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy;
+  decltype(&::cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute;
+};
+
+const LtApi& lt() {
+  static const LtApi api = [] {
+    const SharedLibrary lib("cuBLASLt", "MESHFUSE_CUBLASLT_LIBRARY", MESHFUSE_CUBLASLT_SONAME,
+                            MESHFUSE_CUBLASLT_BUILD_LIBRARY, "install the CUDA toolkit's cuBLAS");
+    LtApi a{};
+    const auto bind = [&](auto& fn, const char* name) {
+      lib.bind(fn, name, "the cuBLAS of CUDA " MESHFUSE_CUDA_MAJOR);
+    };
+    bind(a.Create, "cublasLtCreate");
+    bind(a.GetStatusName, "cublasLtGetStatusName");
+    bind(a.GetStatusString, "cublasLtGetStatusString");
+    bind(a.Matmul, "cublasLtMatmul");
+    bind(a.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
+    bind(a.MatmulDescCreate, "cublasLtMatmulDescCreate");
+    bind(a.MatmulDescDestroy, "cublasLtMatmulDescDestroy");
+    bind(a.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
+    bind(a.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
+    bind(a.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
+    bind(a.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
+    bind(a.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
+    bind(a.MatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy");
+    bind(a.MatrixLayoutSetAttribute, "cublasLtMatrixLayoutSetAttribute");
+    return a;
+  }();
+  return api;
+}
+
 // The largest workspace offered to the heuristic.
 constexpr std::uint64_t kMaxWorkspace = std::uint64_t{32} << 20;
 
@@ -140,8 +187,8 @@ ErrorCode error_code(cublasStatus_t status) {
 void check_lt(cublasStatus_t status, const GemmProblem& p, const char* call) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   throw Error(error_code(status), std::string(p.op) + ": " + call + " failed with " +
-                                      cublasLtGetStatusName(status) + " (" +
-                                      cublasLtGetStatusString(status) + ") for " + problem_str(p));
+                                      lt().GetStatusName(status) + " (" +
+                                      lt().GetStatusString(status) + ") for " + problem_str(p));
 }
 
 // The cuBLASLt handle of the current device `device`, created on first use.
@@ -152,17 +199,17 @@ cublasLtHandle_t lt_handle(int device, const GemmProblem& p) {
   const auto found = handles.find(device);
   if (found != handles.end()) return found->second;
   cublasLtHandle_t handle = nullptr;
-  check_lt(cublasLtCreate(&handle), p, "cublasLtCreate");
+  check_lt(lt().Create(&handle), p, "cublasLtCreate");
   return handles.emplace(device, handle).first->second;
 }
 
 // A cuBLASLt descriptor destroyed with its owner.
-template <typename H, cublasStatus_t (*kDestroy)(H)>
+template <typename H, auto LtApi::*kDestroy>
 class Owned {
  public:
   Owned() = default;
   ~Owned() {
-    if (h_) kDestroy(h_);
+    if (h_) (lt().*kDestroy)(h_);
   }
   Owned(const Owned&) = delete;
   Owned& operator=(const Owned&) = delete;
@@ -172,9 +219,9 @@ class Owned {
  private:
   H h_ = nullptr;
 };
-using MatmulDesc = Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
-using Layout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
-using Preference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
+using MatmulDesc = Owned<cublasLtMatmulDesc_t, &LtApi::MatmulDescDestroy>;
+using Layout = Owned<cublasLtMatrixLayout_t, &LtApi::MatrixLayoutDestroy>;
+using Preference = Owned<cublasLtMatmulPreference_t, &LtApi::MatmulPreferenceDestroy>;
 
 // A matrix as cuBLASLt sees it: column-major storage of rows x cols with leading dimension ld,
 // read through `op`.
@@ -227,14 +274,14 @@ void set(D desc, A attribute, const V& value, cublasStatus_t (*setter)(D, A, con
 }
 
 void make_layout(Layout& layout, cudaDataType_t type, const LtMatrix& x, const GemmProblem& p) {
-  check_lt(cublasLtMatrixLayoutCreate(layout.out(), type, x.rows, x.cols, x.ld), p,
+  check_lt(lt().MatrixLayoutCreate(layout.out(), type, x.rows, x.cols, x.ld), p,
            "cublasLtMatrixLayoutCreate");
   if (p.batch == 1) return;
   const auto count = static_cast<std::int32_t>(p.batch);
-  set(layout.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count, cublasLtMatrixLayoutSetAttribute, p,
+  set(layout.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count, lt().MatrixLayoutSetAttribute, p,
       "cublasLtMatrixLayoutSetAttribute");
   set(layout.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, x.batch_stride,
-      cublasLtMatrixLayoutSetAttribute, p, "cublasLtMatrixLayoutSetAttribute");
+      lt().MatrixLayoutSetAttribute, p, "cublasLtMatrixLayoutSetAttribute");
 }
 
 // The heuristic's choice for one problem key; status is not SUCCESS when it found none.
@@ -277,11 +324,11 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
                      out_esize = static_cast<std::int64_t>(element_size(p.out()));
 
   MatmulDesc desc;
-  check_lt(cublasLtMatmulDescCreate(desc.out(), f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
+  check_lt(lt().MatmulDescCreate(desc.out(), f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
                                     f64 ? CUDA_R_64F : CUDA_R_32F),
            p, "cublasLtMatmulDescCreate");
   const auto set_desc = [&](cublasLtMatmulDescAttributes_t attribute, const auto& value) {
-    set(desc.get(), attribute, value, cublasLtMatmulDescSetAttribute, p,
+    set(desc.get(), attribute, value, lt().MatmulDescSetAttribute, p,
         "cublasLtMatmulDescSetAttribute");
   };
   set_desc(CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(call.a.op));
@@ -317,9 +364,9 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
                          aligns[3],      call.bias ? alignment(call.bias, 0) : 0};
   const Choice choice = cached_choice(key, [&] {
     Preference pref;
-    check_lt(cublasLtMatmulPreferenceCreate(pref.out()), p, "cublasLtMatmulPreferenceCreate");
+    check_lt(lt().MatmulPreferenceCreate(pref.out()), p, "cublasLtMatmulPreferenceCreate");
     const auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attribute, const auto& value) {
-      set(pref.get(), attribute, value, cublasLtMatmulPreferenceSetAttribute, p,
+      set(pref.get(), attribute, value, lt().MatmulPreferenceSetAttribute, p,
           "cublasLtMatmulPreferenceSetAttribute");
     };
     set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kMaxWorkspace);
@@ -332,7 +379,7 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
     set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, aligns[3]);
     cublasLtMatmulHeuristicResult_t result{};
     int count = 0;
-    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+    cublasStatus_t status = lt().MatmulAlgoGetHeuristic(
         handle, desc.get(), la.get(), lb.get(), lc.get(), ld.get(), pref.get(), 1, &result, &count);
     if (status == CUBLAS_STATUS_SUCCESS && count == 0) status = CUBLAS_STATUS_NOT_SUPPORTED;
     return Choice{status, result.algo, result.workspaceSize};
@@ -349,7 +396,7 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
   const float alpha32 = static_cast<float>(p.alpha), beta32 = static_cast<float>(call.beta);
   const void* alpha = f64 ? static_cast<const void*>(&p.alpha) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&call.beta) : &beta32;
-  check_lt(cublasLtMatmul(handle, desc.get(), alpha, call.a.data, la.get(), call.b.data, lb.get(),
+  check_lt(lt().Matmul(handle, desc.get(), alpha, call.a.data, la.get(), call.b.data, lb.get(),
                           beta, call.c.data, lc.get(), const_cast<void*>(call.d.data), ld.get(),
                           &choice.algo, workspace.defined() ? workspace.view().data() : nullptr,
                           choice.workspace, native(stream)),
