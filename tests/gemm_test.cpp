@@ -285,6 +285,18 @@ TEST(Gemm, SixteenBitGemmLargerThanOneScratchBlockMatchesReference) {
   expect_gemm_close(cpu.view().narrow(0, 255, 2), ref, k, "rows 255 and 256");
 }
 
+// cuBLASLt is opened at run time, not linked (gemm.h): no GPU is needed to open it.
+TEST(Gemm, CublasLtIsOpenedAtRunTimeAndNamesItsVersion) {
+#ifdef MESHFUSE_WITH_CUDA
+  const std::string library = cublaslt_library();
+  EXPECT_TRUE(library.starts_with("cuBLASLt ")) << library;
+  EXPECT_NE(library.find("libcublasLt"), std::string::npos) << library;
+#else
+  test::expect_error([] { cublaslt_library(); }, ErrorCode::BackendUnavailable,
+                     {"cublaslt_library", "no CUDA support"});
+#endif
+}
+
 TEST(Gemm, MatchesTorchAddmmOnKnownValues) {
   // torch.addmm(C, A, B, beta=0.5, alpha=2.0) in float64.
   const Tensor a = values({2, 3}, {1, 2, 3, 4, 5, 6}),

@@ -22,6 +22,8 @@ TEST(MemoryStats, ACudaDeviceThisProcessLacksIsUnavailable) {
   const Device missing{DeviceType::CUDA, cuda_device_count()};
   test::expect_error([&] { device_memory_stats(missing); }, ErrorCode::BackendUnavailable,
                      {"device_memory_stats", missing.str()});
+  test::expect_error([&] { empty_cache(missing); }, ErrorCode::BackendUnavailable,
+                     {"empty_cache", missing.str()});
 }
 
 TEST(MemoryStats, TensorsCountWhileAliveAndThePeakKeepsTheMostAtOnceUntilReset) {
@@ -60,7 +62,7 @@ TEST(MemoryStats, FreedMemoryStaysCachedUntilEmptyCache) {
   synchronize(stream);
   const DeviceMemoryStats cached = device_memory_stats(kCuda);
   EXPECT_GE(cached.reserved - base, kBytes);
-  EXPECT_LT(cached.allocated, kBytes);  // nothing else of this size is alive
+  EXPECT_LT(cached.allocated, kBytes);                     // nothing else of this size is alive
   { const Tensor b({kBytes}, DType::U8, kCuda, stream); }  // served from the cache
   synchronize(stream);
   EXPECT_EQ(device_memory_stats(kCuda).reserved, cached.reserved);

@@ -11,6 +11,7 @@
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/platform.h"
 #include "meshfuse/dist/communicator.h"
+#include "meshfuse/ops/gemm.h"
 
 namespace meshfuse::cli {
 namespace {
@@ -47,6 +48,16 @@ void print_info(std::ostream& out) {
     out << "  (no cuda devices: this build has no cuda backend)\n";
   else if (cuda_device_count() == 0)
     out << "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
+
+  if (built_with_cuda()) {
+    std::string text;
+    try {
+      text = cublaslt_library();
+    } catch (const Error& e) {
+      text = fmt::format("unusable: {}", e.what());
+    }
+    out << fmt::format("cuda gemm library: {}\n", text);
+  }
 
   // The communicator backends of this build, and the NCCL library nccl opens.
   std::vector<std::string> comms;

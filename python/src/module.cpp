@@ -65,6 +65,7 @@ class ForceKernelBackendScope {
 void bind_core(nb::module_& m) {
   nb::exception<Error>(m, "Error", PyExc_RuntimeError);
   m.def("version", &version);
+  m.def("built_with_cuda", &built_with_cuda, "Whether this build has the cuda backend.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("device_memory_stats", [](const std::string& device) {
     const DeviceMemoryStats s = device_memory_stats(Device::parse(device));
@@ -83,8 +84,8 @@ void bind_core(nb::module_& m) {
   }, "device"_a, "Sets the device's peak_allocated and peak_reserved to the current values.");
   m.def("empty_cache", [](const std::string& device) { empty_cache(Device::parse(device)); },
         "device"_a, "Hands the memory the device's meshfuse pool caches (freed, unused) back to "
-                    "the device, as torch.cuda.empty_cache; synchronise first to release all of "
-                    "it.");
+                    "the device, as torch.cuda.empty_cache does for torch's (which does not "
+                    "reach meshfuse's pool); synchronise first to release all of it.");
   nb::class_<ForceKernelBackendScope>(m, "force_kernel_backend",
                                       "Context manager: forces a kernel backend ('reference', "
                                       "'cpu', 'cuda') on this thread while active; nests.")
@@ -128,6 +129,11 @@ void bind_gemm(nb::module_& m) {
         stream_of(stream));
   }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
      "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release);
+  m.def("cublaslt_library", &cublaslt_library,
+        "The cuBLASLt of the cuda backend's GEMMs, e.g. 'cuBLASLt 13.0.2 (libcublasLt.so.13)': "
+        "opened at first use, so a process with torch imported first shares torch's. Raises "
+        "meshfuse.Error in a build without CUDA or when none loads (MESHFUSE_CUBLASLT_LIBRARY "
+        "names one).");
   m.def("linear", [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
     linear(view(x), view(weight), view(bias), view(out), stream_of(stream));
   }, "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release);

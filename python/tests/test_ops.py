@@ -147,3 +147,12 @@ def test_memory_stats_are_for_cuda_devices_only():
         meshfuse.reset_peak_memory_stats("cpu")
     with pytest.raises(meshfuse.Error, match="empty_cache"):
         meshfuse.empty_cache("cpu")
+
+
+def test_cublaslt_library_is_opened_at_run_time_in_cuda_builds():
+    if not meshfuse.built_with_cuda():
+        with pytest.raises(meshfuse.Error, match="no CUDA support"):
+            meshfuse.cublaslt_library()
+        return
+    library = meshfuse.cublaslt_library()  # no GPU needed
+    assert library.startswith("cuBLASLt ") and "libcublasLt" in library

@@ -14,7 +14,7 @@ namespace {
 
 void check_device(std::string_view what, Device device) {
   MESHFUSE_CHECK(device.type == DeviceType::CUDA, ErrorCode::InvalidArgument,
-                 "{}: memory statistics are kept for CUDA devices only, got {}", what,
+                 "{}: meshfuse keeps memory pools on CUDA devices only, got {}", what,
                  device.str());
 #ifdef MESHFUSE_WITH_CUDA
   detail::check_cuda_device(device, what);

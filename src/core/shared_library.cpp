@@ -3,14 +3,15 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <utility>
 
 #include "meshfuse/core/error.h"
 
 namespace meshfuse::detail {
 
-SharedLibrary::SharedLibrary(const char* what, const char* env, const std::string& soname,
+SharedLibrary::SharedLibrary(std::string what, const char* env, const std::string& soname,
                              const std::string& fallback, const char* hint)
-    : what_(what) {
+    : what_(std::move(what)) {
   const char* named = std::getenv(env);
   path_ = named != nullptr && *named != '\0' ? named : soname;
   // Local symbols: the library serves meshfuse's calls and does not interpose on others'.

@@ -1,14 +1,14 @@
 // A shared library opened at run time (dlopen) instead of linked (internal).
 //
-// A process keeps one copy of a library per soname, the first it loads; a library linked into
-// meshfuse would be loaded with it and become the copy that PyTorch (and any other user loaded
-// later) binds to, whatever version that user was built against: importing meshfuse before torch
-// then broke torch (NCCL: an unknown symbol; cuBLASLt: heap corruption). Opened at first use, the
-// soname resolves to the copy already in the process if there is one.
+// A library linked into meshfuse is loaded with it, and a library loaded later that needs the same
+// soname binds to that copy, whatever version it was built against: with NCCL linked, importing
+// meshfuse before torch made torch's import fail on a symbol of its newer NCCL. Opened at first
+// use, the soname resolves to the copy already in the process if there is one (PyTorch's, when
+// torch was imported first); a copy meshfuse opens first is, in turn, the one later users get.
+// Libraries stay open for the life of the process.
 #pragma once
 
 #include <string>
-#include <type_traits>
 
 namespace meshfuse::detail {
 
@@ -17,7 +17,7 @@ class SharedLibrary {
   // Opens the file named by the environment variable `env` when it is set, else `soname` (found by
   // the loader), else `fallback` (the file found at build time). Throws Error(BackendUnavailable)
   // naming `what`, the file and the loader's message, with `hint` (what to install or set).
-  SharedLibrary(const char* what, const char* env, const std::string& soname,
+  SharedLibrary(std::string what, const char* env, const std::string& soname,
                 const std::string& fallback, const char* hint);
 
   // fn = the symbol `name`; throws Error(BackendUnavailable) naming the file and the symbol, with
@@ -32,7 +32,7 @@ class SharedLibrary {
  private:
   void* symbol(const char* name, const char* requirement) const;
 
-  const char* what_;
+  std::string what_;
   std::string path_;  // as opened
   void* handle_ = nullptr;
 };

@@ -31,6 +31,9 @@ TEST(Cli, InfoListsVersionDevicesAndSwigluForReferenceAndCpu) {
   EXPECT_TRUE(contains(r.out, "blas=")) << r.out;
   EXPECT_TRUE(contains(r.out, "cpu      reference, cpu")) << r.out;
   EXPECT_TRUE(contains(r.out, "communicator backends: local")) << r.out;
+#ifdef MESHFUSE_WITH_CUDA
+  EXPECT_TRUE(contains(r.out, "cuda gemm library: cuBLASLt ")) << r.out;  // no GPU needed
+#endif
   std::istringstream lines(r.out);
   std::string line;
   bool swiglu_row = false;
@@ -47,6 +50,17 @@ TEST(Cli, InfoListsVersionDevicesAndSwigluForReferenceAndCpu) {
   EXPECT_TRUE(swiglu_row) << r.out;
 }
 
+// A cuBLASLt that cannot be loaded is reported by info (which still succeeds) with the file.
+TEST(Cli, InfoNamesACublasLtItCannotLoad) {
+#ifndef MESHFUSE_WITH_CUDA
+  GTEST_SKIP() << "a build without CUDA opens no cuBLASLt";
+#endif
+  const CliResult r = run_cli("info", "MESHFUSE_CUBLASLT_LIBRARY=/nonexistent/libcublasLt.so.13");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "cuda gemm library: unusable: ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "cuBLASLt: cannot load /nonexistent/libcublasLt.so.13")) << r.out;
+  EXPECT_TRUE(contains(r.out, "MESHFUSE_CUBLASLT_LIBRARY")) << r.out;
+}
 TEST(Cli, BenchJsonGivesOneRecordPerDirectionWithEveryKeyAndPasses) {
   const CliResult r = run_cli(std::string(kSmallSwiglu) + " --format json");
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -43,12 +43,13 @@ class ScratchDir {
   fs::path path_;
 };
 
-// `meshfuse ARGS` through the shell; its exit code, stdout and stderr.
-inline CliResult run_cli(const std::string& args) {
+// `meshfuse ARGS` through the shell, with the environment assignments `env` ("NAME=value ...")
+// in front; its exit code, stdout and stderr.
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
   const ScratchDir dir;
   const fs::path out = dir.path() / "out", err = dir.path() / "err";
-  const std::string command =
-      fmt::format("'{}' {} >'{}' 2>'{}'", MESHFUSE_CLI_PATH, args, out.string(), err.string());
+  const std::string command = fmt::format("{} '{}' {} >'{}' 2>'{}'", env, MESHFUSE_CLI_PATH, args,
+                                          out.string(), err.string());
   const int status = std::system(command.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out), read_file(err)};
 }

@@ -12,7 +12,9 @@ namespace meshfuse {
 // cudaMallocFromPoolAsync), which meshfuse::Tensor allocates from: tensors, and every op's scratch
 // memory (ops allocate it as Tensors on their stream, cuBLASLt workspaces included). Nothing else
 // in the process uses it. Freed memory stays reserved in the pool and serves later allocations,
-// as in PyTorch's caching allocator, until empty_cache() hands it back.
+// as in PyTorch's caching allocator, until empty_cache() hands it back (torch.cuda.empty_cache
+// does not reach it), or until an allocation finds the device full: meshfuse then synchronises
+// the device, hands the pool's unused memory back and tries once more.
 // Read after synchronising the streams that allocate.
 struct DeviceMemoryStats {
   std::int64_t allocated = 0;       // bytes allocated now (cudaMemPoolAttrUsedMemCurrent)

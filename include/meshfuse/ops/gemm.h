@@ -39,6 +39,8 @@
 // kernel_backend.h).
 #pragma once
 
+#include <string>
+
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 
@@ -68,5 +70,13 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
 void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,
                      const TensorView& grad_x, const TensorView& grad_weight,
                      const TensorView& grad_bias, const Stream& stream = {});
+
+// The cuBLASLt that the cuda backend's GEMMs run on, as "cuBLASLt 13.0.2 (file)", opened now if it
+// is not yet. It is opened at first use, not linked: libcublasLt.so.<CUDA major of the build> as
+// the loader finds it (the copy already in the process, e.g. PyTorch's, if there is one), else the
+// file found at build time; MESHFUSE_CUBLASLT_LIBRARY names another file. Needs no GPU.
+// Throws Error(BackendUnavailable) in a build without CUDA, or when the library cannot be loaded,
+// lacks a function, or has another major version than the build's.
+std::string cublaslt_library();
 
 }  // namespace meshfuse

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -25,19 +26,23 @@ cudaMemPool_t memory_pool(int device_index) {
   const std::lock_guard<std::mutex> lock(mutex);
   if (pools.size() <= static_cast<std::size_t>(device_index))
     pools.resize(static_cast<std::size_t>(device_index) + 1, nullptr);
-  cudaMemPool_t& pool = pools[static_cast<std::size_t>(device_index)];
-  if (pool == nullptr) {
+  cudaMemPool_t& slot = pools[static_cast<std::size_t>(device_index)];
+  if (slot == nullptr) {
+    const std::string what = "creating the memory pool of cuda:" + std::to_string(device_index);
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = device_index;
-    cuda::check(cudaMemPoolCreate(&pool, &props),
-                "creating the memory pool of cuda:" + std::to_string(device_index));
+    cudaMemPool_t pool = nullptr;
+    cuda::check(cudaMemPoolCreate(&pool, &props), what);
     std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
-    cuda::check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
-                "cudaMemPoolSetAttribute");
+    const cudaError_t status =
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    if (status != cudaSuccess) cudaMemPoolDestroy(pool);
+    cuda::check(status, what);
+    slot = pool;
   }
-  return pool;
+  return slot;
 }
 
 DeviceMemoryStats cuda_memory_stats(int device_index) {

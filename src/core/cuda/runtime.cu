@@ -145,8 +145,17 @@ std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stre
   cuda::DeviceGuard guard(device.index);
   void* p = nullptr;
   const cudaStream_t s = cuda::native(stream);
-  cuda::check(cudaMallocFromPoolAsync(&p, bytes == 0 ? 1 : bytes, memory_pool(device.index), s),
-              "Tensor: allocating " + std::to_string(bytes) + " bytes on " + device.str());
+  const cudaMemPool_t pool = memory_pool(device.index);
+  cudaError_t status = cudaMallocFromPoolAsync(&p, bytes == 0 ? 1 : bytes, pool, s);
+  if (status == cudaErrorMemoryAllocation) {
+    // The pool keeps freed memory (memory_pool.h): hand all of it back, once every pending free
+    // has run, and try again.
+    cudaGetLastError();
+    cuda::check(cudaDeviceSynchronize(), "Tensor: synchronising before retrying an allocation");
+    cuda::check(cudaMemPoolTrimTo(pool, 0), "Tensor: trimming the memory pool");
+    status = cudaMallocFromPoolAsync(&p, bytes == 0 ? 1 : bytes, pool, s);
+  }
+  cuda::check(status, "Tensor: allocating " + std::to_string(bytes) + " bytes on " + device.str());
   const int index = device.index;
   // A deleter must not throw: errors while freeing are ignored.
   return {p, [s, index](void* ptr) {

@@ -13,7 +13,7 @@
 // f16 operands sets C and D to f32 (a combination cuBLASLt supports with CUBLAS_COMPUTE_32F).
 //
 // Determinism: cuBLASLt is bitwise reproducible for a given algorithm, shape and GPU. The algorithm
-// comes from lt().MatmulAlgoGetHeuristic (the path PyTorch takes, with the same 32 MiB workspace
+// comes from cublasLtMatmulAlgoGetHeuristic (the path PyTorch takes, with the same 32 MiB workspace
 // limit, cuBLAS's recommendation for Hopper) and is cached per problem key (shapes, layouts, batch
 // strides, pointer alignments, epilogue, device) for the life of the process, so one key always
 // runs one algorithm, and repeated calls skip the heuristic.
@@ -35,6 +35,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "core/cuda/cuda_utils.cuh"
 #include "core/shared_library.h"
@@ -118,6 +119,8 @@ std::int64_t column_sum_blocks(std::int64_t rows) {
 // cuBLASLt, opened at its first use instead of linked (core/shared_library.h says why);
 // MESHFUSE_CUBLASLT_LIBRARY names another file.
 struct LtApi {
+  std::string path;  // as opened
+  std::size_t version;
   decltype(&::cublasLtCreate) Create;
   decltype(&::cublasLtGetStatusName) GetStatusName;
   decltype(&::cublasLtGetStatusString) GetStatusString;
@@ -134,14 +137,26 @@ struct LtApi {
   decltype(&::cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute;
 };
 
-const LtApi& lt() {
-  static const LtApi api = [] {
-    const SharedLibrary lib("cuBLASLt", "MESHFUSE_CUBLASLT_LIBRARY", MESHFUSE_CUBLASLT_SONAME,
-                            MESHFUSE_CUBLASLT_BUILD_LIBRARY, "install the CUDA toolkit's cuBLAS");
+// The API, loading the library at the first call; a failed load throws naming `op` and is tried
+// again by the next call.
+const LtApi& lt(std::string_view op) {
+  static const LtApi api = [&] {
+    const SharedLibrary lib(std::string(op) + ": cuBLASLt", "MESHFUSE_CUBLASLT_LIBRARY",
+                            MESHFUSE_CUBLASLT_SONAME, MESHFUSE_CUBLASLT_BUILD_LIBRARY,
+                            "install the CUDA toolkit's cuBLAS");
     LtApi a{};
+    a.path = lib.path();
     const auto bind = [&](auto& fn, const char* name) {
       lib.bind(fn, name, "the cuBLAS of CUDA " MESHFUSE_CUDA_MAJOR);
     };
+    decltype(&::cublasLtGetVersion) get_version = nullptr;
+    bind(get_version, "cublasLtGetVersion");
+    a.version = get_version();  // major * 10000 + minor * 100 + patch
+    if (std::to_string(a.version / 10000) != MESHFUSE_CUDA_MAJOR)
+      throw Error(ErrorCode::BackendUnavailable,
+                  std::string(op) + ": cuBLASLt: " + a.path + " is version " +
+                      std::to_string(a.version) +
+                      ", but this build of meshfuse needs the cuBLAS of CUDA " MESHFUSE_CUDA_MAJOR);
     bind(a.Create, "cublasLtCreate");
     bind(a.GetStatusName, "cublasLtGetStatusName");
     bind(a.GetStatusString, "cublasLtGetStatusString");
@@ -187,8 +202,8 @@ ErrorCode error_code(cublasStatus_t status) {
 void check_lt(cublasStatus_t status, const GemmProblem& p, const char* call) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   throw Error(error_code(status), std::string(p.op) + ": " + call + " failed with " +
-                                      lt().GetStatusName(status) + " (" +
-                                      lt().GetStatusString(status) + ") for " + problem_str(p));
+                                      lt(p.op).GetStatusName(status) + " (" +
+                                      lt(p.op).GetStatusString(status) + ") for " + problem_str(p));
 }
 
 // The cuBLASLt handle of the current device `device`, created on first use.
@@ -199,7 +214,7 @@ cublasLtHandle_t lt_handle(int device, const GemmProblem& p) {
   const auto found = handles.find(device);
   if (found != handles.end()) return found->second;
   cublasLtHandle_t handle = nullptr;
-  check_lt(lt().Create(&handle), p, "cublasLtCreate");
+  check_lt(lt(p.op).Create(&handle), p, "cublasLtCreate");
   return handles.emplace(device, handle).first->second;
 }
 
@@ -209,7 +224,7 @@ class Owned {
  public:
   Owned() = default;
   ~Owned() {
-    if (h_) (lt().*kDestroy)(h_);
+    if (h_) (lt("cuBLASLt").*kDestroy)(h_);  // loaded by the create
   }
   Owned(const Owned&) = delete;
   Owned& operator=(const Owned&) = delete;
@@ -274,14 +289,14 @@ void set(D desc, A attribute, const V& value, cublasStatus_t (*setter)(D, A, con
 }
 
 void make_layout(Layout& layout, cudaDataType_t type, const LtMatrix& x, const GemmProblem& p) {
-  check_lt(lt().MatrixLayoutCreate(layout.out(), type, x.rows, x.cols, x.ld), p,
+  check_lt(lt(p.op).MatrixLayoutCreate(layout.out(), type, x.rows, x.cols, x.ld), p,
            "cublasLtMatrixLayoutCreate");
   if (p.batch == 1) return;
   const auto count = static_cast<std::int32_t>(p.batch);
-  set(layout.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count, lt().MatrixLayoutSetAttribute, p,
+  set(layout.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count, lt(p.op).MatrixLayoutSetAttribute, p,
       "cublasLtMatrixLayoutSetAttribute");
   set(layout.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, x.batch_stride,
-      lt().MatrixLayoutSetAttribute, p, "cublasLtMatrixLayoutSetAttribute");
+      lt(p.op).MatrixLayoutSetAttribute, p, "cublasLtMatrixLayoutSetAttribute");
 }
 
 // The heuristic's choice for one problem key; status is not SUCCESS when it found none.
@@ -324,11 +339,11 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
                      out_esize = static_cast<std::int64_t>(element_size(p.out()));
 
   MatmulDesc desc;
-  check_lt(lt().MatmulDescCreate(desc.out(), f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
-                                    f64 ? CUDA_R_64F : CUDA_R_32F),
+  check_lt(lt(p.op).MatmulDescCreate(desc.out(), f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
+                                     f64 ? CUDA_R_64F : CUDA_R_32F),
            p, "cublasLtMatmulDescCreate");
   const auto set_desc = [&](cublasLtMatmulDescAttributes_t attribute, const auto& value) {
-    set(desc.get(), attribute, value, lt().MatmulDescSetAttribute, p,
+    set(desc.get(), attribute, value, lt(p.op).MatmulDescSetAttribute, p,
         "cublasLtMatmulDescSetAttribute");
   };
   set_desc(CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(call.a.op));
@@ -364,9 +379,9 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
                          aligns[3],      call.bias ? alignment(call.bias, 0) : 0};
   const Choice choice = cached_choice(key, [&] {
     Preference pref;
-    check_lt(lt().MatmulPreferenceCreate(pref.out()), p, "cublasLtMatmulPreferenceCreate");
+    check_lt(lt(p.op).MatmulPreferenceCreate(pref.out()), p, "cublasLtMatmulPreferenceCreate");
     const auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attribute, const auto& value) {
-      set(pref.get(), attribute, value, lt().MatmulPreferenceSetAttribute, p,
+      set(pref.get(), attribute, value, lt(p.op).MatmulPreferenceSetAttribute, p,
           "cublasLtMatmulPreferenceSetAttribute");
     };
     set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kMaxWorkspace);
@@ -379,7 +394,7 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
     set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, aligns[3]);
     cublasLtMatmulHeuristicResult_t result{};
     int count = 0;
-    cublasStatus_t status = lt().MatmulAlgoGetHeuristic(
+    cublasStatus_t status = lt(p.op).MatmulAlgoGetHeuristic(
         handle, desc.get(), la.get(), lb.get(), lc.get(), ld.get(), pref.get(), 1, &result, &count);
     if (status == CUBLAS_STATUS_SUCCESS && count == 0) status = CUBLAS_STATUS_NOT_SUPPORTED;
     return Choice{status, result.algo, result.workspaceSize};
@@ -396,10 +411,10 @@ bool lt_matmul(const LtCall& call, const Stream& stream, bool may_decline) {
   const float alpha32 = static_cast<float>(p.alpha), beta32 = static_cast<float>(call.beta);
   const void* alpha = f64 ? static_cast<const void*>(&p.alpha) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&call.beta) : &beta32;
-  check_lt(lt().Matmul(handle, desc.get(), alpha, call.a.data, la.get(), call.b.data, lb.get(),
-                          beta, call.c.data, lc.get(), const_cast<void*>(call.d.data), ld.get(),
-                          &choice.algo, workspace.defined() ? workspace.view().data() : nullptr,
-                          choice.workspace, native(stream)),
+  check_lt(lt(p.op).Matmul(handle, desc.get(), alpha, call.a.data, la.get(), call.b.data, lb.get(),
+                           beta, call.c.data, lc.get(), const_cast<void*>(call.d.data), ld.get(),
+                           &choice.algo, workspace.defined() ? workspace.view().data() : nullptr,
+                           choice.workspace, native(stream)),
            p, "cublasLtMatmul");
   return true;
 }
@@ -471,6 +486,13 @@ void column_sum(DType dtype, std::int64_t rows, std::int64_t cols, GemmMatrix x,
         blocks > 0 ? partials.data_ptr<A>() : nullptr, blocks, cols, static_cast<T*>(out));
   });
   check_launch("linear_backward");
+}
+
+std::string cublaslt_library() {
+  const LtApi& api = lt("cublaslt_library");
+  return "cuBLASLt " + std::to_string(api.version / 10000) + "." +
+         std::to_string(api.version / 100 % 100) + "." + std::to_string(api.version % 100) + " (" +
+         api.path + ")";
 }
 
 }  // namespace meshfuse::detail::cuda

@@ -237,4 +237,14 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
   host.finish();
 }
 
+std::string cublaslt_library() {
+#ifdef MESHFUSE_WITH_CUDA
+  return detail::cuda::cublaslt_library();
+#else
+  fail(ErrorCode::BackendUnavailable,
+       "cublaslt_library: this build of meshfuse has no CUDA support (configure with "
+       "-DMESHFUSE_CUDA=ON)");
+#endif
+}
+
 }  // namespace meshfuse

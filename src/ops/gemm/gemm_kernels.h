@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
@@ -79,6 +80,7 @@ namespace cuda {
 GemmFn gemm;
 ColumnSumFn column_sum;
 inline constexpr LinearBackwardKernels linear_backward{&gemm, &column_sum};
+std::string cublaslt_library();  // meshfuse::cublaslt_library in CUDA builds
 }  // namespace cuda
 
 }  // namespace meshfuse::detail
