@@ -142,7 +142,7 @@ struct LtApi {
 const LtApi& lt(std::string_view op) {
   static const LtApi api = [&] {
     const SharedLibrary lib(std::string(op) + ": cuBLASLt", "MESHFUSE_CUBLASLT_LIBRARY",
-                            MESHFUSE_CUBLASLT_SONAME, MESHFUSE_CUBLASLT_BUILD_LIBRARY,
+                            "libcublasLt.so." MESHFUSE_CUDA_MAJOR, MESHFUSE_CUBLASLT_BUILD_LIBRARY,
                             "install the CUDA toolkit's cuBLAS");
     LtApi a{};
     a.path = lib.path();
