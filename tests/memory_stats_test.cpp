@@ -70,5 +70,22 @@ TEST(MemoryStats, FreedMemoryStaysCachedUntilEmptyCache) {
   EXPECT_LT(device_memory_stats(kCuda).reserved - base, kBytes);
 }
 
+// An allocation no device can hold fails after the retry (synchronise, trim the cache) with an
+// out-of-memory error naming the size and device, and leaves the pool usable.
+TEST(MemoryStats, AnAllocationLargerThanTheDeviceIsOutOfMemoryAndThePoolStaysUsable) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{kCuda};
+  { const Tensor cached({std::int64_t{64} << 20}, DType::U8, kCuda, stream); }
+  constexpr std::int64_t kPetabyte = std::int64_t{1} << 50;
+  test::expect_error([&] { Tensor({kPetabyte}, DType::U8, kCuda, stream); },
+                     ErrorCode::OutOfMemory,
+                     {"Tensor", std::to_string(kPetabyte) + " bytes", kCuda.str()});
+  synchronize(stream);
+  // The retry handed the cached block back before failing.
+  EXPECT_LT(device_memory_stats(kCuda).reserved, std::int64_t{64} << 20);
+  const Tensor after = Tensor::zeros({3}, DType::F32, kCuda, stream);
+  EXPECT_EQ(test::values(test::to_cpu(after, stream)), std::vector<double>(3, 0.0));
+}
+
 }  // namespace
 }  // namespace meshfuse
