@@ -77,8 +77,7 @@ TEST(MemoryStats, AnAllocationLargerThanTheDeviceIsOutOfMemoryAndThePoolStaysUsa
   const Stream stream{kCuda};
   { const Tensor cached({std::int64_t{64} << 20}, DType::U8, kCuda, stream); }
   constexpr std::int64_t kPetabyte = std::int64_t{1} << 50;
-  test::expect_error([&] { Tensor({kPetabyte}, DType::U8, kCuda, stream); },
-                     ErrorCode::OutOfMemory,
+  test::expect_error([&] { Tensor({kPetabyte}, DType::U8, kCuda, stream); }, ErrorCode::OutOfMemory,
                      {"Tensor", std::to_string(kPetabyte) + " bytes", kCuda.str()});
   synchronize(stream);
   // The retry handed the cached block back before failing.
