@@ -10,7 +10,18 @@ Errors raise ``meshfuse.Error`` (a RuntimeError) whose message names the op, the
 was expected and what came.
 """
 
-from ._meshfuse import *  # noqa: F401,F403
-from ._meshfuse import Error, force_kernel_backend, version  # noqa: F401
+import ctypes as _ctypes
+import os as _os
+
+# The extension needs libstdc++; make it global before loading the extension. Loaded only locally
+# (Python's default for extensions), it left torch, imported afterwards, resolving C++ runtime
+# symbols (operator delete, std::string) in libc10_cuda to the private copy that the libcufile
+# torch preloads globally carries, and the import aborted with "free(): invalid pointer" (seen
+# with LD_DEBUG=bindings on the H200 machine, torch 2.11+cu130). Global, libstdc++ comes first in
+# the lookup as when torch is imported alone.
+_ctypes.CDLL("libstdc++.so.6", mode=_os.RTLD_GLOBAL)
+
+from ._meshfuse import *  # noqa: E402,F401,F403
+from ._meshfuse import Error, force_kernel_backend, version  # noqa: E402,F401
 
 __version__ = version()

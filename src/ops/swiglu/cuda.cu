@@ -3,6 +3,13 @@
 // per item of a flat grid-stride loop held the bf16 forward at 88% of copy bandwidth (llama-3.1-8b
 // on an H200, torch.compile's 95-98%). Each thread moves 16 bytes of every operand per item when
 // the rows allow it, else one element.
+//
+// The 16-bit forward computes silu with the fast exp and division (__expf, __fdividef: relative
+// error below 2^-16, under an eighth of an f16 ulp before the single rounding) in at most 32
+// registers, so 16 blocks of 128 threads fill an SM. bf16 at llama-3.1-8b on an H200: 98-102% of
+// copy bandwidth, 1.01-1.05x torch.compile in the same runs, against 88-90% with IEEE division
+// (whose slow path spilled at 32 registers) at 46 registers. __fdividef returns 0 for divisors in (2^126, 2^128), so silu(g) for g in
+// (-88.7, -87.3) is 0 instead of a value below 1e-36 in magnitude.
 #include <algorithm>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -40,9 +47,21 @@ __device__ __forceinline__ void load_gate_up(SwigluOperand gate, SwigluOperand u
   }
 }
 
+// Threads per block, at most (blocks of up to 128 threads measured fastest, see launch_rows).
+constexpr int kThreads = 128;
+
+// u * silu(g) = u * g / (1 + e^-g), fast for 16-bit outputs (see the top of this file).
+template <typename T, typename A>
+__device__ __forceinline__ A swiglu_value(A g, A u) {
+  if constexpr (sizeof(T) == 2)
+    return __fdividef(u * g, A(1) + __expf(-g));
+  else
+    return u * g / (A(1) + exp(-g));
+}
+
 template <typename T, int N, int kIn>
-__global__ void forward_kernel(SwigluShape s, SwigluOperand gate, SwigluOperand up,
-                               SwigluOperand out) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 16 : 8)
+    forward_kernel(SwigluShape s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
   const std::int64_t c = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) * N;
   if (c >= s.cols) return;
@@ -51,7 +70,7 @@ __global__ void forward_kernel(SwigluShape s, SwigluOperand gate, SwigluOperand 
     load_gate_up<T, N, kIn>(gate, up, r, c, g, u);
     Vec<T, N> y;
 #pragma unroll
-    for (int k = 0; k < N; ++k) y.v[k] = store<T>(u[k] * g[k] / (A(1) + exp(-g[k])));
+    for (int k = 0; k < N; ++k) y.v[k] = store<T>(swiglu_value<T>(g[k], u[k]));
     *reinterpret_cast<Vec<T, N>*>(at<T>(out, r, c)) = y;
   }
 }
@@ -114,7 +133,7 @@ template <typename... P, typename... Args>
 void launch_rows(void (*kernel)(P...), const SwigluShape& s, int n, const Stream& stream,
                  Args... args) {
   const std::int64_t per_row = s.cols / n;
-  const int threads = static_cast<int>(std::min<std::int64_t>(128, (per_row + 31) / 32 * 32));
+  const int threads = static_cast<int>(std::min<std::int64_t>(kThreads, (per_row + 31) / 32 * 32));
   const dim3 grid(static_cast<unsigned>((per_row + threads - 1) / threads),
                   static_cast<unsigned>(std::min<std::int64_t>(s.rows, 65535)));
   kernel<<<grid, threads, 0, native(stream)>>>(args...);
