@@ -8,7 +8,8 @@
 // error below 2^-16, under an eighth of an f16 ulp before the single rounding) in at most 32
 // registers, so 16 blocks of 128 threads fill an SM. bf16 at llama-3.1-8b on an H200: 98-102% of
 // copy bandwidth, 1.01-1.05x torch.compile in the same runs, against 88-90% with IEEE division
-// (whose slow path spilled at 32 registers) at 46 registers. __fdividef returns 0 for divisors in (2^126, 2^128), so silu(g) for g in
+// (whose slow path spilled at 32 registers) at 46 registers. __fdividef returns 0 for divisors in
+// (2^126, 2^128), so silu(g) for g in
 // (-88.7, -87.3) is 0 instead of a value below 1e-36 in magnitude.
 #include <algorithm>
 
