@@ -201,6 +201,23 @@ TEST_P(CudaRmsNormTest, NonContiguousInputsGiveTheBitsOfTheirContiguousCopies) {
   EXPECT_TRUE(testing::bitwise_equal(to_cpu(ga.dweight), to_cpu(gb.dweight)));
 }
 
+// With multiplier 1 the residual's gradient is dx: leaving dresidual out gives the same bits.
+TEST_P(CudaRmsNormTest, DresidualLeftOutWithMultiplierOneGivesTheSameDxAndDweight) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Flags f{.weight = true, .residual = true, .grad_r = true};
+  for (const std::int64_t cols : {std::int64_t{40}, std::int64_t{4096}}) {
+    const Inputs in = on(make_inputs({24, cols}, GetParam(), f, 3), kCuda);
+    const Forward a = forward(in);
+    const Backward full = backward(in, a);
+    Tensor dx({24, cols}, GetParam(), kCuda), dweight({cols}, GetParam(), kCuda);
+    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, a.r, in.weight, a.rstd, dx, {},
+                                        dweight);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(dx), to_cpu(full.dx)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(full.dresidual), to_cpu(full.dx)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(dweight), to_cpu(full.dweight)));
+  }
+}
+
 // A CUDA copy of t starting one element past a 16-byte boundary: the kernels fall back to one
 // element per access.
 struct Misaligned {

@@ -110,6 +110,23 @@ TEST_P(RmsNormTest, CpuMatchesReferenceForEveryCombinationOfOptionalArguments) {
     }
 }
 
+// With multiplier 1 the residual's gradient is dx: leaving dresidual out writes the same dx.
+TEST_P(RmsNormTest, DresidualMayBeLeftOutWhenTheMultiplierIsOne) {
+  const Inputs in =
+      make_inputs({3, 40}, GetParam(), {.weight = true, .residual = true, .grad_r = true}, 5);
+  const Forward f = forward(in);
+  for (const KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
+    ForceKernelBackend force(backend);
+    const Backward full = backward(in, f);
+    Tensor dx(in.x.shape(), in.x.dtype()), dweight({40}, in.x.dtype());
+    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, f.r, in.weight, f.rstd, dx, {},
+                                        dweight);
+    EXPECT_EQ(test::values(dx), test::values(full.dx));
+    EXPECT_EQ(test::values(full.dresidual), test::values(full.dx));
+    EXPECT_EQ(test::values(dweight), test::values(full.dweight));
+  }
+}
+
 TEST_P(RmsNormTest, OneRowOneDimensionalAndThreeDimensionalInputs) {
   const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 0.5};
   expect_matches_reference(make_inputs({1, 129}, GetParam(), all, 1));
@@ -335,9 +352,9 @@ TEST(RmsNorm, BadArgumentsNameTheOpArgumentAndWhatCame) {
                {"rmsnorm_backward", "'dweight'", "'weight'"});
   expect_error([&] { rmsnorm_backward(x, res_bf16, w, rstd, dx, dw); }, ErrorCode::DTypeMismatch,
                {"rmsnorm_backward", "'x'", "bf16"});
-  expect_error([&] { fused_residual_add_rmsnorm_backward(x, x, x, w, rstd, dx, {}, dw); },
+  expect_error([&] { fused_residual_add_rmsnorm_backward(x, x, x, w, rstd, dx, {}, dw, 2.0); },
                ErrorCode::InvalidArgument,
-               {"fused_residual_add_rmsnorm_backward", "'grad_r'", "'dresidual'"});
+               {"fused_residual_add_rmsnorm_backward", "'dresidual'", "'grad_r'", "multiplier 2"});
   expect_error([&] { fused_residual_add_rmsnorm_backward(x, res_wide, x, w, rstd, dx, dres, dw); },
                ErrorCode::ShapeMismatch,
                {"fused_residual_add_rmsnorm_backward", "'grad_r'", "[2, 9]"});

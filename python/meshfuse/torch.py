@@ -81,11 +81,14 @@ def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0
         _C.rmsnorm_backward(_d(grad_y), _d(saved), _d(weight), rstd, dx, dweight,
                             stream=_stream(saved))
         return dx, None, dweight
-    dresidual = torch.empty_like(dx) if residual_given else None
+    # With multiplier 1 the residual's gradient is dx itself (as torch's add backward gives both
+    # inputs one tensor): not written twice.
+    shared = residual_given and multiplier == 1.0
+    dresidual = torch.empty_like(dx) if residual_given and not shared else None
     _C.fused_residual_add_rmsnorm_backward(_d(grad_y), _d(grad_r), _d(saved), _d(weight), rstd,
                                            dx, dresidual, dweight, multiplier=multiplier,
                                            stream=_stream(saved))
-    return dx, dresidual, dweight
+    return dx, dx if shared else dresidual, dweight
 
 
 class _RmsNorm(torch.autograd.Function):

@@ -107,9 +107,13 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
               double multiplier, const Stream& stream) {
   const detail::RmsNormShape s = row_shape(op, "grad_y", grad_y);
   check_like(op, input_name, input, grad_y, "grad_y");
-  const bool residual = dresidual.defined();
+  // With multiplier 1 the residual's gradient is dx itself: a caller may leave dresidual out.
+  const bool residual = dresidual.defined() || grad_r.defined();
   if (grad_r.defined()) {
-    check_absent_without(op, "grad_r", grad_r, residual, "dresidual");
+    MESHFUSE_CHECK(dresidual.defined() || multiplier == 1.0, ErrorCode::InvalidArgument,
+                   "{}: 'dresidual' must be given with 'grad_r' when multiplier != 1 (the "
+                   "residual's gradient then differs from dx), got multiplier {}",
+                   op, multiplier);
     check_like(op, "grad_r", grad_r, grad_y, "grad_y");
   }
   check_weight(op, weight, grad_y, "grad_y");
@@ -117,7 +121,8 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
   detail::check_dtype(op, "rstd", rstd, {DType::F32});
   detail::check_shape(op, "rstd", rstd, {s.rows});
   detail::check_output(op, "dx", dx, grad_y.shape(), grad_y.dtype());
-  if (residual) detail::check_output(op, "dresidual", dresidual, grad_y.shape(), grad_y.dtype());
+  if (dresidual.defined())
+    detail::check_output(op, "dresidual", dresidual, grad_y.shape(), grad_y.dtype());
   if (dweight.defined()) {
     check_absent_without(op, "dweight", dweight, weight.defined(), "weight");
     detail::check_output(op, "dweight", dweight, {s.cols}, grad_y.dtype());
