@@ -26,10 +26,16 @@ for step in "${steps[@]}"; do
     test)
       ctest --test-dir "$build" --output-on-failure -j 8 2>&1 | tee "$out/ctest.log" || status=1 ;;
     sanitize)
+      # racecheck leaves out the seven tests of 64-bit addressing (names with "2To31" or
+      # "TwoToThe31": tensors past 2^31 elements): under its shared-memory tracking they run for
+      # hours (the recurrent one had not finished after 400 s in a shard of its own), and their
+      # kernels are the ones the smaller tests race-check. memcheck runs them.
       for tool in memcheck racecheck; do
+        filter='*Cuda*'
+        [[ $tool == racecheck ]] && filter='*Cuda*:-*31*'
         compute-sanitizer --tool "$tool" --error-exitcode 1 "$build/tests/meshfuse_tests" \
-          --gtest_filter='*Cuda*' --gtest_brief=1 2>&1 | tail -n 25 | tee "$out/sanitize-$tool.log" \
-          || status=1
+          --gtest_filter="$filter" --gtest_brief=1 2>&1 | tail -n 25 \
+          | tee "$out/sanitize-$tool.log" || status=1
       done ;;
     bench)
       "$build/apps/meshfuse/meshfuse" bench --device cuda --model llama-3.1-8b --tokens 16384 \
