@@ -110,8 +110,9 @@ TEST_P(RmsNormTest, CpuMatchesReferenceForEveryCombinationOfOptionalArguments) {
     }
 }
 
-// With multiplier 1 the residual's gradient is dx: leaving dresidual out writes the same dx.
-TEST_P(RmsNormTest, DresidualMayBeLeftOutWhenTheMultiplierIsOne) {
+// With multiplier 1 the residual's gradient is dx: dresidual given as dx itself gets the same
+// bits written once.
+TEST_P(RmsNormTest, DresidualMayBeDxItselfWhenTheMultiplierIsOne) {
   const Inputs in =
       make_inputs({3, 40}, GetParam(), {.weight = true, .residual = true, .grad_r = true}, 5);
   const Forward f = forward(in);
@@ -119,7 +120,7 @@ TEST_P(RmsNormTest, DresidualMayBeLeftOutWhenTheMultiplierIsOne) {
     ForceKernelBackend force(backend);
     const Backward full = backward(in, f);
     Tensor dx(in.x.shape(), in.x.dtype()), dweight({40}, in.x.dtype());
-    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, f.r, in.weight, f.rstd, dx, {},
+    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, f.r, in.weight, f.rstd, dx, dx,
                                         dweight);
     EXPECT_EQ(test::values(dx), test::values(full.dx));
     EXPECT_EQ(test::values(full.dresidual), test::values(full.dx));
@@ -352,9 +353,12 @@ TEST(RmsNorm, BadArgumentsNameTheOpArgumentAndWhatCame) {
                {"rmsnorm_backward", "'dweight'", "'weight'"});
   expect_error([&] { rmsnorm_backward(x, res_bf16, w, rstd, dx, dw); }, ErrorCode::DTypeMismatch,
                {"rmsnorm_backward", "'x'", "bf16"});
-  expect_error([&] { fused_residual_add_rmsnorm_backward(x, x, x, w, rstd, dx, {}, dw, 2.0); },
+  expect_error([&] { fused_residual_add_rmsnorm_backward(x, x, x, w, rstd, dx, {}, dw); },
                ErrorCode::InvalidArgument,
-               {"fused_residual_add_rmsnorm_backward", "'dresidual'", "'grad_r'", "multiplier 2"});
+               {"fused_residual_add_rmsnorm_backward", "'grad_r'", "'dresidual'"});
+  expect_error([&] { fused_residual_add_rmsnorm_backward(x, x, x, w, rstd, dx, dx, dw, 2.0); },
+               ErrorCode::InvalidArgument,
+               {"fused_residual_add_rmsnorm_backward", "'dresidual'", "dx", "multiplier 2"});
   expect_error([&] { fused_residual_add_rmsnorm_backward(x, res_wide, x, w, rstd, dx, dres, dw); },
                ErrorCode::ShapeMismatch,
                {"fused_residual_add_rmsnorm_backward", "'grad_r'", "[2, 9]"});

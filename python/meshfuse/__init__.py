@@ -19,7 +19,10 @@ import os as _os
 # torch preloads globally carries, and the import aborted with "free(): invalid pointer" (seen
 # with LD_DEBUG=bindings on the H200 machine, torch 2.11+cu130). Global, libstdc++ comes first in
 # the lookup as when torch is imported alone.
-_ctypes.CDLL("libstdc++.so.6", mode=_os.RTLD_GLOBAL)
+try:
+    _ctypes.CDLL("libstdc++.so.6", mode=_os.RTLD_GLOBAL)
+except OSError:  # then loading the extension below fails too, and says why
+    pass
 
 from ._meshfuse import *  # noqa: E402,F401,F403
 from ._meshfuse import Error, force_kernel_backend, version  # noqa: E402,F401

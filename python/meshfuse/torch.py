@@ -74,21 +74,24 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0):
 
 
 def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0, grad_r=None):
-    """saved: r when a residual was given, else x. Returns (dx, dresidual or None, dweight)."""
+    """saved: r when a residual was given, else x. Returns (dx, dresidual or None, dweight);
+    with a residual and multiplier 1, dresidual is dx itself (the same tensor)."""
     dx = torch.empty_like(saved, memory_format=torch.contiguous_format)
     dweight = None if weight is None else torch.empty_like(weight)
     if not residual_given and multiplier == 1.0:
         _C.rmsnorm_backward(_d(grad_y), _d(saved), _d(weight), rstd, dx, dweight,
                             stream=_stream(saved))
         return dx, None, dweight
-    # With multiplier 1 the residual's gradient is dx itself (as torch's add backward gives both
-    # inputs one tensor): not written twice.
-    shared = residual_given and multiplier == 1.0
-    dresidual = torch.empty_like(dx) if residual_given and not shared else None
+    # With multiplier 1 the residual's gradient equals dx: dx itself is passed as dresidual and
+    # written once, and returned for both (as torch's add backward gives both inputs one tensor).
+    if residual_given:
+        dresidual = dx if multiplier == 1.0 else torch.empty_like(dx)
+    else:
+        dresidual = None
     _C.fused_residual_add_rmsnorm_backward(_d(grad_y), _d(grad_r), _d(saved), _d(weight), rstd,
                                            dx, dresidual, dweight, multiplier=multiplier,
                                            stream=_stream(saved))
-    return dx, dx if shared else dresidual, dweight
+    return dx, dresidual, dweight
 
 
 class _RmsNorm(torch.autograd.Function):

@@ -39,6 +39,21 @@ def test_fused_residual_add_rmsnorm_matches_its_definition():
     _check(y + r, F.rms_norm(r_ref, (32,), w, 1e-6) + r_ref, (x, res, w), tol=1e-6)
 
 
+def test_fused_residual_add_rmsnorm_with_multiplier_one_gives_both_inputs_dx():
+    # With multiplier 1 the backward writes dx once and returns it for x and residual.
+    x, res, w = _leaf(6, 32, seed=10), _leaf(6, 32, seed=11), _leaf(32, seed=12)
+    y, r = mt.fused_residual_add_rmsnorm(x, res, w, eps=1e-6)
+    r_ref = x + res
+    _check(y + r, F.rms_norm(r_ref, (32,), w, 1e-6) + r_ref, (x, res, w), tol=1e-6)
+    y, r = mt.fused_residual_add_rmsnorm(x, res, w, eps=1e-6)
+    (y * r).sum().backward()
+    torch.testing.assert_close(x.grad, res.grad, rtol=0, atol=0)
+    # One tensor as both inputs: its gradient is the sum of the two.
+    z = _leaf(6, 32, seed=13)
+    y2, r2 = mt.fused_residual_add_rmsnorm(z, z, w, eps=1e-6)
+    _check(y2 + r2, F.rms_norm(z + z, (32,), w, 1e-6) + (z + z), (z, w), tol=1e-6)
+
+
 def test_softmax_matches_torch():
     x = _leaf(3, 100, seed=8)
     _check(mt.softmax(x, logits_multiplier=0.7), torch.softmax(0.7 * x, -1), (x,))

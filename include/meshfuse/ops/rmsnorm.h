@@ -53,11 +53,11 @@ void fused_residual_add_rmsnorm(const TensorView& x, const TensorView& residual,
 
 // grad_y: (..., H); grad_r: like grad_y or undefined (only with a residual); r: the forward's r
 // output, or x when the forward had no residual; weight, rstd, multiplier: as in the forward.
-// Writes dx (like x), dresidual (like x; given only when the forward had a residual) and, when
-// defined (needs weight), dweight (H,). With multiplier = 1, dresidual equals dx (as
-// torch.autograd gives both inputs of x + residual the same gradient), so it may be left
-// undefined even with a residual and grad_r: one N·H write less. InvalidArgument when grad_r is
-// given without dresidual and multiplier != 1.
+// Writes dx (like x), dresidual (like x; defined exactly when the forward had a residual) and,
+// when defined (needs weight), dweight (H,). With multiplier = 1, dresidual equals dx (as
+// torch.autograd gives both inputs of x + residual one gradient): dresidual may then be dx itself
+// (the same data), written once, one N·H write less; sharing dx's data with another multiplier is
+// InvalidArgument.
 void fused_residual_add_rmsnorm_backward(const TensorView& grad_y, const TensorView& grad_r,
                                          const TensorView& r, const TensorView& weight,
                                          const TensorView& rstd, const TensorView& dx,

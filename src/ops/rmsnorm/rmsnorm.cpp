@@ -107,13 +107,16 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
               double multiplier, const Stream& stream) {
   const detail::RmsNormShape s = row_shape(op, "grad_y", grad_y);
   check_like(op, input_name, input, grad_y, "grad_y");
-  // With multiplier 1 the residual's gradient is dx itself: a caller may leave dresidual out.
-  const bool residual = dresidual.defined() || grad_r.defined();
+  const bool residual = dresidual.defined();
+  // dresidual may be dx itself when multiplier is 1 (then they are equal): written once.
+  const bool shared = residual && dresidual.data() == dx.data();
+  MESHFUSE_CHECK(!shared || multiplier == 1.0, ErrorCode::InvalidArgument,
+                 "{}: 'dresidual' may share dx's memory only when multiplier is 1 (they differ "
+                 "otherwise), got multiplier {}",
+                 op, multiplier);
+  const TensorView written_dresidual = shared ? TensorView() : dresidual;
   if (grad_r.defined()) {
-    MESHFUSE_CHECK(dresidual.defined() || multiplier == 1.0, ErrorCode::InvalidArgument,
-                   "{}: 'dresidual' must be given with 'grad_r' when multiplier != 1 (the "
-                   "residual's gradient then differs from dx), got multiplier {}",
-                   op, multiplier);
+    check_absent_without(op, "grad_r", grad_r, residual, "dresidual");
     check_like(op, "grad_r", grad_r, grad_y, "grad_y");
   }
   check_weight(op, weight, grad_y, "grad_y");
@@ -121,8 +124,7 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
   detail::check_dtype(op, "rstd", rstd, {DType::F32});
   detail::check_shape(op, "rstd", rstd, {s.rows});
   detail::check_output(op, "dx", dx, grad_y.shape(), grad_y.dtype());
-  if (dresidual.defined())
-    detail::check_output(op, "dresidual", dresidual, grad_y.shape(), grad_y.dtype());
+  if (residual) detail::check_output(op, "dresidual", dresidual, grad_y.shape(), grad_y.dtype());
   if (dweight.defined()) {
     check_absent_without(op, "dweight", dweight, weight.defined(), "weight");
     detail::check_output(op, "dweight", dweight, {s.cols}, grad_y.dtype());
@@ -133,7 +135,7 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
                            {"weight", weight},
                            {"rstd", rstd},
                            {"dx", dx},
-                           {"dresidual", dresidual},
+                           {"dresidual", written_dresidual},
                            {"dweight", dweight}});
   detail::HostStaging host(op, grad_y, stream);
   const detail::Contiguous dy(host.input(grad_y), host.stream()),
@@ -142,7 +144,7 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
   fn(s,
      {dy.view().data(), dr.view().data(), in.view().data(), w.view().data(),
       static_cast<const float*>(rs.view().data()), host.output(dx).data(),
-      host.output(dresidual).data(), host.output(dweight).data(), residual ? 1.0 : multiplier,
+      host.output(written_dresidual).data(), host.output(dweight).data(), residual ? 1.0 : multiplier,
       multiplier},
      host.stream());
   host.finish();
