@@ -144,8 +144,8 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
   fn(s,
      {dy.view().data(), dr.view().data(), in.view().data(), w.view().data(),
       static_cast<const float*>(rs.view().data()), host.output(dx).data(),
-      host.output(written_dresidual).data(), host.output(dweight).data(), residual ? 1.0 : multiplier,
-      multiplier},
+      host.output(written_dresidual).data(), host.output(dweight).data(),
+      residual ? 1.0 : multiplier, multiplier},
      host.stream());
   host.finish();
 }
