@@ -9,7 +9,11 @@
 // is what limits it (ncu: 62% of issue slots busy at 74% of DRAM bandwidth), so the packed max
 // (+3%), the division in the exponent (+1%) and block-level statistics (no per-thread rescaling)
 // each took instructions out. Earlier forms: 57-72% with 32 or 96 KB parts or 256 threads,
-// 45-65% reading the row twice (streamed over 1, 4 or 8 blocks), 47% holding it in registers.
+// 45-65% reading the row twice (streamed over 1, 4 or 8 blocks), 47% holding it in registers;
+// later tries against 84.5-86%: one TMA bulk copy per part (cp.async.bulk and an mbarrier)
+// 78-79%, persistent clusters looping over rows 79% (64-69% double-buffered, the next row's part
+// loading during this one), four partial sums per thread no change. One block per row part, as
+// here, lets the scheduler keep blocks of an SM in different phases.
 // Backward (dx = m * y * (dy - sum dy * y)): y and dy held in registers, up to 4 vectors of each
 // per thread of 512-thread blocks: 85% of copy bandwidth at the same shape, against 77-80% for
 // the shared-memory version and 58-73% streamed. Rows too long for 8 such blocks take the
