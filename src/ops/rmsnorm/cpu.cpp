@@ -1,7 +1,7 @@
 // CPU RMSNorm: rows split over OpenMP threads; within a row, unit-stride loops vectorised with
 // `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
 // Two passes per row, which stays in L1: the statistics, then the outputs through stream_out, which
-// brings the next row into cache meanwhile. The loops are bound by vector arithmetic as much as by
+// brings the next row into cache meanwhile (into L2 in the forward: see PrefetchTo). The loops are bound by vector arithmetic as much as by
 // memory, hence the multiplier's multiply only where it is not 1.
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
 // block order, so the result does not depend on the thread count either.
@@ -65,10 +65,12 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       if constexpr (kResidual)
         stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
-                   [&](std::int64_t c) { return value(c); }, {in(a.residual, next)});
+                   [&](std::int64_t c) { return value(c); }, {in(a.residual, next)},
+                   PrefetchTo::L2);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
       stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
-                 [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)});
+                 [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)},
+                 PrefetchTo::L2);
     }
     stream_fence();
   }
