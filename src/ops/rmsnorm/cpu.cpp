@@ -1,8 +1,10 @@
 // CPU RMSNorm: rows split over OpenMP threads; within a row, unit-stride loops vectorised with
 // `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
-// Two passes per row, which stays in L1: the statistics, then the outputs through stream_out, which
-// brings the next row into cache meanwhile (into L2 in the forward: see PrefetchTo). The loops are bound by vector arithmetic as much as by
-// memory, hence the multiplier's multiply only where it is not 1.
+// Two passes per row, which stays in cache: the statistics, then the outputs through stream_out,
+// which brings the next row into cache meanwhile (into L2 in the forward: see PrefetchTo). The
+// fused forward writes r in its statistics pass, so that both passes move data (69% of copy
+// bandwidth against 66% with r written in a pass of its own). The loops are bound by vector
+// arithmetic as much as by memory, hence the multiplier's multiply only where it is not 1.
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
 // block order, so the result does not depend on the thread count either.
 #include <algorithm>
@@ -59,14 +61,30 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
         return v;
       };
       A sum_sq = 0;
+      if constexpr (kResidual) {
+        // r is written in the statistics pass: the pass then moves data too.
+        stream_out_blocks(
+            static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
+            [&](std::int64_t c0, std::int64_t len, A* buf) {
+              const T *xb = x + c0, *rb = res + c0;  // locals, or GCC does not vectorise
+              A part = 0;
+#pragma omp simd reduction(+ : part)
+              for (std::int64_t i = 0; i < len; ++i) {
+                A v = A(to_float(xb[i]));
+                if constexpr (kScale) v *= m;
+                v += A(to_float(rb[i]));
+                buf[i] = v;
+                part += v * v;
+              }
+              sum_sq += part;
+            },
+            {in(a.residual, next)}, PrefetchTo::L2);
+      } else {
 #pragma omp simd reduction(+ : sum_sq)
-      for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += value(c) * value(c);
+        for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += value(c) * value(c);
+      }
       const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
-      if constexpr (kResidual)
-        stream_out(static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
-                   [&](std::int64_t c) { return value(c); }, {in(a.residual, next)},
-                   PrefetchTo::L2);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
       stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
                  [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)},
