@@ -1,3 +1,4 @@
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -159,14 +160,21 @@ TEST_P(GemmTest, LinearOfOneRowAndOfOneDimensionalInput) {
 
 TEST_P(GemmTest, TransposedAndStridedViewsGiveBitwiseTheContiguousResult) {
   const DType dt = GetParam();
-  const Tensor a = randn({9, 33}, dt, 17), b = randn({33, 21}, dt, 18), c = randn({9, 21}, dt, 19);
-  const auto at = test::non_contiguous(a), bt = test::non_contiguous(b),
-             ct = test::non_contiguous(c);
   const GemmOptions o{false, false, 1.0, 1.0};
-  const Tensor expected = run_gemm(a, b, c, o);
   // A transposed view is read in place with the BLAS transpose flag, and the libraries pack both
-  // layouts for the same inner kernel: bitwise the contiguous result.
-  EXPECT_TRUE(testing::bitwise_equal(run_gemm(at.view, bt.view, ct.view, o), expected));
+  // layouts for the same inner kernel: bitwise the contiguous result. The larger shape has K
+  // past a kernel's block, where two implementations (oneDNN's sgemm and its matmul primitive,
+  // say) would sum in different orders.
+  for (const auto& [m, k, n] : {std::array<std::int64_t, 3>{9, 33, 21}, {64, 1024, 96}}) {
+    const Tensor a = randn({m, k}, dt, 17), b = randn({k, n}, dt, 18), c = randn({m, n}, dt, 19);
+    const auto at = test::non_contiguous(a), bt = test::non_contiguous(b),
+               ct = test::non_contiguous(c);
+    EXPECT_TRUE(
+        testing::bitwise_equal(run_gemm(at.view, bt.view, ct.view, o), run_gemm(a, b, c, o)))
+        << m << " x " << k << " x " << n;
+  }
+  const Tensor a = randn({9, 33}, dt, 17), b = randn({33, 21}, dt, 18), c = randn({9, 21}, dt, 19);
+  const Tensor expected = run_gemm(a, b, c, o);
   // A view with no unit stride is copied: bitwise the contiguous result.
   Tensor wide({9, 66}, dt);
   const TensorView every_other(wide.view().data(), dt, {9, 33}, {66, 2});

@@ -48,23 +48,8 @@ dnnl::memory::desc f32_desc(const GemmMatrix& x, std::int64_t rows, std::int64_t
 }
 
 // d = alpha * a @ b (+ beta * d when beta != 0) for one (m, n, k) f32 matrix product.
-// oneDNN's matmul primitive where b is transposed, its BLAS-style sgemm otherwise: each is the
-// faster one there (2 threads, llama-3.2-1b linears at 512 tokens: the matmul 1.06-1.09x the
-// sgemm's rate for x @ W^T; the sgemm 1.04-1.12x the matmul's for dY @ W and dY^T @ X).
 void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, float beta,
                 const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d) {
-  const std::int64_t lda = std::max<std::int64_t>(1, a.transposed ? m : k);
-  if (!b.transposed && a.ld >= lda && b.ld >= std::max<std::int64_t>(1, n) &&
-      d.ld >= std::max<std::int64_t>(1, n)) {
-    const dnnl_status_t status =
-        dnnl_sgemm(a.transposed ? 'T' : 'N', 'N', m, n, k, alpha, static_cast<const float*>(a.data),
-                   a.ld, static_cast<const float*>(b.data), b.ld, beta,
-                   static_cast<float*>(d.data), d.ld);
-    MESHFUSE_CHECK(status == dnnl_success, ErrorCode::Internal,
-                   "gemm: oneDNN sgemm ({} x {} x {}) failed with status {}", m, n, k,
-                   static_cast<int>(status));
-    return;
-  }
   try {
     dnnl::primitive_attr attr;
     if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
