@@ -303,6 +303,26 @@ TEST_P(CudaGemmTest, NanAndInfPropagateLikeTheReference) {
 INSTANTIATE_TEST_SUITE_P(AllFloatDTypes, CudaGemmTest, ::testing::ValuesIn(test::kFloatDTypes),
                          test::dtype_name);
 
+// grad_bias alone calls no cuBLAS: the column-sum kernel on its own, so that racecheck checks it
+// (scripts/gpu_check.sh leaves the tests that call cuBLAS out of racecheck).
+TEST(CudaLinearGradBias, AloneMatchesTheReferenceForEveryFloatDtype) {
+  MESHFUSE_REQUIRE_CUDA();
+  std::uint64_t seed = 70;
+  constexpr std::int64_t n = 19;
+  for (const DType dt : test::kFloatDTypes)
+    for (const Shape& x_shape : {Shape{1, 5}, Shape{3, 37, 24}, Shape{1000, 8}}) {
+      SCOPED_TRACE(std::string(to_string(dt)) + " " + shape_str(x_shape));
+      Shape out_shape = x_shape;
+      out_shape.back() = n;
+      const Tensor x = randn(x_shape, dt, seed++), w = randn({n, x_shape.back()}, dt, seed++),
+                   dy = randn(out_shape, dt, seed++);
+      Tensor expected({n}, dt), got({n}, dt, kCuda);
+      on_reference([&] { linear_backward(dy, x, w, {}, {}, expected); });
+      linear_backward(to_cuda(dy), to_cuda(x), to_cuda(w), {}, {}, got);
+      expect_gemm_close(got, expected, x.numel() / x.size(-1), "grad_bias");
+    }
+}
+
 TEST(CudaGemm, DeterministicRunToRunOnAStream) {
   MESHFUSE_REQUIRE_CUDA();
   CudaStream stream(0);

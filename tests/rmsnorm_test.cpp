@@ -101,7 +101,8 @@ TEST_P(RmsNormTest, CpuMatchesReferenceForEveryCombinationOfOptionalArguments) {
                          {.residual = true, .grad_r = true},
                          {.weight = true, .residual = true, .grad_r = true, .multiplier = 2.0},
                          {.weight = true, .multiplier = 3.0}};
-  for (std::int64_t cols : {1, 7, 33, 1000})
+  // 1025 and 4100: past the cpu backend's 1024-column blocks of the fused statistics pass.
+  for (std::int64_t cols : {1, 7, 33, 1000, 1025, 4100})
     for (const Flags& f : cases) {
       SCOPED_TRACE(::testing::Message()
                    << "cols " << cols << " weight " << f.weight << " residual " << f.residual

@@ -179,8 +179,8 @@ inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t 
 }
 
 // The cache level stream_out brings the next rows to. L2 (prefetcht2) suits a kernel whose next
-// pass reads its rows once more from cache with few operands (rmsnorm forward: 71-76% of copy
-// bandwidth against 64-68% into L1, fused with the residual 63-64% against 59-60%, where the
+// pass reads its rows once more from cache with few operands (rmsnorm forward: 82-83% of copy
+// bandwidth against 72-78% into L1, fused with the residual 67-69% against 61%, where the
 // prefetches into L1 competed with the streaming stores for fill buffers); kernels that read
 // two or three rows ahead measured faster with L1 (softmax and swiglu backward, 3-10%).
 enum class PrefetchTo { L1, L2 };

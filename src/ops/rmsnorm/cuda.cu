@@ -479,7 +479,11 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
       attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
       config.attrs = &attribute;
-      config.numAttrs = 1;
+      // Only code compiled for sm_90 or later waits in griddepcontrol.wait: older PTX
+      // (CMAKE_CUDA_ARCHITECTURES below 90, JIT-compiled on a newer GPU) gets an ordinary launch.
+      cudaFuncAttributes compiled{};
+      check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
+      config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
       check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const A*>(p), blocks, s.cols,
                                static_cast<T*>(a.dweight)),
             "rmsnorm_backward");
