@@ -179,10 +179,11 @@ inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t 
 }
 
 // The cache level stream_out brings the next rows to. L2 (prefetcht2) suits a kernel whose next
-// pass reads its rows once more from cache with few operands (rmsnorm forward: 82-83% of copy
-// bandwidth against 72-78% into L1, fused with the residual 67-69% against 61%, where the
-// prefetches into L1 competed with the streaming stores for fill buffers); kernels that read
-// two or three rows ahead measured faster with L1 (softmax and swiglu backward, 3-10%).
+// pass reads its rows once more from cache with few operands (rmsnorm forward, alternating runs:
+// 82-83% of copy bandwidth against 72-78% into L1, and 69-71% against 66-67% in a later, slower
+// hour of the VM; fused with the residual 67-69% against 61-66%: the prefetches into L1 competed
+// with the streaming stores for fill buffers); kernels that read two or three rows ahead
+// measured faster with L1 (softmax and swiglu backward, 3-10%).
 enum class PrefetchTo { L1, L2 };
 
 // Up to three rows to bring into cache while stream_out writes (null entries are skipped).

@@ -35,6 +35,15 @@ std::vector<A> weight_as(const void* weight, std::int64_t cols) {
   return w;
 }
 
+// r = x * m + residual at element c, in A (the multiply only when kScale, the add when kResidual).
+template <bool kResidual, bool kScale, typename T, typename A = acc_t<T>>
+A residual_add(const T* x, const T* res, std::int64_t c, A m) {
+  A v = A(to_float(x[c]));
+  if constexpr (kScale) v *= m;
+  if constexpr (kResidual) v += A(to_float(res[c]));
+  return v;
+}
+
 template <typename T, bool kResidual, bool kScale>
 void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   using A = acc_t<T>;
@@ -55,10 +64,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       const T* res = kResidual ? in(a.residual, row) : nullptr;
       const std::int64_t next = row + 1 < s.rows ? row + 1 : row;
       const auto value = [&](std::int64_t c) {
-        A v = A(to_float(x[c]));
-        if constexpr (kScale) v *= m;
-        if constexpr (kResidual) v += A(to_float(res[c]));
-        return v;
+        return residual_add<kResidual, kScale>(x, res, c, m);
       };
       A sum_sq = 0;
       if constexpr (kResidual) {
@@ -70,11 +76,8 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
               A part = 0;
 #pragma omp simd reduction(+ : part)
               for (std::int64_t i = 0; i < len; ++i) {
-                A v = A(to_float(xb[i]));
-                if constexpr (kScale) v *= m;
-                v += A(to_float(rb[i]));
-                buf[i] = v;
-                part += v * v;
+                buf[i] = residual_add<kResidual, kScale>(xb, rb, i, m);
+                part += buf[i] * buf[i];
               }
               sum_sq += part;
             },
