@@ -73,7 +73,10 @@ TEST_P(GemmTest, CpuMatchesReferenceForEveryTransposeAtOddSizes) {
   struct Size {
     std::int64_t m, n, k;
   };
-  for (const Size s : {Size{1, 1, 1}, Size{7, 13, 33}, Size{65, 17, 130}, Size{3, 40, 1}})
+  // 20 x 1504 x 1100: a 16-bit B large enough to be widened with streaming stores, in whole
+  // 16-column lines when not transposed and with partial 16 x 16 tiles when transposed.
+  for (const Size s :
+       {Size{1, 1, 1}, Size{7, 13, 33}, Size{65, 17, 130}, Size{3, 40, 1}, Size{20, 1504, 1100}})
     for (const bool ta : {false, true})
       for (const bool tb : {false, true}) {
         const Tensor a = randn(ta ? Shape{s.k, s.m} : Shape{s.m, s.k}, dt, 1);
@@ -161,17 +164,26 @@ TEST_P(GemmTest, LinearOfOneRowAndOfOneDimensionalInput) {
 TEST_P(GemmTest, TransposedAndStridedViewsGiveBitwiseTheContiguousResult) {
   const DType dt = GetParam();
   const GemmOptions o{false, false, 1.0, 1.0};
-  // A transposed view is read in place with the BLAS transpose flag, and the libraries pack both
-  // layouts for the same inner kernel: bitwise the contiguous result. The larger shape has K
-  // past a kernel's block, where two implementations (oneDNN's sgemm and its matmul primitive,
-  // say) would sum in different orders.
-  for (const auto& [m, k, n] : {std::array<std::int64_t, 3>{9, 33, 21}, {64, 1024, 96}}) {
+  // A transposed view gives bitwise the contiguous result: f32 reads it in place (oneDNN's matmul
+  // packs both layouts for one inner kernel), 16-bit widens both to the same row-major block. The
+  // larger shapes have K past a kernel's block, where sgemm's sums follow its transpose flags.
+  for (const auto& [m, k, n] :
+       {std::array<std::int64_t, 3>{9, 33, 21}, {64, 1024, 96}, {20, 1100, 1504}}) {
     const Tensor a = randn({m, k}, dt, 17), b = randn({k, n}, dt, 18), c = randn({m, n}, dt, 19);
     const auto at = test::non_contiguous(a), bt = test::non_contiguous(b),
                ct = test::non_contiguous(c);
     EXPECT_TRUE(
         testing::bitwise_equal(run_gemm(at.view, bt.view, ct.view, o), run_gemm(a, b, c, o)))
         << m << " x " << k << " x " << n;
+  }
+  {  // Rows further apart than their length are read in place (f32) or widened: bitwise too.
+    const std::int64_t m = 20, k = 1100, n = 1504;
+    const Tensor a = randn({m, k}, dt, 17), b = randn({k, n}, dt, 18);
+    Tensor wide_a({m, k + 3}, dt), wide_b({k, n + 5}, dt);
+    const TensorView an = wide_a.view().narrow(1, 0, k), bn = wide_b.view().narrow(1, 0, n);
+    copy(a, an);
+    copy(b, bn);
+    EXPECT_TRUE(testing::bitwise_equal(run_gemm(an, bn, {}, {}), run_gemm(a, b, {}, {})));
   }
   const Tensor a = randn({9, 33}, dt, 17), b = randn({33, 21}, dt, 18), c = randn({9, 21}, dt, 19);
   const Tensor expected = run_gemm(a, b, c, o);

@@ -69,7 +69,7 @@ void matmul(std::int64_t m, std::int64_t n, std::int64_t k, GemmMatrix a, GemmMa
   const GemmMatrix c = accumulate ? d
                        : row      ? GemmMatrix{const_cast<A*>(row), 0, 0, false}
                                   : GemmMatrix{};
-  gemm({dtype_of<A>(), 1, m, n, k, 1.0, c.data ? 1.0 : 0.0}, a, b, c, d, Stream{});
+  gemm_fixed_layout({dtype_of<A>(), 1, m, n, k, 1.0, c.data ? 1.0 : 0.0}, a, b, c, d, Stream{});
 }
 
 // acc[j] += sum over the rows of d (rows, cols), each column in row order: the same sums

@@ -1,10 +1,10 @@
-// CPU GEMM. f32 runs on oneDNN's matmul; bf16 and f16 are widened to f32 block by block and run
-// on the same matmul (fp32 products and accumulation, rounded once); f64 runs on OpenBLAS's dgemm.
-// Why (bench/blas_choice.cpp, 2 threads, M=1024 K=4096): oneDNN's f32 matmul equals OpenBLAS's
-// sgemm where OpenBLAS is told the CPU (OPENBLAS_CORETYPE=SkylakeX) and is 3-5x faster than the
-// kernels OpenBLAS 0.3.21 picks by itself on this CPU (Prescott); oneDNN's native bf16 matmul
-// (avx512_core_bf16) is slower than widening to its f32 matmul; neither library has an f16 GEMM
-// here, and oneDNN has no f64.
+// CPU GEMM. f32, bf16 and f16 run on oneDNN's sgemm with both operands row-major (16-bit ones
+// widened to f32 block by block: fp32 products and accumulation, rounded once; gemm_row_major says
+// why); f64 runs on OpenBLAS's dgemm. Why these libraries (bench/blas_choice.cpp, 2 threads,
+// M=1024 K=4096): oneDNN's f32 GEMMs equal OpenBLAS's sgemm where OpenBLAS is told the CPU
+// (OPENBLAS_CORETYPE=SkylakeX) and are 3-5x faster than the kernels OpenBLAS 0.3.21 picks by itself
+// on this CPU (Prescott); oneDNN's native bf16 matmul (avx512_core_bf16) is slower than widening to
+// f32; neither library has an f16 GEMM here, and oneDNN has no f64.
 #include <cblas.h>
 
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/gemm/gemm_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -71,6 +72,16 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
   }
 }
 
+// d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major.
+void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+           std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* d,
+           std::int64_t ldd) {
+  const dnnl_status_t status = dnnl_sgemm('N', 'N', m, n, k, alpha, a, lda, b, ldb, beta, d, ldd);
+  MESHFUSE_CHECK(status == dnnl_success, ErrorCode::Internal,
+                 "gemm: oneDNN sgemm ({} x {} x {}) failed with status {}", m, n, k,
+                 static_cast<int>(status));
+}
+
 // d = beta * c, or zeros without c: the whole GEMM when alpha = 0 or k = 0.
 template <typename T>
 void scale_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
@@ -96,71 +107,160 @@ void copy_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d) {
   }
 }
 
-void gemm_f32(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d,
-              bool add_c) {
-  for (std::int64_t l = 0; l < p.batch; ++l) {
-    const GemmMatrix al{item<float>(a, l), a.ld, 0, a.transposed},
-        bl{item<float>(b, l), b.ld, 0, b.transposed}, dl{item<float>(d, l), d.ld, 0, false};
-    f32_matmul(p.m, p.n, p.k, static_cast<float>(p.alpha),
-               add_c ? static_cast<float>(p.beta) : 0.0f, al, bl, dl);
-  }
-}
-
 // Scratch buffer `slot` (0..2) of at least n floats, kept per thread across calls: a fresh 16-96
 // MiB allocation per GEMM is fresh pages from the kernel every time (mmap, or the heap trimmed
 // after the free), and faulting them in cost 5-10% of a llama-3.2-1b linear on 2 cores.
 float* scratch(int slot, std::int64_t n) {
-  struct Buffer {
-    std::unique_ptr<float[]> data;
-    std::int64_t size = 0;
+  thread_local Tensor buffers[3];  // 64-byte aligned, for transpose_tile's streaming stores
+  Tensor& b = buffers[slot];
+  if (!b.defined() || b.numel() < n) {
+    b = Tensor();                 // release the old block before taking the larger one
+    b = Tensor({n}, DType::F32);  // not zeroed: written before read
+  }
+  return b.data_ptr<float>();
+}
+
+// out[i * ldo + j] = src[j * ld + i] as f32, for i < ni <= 16 and j < nj <= 16. With AVX-512, a
+// transpose in registers, whose whole 64-byte rows go out as streaming stores: ordinary ones first
+// read each line of out, a power of two floats apart, and the reads do not overlap (a 2048 x 8192
+// bf16 operand: 3.3 ms against 7.8, widening it without the transpose 2.6-3.7). A scalar transpose
+// through memory took 20 ms.
+template <typename T>
+void transpose_tile(const T* src, std::int64_t ld, std::int64_t ni, std::int64_t nj, float* out,
+                    std::int64_t ldo, bool stream) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  // The maskz_ forms with every lane kept: GCC 12 warns on the plain ones' undefined passthrough.
+  constexpr __mmask16 k = 0xffff;
+  constexpr __mmask8 k8 = 0xff;
+  const auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(k8, _mm512_castps_pd(a), _mm512_castps_pd(b)));
   };
-  thread_local Buffer buffers[3];
-  Buffer& b = buffers[slot];
-  if (b.size < n) {
-    b.data.reset();  // release the old block before taking the larger one
-    b.data = std::make_unique_for_overwrite<float[]>(n);  // not zeroed: written before read
-    b.size = n;
+  const auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(k8, _mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j)
+    r[j] = j < nj ? load16(src + j * ld, tail_mask(0, ni)) : _mm512_setzero_ps();
+  // Pairs of rows interleaved by 1, then 2 elements, then 4 (the 128-bit lanes) twice.
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_maskz_unpacklo_ps(k, r[j], r[j + 1]);
+    t[j + 1] = _mm512_maskz_unpackhi_ps(k, r[j], r[j + 1]);
   }
-  return b.data.get();
+  for (int j = 0; j < 16; j += 4) {
+    r[j] = lo(t[j], t[j + 2]);
+    r[j + 1] = hi(t[j], t[j + 2]);
+    r[j + 2] = lo(t[j + 1], t[j + 3]);
+    r[j + 3] = hi(t[j + 1], t[j + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_maskz_shuffle_f32x4(k, r[j], r[j + 4], 0x88);
+    t[j + 4] = _mm512_maskz_shuffle_f32x4(k, r[j], r[j + 4], 0xdd);
+    t[j + 8] = _mm512_maskz_shuffle_f32x4(k, r[j + 8], r[j + 12], 0x88);
+    t[j + 12] = _mm512_maskz_shuffle_f32x4(k, r[j + 8], r[j + 12], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_maskz_shuffle_f32x4(k, t[j], t[j + 8], 0x88);
+    r[j + 4] = _mm512_maskz_shuffle_f32x4(k, t[j + 4], t[j + 12], 0x88);
+    r[j + 8] = _mm512_maskz_shuffle_f32x4(k, t[j], t[j + 8], 0xdd);
+    r[j + 12] = _mm512_maskz_shuffle_f32x4(k, t[j + 4], t[j + 12], 0xdd);
+  }
+  const bool whole_lines = nj == 16 && ldo % 16 == 0;  // out is 64-byte aligned (scratch)
+  for (int i = 0; i < ni; ++i)
+    if (stream && whole_lines)
+      _mm512_stream_ps(out + i * ldo, r[i]);
+    else
+      _mm512_mask_storeu_ps(out + i * ldo, tail_mask(0, nj), r[i]);
+#else
+  (void)stream;
+  for (std::int64_t i = 0; i < ni; ++i)
+    for (std::int64_t j = 0; j < nj; ++j) out[i * ldo + j] = to_float(src[j * ld + i]);
+#endif
 }
 
-// Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x, widened to f32 into `out` in
-// x's storage orientation.
+// A row-major f32 block for sgemm.
+struct RowMajor {
+  const float* data;
+  std::int64_t ld;
+};
+
+// Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block: in
+// place when x is f32 and row-major, else widened and/or transposed into scratch `slot`. Blocks
+// past the L2 caches go out with streaming stores (widening a 2048 x 8192 bf16 operand took the
+// llama-3.2-1b linear backward from 89-92% to 91-94% of sgemm's rate); each thread fences them
+// before sgemm's threads read them.
 template <typename T>
-GemmMatrix widen(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
-                 std::int64_t c0, std::int64_t cols, float* out) {
+RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
+                   std::int64_t c0, std::int64_t cols, int slot) {
   const T* base = item<T>(x, l);
-  const std::int64_t sr = x.transposed ? cols : rows, sc = x.transposed ? rows : cols;
-  const std::int64_t sr0 = x.transposed ? c0 : r0, sc0 = x.transposed ? r0 : c0;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
-  for (std::int64_t i = 0; i < sr; ++i) {
-    const T* src = base + (sr0 + i) * x.ld + sc0;
-#pragma omp simd
-    for (std::int64_t j = 0; j < sc; ++j) out[i * sc + j] = to_float(src[j]);
+  if (std::is_same_v<T, float> && !x.transposed)
+    return {reinterpret_cast<const float*>(base) + r0 * x.ld + c0, x.ld};
+  float* const out = scratch(slot, rows * cols);
+  const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
+                                        rows * cols * 4);
+  if (!x.transposed) {
+#pragma omp parallel if (rows * cols >= kParallelMin)
+    {
+#pragma omp for schedule(static)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const T* src = base + (r0 + i) * x.ld + c0;
+        float* dst = out + i * cols;
+        std::int64_t j = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        if (stream && cols % 16 == 0)  // whole aligned lines (scratch is 64-byte aligned)
+          for (; j < cols; j += 16) _mm512_stream_ps(dst + j, load16(src + j, 0xffff));
+#endif
+        for (; j < cols; ++j) dst[j] = to_float(src[j]);
+      }
+      stream_fence();
+    }
+  } else {
+    // 256 x 256 blocks (their pages fit the TLB) of 16 x 16 tiles.
+    constexpr std::int64_t kBlock = 256, kTile = 16;
+#pragma omp parallel if (rows * cols >= kParallelMin)
+    {
+#pragma omp for collapse(2) schedule(static)
+      for (std::int64_t ib = 0; ib < rows; ib += kBlock)
+        for (std::int64_t jb = 0; jb < cols; jb += kBlock)
+          for (std::int64_t i0 = ib; i0 < std::min(rows, ib + kBlock); i0 += kTile)
+            for (std::int64_t j0 = jb; j0 < std::min(cols, jb + kBlock); j0 += kTile)
+              transpose_tile(base + (c0 + j0) * x.ld + r0 + i0, x.ld, std::min(kTile, rows - i0),
+                             std::min(kTile, cols - j0), out + i0 * cols + j0, cols, stream);
+      stream_fence();
+    }
   }
-  return {out, std::max<std::int64_t>(sc, 1), 0, x.transposed};
+  return {out, std::max<std::int64_t>(cols, 1)};
 }
 
-// 16-bit GEMM: per (row block, column block) of D, widen the blocks of A and B, multiply in f32,
-// then D = round(product + beta * C). A row block of A is widened once, B once per row block.
+// f32, bf16 and f16 GEMMs: per (row block, column block) of D, A's and B's blocks as row-major f32
+// (row_major), one sgemm ('N', 'N'), then for 16-bit D = round(product + beta * C) (f32 adds C
+// inside sgemm, after copy_c). A row block of A is prepared once, B once per row block. The blocks
+// and the layout given to sgemm depend on m, n and k alone, never on how A and B are stored, so a
+// transposed view gives bitwise its contiguous copy's result: sgemm's sums follow its transpose
+// flags, and so do those of oneDNN's matmul primitive at some shapes (f32, 20 x 1504 x 1100). The
+// matmul primitive is also 15-20% slower than sgemm with B not transposed (linear's backward).
+// Alternating CLI runs, llama-3.2-1b linears, fraction of sgemm's rate at the same shape: bf16
+// backward 90-96% against 83-87% with the primitive, forward 94-109% against 93-111%.
 template <typename T>
-void gemm_widened(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
-                  const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
+void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
+                    const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
+  constexpr bool kF32 = std::is_same_v<T, float>;
   const std::int64_t block = std::max<std::int64_t>(256, kBlockFloats / p.k);
   const std::int64_t mb = std::min(p.m, block), nb = std::min(p.n, block);
-  float* const as = scratch(0, mb * p.k);
-  float* const bs = scratch(1, p.k * nb);
-  float* const ds = scratch(2, mb * nb);
+  float* const ds = kF32 ? nullptr : scratch(2, mb * nb);
+  const float alpha = static_cast<float>(p.alpha), beta = static_cast<float>(p.beta);
   for (std::int64_t l = 0; l < p.batch; ++l)
     for (std::int64_t i0 = 0; i0 < p.m; i0 += mb) {
       const std::int64_t mi = std::min(mb, p.m - i0);
-      const GemmMatrix ab = widen<T>(a, l, i0, mi, 0, p.k, as);
+      const RowMajor ab = row_major<T>(a, l, i0, mi, 0, p.k, 0);
       for (std::int64_t j0 = 0; j0 < p.n; j0 += nb) {
         const std::int64_t nj = std::min(nb, p.n - j0);
-        const GemmMatrix bb = widen<T>(b, l, 0, p.k, j0, nj, bs);
-        f32_matmul(mi, nj, p.k, static_cast<float>(p.alpha), 0.0f, ab, bb,
-                   {ds, nj, 0, false});
-        const float beta = static_cast<float>(p.beta);
+        const RowMajor bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
+        if constexpr (kF32) {
+          sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, add_c ? beta : 0.0f,
+                item<float>(d, l) + i0 * d.ld + j0, d.ld);
+          continue;
+        }
+        sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, 0.0f, ds, nj);
 #pragma omp parallel for schedule(static) if (mi * nj >= kParallelMin)
         for (std::int64_t i = 0; i < mi; ++i) {
           T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;
@@ -217,16 +317,26 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
     using T = decltype(tag);
     if (p.alpha == 0 || p.k == 0) {  // BLAS: A and B are not read
       scale_c<T>(p, c, d, add_c);
-    } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    } else if constexpr (std::is_same_v<T, double>) {
       if (add_c) copy_c<T>(p, c, d);
-      if constexpr (std::is_same_v<T, float>)
-        gemm_f32(p, a, b, d, add_c);
-      else
-        gemm_f64(p, a, b, d, add_c);
+      gemm_f64(p, a, b, d, add_c);
     } else {
-      gemm_widened<T>(p, a, b, c, d, add_c);
+      if (std::is_same_v<T, float> && add_c) copy_c<T>(p, c, d);
+      gemm_row_major<T>(p, a, b, c, d, add_c);
     }
   });
+}
+
+void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
+                       const Stream& stream) {
+  if (p.dtype != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 || p.alpha == 0 || p.k == 0)
+    return gemm(p, a, b, c, d, stream);
+  const bool add_c = c.data != nullptr && p.beta != 0;
+  if (add_c) copy_c<float>(p, c, d);
+  for (std::int64_t l = 0; l < p.batch; ++l)
+    f32_matmul(p.m, p.n, p.k, static_cast<float>(p.alpha), add_c ? static_cast<float>(p.beta) : 0,
+               {item<float>(a, l), a.ld, 0, a.transposed},
+               {item<float>(b, l), b.ld, 0, b.transposed}, {item<float>(d, l), d.ld, 0, false});
 }
 
 void column_sum(DType dtype, std::int64_t rows, std::int64_t cols, GemmMatrix x, void* out,
