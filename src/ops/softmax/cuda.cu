@@ -4,16 +4,18 @@
 //
 // Forward: each block copies its part into shared memory with cp.async (16-byte accesses, all in
 // flight), takes the block's max (16-bit pairs packed), sums the exps against it and, after the
-// cluster's combine, writes its part from shared memory. At llama-3.1-8b's vocabulary (128256,
-// bf16, 16384 rows) on an H200 it measured 83-86% of copy bandwidth; the SM's instruction issue
-// is what limits it (ncu: 62% of issue slots busy at 74% of DRAM bandwidth), so the packed max
-// (+3%), the division in the exponent (+1%) and block-level statistics (no per-thread rescaling)
-// each took instructions out. Earlier forms: 57-72% with 32 or 96 KB parts or 256 threads,
-// 45-65% reading the row twice (streamed over 1, 4 or 8 blocks), 47% holding it in registers;
-// later tries against 84.5-86%: one TMA bulk copy per part (cp.async.bulk and an mbarrier)
-// 78-79%, persistent clusters looping over rows 79% (64-69% double-buffered, the next row's part
-// loading during this one), four partial sums per thread no change. One block per row part, as
-// here, lets the scheduler keep blocks of an SM in different phases.
+// cluster's combine, writes its part from shared memory. A cluster takes kForwardRows rows in
+// turn: a thread copies the next row's vector into each slot as soon as it has written that
+// slot's outputs, so the next part loads while this one is written, in the same shared memory.
+// At llama-3.1-8b's vocabulary (128256, bf16, 16384 rows) on an H200 it measured 86.6-86.7% of
+// copy bandwidth (84.4-84.5% with one row per cluster and no overlap). The packed max (+3%), the
+// division in the exponent (+1%) and block-level statistics (no per-thread rescaling) each took
+// instructions out (ncu: 62% of issue slots busy at 74% of DRAM bandwidth). Earlier forms: 57-72%
+// with 32 or 96 KB parts or 256 threads, 45-65% reading the row twice (streamed over 1, 4 or 8
+// blocks), 47% holding it in registers; against 84.5-86% for one row per cluster: one TMA bulk
+// copy per part (cp.async.bulk and an mbarrier) 78-79%, persistent clusters looping over every
+// row 79% (64-69% double-buffered in twice the shared memory), four partial sums per thread, one
+// block reduction of (max, sum) pairs, or L2 eviction hints (evict_first, .cs stores) no better.
 // Backward (dx = m * y * (dy - sum dy * y)): y and dy held in registers, up to 4 vectors of each
 // per thread of 512-thread blocks: 85% of copy bandwidth at the same shape, against 77-80% for
 // the shared-memory version and 58-73% streamed. Rows too long for 8 such blocks take the
@@ -37,6 +39,9 @@ namespace {
 // still read the row once, with fewer blocks per SM. 8 blocks: the portable cluster size.
 constexpr std::size_t kPartBytes = 64 * 1024;
 constexpr int kMaxCluster = 8;
+// Rows each forward cluster takes in turn (the header says why; 2 rows measured 83.6% of copy
+// bandwidth, 8 rows 85.9%, 4 rows 86.6-86.7%).
+constexpr std::int64_t kForwardRows = 4;
 
 // Copies this thread's vectors of a part into shared memory (cp.async: no registers, all in
 // flight at once) and waits for them; a thread reads back only the vectors it copied, so no
@@ -127,8 +132,13 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
   const Part part(cols / W, cluster);
   const auto max_fn = [](A a, A b) { return fmax(a, b); };
   const auto plus = [](A a, A b) { return a + b; };
-  for (std::int64_t row = blockIdx.x / cluster; row < rows; row += gridDim.x / cluster) {
-    fetch_own(xs, reinterpret_cast<const V*>(x + row * cols) + part.begin, part.count);
+  const std::int64_t step = gridDim.x / cluster;
+  const auto part_of = [&](std::int64_t r) {
+    return reinterpret_cast<const V*>(x + r * cols) + part.begin;
+  };
+  std::int64_t row = blockIdx.x / cluster;
+  if (row < rows) fetch_own(xs, part_of(row), part.count);
+  for (; row < rows; row += step) {
     fetch_wait();
     // The block's max first, then one exp per value against it: the part is at hand, and only
     // the cluster's few block sums need rescaling.
@@ -153,6 +163,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
     const bool in_exponent = sizeof(T) == 2;
     const A offset = in_exponent ? st.max + log2(st.sum) : st.max;
     const A inv = in_exponent ? A(1) : A(1) / st.sum;
+    const V* next = row + step < rows ? part_of(row + step) : nullptr;
 #pragma unroll 4
     for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
       const V v = xs[j];
@@ -163,6 +174,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
         if (!in_exponent) out[i] *= inv;
       }
       yr[j] = V::from(out);
+      // The slot is free: its value went into the store just issued.
+      if (next) __pipeline_memcpy_async(xs + j, next + j, sizeof(V));
     }
     cluster_wait(cluster);
   }
@@ -369,16 +382,18 @@ Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
   return {};
 }
 
-// One cluster of `plan.cluster` blocks per row (rows beyond the grid loop).
+// One cluster of `plan.cluster` blocks per `rows_per_cluster` rows (rows beyond the grid loop).
 template <typename... P, typename... Args>
 void launch_resident(void (*kernel)(P...), const Plan& plan, std::int64_t rows,
-                     const Stream& stream, std::string_view op, Args... args) {
+                     std::int64_t rows_per_cluster, const Stream& stream, std::string_view op,
+                     Args... args) {
   if (plan.shared_bytes > 0)
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(plan.shared_bytes)),
           op);
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(row_blocks(std::min<std::int64_t>(rows, std::int64_t{1} << 27)) *
+  const std::int64_t clusters = (rows + rows_per_cluster - 1) / rows_per_cluster;
+  config.gridDim = dim3(row_blocks(std::min<std::int64_t>(clusters, std::int64_t{1} << 27)) *
                         static_cast<unsigned>(plan.cluster));
   config.blockDim = dim3(static_cast<unsigned>(plan.threads));
   config.dynamicSmemBytes = plan.shared_bytes;
@@ -417,8 +432,8 @@ void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const S
   if (w > 1) {
     const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
     if (plan.cluster > 0)
-      return launch_resident(forward_resident_kernel<T>, plan, s.rows, stream, "softmax", x, y,
-                             s.rows, s.cols, plan.cluster, scale);
+      return launch_resident(forward_resident_kernel<T>, plan, s.rows, kForwardRows, stream,
+                             "softmax", x, y, s.rows, s.cols, plan.cluster, scale);
   }
   const auto launch = [&](auto kernel, int width) {
     kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
@@ -440,12 +455,12 @@ void backward(const SoftmaxShape& s, const T* dy, const T* y, T* dx, double mult
     const auto registers = backward_registers_kernel<T, kRegistersPer>;
     Plan plan = plan_registers(registers, s.cols / w);
     if (plan.cluster > 0)
-      return launch_resident(registers, plan, s.rows, stream, "softmax_backward", dy, y, dx, s.rows,
-                             s.cols, plan.cluster, m);
+      return launch_resident(registers, plan, s.rows, 1, stream, "softmax_backward", dy, y, dx,
+                             s.rows, s.cols, plan.cluster, m);
     plan = plan_resident(backward_resident_kernel<T>, s.cols / w, 2);
     if (plan.cluster > 0)
-      return launch_resident(backward_resident_kernel<T>, plan, s.rows, stream, "softmax_backward",
-                             dy, y, dx, s.rows, s.cols, plan.cluster, m);
+      return launch_resident(backward_resident_kernel<T>, plan, s.rows, 1, stream,
+                             "softmax_backward", dy, y, dx, s.rows, s.cols, plan.cluster, m);
   }
   const auto launch = [&](auto kernel, int width) {
     kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
