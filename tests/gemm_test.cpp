@@ -164,8 +164,8 @@ TEST_P(GemmTest, LinearOfOneRowAndOfOneDimensionalInput) {
 TEST_P(GemmTest, TransposedAndStridedViewsGiveBitwiseTheContiguousResult) {
   const DType dt = GetParam();
   const GemmOptions o{false, false, 1.0, 1.0};
-  // A transposed view gives bitwise the contiguous result: f32 reads it in place (oneDNN's matmul
-  // packs both layouts for one inner kernel), 16-bit widens both to the same row-major block. The
+  // A transposed view gives bitwise the contiguous result: f32 and 16-bit operands reach sgemm as
+  // the same row-major blocks either way, and f64's dgemm packs both layouts for one kernel. The
   // larger shapes have K past a kernel's block, where sgemm's sums follow its transpose flags.
   for (const auto& [m, k, n] :
        {std::array<std::int64_t, 3>{9, 33, 21}, {64, 1024, 96}, {20, 1100, 1504}}) {
@@ -288,21 +288,27 @@ TEST_P(GemmTest, DeterministicRunToRun) {
 INSTANTIATE_TEST_SUITE_P(AllFloatDTypes, GemmTest, ::testing::ValuesIn(test::kFloatDTypes),
                          test::dtype_name);
 
-TEST(Gemm, SixteenBitGemmLargerThanOneScratchBlockMatchesReference) {
-  // The 16-bit cpu path widens A and B in blocks of max(256, 2^23 / K) rows and columns: with
-  // K = 2^15 both 260 x K operands cross a block edge in M and in N. (Random 260 x 1024 tiles
-  // repeated along K: cheaper to make than 2^23 random values, and as position-dependent.)
+TEST(Gemm, GemmLargerThanOneScratchBlockMatchesReferenceAndItsViews) {
+  // The f32 and 16-bit cpu paths prepare A and B in blocks of max(256, 2^23 / K) rows and columns:
+  // with K = 2^15 both 260 x K operands cross a block edge in M and in N. (Random 260 x 1024 tiles
+  // repeated along K: cheaper to make than 2^23 random values, and as position-dependent.) A
+  // transposed view of A and a row-major B (ld 260, two column blocks) give the same bits.
   const std::int64_t k = 32768, tile = 1024;
-  const Tensor ta = randn({260, tile}, DType::F16, 35), tb = randn({260, tile}, DType::F16, 36);
-  Tensor a({260, k}, DType::F16), b({260, k}, DType::F16);
-  for (std::int64_t q = 0; q < k; q += tile) {
-    copy(ta, a.view().narrow(1, q, tile));
-    copy(tb, b.view().narrow(1, q, tile));
+  for (const DType dt : {DType::F16, DType::F32}) {
+    const Tensor ta = randn({260, tile}, dt, 35), tb = randn({260, tile}, dt, 36);
+    Tensor a({260, k}, dt), b({260, k}, dt);
+    for (std::int64_t q = 0; q < k; q += tile) {
+      copy(ta, a.view().narrow(1, q, tile));
+      copy(tb, b.view().narrow(1, q, tile));
+    }
+    const GemmOptions o{false, true, 1.0, 0.0};
+    const Tensor cpu = run_gemm(a, b, {}, o);
+    const Tensor ref = on_reference([&] { return run_gemm(a.view().narrow(0, 255, 2), b, {}, o); });
+    expect_gemm_close(cpu.view().narrow(0, 255, 2), ref, k,
+                      fmt::format("{} rows 255 and 256", to_string(dt)));
+    const auto av = test::non_contiguous(a), bv = test::non_contiguous(b);
+    EXPECT_TRUE(testing::bitwise_equal(run_gemm(av.view, bv.view, {}, o), cpu)) << to_string(dt);
   }
-  const GemmOptions o{false, true, 1.0, 0.0};
-  const Tensor cpu = run_gemm(a, b, {}, o);
-  const Tensor ref = on_reference([&] { return run_gemm(a.view().narrow(0, 255, 2), b, {}, o); });
-  expect_gemm_close(cpu.view().narrow(0, 255, 2), ref, k, "rows 255 and 256");
 }
 
 // cuBLASLt is opened at run time, not linked (gemm.h): no GPU is needed to open it.

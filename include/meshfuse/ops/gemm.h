@@ -23,15 +23,18 @@
 // 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. The
 // `reference` backend accumulates in double. Results are deterministic for a fixed thread count
 // (cpu) or GPU model (cuda).
-// The cpu backend runs f32 on oneDNN's matmul, bf16 and f16 widened to f32 (in blocks of bounded
-// size) on the same matmul, and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp measures why.
+// The cpu backend runs f32, bf16 and f16 on oneDNN's sgemm with both operands row-major f32 (16-bit
+// ones widened, in blocks of bounded size), and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp
+// measures why these libraries, src/ops/gemm/cpu.cpp why one layout.
 // The cuda backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for f32, bf16 and
 // f16; f64 in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a fixed-order
 // column sum (src/ops/gemm/cuda.cu).
 //
-// Inputs may be strided views: a transposed view (unit stride along rows) is passed to the BLAS
-// as a transposed operand without a copy; other layouts are copied once. Outputs are contiguous
-// and preallocated by the caller.
+// Inputs may be strided views: a transposed view (unit stride along rows) is read in place (the
+// cuda backend and f64 pass it to the BLAS as a transposed operand; the cpu backend's f32 and
+// 16-bit GEMMs transpose it block by block on the way to sgemm); other layouts are copied once.
+// A view gives bitwise the result of its contiguous copy. Outputs are contiguous and preallocated
+// by the caller.
 //
 // Errors: DTypeMismatch (dtypes differ, or not floating), ShapeMismatch (inner dims, batch or
 // output shapes disagree; the message names both shapes), InvalidArgument (wrong rank, beta != 0

@@ -8,9 +8,9 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <dnnl.hpp>
 #include <limits>
-#include <memory>
 #include <type_traits>
 
 #include "ops/common.h"
@@ -20,7 +20,7 @@
 namespace meshfuse::detail::cpu {
 namespace {
 
-// Floats per widened operand block (32 MiB): bounds the scratch of a 16-bit GEMM.
+// Floats per prepared operand block (32 MiB): bounds the scratch of a GEMM (row_major).
 constexpr std::int64_t kBlockFloats = std::int64_t{1} << 23;
 // Element-wise passes smaller than this stay on the calling thread: waking the OpenMP team costs
 // more than the pass (and far more when the cores are busy).
@@ -192,15 +192,19 @@ template <typename T>
 RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
                    std::int64_t c0, std::int64_t cols, int slot) {
   const T* base = item<T>(x, l);
-  if (std::is_same_v<T, float> && !x.transposed)
-    return {reinterpret_cast<const float*>(base) + r0 * x.ld + c0, x.ld};
+  // In place only when sgemm would see what a copy gives it: ld = cols, 64-byte aligned (oneDNN
+  // picks its kernels by leading dims, among others).
+  const float* in_place = reinterpret_cast<const float*>(base) + r0 * x.ld + c0;
+  if (std::is_same_v<T, float> && !x.transposed && x.ld == cols &&
+      reinterpret_cast<std::uintptr_t>(in_place) % 64 == 0)
+    return {in_place, cols};
   float* const out = scratch(slot, rows * cols);
   const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
                                         rows * cols * 4);
   if (!x.transposed) {
 #pragma omp parallel if (rows * cols >= kParallelMin)
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
       for (std::int64_t i = 0; i < rows; ++i) {
         const T* src = base + (r0 + i) * x.ld + c0;
         float* dst = out + i * cols;
@@ -209,7 +213,8 @@ RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::in
         if (stream && cols % 16 == 0)  // whole aligned lines (scratch is 64-byte aligned)
           for (; j < cols; j += 16) _mm512_stream_ps(dst + j, load16(src + j, 0xffff));
 #endif
-        for (; j < cols; ++j) dst[j] = to_float(src[j]);
+#pragma omp simd
+        for (std::int64_t t = j; t < cols; ++t) dst[t] = to_float(src[t]);
       }
       stream_fence();
     }
@@ -218,7 +223,7 @@ RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::in
     constexpr std::int64_t kBlock = 256, kTile = 16;
 #pragma omp parallel if (rows * cols >= kParallelMin)
     {
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static) nowait
       for (std::int64_t ib = 0; ib < rows; ib += kBlock)
         for (std::int64_t jb = 0; jb < cols; jb += kBlock)
           for (std::int64_t i0 = ib; i0 < std::min(rows, ib + kBlock); i0 += kTile)
@@ -233,13 +238,14 @@ RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::in
 
 // f32, bf16 and f16 GEMMs: per (row block, column block) of D, A's and B's blocks as row-major f32
 // (row_major), one sgemm ('N', 'N'), then for 16-bit D = round(product + beta * C) (f32 adds C
-// inside sgemm, after copy_c). A row block of A is prepared once, B once per row block. The blocks
-// and the layout given to sgemm depend on m, n and k alone, never on how A and B are stored, so a
-// transposed view gives bitwise its contiguous copy's result: sgemm's sums follow its transpose
-// flags, and so do those of oneDNN's matmul primitive at some shapes (f32, 20 x 1504 x 1100). The
-// matmul primitive is also 15-20% slower than sgemm with B not transposed (linear's backward).
-// Alternating CLI runs, llama-3.2-1b linears, fraction of sgemm's rate at the same shape: bf16
-// backward 90-96% against 83-87% with the primitive, forward 94-109% against 93-111%.
+// inside sgemm, after copy_c). A row block of A is prepared once, B once per row block. The
+// blocks, their leading dims and their alignment depend on m, n and k alone, never on how A and B
+// are stored, so a transposed view gives bitwise its contiguous copy's result: sgemm's sums follow
+// its transpose flags, and so, at some shapes, do those of oneDNN's matmul primitive (f32 20 x
+// 1504 x 1100), which ran here before. Alternating CLI runs at llama-3.2-1b's linears, of sgemm's
+// rate at the same shape and layouts: bf16 forward 96-110% and backward 90-95% (83-87% on the
+// matmul primitive, slower where B is not transposed); f32 forward 95-115% (104-115%: it now
+// copies the transposed weight) and backward 97-100% (94-97%).
 template <typename T>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
@@ -258,15 +264,15 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
         if constexpr (kF32) {
           sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, add_c ? beta : 0.0f,
                 item<float>(d, l) + i0 * d.ld + j0, d.ld);
-          continue;
-        }
-        sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, 0.0f, ds, nj);
+        } else {
+          sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, 0.0f, ds, nj);
 #pragma omp parallel for schedule(static) if (mi * nj >= kParallelMin)
-        for (std::int64_t i = 0; i < mi; ++i) {
-          T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;
-          for (std::int64_t j = 0; j < nj; ++j) {
-            const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
-            out[j] = store_as<T>(ds[i * nj + j] + cv);
+          for (std::int64_t i = 0; i < mi; ++i) {
+            T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;
+            for (std::int64_t j = 0; j < nj; ++j) {
+              const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
+              out[j] = store_as<T>(ds[i * nj + j] + cv);
+            }
           }
         }
       }

@@ -4,8 +4,8 @@
 //
 // Forward: each block copies its part into shared memory with cp.async (16-byte accesses, all in
 // flight), takes the block's max (16-bit pairs packed), sums the exps against it and, after the
-// cluster's combine, writes its part from shared memory. A cluster takes kForwardRows rows in
-// turn: a thread copies the next row's vector into each slot as soon as it has written that
+// cluster's combine, writes its part from shared memory. A cluster takes up to kForwardRows rows
+// in turn: a thread copies the next row's vector into each slot as soon as it has written that
 // slot's outputs, so the next part loads while this one is written, in the same shared memory.
 // At llama-3.1-8b's vocabulary (128256, bf16, 16384 rows) on an H200 it measured 86.6-86.7% of
 // copy bandwidth (84.4-84.5% with one row per cluster and no overlap). The packed max (+3%), the
@@ -26,6 +26,8 @@
 // read (from L2) to write.
 #include <cuda_pipeline_primitives.h>
 
+#include <algorithm>
+
 #include "core/cuda/cuda_utils.cuh"
 #include "ops/common.h"
 #include "ops/softmax/cuda_logsumexp.cuh"
@@ -39,8 +41,8 @@ namespace {
 // still read the row once, with fewer blocks per SM. 8 blocks: the portable cluster size.
 constexpr std::size_t kPartBytes = 64 * 1024;
 constexpr int kMaxCluster = 8;
-// Rows each forward cluster takes in turn (the header says why; 2 rows measured 83.6% of copy
-// bandwidth, 8 rows 85.9%, 4 rows 86.6-86.7%).
+// Rows each forward cluster takes in turn at large batches (the header says why; 2 rows measured
+// 83.6% of copy bandwidth, 8 rows 85.9%, 4 rows 86.6-86.7%).
 constexpr std::int64_t kForwardRows = 4;
 
 // Copies this thread's vectors of a part into shared memory (cp.async: no registers, all in
@@ -382,15 +384,21 @@ Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
   return {};
 }
 
+// Lets `kernel` take the plan's dynamic shared memory (past 48 KB it must be allowed first).
+template <typename Kernel>
+void allow_shared(Kernel* kernel, const Plan& plan, std::string_view op) {
+  if (plan.shared_bytes > 0)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(plan.shared_bytes)),
+          op);
+}
+
 // One cluster of `plan.cluster` blocks per `rows_per_cluster` rows (rows beyond the grid loop).
 template <typename... P, typename... Args>
 void launch_resident(void (*kernel)(P...), const Plan& plan, std::int64_t rows,
                      std::int64_t rows_per_cluster, const Stream& stream, std::string_view op,
                      Args... args) {
-  if (plan.shared_bytes > 0)
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(plan.shared_bytes)),
-          op);
+  allow_shared(kernel, plan, op);
   cudaLaunchConfig_t config{};
   const std::int64_t clusters = (rows + rows_per_cluster - 1) / rows_per_cluster;
   config.gridDim = dim3(row_blocks(std::min<std::int64_t>(clusters, std::int64_t{1} << 27)) *
@@ -424,6 +432,23 @@ Plan plan_registers(Kernel* kernel, std::int64_t nv) {
   return {};
 }
 
+// kForwardRows once every cluster the GPU holds at a time gets that many rows; fewer for smaller
+// batches, which need all the clusters they can have.
+template <typename T>
+std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
+  allow_shared(forward_resident_kernel<T>, plan, "softmax");  // else the occupancy is 0
+  int device = 0, sms = 0, blocks = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, forward_resident_kernel<T>,
+                                                      plan.threads, plan.shared_bytes),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const std::int64_t resident =
+      std::max<std::int64_t>(1, std::int64_t{sms} * blocks / plan.cluster);
+  return std::clamp<std::int64_t>(rows / resident, 1, kForwardRows);
+}
+
 template <typename T>
 void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const Stream& stream) {
   using A = acc_t<T>;
@@ -432,8 +457,9 @@ void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const S
   if (w > 1) {
     const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
     if (plan.cluster > 0)
-      return launch_resident(forward_resident_kernel<T>, plan, s.rows, kForwardRows, stream,
-                             "softmax", x, y, s.rows, s.cols, plan.cluster, scale);
+      return launch_resident(forward_resident_kernel<T>, plan, s.rows,
+                             forward_rows_per_cluster<T>(plan, s.rows), stream, "softmax", x, y,
+                             s.rows, s.cols, plan.cluster, scale);
   }
   const auto launch = [&](auto kernel, int width) {
     kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
