@@ -243,9 +243,9 @@ RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::in
 // are stored, so a transposed view gives bitwise its contiguous copy's result: sgemm's sums follow
 // its transpose flags, and so, at some shapes, do those of oneDNN's matmul primitive (f32 20 x
 // 1504 x 1100), which ran here before. Alternating CLI runs at llama-3.2-1b's linears, of sgemm's
-// rate at the same shape and layouts: bf16 forward 96-110% and backward 90-95% (83-87% on the
-// matmul primitive, slower where B is not transposed); f32 forward 95-115% (104-115%: it now
-// copies the transposed weight) and backward 97-100% (94-97%).
+// rate at the same shape and layouts: bf16 forward 94-105% and backward 91-95% (84-85% on the
+// matmul primitive, slower where B is not transposed); f32 forward 93-108% (106-115%: it now
+// copies the transposed weight) and backward 94-100% (95-97%).
 template <typename T>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
