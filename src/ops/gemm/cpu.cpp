@@ -184,20 +184,21 @@ struct RowMajor {
 };
 
 // Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block: in
-// place when x is f32 and row-major, else widened and/or transposed into scratch `slot`. Blocks
-// past the L2 caches go out with streaming stores (widening a 2048 x 8192 bf16 operand took the
-// llama-3.2-1b linear backward from 89-92% to 91-94% of sgemm's rate); each thread fences them
-// before sgemm's threads read them.
+// place when x is f32 and laid out as the copy would be, else widened and/or transposed into
+// scratch `slot`. Blocks past the L2 caches go out with streaming stores (widening a 2048 x 8192
+// bf16 operand took the llama-3.2-1b linear backward from 89-92% to 91-94% of sgemm's rate); each
+// thread fences them before sgemm's threads read them.
 template <typename T>
 RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
                    std::int64_t c0, std::int64_t cols, int slot) {
   const T* base = item<T>(x, l);
   // In place only when sgemm would see what a copy gives it: ld = cols, 64-byte aligned (oneDNN
   // picks its kernels by leading dims, among others).
-  const float* in_place = reinterpret_cast<const float*>(base) + r0 * x.ld + c0;
-  if (std::is_same_v<T, float> && !x.transposed && x.ld == cols &&
-      reinterpret_cast<std::uintptr_t>(in_place) % 64 == 0)
-    return {in_place, cols};
+  if constexpr (std::is_same_v<T, float>) {
+    const float* in_place = base + r0 * x.ld + c0;
+    if (!x.transposed && x.ld == cols && reinterpret_cast<std::uintptr_t>(in_place) % 64 == 0)
+      return {in_place, cols};
+  }
   float* const out = scratch(slot, rows * cols);
   const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
                                         rows * cols * 4);
