@@ -63,12 +63,22 @@ pid_t wait_for_pid(const fs::path& path) {
   return -1;
 }
 
-// Whether `pid` still runs (a zombie waiting for a reaper does not).
-bool alive(pid_t pid) {
-  if (pid <= 0 || kill(pid, 0) != 0) return false;
-  const std::string stat = read_file(fmt::format("/proc/{}/stat", pid));
-  const std::size_t paren = stat.rfind(')');
-  return paren == std::string::npos || stat.substr(paren + 2, 1) != "Z";
+// Whether `pid` still runs 2 s from now at the latest (a zombie waiting for a reaper does not).
+// The launcher's kill() only queues the signal: a loaded machine may not have run the target yet
+// when the launcher returns (a CI run saw the SIGKILLed `sleep` of a stopped rank still there).
+bool still_running(pid_t pid) {
+  const auto running = [pid] {
+    if (pid <= 0 || kill(pid, 0) != 0) return false;
+    const std::string stat = read_file(fmt::format("/proc/{}/stat", pid));
+    const std::size_t paren = stat.rfind(')');
+    return paren == std::string::npos || stat.substr(paren + 2, 1) != "Z";
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (running()) {
+    if (std::chrono::steady_clock::now() > deadline) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
 }
 
 TEST(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
@@ -115,8 +125,8 @@ TEST(Launch, FailingRankFailsTheLaunchNamingItAndStopsTheOthersAndTheirChildren)
   EXPECT_TRUE(contains(r.err, "meshfuse launch: rank 1 (pid ")) << r.err;
   EXPECT_TRUE(contains(r.err, "exited with status 3; the other ranks were stopped")) << r.err;
   EXPECT_LT(r.seconds, 10) << "rank 0 was not stopped";
-  EXPECT_FALSE(alive(wait_for_pid(dir / "pid0")));
-  EXPECT_FALSE(alive(wait_for_pid(dir / "child")));
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "pid0")));
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "child")));
 }
 
 TEST(Launch, RankKilledBySignalIsNamedWithTheSignal) {
@@ -138,7 +148,7 @@ TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
   EXPECT_TRUE(contains(r.err, "rank 0 (pid ")) << r.err;
   EXPECT_TRUE(contains(r.err, "was killed by signal 9 (SIGKILL)")) << r.err;
   EXPECT_LT(r.seconds, 10);
-  EXPECT_FALSE(alive(wait_for_pid(dir / "pid0")));
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "pid0")));
 }
 
 TEST(Launch, SigintIsForwardedToEveryRank) {
@@ -160,8 +170,8 @@ TEST(Launch, SigintIsForwardedToEveryRank) {
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
   EXPECT_TRUE(contains(read_file(err), "interrupted by SIGINT, forwarded to every rank"))
       << read_file(err);
-  EXPECT_FALSE(alive(rank0));
-  EXPECT_FALSE(alive(rank1));
+  EXPECT_FALSE(still_running(rank0));
+  EXPECT_FALSE(still_running(rank1));
 }
 
 TEST(Launch, CommandThatCannotRunFailsWith127) {
