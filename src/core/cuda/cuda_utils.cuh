@@ -99,4 +99,7 @@ inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p
 // Blocks for a grid-stride loop over `work` items: enough to fill the device, no more.
 unsigned grid_size(std::int64_t work, int threads);
 
+// The current device's SM count.
+int sm_count();
+
 }  // namespace meshfuse::detail::cuda

@@ -27,13 +27,18 @@ DeviceGuard::~DeviceGuard() {
   if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
 }
 
-unsigned grid_size(std::int64_t work, int threads) {
+int sm_count() {
   int device = 0, sms = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
         "cudaDeviceGetAttribute");
+  return sms;
+}
+
+unsigned grid_size(std::int64_t work, int threads) {
   const std::int64_t wanted = (work + threads - 1) / threads;
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min<std::int64_t>(wanted, sms * 16)));
+  return static_cast<unsigned>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>(wanted, std::int64_t{sm_count()} * 16)));
 }
 
 }  // namespace cuda

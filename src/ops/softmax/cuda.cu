@@ -437,15 +437,12 @@ Plan plan_registers(Kernel* kernel, std::int64_t nv) {
 template <typename T>
 std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
   allow_shared(forward_resident_kernel<T>, plan, "softmax");  // else the occupancy is 0
-  int device = 0, sms = 0, blocks = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute");
+  int blocks = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, forward_resident_kernel<T>,
                                                       plan.threads, plan.shared_bytes),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   const std::int64_t resident =
-      std::max<std::int64_t>(1, std::int64_t{sms} * blocks / plan.cluster);
+      std::max<std::int64_t>(1, std::int64_t{sm_count()} * blocks / plan.cluster);
   return std::clamp<std::int64_t>(rows / resident, 1, kForwardRows);
 }
 
