@@ -177,27 +177,21 @@ void transpose_tile(const T* src, std::int64_t ld, std::int64_t ni, std::int64_t
 #endif
 }
 
-// A row-major f32 block for sgemm.
-struct RowMajor {
-  const float* data;
-  std::int64_t ld;
-};
-
-// Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block: in
-// place when x is f32 and laid out as the copy would be, else widened and/or transposed into
-// scratch `slot`. Blocks past the L2 caches go out with streaming stores (widening a 2048 x 8192
-// bf16 operand took the llama-3.2-1b linear backward from 89-92% to 91-94% of sgemm's rate); each
-// thread fences them before sgemm's threads read them.
+// Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block with
+// leading dim cols: in place when x is f32 and laid out as the copy would be, else widened and/or
+// transposed into scratch `slot`. Blocks past the L2 caches go out with streaming stores (widening
+// a 2048 x 8192 bf16 operand took the llama-3.2-1b linear backward from 89-92% to 91-94% of
+// sgemm's rate); each thread fences them before sgemm's threads read them.
 template <typename T>
-RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
-                   std::int64_t c0, std::int64_t cols, int slot) {
+const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
+                       std::int64_t c0, std::int64_t cols, int slot) {
   const T* base = item<T>(x, l);
   // In place only when sgemm would see what a copy gives it: ld = cols, 64-byte aligned (oneDNN
   // picks its kernels by leading dims, among others).
   if constexpr (std::is_same_v<T, float>) {
     const float* in_place = base + r0 * x.ld + c0;
     if (!x.transposed && x.ld == cols && reinterpret_cast<std::uintptr_t>(in_place) % 64 == 0)
-      return {in_place, cols};
+      return in_place;
   }
   float* const out = scratch(slot, rows * cols);
   const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
@@ -234,7 +228,7 @@ RowMajor row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::in
       stream_fence();
     }
   }
-  return {out, std::max<std::int64_t>(cols, 1)};
+  return out;
 }
 
 // f32, bf16 and f16 GEMMs: per (row block, column block) of D, A's and B's blocks as row-major f32
@@ -258,15 +252,15 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
   for (std::int64_t l = 0; l < p.batch; ++l)
     for (std::int64_t i0 = 0; i0 < p.m; i0 += mb) {
       const std::int64_t mi = std::min(mb, p.m - i0);
-      const RowMajor ab = row_major<T>(a, l, i0, mi, 0, p.k, 0);
+      const float* const ab = row_major<T>(a, l, i0, mi, 0, p.k, 0);
       for (std::int64_t j0 = 0; j0 < p.n; j0 += nb) {
         const std::int64_t nj = std::min(nb, p.n - j0);
-        const RowMajor bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
+        const float* const bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
         if constexpr (kF32) {
-          sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, add_c ? beta : 0.0f,
+          sgemm(mi, nj, p.k, alpha, ab, p.k, bb, nj, add_c ? beta : 0.0f,
                 item<float>(d, l) + i0 * d.ld + j0, d.ld);
         } else {
-          sgemm(mi, nj, p.k, alpha, ab.data, ab.ld, bb.data, bb.ld, 0.0f, ds, nj);
+          sgemm(mi, nj, p.k, alpha, ab, p.k, bb, nj, 0.0f, ds, nj);
 #pragma omp parallel for schedule(static) if (mi * nj >= kParallelMin)
           for (std::int64_t i = 0; i < mi; ++i) {
             T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;
