@@ -6,7 +6,8 @@ nccl` (as a child process with the same rank environment and a fresh MASTER_PORT
 and sizes; rank 0 prints both bus bandwidths per size and their ratio (meshfuse / torch).
 
 Both sides measure the same way (apps/meshfuse/comm_bench.h): per iteration a barrier (a one-int
-all_reduce queued on the stream, not waited for by the host), CUDA events around the collective,
+all_reduce queued on the stream, not waited for by the host), a ~100 us hold of the stream
+so that the host queues the collective before it runs, CUDA events around the collective,
 the slowest rank's time; median and p20/p80 over the iterations after the warm-up. Sizes and bus
 bandwidth follow nccl-tests: size = the larger buffer of a rank (all_reduce: the tensor,
 all_gather: the gathered output, reduce_scatter: the input); algbw = size / time; busbw = algbw x
@@ -69,6 +70,7 @@ def torch_bench(op, sizes, dtype, iters, warmup, device):
         times = []
         for _ in range(iters):
             dist.all_reduce(flag)  # the barrier, queued on the stream like comm-bench's
+            torch.cuda._sleep(200_000)  # ~100 us, as comm-bench's StreamTimer holds the stream
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()

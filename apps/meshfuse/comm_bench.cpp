@@ -143,7 +143,7 @@ std::vector<Row> bench_rank(Communicator& comm, const Setup& s, const CommBenchO
     Row row;
     for (int i = 0; i < o.iters; ++i) {
       // On a GPU the barrier is not waited for: the stream starts the timer when the barrier
-      // completes, and the launch latency of the timed call stays out of its time.
+      // and the timer's hold complete, and the launch latency of the timed call stays out.
       Work barrier = comm.barrier(stream);
       if (!cuda) barrier.wait();
       timer.start();

@@ -7,8 +7,8 @@
 //          (CommRecord::bytes)
 //   time   per iteration the slowest rank's time, from a barrier to the call's completion (CPU:
 //          the steady clock around the call and Work::wait after the barrier's; CUDA: events on
-//          the stream right behind the barrier's kernel, so that the host's launch latency is left
-//          out); median and p20/p80 over the iterations after the warm-up
+//          the stream behind the barrier's kernel and StreamTimer's hold, so that the host's
+//          launch latency is left out); median and p20/p80 over the iterations after the warm-up
 //   algbw  size / time
 //   busbw  algbw x 2(n-1)/n for all_reduce; x (n-1)/n for all_gather, reduce_scatter and
 //          all_to_all; x 1 for broadcast: the bandwidth each rank's link needs for the collective

@@ -34,13 +34,16 @@ class CudaStream {
 
 // Times the work queued on a stream between start() and stop(): with CUDA events recorded on the
 // stream for CUDA streams (device time: the host's launch and synchronisation latency is left
-// out), with a steady clock on the CPU.
+// out; start() first holds the stream for kHoldMicroseconds, so that the work the host queues
+// next runs from the start event without a gap), with a steady clock on the CPU.
 class StreamTimer {
  public:
   explicit StreamTimer(const Stream& stream);
   ~StreamTimer();
   StreamTimer(const StreamTimer&) = delete;
   StreamTimer& operator=(const StreamTimer&) = delete;
+
+  static constexpr int kHoldMicroseconds = 100;
 
   void start();
   // Waits for the work queued since start() and returns its duration in milliseconds.

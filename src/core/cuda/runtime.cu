@@ -243,6 +243,23 @@ void cuda_event_record(void* event, const Stream& stream) {
               "StreamTimer");
 }
 
+namespace {
+__global__ void hold_kernel(std::uint64_t ns) {
+  const auto now = [] {
+    std::uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  };
+  for (const std::uint64_t begin = now(); now() - begin < ns;) __nanosleep(1000);
+}
+}  // namespace
+
+void cuda_hold(const Stream& stream, int microseconds) {
+  cuda::DeviceGuard guard(stream.device.index);
+  hold_kernel<<<1, 1, 0, cuda::native(stream)>>>(std::uint64_t{1000} * microseconds);
+  cuda::check(cudaGetLastError(), "StreamTimer");
+}
+
 double cuda_event_elapsed_ms(void* begin, void* end) {
   cuda::check(cudaEventSynchronize(static_cast<cudaEvent_t>(end)), "StreamTimer");
   float ms = 0;
