@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -63,7 +64,8 @@ class Timer:
 
 
 def measure(impls, timer, min_calls, min_seconds):
-    """Interleaves the implementations; returns {name: [ms per call, ...]}.
+    """Interleaves the implementations, in a shuffled order each round; returns
+    {name: [ms per call, ...]}.
 
     On a GPU each sample times a burst of back-to-back calls lasting about 2 ms between two
     events, so that the host's per-call overhead (Python, DLPack, torch's dispatcher) overlaps
@@ -80,10 +82,14 @@ def measure(impls, timer, min_calls, min_seconds):
     if timer.cuda:
         torch.cuda.synchronize()
     times = {name: [] for name in impls}
+    names, order = list(impls), random.Random(0)
     t_end = time.perf_counter() + min_seconds
-    while len(next(iter(times.values()))) < min_calls or time.perf_counter() < t_end:
-        for name, fn in impls.items():
-            n = bursts[name]
+    while len(times[names[0]]) < min_calls or time.perf_counter() < t_end:
+        # A new order each round (seeded), so that no implementation always runs right after the
+        # same other one: the GPU's clocks and caches carry over from one sample to the next.
+        order.shuffle(names)
+        for name in names:
+            fn, n = impls[name], bursts[name]
             times[name].append(timer(lambda: [fn() for _ in range(n)]) / n)
     return times
 
