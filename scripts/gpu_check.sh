@@ -73,7 +73,7 @@ for step in "${steps[@]}"; do
         --dtype bf16 --format json > "$out/bench.json" || status=1 ;;
     compare)
       PYTHONPATH="$build/python" python3 "$root/bench/torch_compare.py" --device cuda \
-        --tokens 16384 --compile --json "$out/torch_compare.json" 2>&1 \
+        --tokens 16384 --compile --seconds 2 --json "$out/torch_compare.json" 2>&1 \
         | tee "$out/torch_compare.txt" || status=1 ;;
     *) echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare)" >&2; exit 2 ;;
   esac

@@ -32,7 +32,8 @@ namespace meshfuse::detail::cpu {
 
 // exp(r) for |r| <= ln2/2 as 1 + r + c2 r^2 + ... + c6 r^6 (Horner from c6): minimax for the
 // relative error, 2.0e-9 (fitted by reweighted least squares at Chebyshev points). It replaced the
-// degree-7 Taylor polynomial (6e-9): one multiply-add less, the same accuracy once rounded.
+// degree-7 Taylor polynomial (6e-9): one multiply-add less, and vexp16 within 1.06 ulp against
+// 0.94 (every float in [-103, 88.7]).
 inline constexpr std::array<float, 7> kExpPoly = {1.384365140e-03f,
                                                   8.374156430e-03f,
                                                   4.166800156e-02f,
