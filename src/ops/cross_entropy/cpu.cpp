@@ -34,8 +34,12 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, a
         continue;
       }
       const A shift = exp_shift(cur.max);
+      // sum_v (the smoothing term's sum of logits) only when label smoothing needs it.
       const auto [sum, next_st] =
-          row_sum_exp_next_max<false>(row(i), next, b.vocab, m, shift, static_cast<A*>(nullptr));
+          eps != 0 ? row_sum_exp_next_max<false, true>(row(i), next, b.vocab, m, shift,
+                                                       static_cast<A*>(nullptr))
+                   : row_sum_exp_next_max<false, false>(row(i), next, b.vocab, m, shift,
+                                                        static_cast<A*>(nullptr));
       st = next_st;
       const A l = shift + std::log(sum);
       const double nll = double(l) - double(A(to_float(row(i)[y])) * m);

@@ -33,8 +33,8 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
       for (std::int64_t r = begin; r < end; ++r) {
         const A shift = exp_shift(max);
         // The last row reads itself as its "next" row (from cache); that max goes unused.
-        const auto [sum, next] =
-            row_sum_exp_next_max<true>(row(r), row(r + 1 < end ? r + 1 : r), s.cols, m, shift, e);
+        const auto [sum, next] = row_sum_exp_next_max<true, false>(
+            row(r), row(r + 1 < end ? r + 1 : r), s.cols, m, shift, e);
         max = next.max;
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;

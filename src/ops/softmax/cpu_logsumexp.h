@@ -7,6 +7,7 @@
 // the exp pass (row_sum_exp_next_max), so the two overlap.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -59,14 +60,38 @@ inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
   return {rows * t / threads, rows * (t + 1) / threads};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16-bit floats (bf16, f16: sign and magnitude) as int16 keys in the same order as their values
+// (the magnitude bits of negatives flipped): their max is one vpmaxsw per 32 values, with no
+// conversion. A positive NaN's key is above +inf's: it wins, where the float max skips it; the
+// row's sum is NaN either way.
+inline __m512i ordered_key(__m512i bits) {
+  return _mm512_xor_si512(bits,
+                          _mm512_and_si512(_mm512_srai_epi16(bits, 15), _mm512_set1_epi16(0x7fff)));
+}
+
+// The value of the largest key in `keys` (the key map is its own inverse).
+template <typename T>
+float max_of_keys(__m512i keys) {
+  alignas(64) std::int16_t lane[32];
+  _mm512_store_si512(lane, keys);
+  std::int16_t max = lane[0];
+  for (const std::int16_t k : lane) max = k > max ? k : max;
+  const auto bits = static_cast<std::uint16_t>(max ^ ((max >> 15) & 0x7fff));
+  return to_float(std::bit_cast<T>(bits));
+}
+#endif
+
 // sum_j exp(m * x_j - shift) of one row (storing the exps in `exps` when kStoreExps) fused with
-// row_max of the next row: the exp pass is bound by arithmetic and reads its row from L2, the max
-// pass by memory, so in one loop the next row streams in while the exps are computed. The max is
-// that of row_max (exact); the sums are added in another order. A NaN in the row makes the sum NaN,
-// and so does +inf (shift = inf, exp(inf - inf)): every result derived from the row is then NaN,
-// as in PyTorch. With AVX-512 the loop is written with vexp16: the kernels that call it (softmax
-// and cross_entropy forward) are bound by this exp.
-template <bool kStoreExps, typename T>
+// row_max of the next row (its sum_v only when kSumV; 0 otherwise): the exp pass is bound by
+// arithmetic and reads its row from L2, the max pass by memory, so in one loop the next row streams
+// in while the exps are computed. The max is that of row_max (exact); the sums are added in another
+// order. A NaN in the row makes the sum NaN, and so does +inf (shift = inf, exp(inf - inf)): every
+// result derived from the row is then NaN, as in PyTorch. With AVX-512 the loop is written with
+// vexp16: the kernels that call it (softmax and cross_entropy forward) are bound by this exp and
+// by the ops around it, so 16-bit rows scaled by m > 0 take the next row's max on ordered_key
+// (max_j m x_j = m max_j x_j: rounding is monotonic), 2 ops per 32 values for 5 per 16 as floats.
+template <bool kStoreExps, bool kSumV, typename T>
 std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* next,
                                                            std::int64_t n, acc_t<T> m,
                                                            acc_t<T> shift, acc_t<T>* exps) {
@@ -74,18 +99,36 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if constexpr (std::is_same_v<A, float>) {
     const __m512 vm = _mm512_set1_ps(m), vshift = _mm512_set1_ps(shift);
-    __m512 sum = _mm512_setzero_ps(), sum_v = _mm512_setzero_ps();
-    __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (std::int64_t j = 0; j < n; j += 16) {
+    __m512 sum = _mm512_setzero_ps();
+    const auto add_exps = [&](std::int64_t j) {
       const __mmask16 k = tail_mask(j, n);
-      const __m512 e = vexp16(_mm512_sub_ps(_mm512_mul_ps(load16(x + j, k), vm), vshift));
+      const __m512 e = vexp16(_mm512_fmsub_ps(load16(x + j, k), vm, vshift));
       if constexpr (kStoreExps) _mm512_mask_storeu_ps(exps + j, k, e);
       sum = _mm512_mask_add_ps(sum, k, sum, e);
+    };
+    if constexpr (sizeof(T) == 2 && !kSumV) {
+      if (m > 0 && m < std::numeric_limits<A>::infinity()) {
+        __m512i keys = _mm512_set1_epi16(std::numeric_limits<std::int16_t>::min());
+        for (std::int64_t j = 0; j < n; j += 32) {
+          add_exps(j);
+          if (j + 16 < n) add_exps(j + 16);
+          const __mmask32 k = n - j >= 32 ? ~__mmask32(0) : __mmask32((1u << (n - j)) - 1);
+          keys = _mm512_mask_max_epi16(keys, k, keys,
+                                       ordered_key(_mm512_maskz_loadu_epi16(k, next + j)));
+        }
+        return {lane_sum(sum), {max_of_keys<T>(keys) * m, A(0)}};
+      }
+    }
+    __m512 sum_v = _mm512_setzero_ps();
+    __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j = 0; j < n; j += 16) {
+      add_exps(j);
+      const __mmask16 k = tail_mask(j, n);
       const __m512 v = _mm512_mul_ps(load16(next + j, k), vm);
       max = _mm512_mask_max_ps(max, k, v, max);  // a NaN v keeps max, as `v > max ? v : max`
-      sum_v = _mm512_mask_add_ps(sum_v, k, sum_v, v);
+      if constexpr (kSumV) sum_v = _mm512_mask_add_ps(sum_v, k, sum_v, v);
     }
-    return {lane_sum(sum), {lane_max(max), lane_sum(sum_v)}};
+    return {lane_sum(sum), {lane_max(max), kSumV ? lane_sum(sum_v) : A(0)}};
   }
 #endif
   A sum = 0, max = -std::numeric_limits<A>::infinity(), sum_v = 0;
@@ -96,7 +139,7 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
     sum += e;
     const A v = A(to_float(next[j])) * m;
     max = v > max ? v : max;
-    sum_v += v;
+    if constexpr (kSumV) sum_v += v;
   }
   return {sum, {max, sum_v}};
 }
