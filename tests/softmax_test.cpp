@@ -97,6 +97,41 @@ TEST_P(SoftmaxTest, MinusInfRowsGiveNanAndNanOrPlusInfPoisonsItsRowOnly) {
   expect_matches_reference(x, dy);
 }
 
+TEST_P(SoftmaxTest, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValues) {
+  // A thread takes each next row's max while it sums this row's exps (on 16-bit keys for bf16 and
+  // f16 when m > 0): 130 rows give every thread several. Rows of negative values only, widths
+  // around 32 lanes, and past row 0: all -inf (NaN), a negative NaN (NaN), all -0 (uniform), a
+  // leading -inf, and zeros of both signs among negatives.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (std::int64_t cols : {31, 32, 33, 100}) {
+    Tensor x64 = randn({130, cols}, DType::F64, 17, 3.0);
+    double* v = x64.data_ptr<double>();
+    for (std::int64_t i = 0; i < 130 * cols; ++i) v[i] = -std::fabs(v[i]) - 2.0;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      v[20 * cols + c] = -inf;
+      v[22 * cols + c] = -0.0;
+    }
+    v[21 * cols + cols / 2] = -std::numeric_limits<double>::quiet_NaN();
+    v[23 * cols] = -inf;
+    v[24 * cols + 3] = 0.0;
+    v[24 * cols + 5] = -0.0;
+    Tensor x({130, cols}, GetParam());
+    copy(x64, x);
+    const Tensor dy = randn({130, cols}, GetParam(), 18);
+    for (double m : {1.0, 0.5, -1.0}) expect_matches_reference(x, dy, m);
+    const Tensor y64({130, cols}, DType::F64);
+    copy(run(x, dy).y, y64);
+    const double* y = y64.data_ptr<double>();
+    for (std::int64_t c = 0; c < cols; ++c) {
+      ASSERT_TRUE(std::isnan(y[20 * cols + c])) << cols;
+      ASSERT_TRUE(std::isnan(y[21 * cols + c])) << cols;
+      ASSERT_NEAR(y[22 * cols + c], 1.0 / static_cast<double>(cols),
+                  1e-2 / static_cast<double>(cols));
+    }
+    EXPECT_EQ(y[23 * cols], 0.0);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllFloatDTypes, SoftmaxTest, ::testing::ValuesIn(test::kFloatDTypes),
                          test::dtype_name);
 

@@ -79,7 +79,8 @@ inline float vexp(float x) {
 // every float in [-103, 88.7]); NaN stays NaN, -inf gives 0 (x is first clamped below at -104;
 // vmaxps keeps a NaN in its second operand); finite x past ln(FLT_MAX) gives +inf. No clamp above
 // (one vector op of 13 less): x = +inf reduces to inf - inf, and what vscalefps makes of that is
-// not relied on. Every caller passes x <= 0 (a shifted logit) or -g for silu, where g = -inf
+// not relied on. Every caller passes x <= 0 (a shifted logit, up to rounding) or -g for silu,
+// where g = -inf
 // gives NaN whatever exp gives (-inf / (1 + exp(inf)) or -inf / NaN).
 // (The all-lanes masked forms: GCC 12 warns on the plain ones' undefined pass-through.)
 inline __m512 vexp16(__m512 x) {

@@ -43,7 +43,7 @@ class StreamTimer {
   StreamTimer(const StreamTimer&) = delete;
   StreamTimer& operator=(const StreamTimer&) = delete;
 
-  static constexpr int kHoldMicroseconds = 100;
+  static constexpr unsigned kHoldMicroseconds = 100;
 
   void start();
   // Waits for the work queued since start() and returns its duration in milliseconds.

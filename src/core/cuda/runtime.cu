@@ -250,14 +250,18 @@ __global__ void hold_kernel(std::uint64_t ns) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
   };
-  for (const std::uint64_t begin = now(); now() - begin < ns;) __nanosleep(1000);
+  for (const std::uint64_t begin = now(); now() - begin < ns;) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __nanosleep(1000);
+#endif
+  }
 }
 }  // namespace
 
-void cuda_hold(const Stream& stream, int microseconds) {
+void cuda_hold(const Stream& stream, unsigned microseconds) {
   cuda::DeviceGuard guard(stream.device.index);
   hold_kernel<<<1, 1, 0, cuda::native(stream)>>>(std::uint64_t{1000} * microseconds);
-  cuda::check(cudaGetLastError(), "StreamTimer");
+  cuda::check_launch("StreamTimer");
 }
 
 double cuda_event_elapsed_ms(void* begin, void* end) {

@@ -23,7 +23,7 @@ void cuda_event_destroy(void* event, int device_index);
 void cuda_event_record(void* event, const Stream& stream);
 // Queues a kernel that keeps `stream` busy for `microseconds` (device time), so that work the host
 // queues meanwhile starts back to back.
-void cuda_hold(const Stream& stream, int microseconds);
+void cuda_hold(const Stream& stream, unsigned microseconds);
 // Waits for `end` and returns the milliseconds between the two recorded events.
 double cuda_event_elapsed_ms(void* begin, void* end);
 void* cuda_stream_create(int device_index);

@@ -1,6 +1,7 @@
 // CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
 // forward reads each row twice (max, then exp-sum, the next row's max fused into this row's
 // exp-sum: see cpu_logsumexp.h), the backward reads it and writes the gradient in one pass.
+#include <type_traits>
 #include <vector>
 
 #include "ops/common.h"
@@ -35,11 +36,11 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, a
       }
       const A shift = exp_shift(cur.max);
       // sum_v (the smoothing term's sum of logits) only when label smoothing needs it.
-      const auto [sum, next_st] =
-          eps != 0 ? row_sum_exp_next_max<false, true>(row(i), next, b.vocab, m, shift,
-                                                       static_cast<A*>(nullptr))
-                   : row_sum_exp_next_max<false, false>(row(i), next, b.vocab, m, shift,
-                                                        static_cast<A*>(nullptr));
+      const auto sum_exp = [&](auto sum_v) {
+        return row_sum_exp_next_max<false, decltype(sum_v)::value>(row(i), next, b.vocab, m, shift,
+                                                                   static_cast<A*>(nullptr));
+      };
+      const auto [sum, next_st] = eps != 0 ? sum_exp(std::true_type{}) : sum_exp(std::false_type{});
       st = next_st;
       const A l = shift + std::log(sum);
       const double nll = double(l) - double(A(to_float(row(i)[y])) * m);
