@@ -18,6 +18,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <type_traits>
+#include <vector>
 
 #include "ops/common.h"
 
@@ -131,6 +132,51 @@ __m512 load16(const T* p, __mmask16 k) {
 inline __mmask16 tail_mask(std::int64_t j, std::int64_t n) {
   return n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
 }
+
+// Brings the line 2 KB past p into L1: a loop that streams a row from memory while it computes
+// calls it once per 64 bytes (the hardware prefetchers alone left the memory reads idle: swiglu
+// forward 60-61% of copy bandwidth against 55-56%, cross_entropy forward 1.3x). The address is
+// formed as an integer: past the end of the tensor it points nowhere, which a prefetch (it never
+// faults) may do but C++ pointer arithmetic may not.
+inline void prefetch_ahead(const void* p) {
+  constexpr std::uintptr_t kAheadBytes = 2048;
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + kAheadBytes),
+               _MM_HINT_T0);
+}
+
+// A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
+// 65536 arguments, indexed by the argument's bits: one gather in place of the arithmetic. For
+// silu (an exp and a division) the swiglu forward's loop over L1 runs 1.7x faster (bf16, N(0, 2)
+// gates, which touch a few thousand entries: they stay in L1); for the exp alone, inside the
+// softmax and cross_entropy forward loops, it measured slower than vexp16. 256 KiB.
+template <typename T>
+class Table16 {
+ public:
+  // Entry i = f(the value with bits i) for f taking and returning 16 lanes of floats.
+  template <typename F>
+  explicit Table16(F&& f) : entries_(kSize) {
+    static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < kSize; i += 16) {
+      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), lane);
+      __m512 x;  // (the all-lanes masked forms: see vexp16)
+      if constexpr (std::is_same_v<T, bfloat16>)
+        x = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, bits, 16));
+      else
+        x = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, bits));
+      _mm512_storeu_ps(entries_.data() + i, f(x));
+    }
+  }
+  // f of the elements [p, p + 16) in the lanes of k; the other lanes are 0 (nothing is read there).
+  __m512 lookup16(const T* p, __mmask16 k) const {
+    const __m512i index = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(k, p));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, index, entries_.data(), 4);
+  }
+
+ private:
+  static constexpr int kSize = 1 << 16;
+  std::vector<float> entries_;
+};
 #endif
 #endif
 

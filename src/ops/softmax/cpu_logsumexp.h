@@ -4,7 +4,10 @@
 // running sum (Milakov & Gimelshein 2018): rows up to ~500k f32 fit in L2, so the second pass
 // does not reach memory, the kernel is bound by exp, and two passes measured 3-8% faster
 // (V = 128256, one thread, f32 and bf16). The max pass, bound by memory, runs one row ahead inside
-// the exp pass (row_sum_exp_next_max), so the two overlap.
+// the exp pass (row_sum_exp_next_max), so the two overlap; it prefetches that row 2 KB ahead
+// (prefetch_ahead; llama-3.1-8b, bf16, alternating CLI runs: cross_entropy forward 19.5 against
+// 26 ms, softmax forward 34-36 against 38-43 ms). A table of exp at every 16-bit logit (as the
+// swiglu forward's silu, Table16) measured slower inside these loops: 20-21 against 19.5 ms.
 #pragma once
 
 #include <bit>
@@ -112,6 +115,7 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
       if (n > 0 && m > 0 && m < std::numeric_limits<A>::infinity()) {
         __m512i keys = _mm512_set1_epi16(std::numeric_limits<std::int16_t>::min());
         for (std::int64_t j = 0; j < n; j += 32) {
+          prefetch_ahead(next + j);
           add_exps(j);
           if (j + 16 < n) add_exps(j + 16);
           const __mmask32 k = n - j >= 32 ? ~__mmask32(0) : __mmask32((1u << (n - j)) - 1);
@@ -124,6 +128,7 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
     __m512 sum_v = _mm512_setzero_ps();
     __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (std::int64_t j = 0; j < n; j += 16) {
+      if (j * std::int64_t{sizeof(T)} % 64 == 0) prefetch_ahead(next + j);
       add_exps(j);
       const __mmask16 k = tail_mask(j, n);
       const __m512 v = _mm512_mul_ps(load16(next + j, k), vm);
