@@ -134,23 +134,22 @@ TEST(Swiglu, NanAndInfPropagateLikeTorch) {
   expect_close(out, ref, "non-finite");
 }
 
-// The cpu forward takes silu of a 16-bit gate from a table of its 65536 values: every one of
-// them, times up = 1 and times random up, within one ulp of the type of the reference (which
-// rounds once from double); NaN where the reference gives NaN.
+// The cpu backend takes silu and its derivative of a 16-bit gate from tables of their 65536
+// values: every one of them, times up = 1 and times random up (and dy), within one ulp of the
+// type of the reference (which rounds once from double); NaN where the reference gives NaN.
 TEST(Swiglu, EverySixteenBitGateValueMatchesTheReference) {
   for (const DType dtype : {DType::BF16, DType::F16}) {
     Tensor g({2, 32768}, dtype);
     auto* bits = static_cast<std::uint16_t*>(g.view().data());
     for (std::uint32_t i = 0; i < 65536; ++i) bits[i] = static_cast<std::uint16_t>(i);
     const double ulp = dtype == DType::BF16 ? 0x1p-7 : 0x1p-10;
+    const Tensor dy = randn({2, 32768}, dtype, 20);
     for (const Tensor& u : {test::full({2, 32768}, dtype, 1.0), randn({2, 32768}, dtype, 19)}) {
-      Tensor out({2, 32768}, dtype), ref({2, 32768}, dtype);
-      swiglu(g, u, out);
-      {
-        ForceKernelBackend force(KernelBackend::Reference);
-        swiglu(g, u, ref);
-      }
-      expect_close(out, ref, ulp, std::string(to_string(dtype)) + " every gate value");
+      const Grads cpu = run(g, u, dy), ref = run_reference(g, u, dy);
+      const std::string what = std::string(to_string(dtype)) + " every gate value: ";
+      expect_close(cpu.out, ref.out, ulp, what + "out");
+      expect_close(cpu.grad_gate, ref.grad_gate, ulp, what + "grad_gate");
+      expect_close(cpu.grad_up, ref.grad_up, ulp, what + "grad_up");
     }
   }
 }

@@ -182,8 +182,7 @@ Record time_direction(const Plan& plan, const Peaks& peaks, const std::string& o
   r.calls = t[0].calls;
   const double seconds = t[0].median_ms * 1e-3;
   if (d.bytes > 0) {
-    r.gbps = d.bytes / seconds / 1e9;
-    r.fraction_of_peak = *r.gbps / peaks.copy.gbps;
+    r.gbps = d.bytes / seconds / 1e9;  // its fraction of the copy bandwidth is set at the end
     r.notes.push_back(fmt::format("bytes = {}", d.formula));
   }
   if (d.flops > 0) {
@@ -246,7 +245,7 @@ std::vector<std::string> header_lines(const Plan& plan, const BenchOptions& o, c
                   m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads,
                   m.head_dim, m.vocab_size),
       fmt::format("memory: copy bandwidth {:.1f} GB/s (STREAM-style copy of {}, read + write "
-                  "bytes); last-level cache {}",
+                  "bytes; the higher of two, before and after the ops); last-level cache {}",
                   peaks.copy.gbps, bytes_text(static_cast<double>(peaks.copy.buffer_bytes)),
                   bytes_text(static_cast<double>(peaks.cache_bytes))),
       fmt::format("timing: median (p20-p80) of up to {} samples after up to {} warm-up calls, "
@@ -280,8 +279,7 @@ int run_bench(const BenchOptions& options, std::ostream& out) {
   fmt::print(stderr, "meshfuse bench: measuring the memory copy bandwidth ...\n");
   // The CPU's last-level cache; for a GPU's L2 the CLI has no query (no cache notes there).
   const bool on_cpu = plan.setup.device.type == DeviceType::CPU;
-  const Peaks peaks{measure_copy_bandwidth(plan.setup.device),
-                    on_cpu ? last_level_cache_bytes() : 0};
+  Peaks peaks{measure_copy_bandwidth(plan.setup.device), on_cpu ? last_level_cache_bytes() : 0};
   fmt::print(stderr, "  {:.1f} GB/s\n", peaks.copy.gbps);
 
   std::vector<Record> records;
@@ -303,6 +301,14 @@ int run_bench(const BenchOptions& options, std::ostream& out) {
       records.push_back(std::move(r));
     }
   }
+
+  // Measured again after the ops, the higher of the two taken: another tenant of the machine
+  // slowing one measurement would otherwise inflate every fraction (a VM once gave 118%).
+  fmt::print(stderr, "meshfuse bench: measuring the memory copy bandwidth again ...\n");
+  peaks.copy.gbps = std::max(peaks.copy.gbps, measure_copy_bandwidth(plan.setup.device).gbps);
+  fmt::print(stderr, "  {:.1f} GB/s (the higher of the two)\n", peaks.copy.gbps);
+  for (Record& r : records)
+    if (r.gbps && !r.fraction_of_peak) r.fraction_of_peak = *r.gbps / peaks.copy.gbps;
 
   if (plan.format == "json")
     print_json(out, records);

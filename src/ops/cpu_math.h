@@ -144,39 +144,6 @@ inline void prefetch_ahead(const void* p) {
                _MM_HINT_T0);
 }
 
-// A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
-// 65536 arguments, indexed by the argument's bits: one gather in place of the arithmetic. For
-// silu (an exp and a division) the swiglu forward's loop over L1 runs 1.7x faster (bf16, N(0, 2)
-// gates, which touch a few thousand entries: they stay in L1); for the exp alone, inside the
-// softmax and cross_entropy forward loops, it measured slower than vexp16. 256 KiB.
-template <typename T>
-class Table16 {
- public:
-  // Entry i = f(the value with bits i) for f taking and returning 16 lanes of floats.
-  template <typename F>
-  explicit Table16(F&& f) : entries_(kSize) {
-    static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int i = 0; i < kSize; i += 16) {
-      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), lane);
-      __m512 x;  // (the all-lanes masked forms: see vexp16)
-      if constexpr (std::is_same_v<T, bfloat16>)
-        x = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, bits, 16));
-      else
-        x = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, bits));
-      _mm512_storeu_ps(entries_.data() + i, f(x));
-    }
-  }
-  // f of the elements [p, p + 16) in the lanes of k; the other lanes are 0 (nothing is read there).
-  __m512 lookup16(const T* p, __mmask16 k) const {
-    const __m512i index = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(k, p));
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, index, entries_.data(), 4);
-  }
-
- private:
-  static constexpr int kSize = 1 << 16;
-  std::vector<float> entries_;
-};
 #endif
 #endif
 
@@ -187,6 +154,36 @@ inline std::int64_t max_threads() {
   return 1;
 #endif
 }
+
+// A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
+// 65536 arguments, indexed by the argument's bits: one gather (lookup16) in place of the
+// arithmetic. For silu (an exp and a division) the swiglu forward's loop over L1 runs 1.7x faster
+// (bf16, N(0, 2) gates, which touch a few thousand entries: they stay in L1); for the exp alone,
+// inside the softmax and cross_entropy forward loops, it measured slower than vexp16. 256 KiB.
+template <typename T>
+class Table16 {
+  static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>);
+
+ public:
+  // Entry i = f(the value whose bits are i), f taking and returning a float.
+  template <typename F>
+  explicit Table16(F&& f) : entries_(kSize) {
+    for (int i = 0; i < kSize; ++i)
+      entries_[i] = f(to_float(std::bit_cast<T>(static_cast<std::uint16_t>(i))));
+  }
+  float operator[](T x) const { return entries_[std::bit_cast<std::uint16_t>(x)]; }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // f of the elements [p, p + 16) in the lanes of k; the other lanes are 0 (nothing is read there).
+  __m512 lookup16(const T* p, __mmask16 k) const {
+    const __m512i index = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(k, p));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, index, entries_.data(), 4);
+  }
+#endif
+
+ private:
+  static constexpr int kSize = 1 << 16;
+  std::vector<float> entries_;
+};
 
 // Non-temporal (streaming) stores for large outputs. An ordinary store first reads the line it
 // writes (read for ownership), so a kernel reading k streams and writing one moves k + 2 of them;

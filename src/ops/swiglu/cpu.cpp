@@ -5,8 +5,10 @@
 // L1 (prefetch_ahead: 60-61% against 55-56%; 4 KB ahead the same, into L2 58-60%); prefetching
 // the next row's gate and up instead, while a row's output is written (as the multi-pass kernels
 // do), measured slower: 48% against 58%.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
@@ -20,16 +22,89 @@ T* row(SwigluOperand op, std::int64_t r) {
   return static_cast<T*>(op.data) + r * op.row_stride;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// silu(g) = g / (1 + exp(-g)) (Elfwing et al. 2017) at every 16-bit g, built on first use: the
-// forward becomes a gather and a multiply per element, where the exp and the division bound it.
 template <typename T>
-const Table16<T>& silu_table() {
-  static const Table16<T> table([](__m512 g) {
-    return _mm512_div_ps(
-        g, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  });
-  return table;
+constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+// silu(g) = g sigmoid(g) = g / (1 + exp(-g)) (Elfwing et al. 2017) and its derivative
+// sigmoid(g) (1 + g (1 - sigmoid(g))).
+template <typename A>
+A silu(A g) {
+  return g / (A(1) + vexp(-g));
+}
+template <typename A>
+A silu_grad(A g) {
+  const A sig = A(1) / (A(1) + vexp(-g));
+  return sig * (A(1) + g * (A(1) - sig));
+}
+
+// Both at every 16-bit g, built on first use, for the loops to take with one gather per element
+// where the exp and the division bound them (every loop over 16-bit T uses them, so strided and
+// contiguous inputs give the same bits); null for f32 and f64, computed in the loops.
+template <typename T>
+const Table16<T>* silu_table() {
+  if constexpr (kSixteenBit<T>) {
+    static const Table16<T> table(silu<float>);
+    return &table;
+  } else {
+    return nullptr;
+  }
+}
+template <typename T>
+const Table16<T>* silu_grad_table() {
+  if constexpr (kSixteenBit<T>) {
+    static const Table16<T> table(silu_grad<float>);
+    return &table;
+  } else {
+    return nullptr;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The backward of 16-bit contiguous rows from the two tables: du = dy silu(g), dg = dy u silu'(g).
+// Both outputs of a block of columns are computed before either is written (an output may share
+// its data with an input), and streamed past the last-level cache.
+template <typename T>
+void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
+                               SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
+  constexpr std::int64_t kBlock = 1024;
+  const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
+                                        s.rows * s.cols * std::int64_t{sizeof(T)});
+  const Table16<T>& silu = *silu_table<T>();
+  const Table16<T>& silu_grad = *silu_grad_table<T>();
+#pragma omp parallel
+  {
+    alignas(64) float dg_block[kBlock];
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      const T* d = row<T>(dy, r);
+      const T* g = row<T>(gate, r);
+      const T* u = row<T>(up, r);
+      for (std::int64_t c0 = 0; c0 < s.cols; c0 += kBlock) {
+        const std::int64_t len = std::min(kBlock, s.cols - c0);
+        stream_out_blocks(
+            row<T>(dup, r) + c0, len, stream, [&](std::int64_t, std::int64_t n, float* du_block) {
+              for (std::int64_t c = 0; c < n; c += 16) {
+                const std::int64_t j = c0 + c;
+                if (j * std::int64_t{sizeof(T)} % 64 == 0) {
+                  prefetch_ahead(d + j);
+                  prefetch_ahead(g + j);
+                  prefetch_ahead(u + j);
+                }
+                const __mmask16 k = tail_mask(c, n);
+                const __m512 dv = load16(d + j, k);
+                _mm512_store_ps(du_block + c, _mm512_mul_ps(dv, silu.lookup16(g + j, k)));
+                _mm512_store_ps(dg_block + c, _mm512_mul_ps(_mm512_mul_ps(dv, load16(u + j, k)),
+                                                            silu_grad.lookup16(g + j, k)));
+              }
+            });
+        stream_out_blocks(row<T>(dgate, r) + c0, len, stream,
+                          [&](std::int64_t, std::int64_t n, float* block) {
+                            std::copy(dg_block, dg_block + n, block);
+                          });
+      }
+    }
+    stream_fence();
+  }
 }
 #endif
 
@@ -39,6 +114,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
   using A = acc_t<T>;
   const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
+  [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -54,11 +130,11 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
               const __m512 gv = load16(g + c, k);
               const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f),
                                              vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-              return _mm512_div_ps(_mm512_mul_ps(load16(u + c, k), gv), d);
+              return _mm512_mul_ps(load16(u + c, k), _mm512_div_ps(gv, d));
             };
           } else {
-            return [&, &silu = silu_table<T>()](std::int64_t c, __mmask16 k) {
-              return _mm512_mul_ps(load16(u + c, k), silu.lookup16(g + c, k));
+            return [&](std::int64_t c, __mmask16 k) {
+              return _mm512_mul_ps(load16(u + c, k), silu_t->lookup16(g + c, k));
             };
           }
         }();
@@ -77,8 +153,11 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
       }
 #endif
       stream_out(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
-        const A gv = to_float(g[c * kIn]);
-        return A(to_float(u[c * kIn])) * gv / (A(1) + vexp(-gv));
+        const A uv = to_float(u[c * kIn]);
+        if constexpr (kSixteenBit<T>)
+          return uv * (*silu_t)[g[c * kIn]];
+        else
+          return uv * silu(g[c * kIn]);
       });
     }
     stream_fence();
@@ -89,6 +168,12 @@ template <typename T, int kIn, int kOut>
 void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, SwigluOperand up,
                    SwigluOperand dgate, SwigluOperand dup) {
   using A = acc_t<T>;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (kSixteenBit<T> && kIn == 1 && kOut == 1)
+    return backward_rows_from_tables<T>(s, dy, gate, up, dgate, dup);
+#endif
+  [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
+  [[maybe_unused]] const Table16<T>* grad_t = silu_grad_table<T>();
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < s.rows; ++r) {
     const T* d = row<T>(dy, r);
@@ -98,11 +183,14 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
     T* du = row<T>(dup, r);
 #pragma omp simd
     for (std::int64_t c = 0; c < s.cols; ++c) {
-      const A dv = to_float(d[c]);
-      const A gv = to_float(g[c * kIn]);
-      const A sig = A(1) / (A(1) + vexp(-gv));
-      du[c * kOut] = store_as<T>(dv * gv * sig);
-      dg[c * kOut] = store_as<T>(dv * A(to_float(u[c * kIn])) * sig * (A(1) + gv * (A(1) - sig)));
+      const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
+      if constexpr (kSixteenBit<T>) {
+        du[c * kOut] = store_as<T>(dv * (*silu_t)[g[c * kIn]]);
+        dg[c * kOut] = store_as<T>(dv * uv * (*grad_t)[g[c * kIn]]);
+      } else {
+        du[c * kOut] = store_as<T>(dv * silu(g[c * kIn]));
+        dg[c * kOut] = store_as<T>(dv * uv * silu_grad(g[c * kIn]));
+      }
     }
   }
 }
