@@ -1,10 +1,11 @@
 // CPU SwiGLU: rows split over OpenMP threads; the inner loop is unit-stride (or stride 2 for the
-// interleaved layout) and vectorised by the compiler. The AVX-512 forward takes silu of a 16-bit
-// gate from a table (silu_table: bf16, llama-3.1-8b shapes, alternating CLI runs: 70-72% of copy
-// bandwidth against 61-62% with the exp and division) and prefetches its inputs 2 KB ahead into
-// L1 (prefetch_ahead: 60-61% against 55-56%; 4 KB ahead the same, into L2 58-60%); prefetching
-// the next row's gate and up instead, while a row's output is written (as the multi-pass kernels
-// do), measured slower: 48% against 58%.
+// interleaved layout) and vectorised by the compiler. For 16-bit gates, silu and its derivative
+// come from tables of their 65536 values (silu_table: bf16, llama-3.1-8b shapes, alternating CLI
+// runs: forward 70-72% of copy bandwidth against 61-62% with the exp and division; backward 100
+// against 112-114 ms). The AVX-512 forward prefetches its inputs 2 KB ahead into L1
+// (prefetch_ahead: 60-61% against 55-56%, before the tables; 4 KB ahead the same, into L2
+// 58-60%); prefetching the next row's gate and up instead, while a row's output is written (as the
+// multi-pass kernels do), measured slower: 48% against 58%.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
