@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "meshfuse/meshfuse.h"
 #include "test_util.h"
@@ -136,20 +137,44 @@ TEST(Swiglu, NanAndInfPropagateLikeTorch) {
 
 // The cpu backend takes silu and its derivative of a 16-bit gate from tables of their 65536
 // values: every one of them, times up = 1 and times random up (and dy), within one ulp of the
-// type of the reference (which rounds once from double); NaN where the reference gives NaN.
+// type of the reference (which rounds once from double; one subnormal step near zero), NaN where
+// the reference gives NaN; the interleaved layout (strided loops) gives the same bits.
 TEST(Swiglu, EverySixteenBitGateValueMatchesTheReference) {
+  constexpr std::int64_t kRows = 2, kCols = 32768;
   for (const DType dtype : {DType::BF16, DType::F16}) {
-    Tensor g({2, 32768}, dtype);
+    Tensor g({kRows, kCols}, dtype);
     auto* bits = static_cast<std::uint16_t*>(g.view().data());
     for (std::uint32_t i = 0; i < 65536; ++i) bits[i] = static_cast<std::uint16_t>(i);
-    const double ulp = dtype == DType::BF16 ? 0x1p-7 : 0x1p-10;
-    const Tensor dy = randn({2, 32768}, dtype, 20);
-    for (const Tensor& u : {test::full({2, 32768}, dtype, 1.0), randn({2, 32768}, dtype, 19)}) {
+    const bool bf16 = dtype == DType::BF16;
+    const double ulp = bf16 ? 0x1p-7 : 0x1p-10, smallest = bf16 ? 0x1p-133 : 0x1p-24;
+    const Tensor dy = randn({kRows, kCols}, dtype, 20);
+    for (const Tensor& u :
+         {test::full({kRows, kCols}, dtype, 1.0), randn({kRows, kCols}, dtype, 19)}) {
       const Grads cpu = run(g, u, dy), ref = run_reference(g, u, dy);
       const std::string what = std::string(to_string(dtype)) + " every gate value: ";
-      expect_close(cpu.out, ref.out, ulp, what + "out");
-      expect_close(cpu.grad_gate, ref.grad_gate, ulp, what + "grad_gate");
-      expect_close(cpu.grad_up, ref.grad_up, ulp, what + "grad_up");
+      for (const auto& [name, a, e] : {std::tuple{"out", &cpu.out, &ref.out},
+                                       std::tuple{"grad_gate", &cpu.grad_gate, &ref.grad_gate},
+                                       std::tuple{"grad_up", &cpu.grad_up, &ref.grad_up}}) {
+        const testing::Diff d = testing::compare(*a, *e, smallest, ulp);
+        EXPECT_EQ(d.violations, 0) << what << name << ": max rel err " << d.max_rel_err
+                                   << ", non-finite mismatches " << d.mismatched_nonfinite;
+      }
+      Tensor x({kRows, 2 * kCols}, dtype), out({kRows, kCols}, dtype),
+          grad_x({kRows, 2 * kCols}, dtype);
+      // The even (gate) or odd (up) columns of an interleaved (kRows, 2 kCols) tensor.
+      const auto columns = [&](const Tensor& t, std::int64_t parity) {
+        return TensorView(static_cast<char*>(t.view().data()) + parity * element_size(dtype), dtype,
+                          {kRows, kCols}, {2 * kCols, 2});
+      };
+      copy(g, columns(x, 0));
+      copy(u, columns(x, 1));
+      swiglu_packed(x, SwigluLayout::Interleaved, out);
+      swiglu_packed_backward(dy, x, SwigluLayout::Interleaved, grad_x);
+      EXPECT_TRUE(testing::bitwise_equal(out, cpu.out)) << what << "interleaved out";
+      EXPECT_TRUE(testing::bitwise_equal(columns(grad_x, 0), cpu.grad_gate))
+          << what << "interleaved grad_gate";
+      EXPECT_TRUE(testing::bitwise_equal(columns(grad_x, 1), cpu.grad_up))
+          << what << "interleaved grad_up";
     }
   }
 }

@@ -167,6 +167,7 @@ class Table16 {
  public:
   // Entry i = f(the value whose bits are i), f taking and returning a float.
   template <typename F>
+  requires std::is_invocable_r_v<float, F&, float>
   explicit Table16(F&& f) : entries_(kSize) {
     for (int i = 0; i < kSize; ++i)
       entries_[i] = f(to_float(std::bit_cast<T>(static_cast<std::uint16_t>(i))));
@@ -282,12 +283,13 @@ inline void store_line(char* dst, const void* line, bool stream) {
 // written (its last pass would otherwise leave memory reads idle).
 // stream_out_blocks(out, n, stream, fill, next) does the same with fill(c0, len, buf) writing the
 // values f(c0) .. f(c0 + len - 1) into buf, for kernels that compute a block with intrinsics.
+inline constexpr std::int64_t kStreamOutBlock = 1024;  // values per fill call, at most
 template <typename T, typename Fill>
 void stream_out_blocks(T* out, std::int64_t n, bool stream, Fill&& fill,
                        std::initializer_list<const std::type_identity_t<T>*> next = {},
                        PrefetchTo level = PrefetchTo::L1) {
   using A = acc_t<T>;
-  constexpr std::int64_t kBlock = 1024;
+  constexpr std::int64_t kBlock = kStreamOutBlock;
   constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
   alignas(64) A buf[kBlock];
   alignas(64) T conv[kLine];

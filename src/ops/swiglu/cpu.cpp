@@ -1,11 +1,12 @@
-// CPU SwiGLU: rows split over OpenMP threads; the inner loop is unit-stride (or stride 2 for the
-// interleaved layout) and vectorised by the compiler. For 16-bit gates, silu and its derivative
-// come from tables of their 65536 values (silu_table: bf16, llama-3.1-8b shapes, alternating CLI
-// runs: forward 70-72% of copy bandwidth against 61-62% with the exp and division; backward 100
-// against 112-114 ms). The AVX-512 forward prefetches its inputs 2 KB ahead into L1
-// (prefetch_ahead: 60-61% against 55-56%, before the tables; 4 KB ahead the same, into L2
-// 58-60%); prefetching the next row's gate and up instead, while a row's output is written (as the
-// multi-pass kernels do), measured slower: 48% against 58%.
+// CPU SwiGLU: rows split over OpenMP threads. For 16-bit gates, silu and its derivative come
+// from tables of their 65536 values (silu_table: bf16, llama-3.1-8b shapes, alternating CLI runs:
+// forward 70-72% of copy bandwidth against 61-62% with the exp and division; backward 100
+// against 112-114 ms); contiguous rows run AVX-512 loops (gathers), strided ones (the
+// interleaved layout) and f32/f64 loops vectorised by the compiler. The AVX-512 loops prefetch
+// their inputs 2 KB ahead into L1 (prefetch_ahead: forward 60-61% against 55-56%, before the
+// tables; 4 KB ahead the same, into L2 58-60%); prefetching the next row's gate and up instead,
+// while a row's output is written (as the multi-pass kernels do), measured slower: 48% against
+// 58%.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,13 +39,14 @@ A silu_grad(A g) {
   return sig * (A(1) + g * (A(1) - sig));
 }
 
-// Both at every 16-bit g, built on first use, for the loops to take with one gather per element
-// where the exp and the division bound them (every loop over 16-bit T uses them, so strided and
-// contiguous inputs give the same bits); null for f32 and f64, computed in the loops.
+// Both at every 16-bit g, computed in double and rounded once, built on first use (about 1 ms),
+// for the loops to take with one gather per element where the exp and the division bound them
+// (every loop over 16-bit T uses them, so strided and contiguous inputs give the same bits); null
+// for f32 and f64, computed in the loops.
 template <typename T>
 const Table16<T>* silu_table() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table(silu<float>);
+    static const Table16<T> table([](float g) { return static_cast<float>(silu<double>(g)); });
     return &table;
   } else {
     return nullptr;
@@ -53,7 +55,7 @@ const Table16<T>* silu_table() {
 template <typename T>
 const Table16<T>* silu_grad_table() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table(silu_grad<float>);
+    static const Table16<T> table([](float g) { return static_cast<float>(silu_grad<double>(g)); });
     return &table;
   } else {
     return nullptr;
@@ -67,7 +69,7 @@ const Table16<T>* silu_grad_table() {
 template <typename T>
 void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                                SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
-  constexpr std::int64_t kBlock = 1024;
+  constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of stream_out_blocks per call
   const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   const Table16<T>& silu = *silu_table<T>();
@@ -184,13 +186,15 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
     T* du = row<T>(dup, r);
 #pragma omp simd
     for (std::int64_t c = 0; c < s.cols; ++c) {
+      // Every input read before either store: an output may share its data with an input.
       const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
+      const T gv = g[c * kIn];
       if constexpr (kSixteenBit<T>) {
-        du[c * kOut] = store_as<T>(dv * (*silu_t)[g[c * kIn]]);
-        dg[c * kOut] = store_as<T>(dv * uv * (*grad_t)[g[c * kIn]]);
+        du[c * kOut] = store_as<T>(dv * (*silu_t)[gv]);
+        dg[c * kOut] = store_as<T>(dv * uv * (*grad_t)[gv]);
       } else {
-        du[c * kOut] = store_as<T>(dv * silu(g[c * kIn]));
-        dg[c * kOut] = store_as<T>(dv * uv * silu_grad(g[c * kIn]));
+        du[c * kOut] = store_as<T>(dv * silu(gv));
+        dg[c * kOut] = store_as<T>(dv * uv * silu_grad(gv));
       }
     }
   }
