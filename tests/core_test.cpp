@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <thread>
 
@@ -94,6 +95,19 @@ TEST(Tensor, ViewsShareMemoryAndIndexIn64Bits) {
   EXPECT_EQ(static_cast<char*>(tail.data()) - &dummy, ((std::int64_t{1} << 20) - 1) * 8192 * 2);
   expect_error([&] { huge.reshape({3, -1}); }, ErrorCode::ShapeMismatch, {"reshape"});
   expect_error([] { Tensor({-1, 2}, DType::F32); }, ErrorCode::InvalidArgument, {">= 0", "-1"});
+}
+
+// CPU buffers of 32 MiB or more start on a 2 MiB boundary (transparent huge pages, advised);
+// smaller ones on 64 bytes. Nothing is touched.
+TEST(Tensor, LargeCpuBuffersAreAlignedToHugePages) {
+  const auto address = [](const Tensor& t) {
+    return reinterpret_cast<std::uintptr_t>(t.view().data());
+  };
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(address(Tensor({32 << 20}, DType::U8)) % (2 << 20), 0u);
+    EXPECT_EQ(address(Tensor({(8 << 20) + 3}, DType::F32)) % (2 << 20), 0u);
+    EXPECT_EQ(address(Tensor({1000}, DType::U8)) % 64, 0u);
+  }
 }
 
 TEST(Tensor, CopyConvertsDtypesAndStrides) {

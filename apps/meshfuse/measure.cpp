@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <memory>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -101,15 +100,16 @@ CopyBandwidth measure_copy_bandwidth(Device device) {
   policy.min_repeats = 3;
   policy.budget_s = 1.5;
   std::function<void()> copy_once;
-  std::unique_ptr<char[]> src, dst;
   Tensor device_src, device_dst;
   if (device.type == DeviceType::CPU) {
-    src.reset(new char[n]);
-    dst.reset(new char[n]);
+    // Tensors: the same allocation (and pages) as the ops' operands.
+    const Tensor src({n}, DType::U8), dst({n}, DType::U8);
+    char* s = static_cast<char*>(src.view().data());
+    char* d = static_cast<char*>(dst.view().data());
     // First touch from the threads that copy, so each slice's pages are faulted in before timing.
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; i += 4096) src[i] = dst[i] = static_cast<char>(i);
-    copy_once = [&] { parallel_copy(dst.get(), src.get(), n); };
+    for (std::int64_t i = 0; i < n; i += 4096) s[i] = d[i] = static_cast<char>(i);
+    copy_once = [s, d, n, src, dst] { parallel_copy(d, s, n); };
   } else {
     device_src = Tensor::zeros({n}, DType::U8, device);
     device_dst = Tensor({n}, DType::U8, device);

@@ -69,9 +69,11 @@ class TensorView {
 };
 
 // An owning, contiguous tensor for standalone C++ use (CLI, tests, executor). CPU memory is
-// 64-byte aligned; CUDA memory comes from the device's meshfuse memory pool (memory.h), allocated
-// and freed stream-ordered on the given stream, which must outlive the tensor. Copies share the
-// storage (like torch.Tensor); use clone() for a deep copy.
+// 64-byte aligned, and from 32 MiB on 2 MiB aligned and advised onto transparent huge pages
+// (madvise MADV_HUGEPAGE: taken where the system's THP mode is "madvise" or "always"); CUDA memory
+// comes from the device's meshfuse memory pool (memory.h), allocated and freed stream-ordered on
+// the given stream, which must outlive the tensor. Copies share the storage (like torch.Tensor);
+// use clone() for a deep copy.
 class Tensor {
  public:
   Tensor() = default;
