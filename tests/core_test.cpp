@@ -108,6 +108,9 @@ TEST(Tensor, LargeCpuBuffersAreAlignedToHugePages) {
     EXPECT_EQ(address(Tensor({(8 << 20) + 3}, DType::F32)) % (2 << 20), 0u);
     EXPECT_EQ(address(Tensor({1000}, DType::U8)) % 64, 0u);
   }
+  // A byte count past the address space is refused before any arithmetic wraps.
+  expect_error([] { Tensor({std::int64_t{1} << 62}, DType::F64); }, ErrorCode::OutOfMemory,
+               {"Tensor", "4611686018427387904 elements", "f64", "address space"});
 }
 
 TEST(Tensor, CopyConvertsDtypesAndStrides) {

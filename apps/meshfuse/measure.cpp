@@ -109,7 +109,7 @@ CopyBandwidth measure_copy_bandwidth(Device device) {
     // First touch from the threads that copy, so each slice's pages are faulted in before timing.
 #pragma omp parallel for schedule(static)
     for (std::int64_t i = 0; i < n; i += 4096) s[i] = d[i] = static_cast<char>(i);
-    copy_once = [s, d, n, src, dst] { parallel_copy(d, s, n); };
+    copy_once = [s, d, n, src, dst] { parallel_copy(d, s, n); };  // the Tensors: kept alive
   } else {
     device_src = Tensor::zeros({n}, DType::U8, device);
     device_dst = Tensor({n}, DType::U8, device);

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -221,6 +222,11 @@ std::string TensorView::str() const {
 
 Tensor::Tensor(Shape shape, DType dtype, Device device, const Stream& stream) {
   const std::int64_t n = shape_numel(shape);
+  // Half the address space at most: the byte count, and its rounding in allocate, cannot wrap.
+  MESHFUSE_CHECK(static_cast<std::uint64_t>(n) <=
+                     std::numeric_limits<std::size_t>::max() / 2 / element_size(dtype),
+                 ErrorCode::OutOfMemory, "Tensor: {} elements of {} ({}) exceed the address space",
+                 n, to_string(dtype), shape_str(shape));
   storage_ = allocate(device, static_cast<std::size_t>(n) * element_size(dtype), stream);
   view_ = TensorView(storage_.get(), dtype, std::move(shape), device);
 }
