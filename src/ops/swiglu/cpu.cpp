@@ -39,27 +39,26 @@ A silu_grad(A g) {
   return sig * (A(1) + g * (A(1) - sig));
 }
 
-// Both at every 16-bit g, computed in double and rounded once, built on first use (about 1 ms),
-// for the loops to take with one gather per element where the exp and the division bound them
-// (every loop over 16-bit T uses them, so strided and contiguous inputs give the same bits); null
-// for f32 and f64, computed in the loops.
-template <typename T>
-const Table16<T>* silu_table() {
+// f (silu or silu_grad) at every 16-bit g, computed in double and rounded once, built on first
+// use (about 1 ms), for the loops to take with one gather per element where the exp and the
+// division bound them (every loop over 16-bit T uses it, so strided and contiguous inputs give the
+// same bits); null for f32 and f64, computed in the loops.
+template <typename T, double (*f)(double)>
+const Table16<T>* table_of() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table([](float g) { return static_cast<float>(silu<double>(g)); });
+    static const Table16<T> table([](float g) { return static_cast<float>(f(g)); });
     return &table;
   } else {
     return nullptr;
   }
 }
 template <typename T>
+const Table16<T>* silu_table() {
+  return table_of<T, silu<double>>();
+}
+template <typename T>
 const Table16<T>* silu_grad_table() {
-  if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table([](float g) { return static_cast<float>(silu_grad<double>(g)); });
-    return &table;
-  } else {
-    return nullptr;
-  }
+  return table_of<T, silu_grad<double>>();
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
