@@ -123,6 +123,10 @@ decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// Whether T is one of the storage-only 16-bit floats (bf16, f16).
+template <typename T>
+constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
 // Stores an accumulator value as T (rounding once for 16-bit types).
 template <typename T, typename A>
 inline T store_as(A x) {

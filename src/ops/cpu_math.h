@@ -162,7 +162,7 @@ inline std::int64_t max_threads() {
 // inside the softmax and cross_entropy forward loops, it measured slower than vexp16. 256 KiB.
 template <typename T>
 class Table16 {
-  static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>);
+  static_assert(kSixteenBit<T>);
 
  public:
   // Entry i = f(the value whose bits are i), f taking and returning a float.

@@ -110,7 +110,7 @@ std::pair<acc_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const T* 
       if constexpr (kStoreExps) _mm512_mask_storeu_ps(exps + j, k, e);
       sum = _mm512_mask_add_ps(sum, k, sum, e);
     };
-    constexpr bool kKeys = !kSumV && (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>);
+    constexpr bool kKeys = !kSumV && kSixteenBit<T>;
     if constexpr (kKeys) {
       if (n > 0 && m > 0 && m < std::numeric_limits<A>::infinity()) {
         __m512i keys = _mm512_set1_epi16(std::numeric_limits<std::int16_t>::min());

@@ -24,9 +24,6 @@ T* row(SwigluOperand op, std::int64_t r) {
   return static_cast<T*>(op.data) + r * op.row_stride;
 }
 
-template <typename T>
-constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
-
 // silu(g) = g sigmoid(g) = g / (1 + exp(-g)) (Elfwing et al. 2017) and its derivative
 // sigmoid(g) (1 + g (1 - sigmoid(g))).
 template <typename A>
