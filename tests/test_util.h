@@ -86,6 +86,74 @@ namespace meshfuse::test {
 
 inline const Device kCuda{DeviceType::CUDA, 0};
 
+// The cross-backend harness (in the spirit of ggml's test-backend-ops): each op's test file runs
+// its cases on every (backend, device) the build has, with the reference backend on the CPU as
+// the oracle. A target whose device is absent (no GPU: CI) is skipped, never dropped, so every
+// build lists the same cases.
+struct Target {
+  KernelBackend backend;
+  Device device;
+};
+
+inline std::string target_name(const Target& t) {
+  // cpu, cuda; reference on CUDA tensors (host copies) is "reference_cuda".
+  std::string name(to_string(t.backend));
+  if (t.backend == KernelBackend::Reference && t.device.type == DeviceType::CUDA) name += "_cuda";
+  return name;
+}
+
+// The optimised backends on their own devices: cpu on the CPU, cuda on GPU 0.
+inline std::vector<Target> kernel_targets() {
+  return {{KernelBackend::CPU, Device{}}, {KernelBackend::CUDA, kCuda}};
+}
+// kernel_targets() and the reference backend on the CPU and on CUDA tensors (host staging):
+// for cases with known values, where the reference is checked too.
+inline std::vector<Target> all_targets() {
+  return {{KernelBackend::Reference, Device{}},
+          {KernelBackend::CPU, Device{}},
+          {KernelBackend::Reference, kCuda},
+          {KernelBackend::CUDA, kCuda}};
+}
+
+// One parameter of a cross-backend test: where it runs and on which dtype.
+struct OpCase {
+  Target target;
+  DType dtype;
+};
+
+inline std::vector<OpCase> op_cases(const std::vector<Target>& targets,
+                                    const std::vector<DType>& dtypes = kFloatDTypes) {
+  std::vector<OpCase> out;
+  for (const Target& t : targets)
+    for (DType d : dtypes) out.push_back({t, d});
+  return out;
+}
+
+// "cpu_f32", "cuda_bf16", "reference_cuda_f16": CUDA cases carry "cuda" in their names, which
+// scripts/gpu_check.sh's sanitizer filter selects.
+inline std::string op_case_name(const ::testing::TestParamInfo<OpCase>& info) {
+  return target_name(info.param.target) + "_" + std::string(to_string(info.param.dtype));
+}
+inline std::string target_param_name(const ::testing::TestParamInfo<Target>& info) {
+  return target_name(info.param);
+}
+
+// Skips the current test when the target's device is absent.
+#define MESHFUSE_REQUIRE_TARGET(target)                                               \
+  do {                                                                                \
+    if ((target).device.type == ::meshfuse::DeviceType::CUDA &&                      \
+        ::meshfuse::cuda_device_count() == 0)                                         \
+      GTEST_SKIP() << "no CUDA device";                                               \
+  } while (false)
+
+// A copy of `t` on `device` (undefined stays undefined).
+inline Tensor on(const TensorView& t, Device device, const Stream& stream = {}) {
+  if (!t.defined()) return {};
+  Tensor out(t.shape(), t.dtype(), device, stream);
+  copy(t, out, stream);
+  return out;
+}
+
 inline Tensor to_cuda(const TensorView& t, const Stream& stream = {}) {
   Tensor out(t.shape(), t.dtype(), kCuda, stream);
   copy(t, out, stream);
