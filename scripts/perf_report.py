@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Stores benchmark runs in docs/results/ and generates docs/PERFORMANCE.md from them.
+
+    scripts/perf_report.py add --machine M --command C [--kind K] [--commit X] [--date D] FILE.json
+    scripts/perf_report.py            # regenerate docs/PERFORMANCE.md from docs/results/*.json
+
+A stored run wraps a tool's JSON output with its metadata:
+    {"machine", "command", "commit", "date", "kind", "results": <the tool's JSON>}
+Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
+torch_compare, recurrent_compare, flce_compare, comm_compare (the --json files of bench/*.py).
+Standard library only.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "results")
+REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
+KINDS = ("bench", "comm_bench", "torch_compare", "recurrent_compare", "flce_compare",
+         "comm_compare")
+
+
+def guess_kind(results):
+    """The kind of a tool's JSON output, from its shape."""
+    if isinstance(results, dict):
+        return "flce_compare" if "ratios" in results else None
+    first = results[0] if results else {}
+    if "impl" in first:
+        return "recurrent_compare" if "head_dim" in first else "torch_compare"
+    if "torch" in first and "meshfuse" in first:
+        return "comm_compare"
+    if "busbw_gbps" in first:
+        return "comm_bench"
+    if "fraction_of_peak" in first:
+        return "bench"
+    return None
+
+
+def slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower())[:40].strip("-")
+
+
+def add(args):
+    with open(args.file) as f:
+        results = json.load(f)
+    kind = args.kind or guess_kind(results)
+    if kind not in KINDS:
+        sys.exit(f"perf_report.py: cannot tell the kind of {args.file}: give --kind, one of "
+                 f"{', '.join(KINDS)}")
+    commit = args.commit or subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                           check=True, capture_output=True,
+                                           text=True).stdout.strip()
+    date = args.date or datetime.date.today().isoformat()
+    run = {"machine": args.machine, "command": args.command, "commit": commit, "date": date,
+           "kind": kind, "results": results}
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{date}-{commit}-{slug(args.machine)}-{kind}.json")
+    with open(path, "w") as f:
+        json.dump(run, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    print(f"stored {os.path.relpath(path, ROOT)}; run scripts/perf_report.py to regenerate "
+          f"{os.path.relpath(REPORT, ROOT)}")
+
+
+# --- formatting --------------------------------------------------------------------------------
+
+
+def num(v, digits=3):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def pct(v):
+    return "-" if v is None else f"{v:.1%}"
+
+
+def tflops(v):
+    return f"{v:.3g} TFLOP/s" if v < 100 else f"{v:.0f} TFLOP/s"
+
+
+def ratio(v):
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def spread(r, key="p20_ms", hi="p80_ms", digits=3):
+    return f"{r[key]:.{digits}f}-{r[hi]:.{digits}f}"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def bench_section(results):
+    """meshfuse bench --format json: one row per op and direction."""
+    rows = []
+    for r in results:
+        rate = (f"{r['gbps']:.1f} GB/s" if r.get("gbps") is not None
+                else tflops(r["tflops"]) if r.get("tflops") is not None else "-")
+        rows.append([r["op"], r["direction"], r["shape"], r["backend"], r["dtype"],
+                     num(r["median_ms"]), spread(r), rate, pct(r.get("fraction_of_peak")),
+                     r["status"]])
+    out = table(["op", "direction", "shape", "backend", "dtype", "median ms", "p20-p80 ms",
+                 "rate", "of limit", "status"], rows)
+    # The run's copy bandwidth: any memory-bound row's GB/s over its fraction of it.
+    copies = [r["gbps"] / r["fraction_of_peak"] for r in results
+              if r.get("gbps") and r.get("fraction_of_peak")]
+    notes = ["", "Limit: the copy bandwidth measured in the same run for memory-bound ops"
+             + (f" ({copies[0]:.1f} GB/s)" if copies else "")
+             + "; for GEMMs, the vendor GEMM at the same shape timed interleaved (no figure on "
+             "a GPU). Byte and FLOP formulas: [BENCHMARKING.md](BENCHMARKING.md)."]
+    return out + notes
+
+
+def torch_compare_section(results):
+    """bench/torch_compare.py --json: one row per op, direction and implementation."""
+    rows = []
+    for r in results:
+        rate = f"{r['gbps']:.1f} GB/s" if "gbps" in r else tflops(r["tflops"])
+        rows.append([r["op"], r["direction"], r["impl"], r["dtype"], num(r["median_ms"], 4),
+                     spread(r, digits=4), rate, pct(r.get("fraction_of_copy")),
+                     ratio(r["meshfuse_speedup"])])
+    copy = results[0].get("copy_gbps") if results else None
+    return table(["op", "direction", "impl", "dtype", "median ms", "p20-p80 ms", "rate", "of copy",
+                  "meshfuse speed-up"], rows) + [
+        "", "Speed-up: this implementation's median over meshfuse's (above 1: meshfuse is "
+        "faster)" + (f"; copy bandwidth {copy:.1f} GB/s, measured by the script." if copy else ".")]
+
+
+def recurrent_compare_section(results):
+    """bench/recurrent_compare.py --json: one row per op, H, direction and implementation."""
+    rows = [[r["op"], r["head_dim"], r["direction"], r["impl"], r["dtype"],
+             f"{r['batch']} x {r['seq_len']} x {r['heads']}", num(r["median_ms"]), spread(r),
+             num(r["us_per_step"], 2), pct(r.get("fraction_of_copy")), ratio(r["meshfuse_speedup"])]
+            for r in results]
+    return table(["op", "H", "direction", "impl", "dtype", "B x S x N", "median ms", "p20-p80 ms",
+                  "us per step", "of copy", "meshfuse speed-up"], rows)
+
+
+def flce_compare_section(results):
+    """bench/flce_compare.py --json: medians, peak extra memory and the ratios."""
+    a = results["args"]
+    out = [f"N = {a['tokens']}, V = {a['vocab']}, H = {a['hidden']}, {a['dtype']}, grad_weight "
+           f"{a['grad_weight_dtype']}, device {results['device']}", ""]
+    memory = results.get("memory", {})
+    rows = [[k, num(ms, 2),
+             num(memory[k]["extra_bytes"] / 2**30) if k in memory else "-"]
+            for k, ms in results["median_ms"].items()]
+    out += table(["implementation", "median ms", "peak extra GiB"], rows) + [""]
+    out += table(["ratio", "value"], [[k, num(v)] for k, v in results["ratios"].items()])
+    return out
+
+
+def comm_compare_section(results):
+    """bench/comm_compare.py --json: meshfuse's nccl against torch.distributed per size."""
+    rows = [[r["op"], r["bytes"], num(r["torch"]["busbw_gbps"], 2),
+             num(r["meshfuse"]["busbw_gbps"], 2), num(r["ratio"]), num(r["torch"]["median_us"], 1),
+             num(r["meshfuse"]["median_us"], 1)] for r in results]
+    return table(["op", "bytes", "torch busbw GB/s", "meshfuse busbw GB/s", "ratio", "torch us",
+                  "meshfuse us"], rows)
+
+
+def comm_bench_section(results):
+    """meshfuse comm-bench --format json: one row per message size."""
+    rows = [[r["op"], r["backend"], r["dtype"], r["ranks"], r["bytes"], num(r["median_us"], 1),
+             spread(r, "p20_us", "p80_us", 1), num(r["algbw_gbps"]), num(r["busbw_gbps"])]
+            for r in results]
+    return table(["op", "backend", "dtype", "ranks", "bytes", "median us", "p20-p80 us",
+                  "algbw GB/s", "busbw GB/s"], rows)
+
+
+SECTIONS = {"bench": bench_section, "comm_bench": comm_bench_section,
+            "torch_compare": torch_compare_section,
+            "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,
+            "comm_compare": comm_compare_section}
+
+
+def load_runs():
+    runs = []
+    for name in sorted(os.listdir(RESULTS)) if os.path.isdir(RESULTS) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(RESULTS, name)) as f:
+                run = json.load(f)
+            missing = {"machine", "command", "commit", "date", "kind", "results"} - run.keys()
+            if missing or run["kind"] not in SECTIONS:
+                sys.exit(f"perf_report.py: docs/results/{name}: expected the keys machine, "
+                         f"command, commit, date, kind (one of {', '.join(KINDS)}), results; "
+                         f"missing {sorted(missing)}, kind {run.get('kind')!r}")
+            run["file"] = name
+            runs.append(run)
+    return runs
+
+
+def generate():
+    runs = load_runs()
+    lines = ["# Performance", "",
+             "<!-- Generated by scripts/perf_report.py from docs/results/*.json: do not edit; "
+             "rerun the script. -->", "",
+             "Generated by `scripts/perf_report.py` from the runs stored in `docs/results/` (one "
+             "JSON file per run, added with `scripts/perf_report.py add`). Each table is one run: "
+             "its command, date, commit and machine head it. How the figures are measured: "
+             "[BENCHMARKING.md](BENCHMARKING.md); how each kernel got there: "
+             "[kernels/](kernels/README.md).", ""]
+    machines = sorted({r["machine"] for r in runs})
+    for machine in machines:
+        lines += [f"## {machine}", ""]
+        for run in sorted((r for r in runs if r["machine"] == machine),
+                          key=lambda r: (r["date"], r["kind"], r["file"]), reverse=True):
+            lines += [f"### {run['kind']}, {run['date']}, commit {run['commit']}", "",
+                      f"Machine: {machine}. Date: {run['date']}. Commit: `{run['commit']}`. "
+                      f"Command:", "", f"```sh\n{run['command']}\n```", ""]
+            lines += SECTIONS[run["kind"]](run["results"])
+            lines += ["", f"Source: `docs/results/{run['file']}`.", ""]
+    if not runs:
+        lines += ["No runs stored yet.", ""]
+    with open(REPORT, "w") as f:
+        f.write("\n".join(lines).rstrip("\n") + "\n")
+    print(f"wrote {os.path.relpath(REPORT, ROOT)} from {len(runs)} runs")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="action")
+    a = sub.add_parser("add", help="store a run's JSON in docs/results/")
+    a.add_argument("--machine", required=True, help="e.g. 'NVIDIA H200, 143771 MiB, ...'")
+    a.add_argument("--command", required=True, help="the command that produced the JSON")
+    a.add_argument("--kind", choices=KINDS, help="default: recognised from the JSON")
+    a.add_argument("--commit", help="default: git rev-parse --short HEAD")
+    a.add_argument("--date", help="YYYY-MM-DD (default: today)")
+    a.add_argument("file", help="the tool's JSON output")
+    args = p.parse_args()
+    if args.action == "add":
+        add(args)
+    else:
+        generate()
+
+
+if __name__ == "__main__":
+    main()
