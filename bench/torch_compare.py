@@ -3,7 +3,7 @@
 
 For each op and direction at a model's shapes: median / p20 / p80 time of every implementation,
 called in turn (A B C A B C ...) on the same inputs, GB/s by the byte formulas of
-shared/BENCHMARKING.md, the fraction of the machine's copy bandwidth measured in the same run
+docs/BENCHMARKING.md, the fraction of the machine's copy bandwidth measured in the same run
 (a torch copy of a buffer far larger than the last-level cache), and meshfuse's speed-up over each
 baseline (ratio of medians). Backward directions time only the backward: meshfuse's backward
 kernel against torch.autograd.grad over a graph built once.

@@ -173,7 +173,7 @@ Record time_direction(const Plan& plan, const Peaks& peaks, const std::string& o
            .dtype = std::string(to_string(plan.setup.dtype)),
            .shape = d.shape};
   std::vector<std::function<void()>> calls = {d.run};
-  if (d.blas) calls.push_back(d.blas);  // interleaved with ours (BENCHMARKING.md)
+  if (d.blas) calls.push_back(d.blas);  // interleaved with ours (docs/BENCHMARKING.md)
   // Ops run on the default stream of the tensors' device.
   const std::vector<Timing> t = time_interleaved(calls, policy, Stream{plan.setup.device});
   r.median_ms = t[0].median_ms;

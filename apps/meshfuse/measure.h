@@ -1,4 +1,4 @@
-// Measuring: timing a call (BENCHMARKING.md: warm up, many calls, median and p20/p80), this
+// Measuring (docs/BENCHMARKING.md): timing a call (warm up, many calls, median and p20/p80), this
 // machine's memory copy bandwidth and its last-level cache size.
 #pragma once
 

@@ -70,7 +70,7 @@ struct Direction {
   // products through the vendor GEMM (blas.h) to rate them against.
   double bytes = 0;
   double flops = 0;
-  std::string formula{};  // what gave bytes or flops (BENCHMARKING.md), e.g. "3·N·I·e (...)"
+  std::string formula{};  // what gave bytes or flops (docs/BENCHMARKING.md), e.g. "3·N·I·e (...)"
   std::function<void()> blas{};
   // Bytes of all tensors one call touches (for "fits in the cache" notes); 0: use `bytes`.
   double working_set = 0;
@@ -112,7 +112,7 @@ std::vector<BenchCase> pack_sequence_cases();
 
 // --- helpers for the cases ------------------------------------------------------------------
 
-// A tensor of normal(0, std) values (BENCHMARKING.md: random inputs) on the setup's device, of
+// A tensor of normal(0, std) values (docs/BENCHMARKING.md: random inputs) on the setup's device, of
 // the setup's dtype unless given; `seed` makes each input different.
 Tensor random_tensor(const BenchSetup& setup, Shape shape, std::uint64_t seed,
                      std::optional<DType> dtype = {}, double std = 1.0);

@@ -80,7 +80,7 @@ std::vector<Direction> fused_directions(const BenchSetup& s) {
   };
 
   // The residual's gradient is dx (multiplier 1): dresidual is given as dx itself, as a training
-  // step would, so the backward writes it once and moves BENCHMARKING.md's 4·N·H·e.
+  // step would, so the backward writes it once and moves 4·N·H·e (docs/BENCHMARKING.md).
   Direction backward{.kernel = "fused_residual_add_rmsnorm_backward",
                      .direction = "backward",
                      .shape = shape,
