@@ -65,8 +65,8 @@ void StreamTimer::start() {
 #ifdef MESHFUSE_WITH_CUDA
   if (begin_ != nullptr) {
     // On an idle stream the start event would fire at once and the first timed kernel only once
-    // the host had launched it (15-35 us of Python and launch time at the bench's calls): held
-    // for longer than that, the stream starts the timed work back to back with the event.
+    // the host had launched it (tens of microseconds of Python and launch time): held for longer
+    // than that, the stream starts the timed work back to back with the event.
     detail::cuda_hold(stream_, kHoldMicroseconds);
     return detail::cuda_event_record(begin_, stream_);
   }

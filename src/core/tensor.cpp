@@ -42,10 +42,8 @@ std::shared_ptr<void> allocate(Device device, std::size_t bytes, const Stream& s
   }
   // Buffers of 32 MiB or more on 2 MiB transparent huge pages, where the system gives them on
   // request (THP "madvise" or "always"; "never" turns this off): kernels streaming several such
-  // buffers take fewer TLB misses (llama-3.1-8b bf16, alternating CLI runs: rmsnorm forward 8.3-8.5
-  // against 9.0-9.3 ms, fused_residual_add_rmsnorm 17.0-17.5 against 18.9-19.6, swiglu 42.0-42.5
-  // against 47.2; the copy the CLI measures, on Tensors too, 1.04-1.06x faster). At most 2 MiB of
-  // rounding, 6% of the smallest such buffer.
+  // buffers take fewer TLB misses (docs/kernels/common.md). At most 2 MiB of rounding, 6% of the
+  // smallest such buffer.
   constexpr std::size_t kHugePage = std::size_t{2} << 20, kMinHuge = std::size_t{32} << 20;
   const bool huge = bytes >= kMinHuge;
   const std::size_t align = huge ? kHugePage : 64;

@@ -525,8 +525,7 @@ bool NcclWork::test() {
 
 void NcclWork::wait(Deadline deadline) {
   // Yield-spin through the first 2 ms (most collectives: a sleep there overshoots their end by
-  // up to its own length, measured as +50-75 us on 0.3-2 ms all_gathers with 50 us sleeps), then
-  // poll every 20 us, watching NCCL's own errors.
+  // up to its own length), then poll every 20 us, watching NCCL's own errors.
   const auto spin_until = CommClock::now() + std::chrono::milliseconds(2);
   while (true) {
     // After an abort the kernels stop early and the event completes, without the results.

@@ -1,8 +1,7 @@
 // Vectorisable math and output stores for the cpu backend (internal). glibc declares its vector
 // expf (libmvec) only under -ffast-math, which would also break NaN/inf semantics; declared for
-// `omp simd` by hand it measured no faster inside the kernels (softmax forward -3%, cross_entropy
-// forward +7%, swiglu forward 0; 2 threads, bf16) although 2x faster alone, so the kernels use the
-// exp below.
+// `omp simd` by hand it measured no faster inside the kernels, although faster alone, so the
+// kernels use the exp below (figures: docs/kernels/common.md).
 #pragma once
 
 #ifdef __linux__
@@ -134,10 +133,9 @@ inline __mmask16 tail_mask(std::int64_t j, std::int64_t n) {
 }
 
 // Brings the line 2 KB past p into L1: a loop that streams a row from memory while it computes
-// calls it once per 64 bytes (the hardware prefetchers alone left the memory reads idle: swiglu
-// forward 60-61% of copy bandwidth against 55-56%, cross_entropy forward 1.3x). The address is
-// formed as an integer: past the end of the tensor it points nowhere, which a prefetch (it never
-// faults) may do but C++ pointer arithmetic may not.
+// calls it once per 64 bytes (the hardware prefetchers alone left the memory reads idle). The
+// address is formed as an integer: past the end of the tensor it points nowhere, which a prefetch
+// (it never faults) may do but C++ pointer arithmetic may not.
 inline void prefetch_ahead(const void* p) {
   constexpr std::uintptr_t kAheadBytes = 2048;
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + kAheadBytes),
@@ -157,9 +155,9 @@ inline std::int64_t max_threads() {
 
 // A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
 // 65536 arguments, indexed by the argument's bits: one gather (lookup16) in place of the
-// arithmetic. For silu (an exp and a division) the swiglu forward's loop over L1 runs 1.7x faster
-// (bf16, N(0, 2) gates, which touch a few thousand entries: they stay in L1); for the exp alone,
-// inside the softmax and cross_entropy forward loops, it measured slower than vexp16. 256 KiB.
+// arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand entries,
+// which stay in L1); for the exp alone, inside the softmax and cross_entropy forward loops, it
+// measured slower than vexp16. 256 KiB.
 template <typename T>
 class Table16 {
   static_assert(kSixteenBit<T>);
@@ -200,16 +198,12 @@ inline void stream_fence() {
 
 // Whether a kernel touching `bytes` in all (inputs and outputs) should stream its output `out`
 // (`out_bytes` long): when they do not fit in the threads' L2 caches, and the output's pages are
-// already mapped. Measured on a 2-core VM (2 MiB L2 per core, L3 reported as 260 MiB but shared
-// with the host's other tenants), interleaved, bf16:
-// - rmsnorm forward (4096 columns) streamed against ordinary stores: equal at 2 MiB, 1.45-1.6x
-//   faster from 8 MiB to 128 MiB, 1.55x at 256 MiB (the CLI's shape, 9.3 against 14.5 ms, 3 runs
-//   each). The reported L3, the former threshold, is no guide to what a VM can keep there.
-// - A freshly allocated output (large mallocs are fresh mappings; PyTorch's CPU tensors are) is
-//   zeroed page by page into the cache by the OS on first touch; a streaming store then
-//   evicts that line and writes it again: softmax 2048 x 128256 forward 237 against 197 ms,
-//   backward 207 against 176 (PyTorch's own: 222 and 182). mincore() tells whether the page in
-//   the middle of the output is mapped yet (the first may hold the allocator's header).
+// already mapped. The L2 caches, not the L3 a VM reports (shared with other tenants), are what
+// streaming pays off past. A freshly allocated output (large mallocs are fresh mappings; PyTorch's
+// CPU tensors are) is zeroed page by page into the cache by the OS on first touch, and a streaming
+// store then evicts that line and writes it again: slower. mincore() tells whether the page in
+// the middle of the output is mapped yet (the first may hold the allocator's header). Figures:
+// docs/kernels/common.md.
 inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t out_bytes) {
   static const std::int64_t l2 = [] {
     long size = -1;
@@ -233,11 +227,9 @@ inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t 
 }
 
 // The cache level stream_out brings the next rows to. L2 (prefetcht2) suits a kernel whose next
-// pass reads its rows once more from cache with few operands (rmsnorm forward, alternating runs:
-// 82-83% of copy bandwidth against 72-78% into L1, and 69-71% against 66-67% in a later, slower
-// hour of the VM; fused with the residual 67-69% against 61-66%: the prefetches into L1 competed
-// with the streaming stores for fill buffers); kernels that read two or three rows ahead
-// measured faster with L1 (softmax and swiglu backward, 3-10%).
+// pass reads its rows once more from cache with few operands (rmsnorm forward: prefetches into
+// L1 competed with the streaming stores for fill buffers); kernels that read two or three rows
+// ahead measured faster with L1 (softmax and swiglu backward).
 enum class PrefetchTo { L1, L2 };
 
 // Up to three rows to bring into cache while stream_out writes (null entries are skipped).

@@ -13,7 +13,7 @@ namespace meshfuse::detail {
 // (release threshold: unlimited) until empty_cache, or until an allocation fails (cuda_allocate
 // then synchronises the device, trims the pool and tries once more): with the CUDA default of 0,
 // every synchronisation handed it back to the driver, and the next allocation mapped it anew
-// (about 30 us for a 32 MiB cuBLASLt workspace on an H200, in front of every GEMM).
+// (host time in front of every GEMM, for its cuBLASLt workspace).
 cudaMemPool_t memory_pool(int device_index);
 
 DeviceMemoryStats cuda_memory_stats(int device_index);

@@ -1,12 +1,9 @@
 // CUDA cross-entropy. The forward streams a row's logits once with one block per row (online
-// log-sum-exp in fp32, the sum of the logits only with label smoothing: that one add per logit
-// took the forward from 91% to 77% of copy bandwidth; the label's logit loaded at the start), writes lse and the row's loss in double to a scratch buffer, and a single block sums
-// those in a fixed order for mean and sum. The backward reads a row once and writes its gradient,
-// each row split over two independent blocks (kBackwardSplit).
-// Measured on an H200 at llama-3.1-8b (V = 128256, bf16, 16384 rows), as fractions of copy
-// bandwidth: the forward 60% with one block per row against 57%, 42% and 26% with the row over a
-// cluster of 2, 4 or 8 blocks; the backward 86% over 2 (or 4) blocks against 82% over one and
-// 79% over 8.
+// log-sum-exp in fp32; the sum of the logits only with label smoothing, as its add per logit costs
+// memory rate; the label's logit loaded at the start), writes lse and the row's loss in double to
+// a scratch buffer, and a single block sums those in a fixed order for mean and sum. The backward
+// reads a row once and writes its gradient, each row split over two independent blocks
+// (kBackwardSplit). Both splits were the fastest measured (docs/kernels/cross_entropy.md).
 //
 // Labels: a bad label must raise the op's error (naming the row and the value) with nothing
 // written. A one-block check kernel runs first; it writes its verdict (bad row and value, rows not
@@ -17,8 +14,7 @@
 // wait on the work queued before the op (any op that reports a device-side error from the call
 // itself needs that wait). The backward's check kernel also writes the upstream gradient per row
 // (scaled by 1 / count for mean), so nothing needs the count on the host before the row kernel.
-// Waiting for the check before queuing the row kernels measured 57% of copy bandwidth in the
-// forward (against 60%) and 71-74% in the backward (against 82%, both with one block per row).
+// Waiting for the check before queuing the row kernels measured clearly slower.
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"

@@ -1,10 +1,9 @@
 // CPU GEMM. f32, bf16 and f16 run on oneDNN's sgemm with both operands row-major (16-bit ones
 // widened to f32 block by block: fp32 products and accumulation, rounded once; gemm_row_major says
-// why); f64 runs on OpenBLAS's dgemm. Why these libraries (bench/blas_choice.cpp, 2 threads,
-// M=1024 K=4096): oneDNN's f32 GEMMs equal OpenBLAS's sgemm where OpenBLAS is told the CPU
-// (OPENBLAS_CORETYPE=SkylakeX) and are 3-5x faster than the kernels OpenBLAS 0.3.21 picks by itself
-// on this CPU (Prescott); oneDNN's native bf16 matmul (avx512_core_bf16) is slower than widening to
-// f32; neither library has an f16 GEMM here, and oneDNN has no f64.
+// why); f64 runs on OpenBLAS's dgemm. Why these libraries (bench/blas_choice.cpp): oneDNN's f32
+// GEMMs need no hint of the CPU, where OpenBLAS picks generic kernels unless OPENBLAS_CORETYPE is
+// set; oneDNN's native bf16 matmul is slower than widening to f32; neither library has an f16
+// GEMM, and oneDNN has no f64. Figures: docs/kernels/gemm.md.
 #include <cblas.h>
 
 #include <algorithm>
@@ -109,7 +108,7 @@ void copy_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d) {
 
 // Scratch buffer `slot` (0..2) of at least n floats, kept per thread across calls: a fresh 16-96
 // MiB allocation per GEMM is fresh pages from the kernel every time (mmap, or the heap trimmed
-// after the free), and faulting them in cost 5-10% of a llama-3.2-1b linear on 2 cores.
+// after the free), and faulting them in costs a noticeable part of a linear.
 float* scratch(int slot, std::int64_t n) {
   thread_local Tensor buffers[3];  // 64-byte aligned, for transpose_tile's streaming stores
   Tensor& b = buffers[slot];
@@ -122,9 +121,8 @@ float* scratch(int slot, std::int64_t n) {
 
 // out[i * ldo + j] = src[j * ld + i] as f32, for i < ni <= 16 and j < nj <= 16. With AVX-512, a
 // transpose in registers, whose whole 64-byte rows go out as streaming stores: ordinary ones first
-// read each line of out, a power of two floats apart, and the reads do not overlap (a 2048 x 8192
-// bf16 operand: 3.3 ms against 7.8, widening it without the transpose 2.6-3.7). A scalar transpose
-// through memory took 20 ms.
+// read each line of out, a power of two floats apart, and the reads do not overlap. A scalar
+// transpose through memory was several times slower.
 template <typename T>
 void transpose_tile(const T* src, std::int64_t ld, std::int64_t ni, std::int64_t nj, float* out,
                     std::int64_t ldo, bool stream) {
@@ -179,9 +177,8 @@ void transpose_tile(const T* src, std::int64_t ld, std::int64_t ni, std::int64_t
 
 // Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block with
 // leading dim cols: in place when x is f32 and laid out as the copy would be, else widened and/or
-// transposed into scratch `slot`. Blocks past the L2 caches go out with streaming stores (widening
-// a 2048 x 8192 bf16 operand took the llama-3.2-1b linear backward from 89-92% to 91-94% of
-// sgemm's rate); each thread fences them before sgemm's threads read them.
+// transposed into scratch `slot`. Blocks past the L2 caches go out with streaming stores (they
+// measured faster); each thread fences them before sgemm's threads read them.
 template <typename T>
 const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std::int64_t rows,
                        std::int64_t c0, std::int64_t cols, int slot) {
@@ -237,10 +234,7 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 // blocks, their leading dims and their alignment depend on m, n and k alone, never on how A and B
 // are stored, so a transposed view gives bitwise its contiguous copy's result: sgemm's sums follow
 // its transpose flags, and so, at some shapes, do those of oneDNN's matmul primitive (f32 20 x
-// 1504 x 1100), which ran here before. Alternating CLI runs at llama-3.2-1b's linears, of sgemm's
-// rate at the same shape and layouts: bf16 forward 94-105% and backward 91-95% (84-85% on the
-// matmul primitive, slower where B is not transposed); f32 forward 93-108% (106-115%: it now
-// copies the transposed weight) and backward 94-100% (95-97%).
+// 1504 x 1100), which ran here before (its rates, and this loop's: docs/kernels/gemm.md).
 template <typename T>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {

@@ -29,7 +29,7 @@
 // rows come from global memory off that path: predicated loads (load_if, no branch, so nothing
 // waits at the load) kept as raw bits until used; with constant sizes they are issued a whole step
 // ahead. (Loads in branches whose value was converted inside the branch made every step wait for
-// memory once per owned value: ~7 us per step.)
+// memory once per owned value.)
 //
 // Broadcast inputs (fewer heads than N) get their gradient per head in an fp32 scratch tensor that
 // a second kernel adds up per source head.

@@ -2,11 +2,10 @@
 // `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
 // Two passes per row, which stays in cache: the statistics, then the outputs through stream_out,
 // which brings the next row into cache meanwhile (into L2 in the forward: see PrefetchTo). The
-// fused forward writes r in its statistics pass, so that both passes move data (69% of copy
-// bandwidth against 66% with r written in a pass of its own). The loops are bound by vector
-// arithmetic as much as by memory, hence the multiplier's multiply only where it is not 1.
-// Writing y of row i - 1 in the loop that reads row i (a software pipeline: every block reads and
-// writes memory at once) measured slower: fused 19.5-22.4 against 27-28 GB/s.
+// fused forward writes r in its statistics pass, so that both passes move data (faster than r in
+// a pass of its own). The loops are bound by vector arithmetic as much as by memory, hence the
+// multiplier's multiply only where it is not 1. A software pipeline (y of row i - 1 written in the
+// loop that reads row i) measured slower. Figures: docs/kernels/rmsnorm.md.
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
 // block order, so the result does not depend on the thread count either.
 #include <algorithm>

@@ -3,16 +3,12 @@
 // Forward: a row stays in registers as stored (x and residual) across the reduction of sum(r^2),
 // then y and r are written: every row is read once. Rows of up to 512 16-byte vectors (bf16 H =
 // 4096) go to groups of 64 threads with up to 8 vectors each, two rows per 128-thread block (one
-// barrier per row): at bf16 H = 4096 on an H200, 64 threads x 8 vectors per row measured 82% of
-// copy bandwidth (fused with the residual add: 93%, as before), against 72% for a 256-thread block
-// per row with 2 vectors each, 79-81% for 128 x 4 or 256 x 2 under other register limits, and
-// 70-76% for a warp per row with 16 vectors. Wider rows take one block per row, 2 vectors per
-// thread.
+// barrier per row), the fastest of the layouts measured (docs/kernels/rmsnorm.md). Wider rows take
+// one block per row, 2 vectors per thread.
 //
 // Backward: each block walks a fixed range of rows with one 16-byte vector per thread per row (512
 // threads at bf16 H = 4096), the next row's loads in flight while the current row is reduced and
-// written: 86% of copy bandwidth at bf16 H = 4096, against 61-80% with 2 vectors per thread or a
-// cp.async ring of 3-4 rows in shared memory, and 76% with two rows per barrier pair (spills).
+// written (faster than 2 vectors per thread, a cp.async ring, or two rows per barrier pair).
 // Each thread sums dy * n for its columns in registers and writes the block's partial row once; a
 // second kernel, launched as a programmatic dependent, adds the partial rows in a fixed order. No
 // float atomics, and dweight's bits depend on the shape only (not on the vector width or the
@@ -267,7 +263,7 @@ __device__ __forceinline__ void write_grads(const RmsNormBackwardArgs& a, std::i
 
 // dweight_kernel is launched as a programmatic dependent of the backward kernels (sm_90): its
 // launch starts while they run, and it waits for their completion (and their partial rows) in
-// griddepcontrol.wait. That hides the second launch: +1.3% of copy bandwidth at bf16 H = 4096.
+// griddepcontrol.wait. That hides the second launch.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");

@@ -2,12 +2,11 @@
 //
 // Two passes over the row (max, then the exp-sum) rather than one online pass that rescales the
 // running sum (Milakov & Gimelshein 2018): rows up to ~500k f32 fit in L2, so the second pass
-// does not reach memory, the kernel is bound by exp, and two passes measured 3-8% faster
-// (V = 128256, one thread, f32 and bf16). The max pass, bound by memory, runs one row ahead inside
-// the exp pass (row_sum_exp_next_max), so the two overlap; it prefetches that row 2 KB ahead
-// (prefetch_ahead; llama-3.1-8b, bf16, alternating CLI runs: cross_entropy forward 19.5 against
-// 26 ms, softmax forward 34-36 against 38-43 ms). A table of exp at every 16-bit logit (as the
-// swiglu forward's silu, Table16) measured slower inside these loops: 20-21 against 19.5 ms.
+// does not reach memory, the kernel is bound by exp, and two passes measured faster. The max
+// pass, bound by memory, runs one row ahead inside the exp pass (row_sum_exp_next_max), so the two
+// overlap; it prefetches that row 2 KB ahead (prefetch_ahead). A table of exp at every 16-bit
+// logit (as the swiglu forward's silu, Table16) measured slower inside these loops: the gather
+// costs as much as the polynomial. Figures: docs/kernels/softmax.md.
 #pragma once
 
 #include <bit>

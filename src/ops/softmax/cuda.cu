@@ -7,21 +7,11 @@
 // cluster's combine, writes its part from shared memory. A cluster takes up to kForwardRows rows
 // in turn: a thread copies the next row's vector into each slot as soon as it has written that
 // slot's outputs, so the next part loads while this one is written, in the same shared memory.
-// At llama-3.1-8b's vocabulary (128256, bf16, 16384 rows) on an H200 it measured 86.6-86.7% of
-// copy bandwidth (84.4-84.5% with one row per cluster and no overlap). The packed max (+3%), the
-// division in the exponent (+1%) and block-level statistics (no per-thread rescaling) each took
-// instructions out (ncu: 62% of issue slots busy at 74% of DRAM bandwidth). Earlier forms: 57-72%
-// with 32 or 96 KB parts or 256 threads, 45-65% reading the row twice (streamed over 1, 4 or 8
-// blocks), 47% holding it in registers; against 84.5-86% for one row per cluster: one TMA bulk
-// copy per part (cp.async.bulk and an mbarrier) 78-79%, persistent clusters looping over every
-// row 79% (64-69% double-buffered in twice the shared memory), four partial sums per thread, one
-// block reduction of (max, sum) pairs, or L2 eviction hints (evict_first, .cs stores) no better;
-// the exps kept in registers until the output (one exp per value; 64 registers, so 8-block
-// clusters of 32 KB parts, 2 blocks per SM) 59% against 87.8%.
+// The kernel is bound by instruction issue as much as by memory, so the packed max, the division
+// in the exponent and block-level statistics (no per-thread rescaling) each take instructions out.
 // Backward (dx = m * y * (dy - sum dy * y)): y and dy held in registers, up to 4 vectors of each
-// per thread of 512-thread blocks: 85% of copy bandwidth at the same shape, against 77-80% for
-// the shared-memory version and 58-73% streamed. Rows too long for 8 such blocks take the
-// shared-memory version.
+// per thread of 512-thread blocks, the fastest form measured; rows too long for 8 such blocks take
+// the shared-memory version. The forms tried and their figures: docs/kernels/softmax.md.
 //
 // Rows too long for 8 blocks' shared memory, and rows that are not whole aligned 16-byte vectors,
 // take a streamed kernel: one block per row, an online pass for the statistics, then a second
@@ -43,8 +33,8 @@ namespace {
 // still read the row once, with fewer blocks per SM. 8 blocks: the portable cluster size.
 constexpr std::size_t kPartBytes = 64 * 1024;
 constexpr int kMaxCluster = 8;
-// Rows each forward cluster takes in turn at large batches (the header says why; 2 rows measured
-// 83.6% of copy bandwidth, 8 rows 85.9%, 4 rows 86.6-86.7%).
+// Rows each forward cluster takes in turn at large batches (the header says why; 4 measured
+// faster than 2 or 8: docs/kernels/softmax.md).
 constexpr std::int64_t kForwardRows = 4;
 
 // Copies this thread's vectors of a part into shared memory (cp.async: no registers, all in

@@ -1,12 +1,9 @@
 // CPU SwiGLU: rows split over OpenMP threads. For 16-bit gates, silu and its derivative come
-// from tables of their 65536 values (silu_table: bf16, llama-3.1-8b shapes, alternating CLI runs:
-// forward 70-72% of copy bandwidth against 61-62% with the exp and division; backward 100
-// against 112-114 ms); contiguous rows run AVX-512 loops (gathers), strided ones (the
+// from tables of their 65536 values (silu_table: one gather in place of the exp and the division,
+// faster in both directions); contiguous rows run AVX-512 loops (gathers), strided ones (the
 // interleaved layout) and f32/f64 loops vectorised by the compiler. The AVX-512 loops prefetch
-// their inputs 2 KB ahead into L1 (prefetch_ahead: forward 60-61% against 55-56%, before the
-// tables; 4 KB ahead the same, into L2 58-60%); prefetching the next row's gate and up instead,
-// while a row's output is written (as the multi-pass kernels do), measured slower: 48% against
-// 58%.
+// their inputs 2 KB ahead into L1 (prefetch_ahead), which measured faster than prefetching the
+// next row while a row's output is written. Figures: docs/kernels/swiglu.md.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,15 +1,13 @@
 // CUDA SwiGLU on a 2-D grid: x over a row's column vectors, y over rows (a grid-stride loop past
 // the grid's 65535 rows), so no thread divides to find its row and column: the 64-bit division
-// per item of a flat grid-stride loop held the bf16 forward at 88% of copy bandwidth (llama-3.1-8b
-// on an H200, torch.compile's 95-98%). Each thread moves 16 bytes of every operand per item when
-// the rows allow it, else one element.
+// per item of a flat grid-stride loop held the forward below the copy's rate. Each thread moves 16
+// bytes of every operand per item when the rows allow it, else one element.
 //
 // The 16-bit forward computes silu with the fast exp and division (__expf: 2 + 1.173 |g| ulp,
 // __fdividef: 2 ulp; together a relative error below 1.3e-5 over the range where e^-g is finite,
 // under a tenth of an f16 ulp before the single rounding) in at most 32 registers, so 16 blocks
-// of 128 threads fill an SM. bf16 at llama-3.1-8b on an H200: 98-102% of copy bandwidth,
-// 1.01-1.05x torch.compile in the same runs, against 88-90% with IEEE division (whose slow path
-// spilled at 32 registers) at 46 registers. __fdividef returns 0 for divisors in (2^126, 2^128):
+// of 128 threads fill an SM (IEEE division's slow path spilled at 32 registers, and at 46 fewer
+// blocks fit; docs/kernels/swiglu.md). __fdividef returns 0 for divisors in (2^126, 2^128):
 // for g in (-88.7, -87.3) the output is 0 instead of at most |u| * 1.1e-36.
 #include <algorithm>
 
@@ -128,8 +126,7 @@ int vector_width(const SwigluShape& s, bool interleaved, std::initializer_list<S
 }
 
 // The 2-D launch of a kernel moving n elements per thread: a row's vectors over x (blocks of up
-// to 128 threads), rows over y. 128-thread blocks measured 97% of copy bandwidth in the bf16
-// forward at llama-3.1-8b (16384 x 14336, H200) against 90-93% with 256 and 88% with 512.
+// to 128 threads), rows over y. 128-thread blocks measured faster than 256 or 512.
 template <typename... P, typename... Args>
 void launch_rows(void (*kernel)(P...), const SwigluShape& s, int n, const Stream& stream,
                  Args... args) {
