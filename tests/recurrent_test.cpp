@@ -1,6 +1,10 @@
+// rnn and gru, forward and backward, padded and packed (cu_seqlens), on every backend the build
+// has against the reference backend on the CPU; CUDA cases skip without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -11,15 +15,18 @@
 namespace meshfuse {
 namespace {
 
+using test::kCuda;
 using test::randn;
+using test::to_cpu;
 using test::values;
 
 // One RNN or GRU problem: inputs and weights in GruParams' order (candidate, forget, reset; the
-// RNN has only the first), the optional input state, and the storage behind the views.
+// RNN has only the first), the optional input state and cu_seqlens, and the storage behind the
+// views (which may be strided).
 struct Problem {
   bool gru = false;
   std::vector<TensorView> inputs, weights;
-  TensorView state;
+  TensorView state, cu;
   std::vector<Tensor> storage;
 
   TensorView own(Tensor t) {
@@ -28,37 +35,69 @@ struct Problem {
   }
   int pairs() const { return gru ? 3 : 1; }
   DType dtype() const { return inputs[0].dtype(); }
+  Device device() const { return inputs[0].device(); }
   std::int64_t head_dim() const { return inputs[0].size(-1); }
+  bool packed() const { return cu.defined(); }
+  std::int64_t batch() const { return packed() ? cu.size(0) - 1 : inputs[0].size(0); }
   std::int64_t heads() const {
-    std::int64_t n = state.defined() ? state.size(1) : 0;
+    std::int64_t n = state.defined() ? state.size(1) : 1;
     for (int k = 0; k < pairs(); ++k) n = std::max({n, inputs[k].size(-2), weights[k].size(0)});
     return n;
+  }
+  Shape output_shape() const {
+    Shape s = inputs[0].shape();
+    s[s.size() - 2] = heads();
+    return s;
   }
   GruParams params() const {
     return {inputs[0], weights[0], inputs[1], weights[1], inputs[2], weights[2]};
   }
 };
 
-std::int64_t batch_of(const Problem& p, const TensorView& cu) {
-  return cu.defined() ? cu.size(0) - 1 : p.inputs[0].size(0);
+// Contiguous copies of every tensor of p on `device`.
+Problem on(const Problem& p, Device device, const Stream& stream) {
+  Problem q;
+  q.gru = p.gru;
+  for (int k = 0; k < p.pairs(); ++k) {
+    q.inputs.push_back(q.own(test::on(p.inputs[k], device, stream)));
+    q.weights.push_back(q.own(test::on(p.weights[k], device, stream)));
+  }
+  if (p.state.defined()) q.state = q.own(test::on(p.state, device, stream));
+  if (p.cu.defined()) q.cu = q.own(test::on(p.cu, device, stream));
+  return q;
 }
 
-// Random inputs (std 1), weights (std 1/sqrt(H): the state neither dies nor saturates) and state.
-// `lead` is (B, S) padded or (T,) packed; head counts per tensor default to `heads`.
-Problem random_problem(bool gru, DType dtype, Shape lead, std::int64_t batch, std::int64_t heads,
-                       std::int64_t h, std::uint64_t seed, bool with_state = true,
-                       std::int64_t input_heads = 0, std::int64_t weight_heads = 0) {
+Tensor cu_seqlens(const std::vector<std::int64_t>& offsets, DType dtype = DType::I64) {
+  Tensor t({static_cast<std::int64_t>(offsets.size())}, DType::I64);
+  std::copy(offsets.begin(), offsets.end(), t.data_ptr<std::int64_t>());
+  if (dtype == DType::I64) return t;
+  Tensor c(t.shape(), dtype);
+  copy(t, c);
+  return c;
+}
+
+// Head counts per tensor; 0 = N.
+struct Heads {
+  std::int64_t inputs[3] = {0, 0, 0}, weights[3] = {0, 0, 0};
+};
+
+// Random inputs (std 1), weights (std 1/sqrt(H): the state neither dies nor saturates) and state
+// (std 0.5), on the CPU. `lead` is (B, S), or (T,) with cu.
+Problem random_problem(bool gru, DType dtype, Shape lead, std::int64_t heads, std::int64_t h,
+                       std::uint64_t seed, const Tensor& cu = {}, bool with_state = true,
+                       Heads counts = {}) {
   Problem p;
   p.gru = gru;
+  if (cu.defined()) p.cu = p.own(cu);
   for (int k = 0; k < p.pairs(); ++k) {
     Shape shape = lead;
-    shape.push_back(input_heads > 0 ? input_heads : heads);
+    shape.push_back(counts.inputs[k] > 0 ? counts.inputs[k] : heads);
     shape.push_back(h);
     p.inputs.push_back(p.own(randn(shape, dtype, seed + 10 * k)));
-    p.weights.push_back(p.own(randn({weight_heads > 0 ? weight_heads : heads, h, h}, dtype,
-                                    seed + 10 * k + 1, 1.0 / std::sqrt(double(h)))));
+    p.weights.push_back(p.own(randn({counts.weights[k] > 0 ? counts.weights[k] : heads, h, h},
+                                    dtype, seed + 10 * k + 1, 1.0 / std::sqrt(double(h)))));
   }
-  if (with_state) p.state = p.own(randn({batch, heads, h}, dtype, seed + 100, 0.5));
+  if (with_state) p.state = p.own(randn({p.batch(), heads, h}, dtype, seed + 100, 0.5));
   return p;
 }
 
@@ -66,15 +105,14 @@ struct Forward {
   Tensor output, final_state;
 };
 
-Forward forward(const Problem& p, const TensorView& cu = {}, std::int64_t max_seqlen = -1) {
-  Shape out_shape = p.inputs[0].shape();
-  out_shape[out_shape.size() - 2] = p.heads();
-  Forward f{Tensor(out_shape, p.dtype()),
-            Tensor({batch_of(p, cu), p.heads(), p.head_dim()}, p.dtype())};
+// The forward of p, its results on p's device.
+Forward forward(const Problem& p, const Stream& stream = {}, std::int64_t max_seqlen = -1) {
+  Forward f{Tensor(p.output_shape(), p.dtype(), p.device(), stream),
+            Tensor({p.batch(), p.heads(), p.head_dim()}, p.dtype(), p.device(), stream)};
   if (p.gru)
-    gru(p.params(), p.state, f.output, f.final_state, cu, max_seqlen);
+    gru(p.params(), p.state, f.output, f.final_state, p.cu, max_seqlen, stream);
   else
-    rnn(p.inputs[0], p.weights[0], p.state, f.output, f.final_state, cu, max_seqlen);
+    rnn(p.inputs[0], p.weights[0], p.state, f.output, f.final_state, p.cu, max_seqlen, stream);
   return f;
 }
 
@@ -83,150 +121,382 @@ struct Grads {
   Tensor state;
 };
 
-// The backward at the forward output `output`, upstream gradients dy and dhn (each optional).
+// The backward of p at the forward output `output`, upstream gradients dy and dhn (each
+// optional); grad_input_state when p has a state. Results on p's device, in outputs the op
+// writes whole (never pre-zeroed).
 Grads backward(const Problem& p, const TensorView& output, const TensorView& dy,
-               const TensorView& dhn, std::optional<double> clip = std::nullopt,
-               const TensorView& cu = {}, std::int64_t max_seqlen = -1) {
+               const TensorView& dhn, std::optional<double> clip, const Stream& stream = {},
+               std::int64_t max_seqlen = -1) {
   Grads g;
   for (int k = 0; k < p.pairs(); ++k) {
-    g.inputs.push_back(Tensor::zeros(p.inputs[k].shape(), p.dtype()));
-    g.weights.push_back(Tensor::zeros(p.weights[k].shape(), p.dtype()));
+    g.inputs.emplace_back(p.inputs[k].shape(), p.dtype(), p.device(), stream);
+    g.weights.emplace_back(p.weights[k].shape(), p.dtype(), p.device(), stream);
   }
-  if (p.state.defined()) g.state = Tensor::zeros(p.state.shape(), p.dtype());
+  if (p.state.defined()) g.state = Tensor(p.state.shape(), p.dtype(), p.device(), stream);
   if (p.gru) {
     const GruParams grads{g.inputs[0],  g.weights[0], g.inputs[1],
                           g.weights[1], g.inputs[2],  g.weights[2]};
-    gru_backward(dy, dhn, output, p.params(), p.state, grads, g.state, clip, cu, max_seqlen);
+    gru_backward(dy, dhn, output, p.params(), p.state, grads, g.state, clip, p.cu, max_seqlen,
+                 stream);
   } else {
     rnn_backward(dy, dhn, output, p.weights[0], p.state, g.inputs[0], g.weights[0], g.state, clip,
-                 cu, max_seqlen);
+                 p.cu, max_seqlen, stream);
   }
   return g;
 }
 
-// Upstream gradients for a forward result.
-struct Upstream {
-  Tensor dy, dhn;
+Forward to_host(const Forward& f, const Stream& stream) {
+  return {to_cpu(f.output, stream), to_cpu(f.final_state, stream)};
+}
+
+Grads to_host(const Grads& g, const Stream& stream) {
+  Grads h;
+  for (const Tensor& t : g.inputs) h.inputs.push_back(to_cpu(t, stream));
+  for (const Tensor& t : g.weights) h.weights.push_back(to_cpu(t, stream));
+  if (g.state.defined()) h.state = to_cpu(g.state, stream);
+  return h;
+}
+
+// How close a backend comes to the reference: |actual - expected| <= tol * (floor + |expected|).
+// Gradients are sums over many steps whose terms cancel, so cuda's errors (other summation
+// orders, fp32 state) are held to the tensor's scale: floor = max |expected|, f64 to 1e-10. The
+// cpu backend (and the reference against itself) is held to each element, floor 1.
+struct Bound {
+  double tol;
+  bool tensor_scale;
 };
-Upstream random_upstream(const Forward& f, std::uint64_t seed) {
-  return {randn(f.output.shape(), f.output.dtype(), seed),
-          randn(f.final_state.shape(), f.output.dtype(), seed + 1)};
+
+Bound bound(KernelBackend backend, DType dtype) {
+  const bool cuda = backend == KernelBackend::CUDA;
+  switch (dtype) {
+    case DType::F64:
+      return {cuda ? 1e-10 : testing::default_tolerance(dtype), cuda};
+    case DType::F32:
+      return {1e-4, cuda};  // fp32 state and sums against double ones, through chained steps
+    default:
+      return {testing::default_tolerance(dtype), cuda};
+  }
 }
 
-double max_abs(const TensorView& t) {
-  double m = 0;
-  for (double v : values(t)) m = std::max(m, std::fabs(v));
-  return m;
+std::string index_str(const Shape& shape, std::int64_t flat) {
+  std::vector<std::int64_t> idx(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    idx[d] = shape[d] > 0 ? flat % shape[d] : 0;
+    flat = shape[d] > 0 ? flat / shape[d] : 0;
+  }
+  std::ostringstream s;
+  s << "[";
+  for (std::size_t d = 0; d < idx.size(); ++d) s << (d ? ", " : "") << idx[d];
+  s << "]";
+  return s.str();
 }
 
-// |actual - expected| <= tol * (max |expected| + |expected|): gradients are sums over many steps
-// whose terms cancel, so the error scales with the tensor's magnitude, not each element's.
-void expect_near(const TensorView& actual, const TensorView& expected, double tol,
+// EXPECT `actual` within `b` of `expected` everywhere (CPU tensors) and NaN / inf in the same
+// places. A failure names the worst element: index, both values, the error.
+void expect_near(const TensorView& actual, const TensorView& expected, Bound b,
                  const std::string& what) {
-  test::expect_close(actual, expected, tol, what);
-  const testing::Diff d =
-      testing::compare(actual, expected, tol * std::max(1.0, max_abs(expected)), tol);
-  EXPECT_EQ(d.violations, 0) << what << ": max abs err " << d.max_abs_err << " (tol " << tol << ")";
+  ASSERT_EQ(actual.shape(), expected.shape()) << what;
+  const std::vector<double> a = values(actual), e = values(expected);
+  double floor = 1;
+  if (b.tensor_scale) {
+    floor = 0;
+    for (double v : e)
+      if (std::isfinite(v)) floor = std::max(floor, std::fabs(v));
+  }
+  std::int64_t bad = 0, worst = -1;
+  double worst_ratio = 0, max_err = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    double ratio;
+    if (!std::isfinite(a[i]) || !std::isfinite(e[i])) {
+      const bool same = (std::isnan(a[i]) && std::isnan(e[i])) || a[i] == e[i];
+      ratio = same ? 0.0 : INFINITY;
+    } else {
+      const double err = std::fabs(a[i] - e[i]);
+      max_err = std::max(max_err, err);
+      ratio = err / (b.tol * (floor + std::fabs(e[i])) + 1e-300);
+    }
+    if (ratio > 1) ++bad;
+    if (ratio > worst_ratio || worst < 0) {
+      worst_ratio = ratio;
+      worst = static_cast<std::int64_t>(i);
+    }
+  }
+  if (bad == 0) return;
+  ADD_FAILURE() << what << " " << shape_str(expected.shape()) << ": " << bad << " of " << a.size()
+                << " elements off; max abs err " << max_err << " (tol " << b.tol << " x (" << floor
+                << " + |expected|)); worst at " << index_str(expected.shape(), worst) << ": got "
+                << a[worst] << ", expected " << e[worst];
 }
 
-void expect_grads_near(const Grads& a, const Grads& b, double tol, const std::string& what) {
+void expect_bitwise(const TensorView& a, const TensorView& b, const std::string& what) {
+  EXPECT_TRUE(testing::bitwise_equal(a, b)) << what << " differs bitwise " << shape_str(a.shape());
+}
+
+const char* kGradName[3] = {"candidate", "forget", "reset"};
+
+void expect_grads_near(const Grads& a, const Grads& b, Bound bound, const std::string& what) {
   for (std::size_t k = 0; k < a.inputs.size(); ++k) {
-    expect_near(a.inputs[k], b.inputs[k], tol, what + " grad input " + std::to_string(k));
-    expect_near(a.weights[k], b.weights[k], tol, what + " grad weight " + std::to_string(k));
+    expect_near(a.inputs[k], b.inputs[k], bound, what + ": grad input (" + kGradName[k] + ")");
+    expect_near(a.weights[k], b.weights[k], bound, what + ": grad weight (" + kGradName[k] + ")");
   }
-  if (a.state.defined()) {
-    expect_near(a.state, b.state, tol, what + " grad input_state");
-  }
+  ASSERT_EQ(a.state.defined(), b.state.defined());
+  if (a.state.defined()) expect_near(a.state, b.state, bound, what + ": grad input_state");
 }
 
 void expect_grads_bitwise(const Grads& a, const Grads& b, const std::string& what) {
   for (std::size_t k = 0; k < a.inputs.size(); ++k) {
-    EXPECT_TRUE(testing::bitwise_equal(a.inputs[k], b.inputs[k])) << what << " input " << k;
-    EXPECT_TRUE(testing::bitwise_equal(a.weights[k], b.weights[k])) << what << " weight " << k;
+    expect_bitwise(a.inputs[k], b.inputs[k], what + ": grad input " + kGradName[k]);
+    expect_bitwise(a.weights[k], b.weights[k], what + ": grad weight " + kGradName[k]);
   }
-  if (a.state.defined()) {
-    EXPECT_TRUE(testing::bitwise_equal(a.state, b.state)) << what << " input_state";
-  }
+  if (a.state.defined()) expect_bitwise(a.state, b.state, what + ": grad input_state");
 }
 
-double tolerance(DType dtype) {
-  // f32: fp32 state and sums against double ones, through a few dozen chained steps.
-  return dtype == DType::F32 ? 1e-4 : testing::default_tolerance(dtype);
-}
-
-// The cpu backend against the reference, forward and backward; the backward of both runs at the
-// reference's forward output (so that rounding differences of the forward do not carry over).
-void expect_cpu_matches_reference(const Problem& p, const TensorView& cu = {},
-                                  std::optional<double> clip = std::nullopt) {
-  const double tol = tolerance(p.dtype());
-  Forward ref;
-  {
-    ForceKernelBackend force(KernelBackend::Reference);
-    ref = forward(p, cu);
-  }
-  const Forward cpu = forward(p, cu);
-  expect_near(cpu.output, ref.output, tol, "output");
-  expect_near(cpu.final_state, ref.final_state, tol, "final_state");
-  const Upstream up = random_upstream(ref, 77);
-  Grads ref_grads;
-  {
-    ForceKernelBackend force(KernelBackend::Reference);
-    ref_grads = backward(p, ref.output, up.dy, up.dhn, clip, cu);
-  }
-  expect_grads_near(backward(p, ref.output, up.dy, up.dhn, clip, cu), ref_grads, tol, "cpu");
-}
-
-Tensor cu_seqlens(std::vector<std::int64_t> offsets, DType dtype = DType::I64) {
-  Tensor t({static_cast<std::int64_t>(offsets.size())}, dtype);
-  for (std::size_t i = 0; i < offsets.size(); ++i) {
-    if (dtype == DType::I64)
-      t.data_ptr<std::int64_t>()[i] = offsets[i];
-    else
-      t.data_ptr<std::int32_t>()[i] = static_cast<std::int32_t>(offsets[i]);
-  }
-  return t;
-}
-
-class RecurrentTest : public ::testing::TestWithParam<std::tuple<bool, DType>> {
- protected:
-  bool gru() const { return std::get<0>(GetParam()); }
-  DType dtype() const { return std::get<1>(GetParam()); }
+// The upstream gradients of expect_matches_reference: which are given, their scale, the clip.
+struct Upstream {
+  bool dy = true, dhn = true;
+  double scale = 1.0;
+  std::optional<double> clip{};
 };
 
-TEST_P(RecurrentTest, CpuMatchesReferenceOnPaddedInputAtOddHeadSizes) {
-  for (std::int64_t h : {1, 5, 73}) {  // 73: register blocks of 64 and 8 columns, then one
-    const Problem p = random_problem(gru(), dtype(), {3, 6}, 3, 2, h, 10 + h);
-    expect_cpu_matches_reference(p);
+std::string describe(bool gru, std::int64_t h, const std::string& more = "") {
+  return std::string(gru ? "gru" : "rnn") + " H=" + std::to_string(h) + more;
+}
+
+// One case of the cross-backend suites: rnn or gru, and the OpCase. The target's backend is
+// forced for the whole test (the oracle nests its own guard), its tensors live on the target's
+// device and its work runs on `stream`.
+class RecurrentCase : public ::testing::TestWithParam<std::tuple<bool, test::OpCase>> {
+ protected:
+  void SetUp() override { MESHFUSE_REQUIRE_TARGET(target); }
+
+  Tensor on(const TensorView& t) const { return test::on(t, target.device, stream); }
+  Problem on(const Problem& p) const { return meshfuse::on(p, target.device, stream); }
+  Bound tolerance() const { return bound(target.backend, dt); }
+
+  // The target against the reference on the CPU, forward and backward; both backwards run at the
+  // reference's forward output (rounding differences of the forward do not carry over).
+  void expect_matches_reference(const Problem& p, const std::string& what, Upstream up = {}) const {
+    SCOPED_TRACE(what);
+    ForceKernelBackend reference(KernelBackend::Reference);
+    const Forward ref = forward(p);
+    const Tensor dy = up.dy ? randn(ref.output.shape(), dt, 77, up.scale) : Tensor{};
+    const Tensor dhn = up.dhn ? randn(ref.final_state.shape(), dt, 78, up.scale) : Tensor{};
+    const Grads ref_grads = backward(p, ref.output, dy, dhn, up.clip);
+    ForceKernelBackend force(target.backend);
+    const Problem tp = on(p);
+    const Forward got = to_host(forward(tp, stream), stream);
+    expect_near(got.output, ref.output, tolerance(), what + ": output");
+    expect_near(got.final_state, ref.final_state, tolerance(), what + ": final_state");
+    const Grads got_grads =
+        to_host(backward(tp, on(ref.output), on(dy), on(dhn), up.clip, stream), stream);
+    expect_grads_near(got_grads, ref_grads, tolerance(), what);
+  }
+
+  const bool is_gru = std::get<0>(GetParam());
+  const test::Target target = std::get<1>(GetParam()).target;
+  const DType dt = std::get<1>(GetParam()).dtype;
+  const Stream stream{target.device};
+
+ private:
+  ForceKernelBackend force_{target.backend};
+};
+
+// (rnn or gru) x op_cases(targets, dtypes); `grus` picks the kinds.
+std::vector<std::tuple<bool, test::OpCase>> recurrent_cases(
+    const std::vector<test::Target>& targets, const std::vector<DType>& dtypes = test::kFloatDTypes,
+    const std::vector<bool>& grus = {false, true}) {
+  std::vector<std::tuple<bool, test::OpCase>> out;
+  for (const bool gru : grus)
+    for (const test::OpCase& c : test::op_cases(targets, dtypes)) out.emplace_back(gru, c);
+  return out;
+}
+
+// "rnn_cpu_f32", "gru_cuda_bf16", "gru_reference_cuda_f64".
+std::string recurrent_case_name(
+    const ::testing::TestParamInfo<std::tuple<bool, test::OpCase>>& info) {
+  const auto& [gru, c] = info.param;
+  return std::string(gru ? "gru_" : "rnn_") + test::target_name(c.target) + "_" +
+         std::string(to_string(c.dtype));
+}
+
+// cpu and cuda against the reference.
+class RecurrentBackends : public RecurrentCase {};
+// Invariances of the cpu backend (and the reference), each checked on both.
+class RecurrentCpu : public RecurrentCase {};
+
+// H = 64 and 128 take cuda's constant-size kernels, the others the generic one; B = 10 fills one
+// group of 8 sequences and part of a second. H = 73: the cpu backend's register blocks of 64 and
+// 8 columns, then one.
+TEST_P(RecurrentBackends, MatchesTheReferenceOnPaddedInput) {
+  struct Case {
+    std::int64_t h, batch, steps;
+  };
+  for (const Case c : {Case{64, 10, 5}, Case{128, 10, 5}, Case{1, 3, 5}, Case{7, 3, 5},
+                       Case{33, 3, 5}, Case{1, 3, 6}, Case{5, 3, 6}, Case{73, 3, 6}})
+    expect_matches_reference(
+        random_problem(is_gru, dt, {c.batch, c.steps}, 2, c.h, 10 + c.h),
+        describe(is_gru, c.h, fmt::format(" padded B={} S={}", c.batch, c.steps)));
+}
+
+TEST_P(RecurrentBackends, MatchesTheReferenceOnPackedInputWithEmptyAndLengthOneSequences) {
+  // lengths 3, 0, 1, 5, 0, 7 (cuda's second group of 8 is not reached; the last sequence is the
+  // longest)
+  const std::vector<std::int64_t> cu = {0, 3, 3, 4, 9, 9, 16};
+  for (DType index : {DType::I32, DType::I64})
+    for (std::int64_t h : {64, 7})
+      expect_matches_reference(
+          random_problem(is_gru, dt, {16}, 2, h, 20 + h, cu_seqlens(cu, index)),
+          describe(is_gru, h, fmt::format(" packed, cu_seqlens {}", to_string(index))));
+  // lengths 4, 0, 1, 7, 0 (the last sequence empty), 3 heads
+  expect_matches_reference(
+      random_problem(is_gru, dt, {12}, 3, 19, 20, cu_seqlens({0, 4, 4, 5, 12, 12}, DType::I32)),
+      describe(is_gru, 19, " packed, the last sequence empty"));
+}
+
+TEST_P(RecurrentBackends, BroadcastsTheHeadsOfInputsAndWeights) {
+  // N = 4; each tensor has 1, 2 or 4 heads.
+  const Heads cases[] = {{{2, 1, 4}, {1, 4, 2}}, {{1, 4, 2}, {2, 2, 4}}, {{4, 2, 1}, {4, 1, 1}}};
+  for (const Heads& c : cases)
+    for (std::int64_t h : {64, 7}) {
+      std::ostringstream what;
+      what << " inputs " << c.inputs[0] << "/" << c.inputs[1] << "/" << c.inputs[2]
+           << " heads, weights " << c.weights[0] << "/" << c.weights[1] << "/" << c.weights[2];
+      expect_matches_reference(random_problem(is_gru, dt, {9, 4}, 4, h, 30 + h, {}, true, c),
+                               describe(is_gru, h, what.str()));
+    }
+  expect_matches_reference(
+      random_problem(is_gru, dt, {2, 5}, 4, 9, 30, {}, false, Heads{{2, 2, 2}, {1, 1, 1}}),
+      describe(is_gru, 9, " inputs 2 heads, weights 1, no input_state"));
+}
+
+TEST_P(RecurrentBackends, ClipsTheStateGradientAtEveryStep) {
+  for (double clip : {0.5, 0.0})
+    for (std::int64_t h : {64, 7})
+      expect_matches_reference(random_problem(is_gru, dt, {3, 6}, 2, h, 40 + h),
+                               describe(is_gru, h, " clip " + std::to_string(clip)),
+                               {.scale = 10.0, .clip = clip});
+  expect_matches_reference(random_problem(is_gru, dt, {2, 7}, 2, 16, 40),
+                           describe(is_gru, 16, " clip 0.3"), {.clip = 0.3});
+}
+
+TEST_P(RecurrentBackends, TakesEitherUpstreamGradientAloneAndNoInputState) {
+  const Problem with_state = random_problem(is_gru, dt, {3, 5}, 2, 64, 50);
+  const Problem without_state = random_problem(is_gru, dt, {3, 5}, 2, 64, 50, {}, false);
+  expect_matches_reference(with_state, "grad_final_state only", {.dy = false});
+  expect_matches_reference(with_state, "grad_output only", {.dhn = false});
+  expect_matches_reference(with_state, "no upstream gradient", {.dy = false, .dhn = false});
+  expect_matches_reference(without_state, "no input_state");
+}
+
+TEST_P(RecurrentBackends, UpstreamGradientsAreOptionalAndMeanZeros) {
+  const Problem p = on(random_problem(is_gru, dt, {2, 4}, 2, 7, 120));
+  const Forward f = forward(p, stream);
+  const Tensor dy = on(randn(f.output.shape(), dt, 121)),
+               dhn = on(randn(f.final_state.shape(), dt, 122));
+  const Tensor dy0 = on(Tensor::zeros(dy.shape(), dt)), dhn0 = on(Tensor::zeros(dhn.shape(), dt));
+  const auto grads = [&](const TensorView& dy, const TensorView& dhn) {
+    return to_host(backward(p, f.output, dy, dhn, std::nullopt, stream), stream);
+  };
+  expect_grads_bitwise(grads({}, dhn), grads(dy0, dhn), "grad_output absent");
+  expect_grads_bitwise(grads(dy, {}), grads(dy, dhn0), "grad_final_state absent");
+}
+
+// S = 0, every sequence empty, B = 0: final_state is the input state, grad_input_state the final
+// state's gradient, weight gradients are zeros.
+TEST_P(RecurrentBackends, HandlesBatchesWithoutSteps) {
+  expect_matches_reference(random_problem(is_gru, dt, {3, 0}, 2, 64, 60), "S = 0");
+  expect_matches_reference(random_problem(is_gru, dt, {0}, 2, 7, 61, cu_seqlens({0, 0, 0})),
+                           "all sequences empty");
+  expect_matches_reference(random_problem(is_gru, dt, {0}, 2, 7, 62, cu_seqlens({0})), "B = 0");
+}
+
+TEST_P(RecurrentBackends, AllSequencesEmptyAndZeroStepsKeepTheStateAndGiveZeroWeightGradients) {
+  struct Case {
+    Shape lead;
+    Tensor cu;
+  };
+  const Case cases[] = {{{0}, cu_seqlens({0, 0, 0})}, {{2, 0}, Tensor()}};
+  for (const Case& c : cases) {
+    for (bool with_state : {true, false}) {
+      const Problem p = on(random_problem(is_gru, dt, c.lead, 3, 5, 110, c.cu, with_state));
+      const Forward f = to_host(forward(p, stream), stream);
+      EXPECT_EQ(f.output.numel(), 0);
+      const Tensor zeros = Tensor::zeros({2, 3, 5}, dt);
+      EXPECT_TRUE(
+          testing::bitwise_equal(f.final_state, with_state ? to_cpu(p.state, stream) : zeros));
+      const Tensor dy = on(randn(f.output.shape(), dt, 111)),
+                   dhn = on(randn(f.final_state.shape(), dt, 112));
+      const Grads g = to_host(backward(p, on(f.output), dy, dhn, std::nullopt, stream), stream);
+      for (int k = 0; k < p.pairs(); ++k)
+        EXPECT_TRUE(testing::bitwise_equal(g.weights[k], Tensor::zeros(g.weights[k].shape(), dt)));
+      if (with_state) {
+        EXPECT_TRUE(testing::bitwise_equal(g.state, to_cpu(dhn, stream)));
+      }
+    }
   }
 }
 
-TEST_P(RecurrentTest, CpuMatchesReferenceOnPackedInputWithEmptySequences) {
-  const Tensor cu = cu_seqlens({0, 4, 4, 5, 12, 12}, DType::I32);
-  const Problem p = random_problem(gru(), dtype(), {12}, 5, 3, 19, 20);
-  expect_cpu_matches_reference(p, cu);
+TEST_P(RecurrentBackends, EmptySequencesWriteNoRowsAndKeepTheirInputState) {
+  const Problem p = on(random_problem(is_gru, dt, {5}, 2, 4, 100, cu_seqlens({0, 0, 3, 3, 3, 5})));
+  const Forward f = forward(p, stream);
+  const Tensor dhn = on(randn(f.final_state.shape(), dt, 102));
+  const Grads g = to_host(
+      backward(p, f.output, on(randn(f.output.shape(), dt, 101)), dhn, 0.1, stream), stream);
+  const Tensor final_state = to_cpu(f.final_state, stream), state = to_cpu(p.state, stream),
+               dhn_host = to_cpu(dhn, stream);
+  for (std::int64_t b : {0, 2, 3}) {
+    expect_bitwise(final_state.view().narrow(0, b, 1), state.view().narrow(0, b, 1),
+                   fmt::format("final_state of sequence {}", b));
+    // Not clamped: the clamp acts at steps, and an empty sequence has none.
+    expect_bitwise(g.state.view().narrow(0, b, 1), dhn_host.view().narrow(0, b, 1),
+                   fmt::format("grad_input_state of sequence {}", b));
+  }
 }
 
-TEST_P(RecurrentTest, CpuMatchesReferenceWithBroadcastHeadsAndNoInputState) {
-  const Problem p = random_problem(gru(), dtype(), {2, 5}, 2, 4, 9, 30, false, 2, 1);
-  expect_cpu_matches_reference(p);
+TEST_P(RecurrentBackends, IsBitwiseDeterministicRunToRunOnAStream) {
+  // A stream of its own on CUDA (non-blocking with respect to the default stream).
+  std::optional<CudaStream> cuda_stream;
+  if (target.device.type == DeviceType::CUDA) cuda_stream.emplace(target.device.index);
+  const Stream own = cuda_stream ? cuda_stream->stream() : stream;
+  Heads broadcast;  // weight partials of several heads and input gradients of several heads add up
+  for (int k = 0; k < 3; ++k) broadcast.inputs[k] = broadcast.weights[k] = 2;
+  struct Case {
+    Shape lead;
+    std::int64_t heads, h;
+    Heads counts;
+  };
+  for (const Case& c : {Case{{16, 9}, 4, 64, broadcast}, Case{{16, 9}, 4, 33, broadcast},
+                        Case{{4, 20}, 8, 64, Heads{{2, 2, 2}, {4, 4, 4}}}}) {
+    SCOPED_TRACE(describe(is_gru, c.h, fmt::format(" {}", shape_str(c.lead))));
+    const Problem p =
+        meshfuse::on(random_problem(is_gru, dt, c.lead, c.heads, c.h, 70 + c.h, {}, true, c.counts),
+                     target.device, own);
+    const Forward f1 = forward(p, own), f2 = forward(p, own);
+    expect_bitwise(to_cpu(f1.output, own), to_cpu(f2.output, own), "output");
+    expect_bitwise(to_cpu(f1.final_state, own), to_cpu(f2.final_state, own), "final_state");
+    const Tensor dy = test::on(randn(f1.output.shape(), dt, 71), target.device, own);
+    const Tensor dhn = test::on(randn(f1.final_state.shape(), dt, 72), target.device, own);
+    const Grads g1 = backward(p, f1.output, dy, dhn, 1.0, own),
+                g2 = backward(p, f1.output, dy, dhn, 1.0, own);
+    expect_grads_bitwise(to_host(g1, own), to_host(g2, own), "backward");
+  }
 }
 
-TEST_P(RecurrentTest, CpuMatchesReferenceWithGradientClipping) {
-  const Problem p = random_problem(gru(), dtype(), {2, 7}, 2, 2, 16, 40);
-  expect_cpu_matches_reference(p, {}, 0.3);
-}
-
-// Sequence b of a packed problem as a padded problem (1, length, heads, H) of its own.
-Problem sequence_of(const Problem& p, const std::vector<std::int64_t>& cu, std::int64_t b) {
+// Sequence b of a packed problem as a problem of its own: padded (1, length, heads, H), or packed
+// with one sequence.
+Problem sequence_of(const Problem& p, const std::vector<std::int64_t>& cu, std::int64_t b,
+                    bool packed) {
   Problem q;
   q.gru = p.gru;
-  const std::int64_t len = cu[b + 1] - cu[b];
+  const std::int64_t first = cu[b], len = cu[b + 1] - first;
   for (int k = 0; k < p.pairs(); ++k) {
-    const TensorView rows = p.inputs[k].narrow(0, cu[b], len);
-    q.inputs.push_back(q.own(Tensor::copy_of(rows.reshape({1, len, rows.size(1), rows.size(2)}))));
+    const TensorView rows = p.inputs[k].narrow(0, first, len);
+    q.inputs.push_back(
+        q.own(Tensor::copy_of(packed ? rows : rows.reshape({1, len, rows.size(1), rows.size(2)}))));
     q.weights.push_back(p.weights[k]);
   }
   if (p.state.defined()) q.state = q.own(Tensor::copy_of(p.state.narrow(0, b, 1)));
+  if (packed) q.cu = q.own(cu_seqlens({0, len}));
   return q;
 }
 
@@ -236,28 +506,29 @@ Tensor as_padded(const TensorView& t, std::int64_t first, std::int64_t len) {
   return Tensor::copy_of(rows.reshape({1, len, rows.size(1), rows.size(2)}));
 }
 
-TEST_P(RecurrentTest, PackedEqualsEachSequenceRunOnItsOwnThroughTheReference) {
+TEST_P(RecurrentBackends, PackedEqualsEachSequenceRunOnItsOwnThroughTheReference) {
   const std::vector<std::int64_t> offsets = {0, 3, 3, 4, 9};
-  const Tensor cu = cu_seqlens(offsets);
-  const Problem p = random_problem(gru(), dtype(), {9}, 4, 2, 6, 50);
-  const Forward f = forward(p, cu);
-  const Upstream up = random_upstream(f, 51);
-  const Grads g = backward(p, f.output, up.dy, up.dhn, std::nullopt, cu);
+  const Problem p = random_problem(is_gru, dt, {9}, 2, 6, 50, cu_seqlens(offsets));
+  const Problem tp = on(p);
+  const Forward f = to_host(forward(tp, stream), stream);
+  const Tensor dy = randn(f.output.shape(), dt, 51), dhn = randn(f.final_state.shape(), dt, 52);
+  const Grads g =
+      to_host(backward(tp, on(f.output), on(dy), on(dhn), std::nullopt, stream), stream);
   ForceKernelBackend force(KernelBackend::Reference);
-  const double tol = tolerance(dtype());
+  const Bound tol = tolerance();
   std::vector<Tensor> weight_sums;
   for (int k = 0; k < p.pairs(); ++k)
     weight_sums.push_back(Tensor::zeros(p.weights[k].shape(), DType::F64));
   for (std::int64_t b = 0; b < 4; ++b) {
     const std::int64_t first = offsets[b], len = offsets[b + 1] - first;
     const std::string what = "sequence " + std::to_string(b);
-    const Problem q = sequence_of(p, offsets, b);
+    const Problem q = sequence_of(p, offsets, b, false);
     const Forward fq = forward(q);
     expect_near(as_padded(f.output, first, len), fq.output, tol, what + " output");
     expect_near(f.final_state.view().narrow(0, b, 1), fq.final_state, tol, what + " final");
     // The sequence's backward at the packed run's outputs and upstream gradients.
-    const Grads gq = backward(q, as_padded(f.output, first, len), as_padded(up.dy, first, len),
-                              up.dhn.view().narrow(0, b, 1));
+    const Grads gq = backward(q, as_padded(f.output, first, len), as_padded(dy, first, len),
+                              dhn.view().narrow(0, b, 1), std::nullopt);
     for (int k = 0; k < p.pairs(); ++k) {
       expect_near(as_padded(g.inputs[k], first, len), gq.inputs[k], tol, what + " grad input");
       const std::vector<double> part = values(gq.weights[k]);
@@ -266,28 +537,137 @@ TEST_P(RecurrentTest, PackedEqualsEachSequenceRunOnItsOwnThroughTheReference) {
     expect_near(g.state.view().narrow(0, b, 1), gq.state, tol, what + " grad input_state");
   }
   for (int k = 0; k < p.pairs(); ++k)
-    expect_near(g.weights[k], weight_sums[k], 2 * tol, "grad weight (sum over sequences)");
+    expect_near(g.weights[k], weight_sums[k], {2 * tol.tol, tol.tensor_scale},
+                "grad weight (sum over sequences)");
 }
 
-TEST_P(RecurrentTest, PaddedAndPackedGiveBitwiseTheSameResults) {
-  const Problem padded = random_problem(gru(), dtype(), {3, 5}, 3, 2, 8, 60);
+// A packed batch gives, row for row, bitwise the forward of each sequence run on its own (the
+// sequences of a block do not interact).
+TEST_P(RecurrentBackends, PackedForwardIsBitwiseEachSequenceRunAlone) {
+  const std::vector<std::int64_t> cu = {0, 4, 4, 5, 11};
+  const Problem packed = random_problem(is_gru, dt, {11}, 2, 64, 80, cu_seqlens(cu));
+  const Forward all = to_host(forward(on(packed), stream), stream);
+  for (std::int64_t b = 0; b + 1 < static_cast<std::int64_t>(cu.size()); ++b) {
+    const std::int64_t first = cu[b], len = cu[b + 1] - cu[b];
+    const Forward alone = to_host(forward(on(sequence_of(packed, cu, b, true)), stream), stream);
+    const std::string what = "sequence " + std::to_string(b);
+    expect_bitwise(alone.output, all.output.view().narrow(0, first, len), what + " output");
+    expect_bitwise(alone.final_state, all.final_state.view().narrow(0, b, 1),
+                   what + " final_state");
+  }
+}
+
+TEST_P(RecurrentBackends, Int32AndInt64CuSeqlensAgree) {
+  const Problem p = random_problem(is_gru, dt, {6}, 2, 3, 160, cu_seqlens({0, 2, 6}));
+  const auto output = [&](DType index) {
+    Problem q = on(p);
+    q.cu = q.own(on(cu_seqlens({0, 2, 6}, index)));
+    return to_cpu(forward(q, stream).output, stream);
+  };
+  EXPECT_TRUE(testing::bitwise_equal(output(DType::I32), output(DType::I64)));
+}
+
+// B x N = 1200 pairs: the cpu backend sums the weight gradients of 2 sequences per partial.
+TEST_P(RecurrentBackends, ManySequencesShareWeightGradientPartials) {
+  expect_matches_reference(random_problem(is_gru, dt, {300, 2}, 4, 2, 155), "B = 300");
+}
+
+// A NaN input poisons its sequence's state from that step on; +-inf saturates the activation. The
+// forward puts NaN and inf where the reference does.
+TEST_P(RecurrentBackends, NanAndInfInputsGiveTheReferencesNonFiniteValues) {
+  Problem p = random_problem(is_gru, dt, {3, 4}, 2, 7, 85);
+  const std::pair<Shape, double> poison[] = {
+      {{0, 1, 0, 2}, NAN}, {{1, 2, 1, 0}, INFINITY}, {{2, 0, 0, 0}, -INFINITY}};
+  for (const auto& [at, value] : poison) {
+    TensorView v = p.inputs[0];
+    for (std::size_t d = 0; d < at.size(); ++d) v = v.narrow(d, at[d], 1);
+    copy(test::full({1, 1, 1, 1}, DType::F64, value), v);
+  }
+  Forward ref;
+  {
+    ForceKernelBackend force(KernelBackend::Reference);
+    ref = forward(p);
+  }
+  const Forward got = to_host(forward(on(p), stream), stream);
+  expect_near(got.output, ref.output, tolerance(), "output");
+  expect_near(got.final_state, ref.final_state, tolerance(), "final_state");
+}
+
+TEST_P(RecurrentBackends, NanInOneSequenceStaysInThatSequence) {
+  Problem p = random_problem(is_gru, dt, {2, 3}, 1, 4, 140);
+  testing::fill(p.inputs[0].narrow(0, 0, 1).narrow(1, 1, 1).narrow(3, 2, 1), NAN);
+  const Forward f = to_host(forward(on(p), stream), stream);
+  EXPECT_FALSE(std::isnan(values(f.output)[0]));  // sequence 0, step 0: before the NaN
+  EXPECT_TRUE(std::isnan(values(f.final_state)[0]));
+  for (double v : values(f.output.view().narrow(0, 1, 1))) EXPECT_FALSE(std::isnan(v));
+  for (double v : values(f.final_state.view().narrow(0, 1, 1))) EXPECT_FALSE(std::isnan(v));
+}
+
+// Strided views (input, weights, state, upstream gradients, forward output) give bitwise the
+// results of their contiguous copies: the last two dimensions swapped, and steps and heads swapped
+// in (B, S, N, H) with batch and heads in the states.
+TEST_P(RecurrentBackends, NonContiguousInputsGiveBitwiseTheContiguousResult) {
+  struct Case {
+    Shape lead;
+    std::int64_t h;
+    std::uint64_t seed;
+    std::int64_t x_dim, state_dim;  // the first of the two dims swapped
+  };
+  for (const Case& c : {Case{{2, 3}, 5, 130, 2, 1}, Case{{3, 5}, 33, 90, 1, 0}}) {
+    SCOPED_TRACE(describe(is_gru, c.h));
+    const Problem p = on(random_problem(is_gru, dt, c.lead, 2, c.h, c.seed));
+    Problem q;
+    q.gru = is_gru;
+    // Storage with dims d and d + 1 swapped, viewed back: the same values, other strides.
+    const auto strided = [&](const TensorView& t, std::int64_t d) {
+      Shape shape = t.shape();
+      std::swap(shape[d], shape[d + 1]);
+      const TensorView v = q.own(Tensor(shape, dt, target.device, stream)).transpose(d, d + 1);
+      copy(t, v, stream);
+      return v;
+    };
+    for (int k = 0; k < p.pairs(); ++k) {
+      q.inputs.push_back(strided(p.inputs[k], c.x_dim));
+      q.weights.push_back(strided(p.weights[k], 1));
+    }
+    q.state = strided(p.state, c.state_dim);
+    ASSERT_FALSE(q.inputs[0].is_contiguous());
+    const Forward a = forward(p, stream), b = forward(q, stream);
+    expect_bitwise(to_cpu(b.output, stream), to_cpu(a.output, stream), "output");
+    expect_bitwise(to_cpu(b.final_state, stream), to_cpu(a.final_state, stream), "final_state");
+    const Tensor dy = on(randn(a.output.shape(), dt, c.seed + 1)),
+                 dhn = on(randn(a.final_state.shape(), dt, c.seed + 2));
+    const Grads expected = backward(p, a.output, dy, dhn, std::nullopt, stream);
+    const Grads got = backward(q, strided(a.output, c.x_dim), strided(dy, c.x_dim),
+                               strided(dhn, c.state_dim), std::nullopt, stream);
+    expect_grads_bitwise(to_host(got, stream), to_host(expected, stream), "backward");
+  }
+}
+
+// Head sizes whose weights (and, for the GRU's backward, state arrays) do not fit in cuda's shared
+// memory run from global memory, in several passes over the column pairs.
+TEST_P(RecurrentBackends, HeadSizesBeyondSharedMemoryMatchTheReference) {
+  expect_matches_reference(random_problem(is_gru, dt, {2, 3}, 1, 811, 95), describe(is_gru, 811));
+}
+
+TEST_P(RecurrentCpu, PaddedAndPackedGiveBitwiseTheSameResults) {
+  const Problem padded = random_problem(is_gru, dt, {3, 5}, 2, 8, 60);
   Problem packed;
-  packed.gru = gru();
+  packed.gru = is_gru;
   for (int k = 0; k < padded.pairs(); ++k) {
     packed.inputs.push_back(padded.inputs[k].reshape({15, 2, 8}));
     packed.weights.push_back(padded.weights[k]);
   }
   packed.state = padded.state;
-  const Tensor cu = cu_seqlens({0, 5, 10, 15}, DType::I32);
+  packed.cu = packed.own(cu_seqlens({0, 5, 10, 15}, DType::I32));
   for (KernelBackend backend : {KernelBackend::CPU, KernelBackend::Reference}) {
     ForceKernelBackend force(backend);
-    const Forward a = forward(padded), b = forward(packed, cu, 5);
+    const Forward a = forward(padded, stream), b = forward(packed, stream, 5);
     EXPECT_TRUE(testing::bitwise_equal(a.output.view().reshape({15, 2, 8}), b.output));
     EXPECT_TRUE(testing::bitwise_equal(a.final_state, b.final_state));
-    const Upstream up = random_upstream(a, 61);
-    const Grads ga = backward(padded, a.output, up.dy, up.dhn, 0.5);
-    const Grads gb =
-        backward(packed, b.output, up.dy.view().reshape({15, 2, 8}), up.dhn, 0.5, cu, 5);
+    const Tensor dy = randn(a.output.shape(), dt, 61), dhn = randn(a.final_state.shape(), dt, 62);
+    const Grads ga = backward(padded, a.output, dy, dhn, 0.5, stream);
+    const Grads gb = backward(packed, b.output, dy.view().reshape({15, 2, 8}), dhn, 0.5, stream, 5);
     for (int k = 0; k < padded.pairs(); ++k) {
       EXPECT_TRUE(testing::bitwise_equal(ga.inputs[k].view().reshape({15, 2, 8}), gb.inputs[k]));
       EXPECT_TRUE(testing::bitwise_equal(ga.weights[k], gb.weights[k]));
@@ -323,138 +703,42 @@ Tensor sum_heads(const TensorView& t, std::int64_t dim, std::int64_t times) {
   return out;
 }
 
-TEST_P(RecurrentTest, BroadcastHeadsEqualRepeatedTensorsWithGradientsSummed) {
+TEST_P(RecurrentCpu, BroadcastHeadsEqualRepeatedTensorsWithGradientsSummed) {
   // N = 4 heads: the input has 1 head (GRU: forget 2, reset 4), the weight 2 (GRU: 1, 4).
   const std::int64_t in_heads[3] = {1, 2, 4}, w_heads[3] = {2, 1, 4};
   Problem p, full;
-  p.gru = full.gru = gru();
+  p.gru = full.gru = is_gru;
   for (int k = 0; k < p.pairs(); ++k) {
-    p.inputs.push_back(p.own(randn({2, 5, in_heads[k], 6}, dtype(), 70 + k)));
-    p.weights.push_back(p.own(randn({w_heads[k], 6, 6}, dtype(), 80 + k, 0.4)));
+    p.inputs.push_back(p.own(randn({2, 5, in_heads[k], 6}, dt, 70 + k)));
+    p.weights.push_back(p.own(randn({w_heads[k], 6, 6}, dt, 80 + k, 0.4)));
     full.inputs.push_back(full.own(repeat_heads(p.inputs[k], 2, 4 / in_heads[k])));
     full.weights.push_back(full.own(repeat_heads(p.weights[k], 0, 4 / w_heads[k])));
   }
-  p.state = full.state = p.own(randn({2, 4, 6}, dtype(), 90, 0.5));
-  const double tol = tolerance(dtype());
+  p.state = full.state = p.own(randn({2, 4, 6}, dt, 90, 0.5));
   for (KernelBackend backend : {KernelBackend::CPU, KernelBackend::Reference}) {
     ForceKernelBackend force(backend);
-    const Forward a = forward(p), b = forward(full);
+    const Forward a = forward(p, stream), b = forward(full, stream);
     EXPECT_TRUE(testing::bitwise_equal(a.output, b.output));
     EXPECT_TRUE(testing::bitwise_equal(a.final_state, b.final_state));
-    const Upstream up = random_upstream(a, 91);
-    const Grads ga = backward(p, a.output, up.dy, up.dhn),
-                gb = backward(full, b.output, up.dy, up.dhn);
+    const Tensor dy = randn(a.output.shape(), dt, 91), dhn = randn(a.final_state.shape(), dt, 92);
+    const Grads ga = backward(p, a.output, dy, dhn, std::nullopt, stream),
+                gb = backward(full, b.output, dy, dhn, std::nullopt, stream);
     for (int k = 0; k < p.pairs(); ++k) {
-      expect_near(ga.inputs[k], sum_heads(gb.inputs[k], 2, 4 / in_heads[k]), tol, "grad input");
-      expect_near(ga.weights[k], sum_heads(gb.weights[k], 0, 4 / w_heads[k]), tol, "grad weight");
+      expect_near(ga.inputs[k], sum_heads(gb.inputs[k], 2, 4 / in_heads[k]), tolerance(),
+                  "grad input");
+      expect_near(ga.weights[k], sum_heads(gb.weights[k], 0, 4 / w_heads[k]), tolerance(),
+                  "grad weight");
     }
     EXPECT_TRUE(testing::bitwise_equal(ga.state, gb.state));
   }
 }
 
-TEST_P(RecurrentTest, EmptySequencesWriteNoRowsAndKeepTheirInputState) {
-  const Tensor cu = cu_seqlens({0, 0, 3, 3, 3, 5});
-  const Problem p = random_problem(gru(), dtype(), {5}, 5, 2, 4, 100);
-  for (KernelBackend backend : {KernelBackend::CPU, KernelBackend::Reference}) {
-    ForceKernelBackend force(backend);
-    const Forward f = forward(p, cu);
-    const Upstream up = random_upstream(f, 101);
-    const Grads g = backward(p, f.output, up.dy, up.dhn, 0.1, cu);
-    for (std::int64_t b : {0, 2, 3}) {
-      EXPECT_TRUE(
-          testing::bitwise_equal(f.final_state.view().narrow(0, b, 1), p.state.narrow(0, b, 1)));
-      // Not clamped: the clamp acts at steps, and an empty sequence has none.
-      EXPECT_TRUE(
-          testing::bitwise_equal(g.state.view().narrow(0, b, 1), up.dhn.view().narrow(0, b, 1)));
-    }
-  }
-}
-
-TEST_P(RecurrentTest, AllSequencesEmptyAndZeroStepsKeepTheStateAndGiveZeroWeightGradients) {
-  struct Case {
-    Shape lead;
-    Tensor cu;
-  };
-  const Case cases[] = {{{0}, cu_seqlens({0, 0, 0})}, {{2, 0}, Tensor()}};
-  for (const Case& c : cases) {
-    for (bool with_state : {true, false}) {
-      const Problem p = random_problem(gru(), dtype(), c.lead, 2, 3, 5, 110, with_state);
-      const Forward f = forward(p, c.cu);
-      EXPECT_EQ(f.output.numel(), 0);
-      const Tensor zeros = Tensor::zeros({2, 3, 5}, dtype());
-      EXPECT_TRUE(testing::bitwise_equal(f.final_state, with_state ? p.state : zeros.view()));
-      const Upstream up = random_upstream(f, 111);
-      const Grads g = backward(p, f.output, up.dy, up.dhn, std::nullopt, c.cu);
-      for (int k = 0; k < p.pairs(); ++k) {
-        EXPECT_TRUE(
-            testing::bitwise_equal(g.weights[k], Tensor::zeros(g.weights[k].shape(), dtype())));
-      }
-      if (with_state) {
-        EXPECT_TRUE(testing::bitwise_equal(g.state, up.dhn));
-      }
-    }
-  }
-}
-
-TEST_P(RecurrentTest, UpstreamGradientsAreOptionalAndMeanZeros) {
-  const Problem p = random_problem(gru(), dtype(), {2, 4}, 2, 2, 7, 120);
-  const Forward f = forward(p);
-  const Upstream up = random_upstream(f, 121);
-  const Tensor dy0 = Tensor::zeros(up.dy.shape(), dtype()),
-               dhn0 = Tensor::zeros(up.dhn.shape(), dtype());
-  // grad_final_state only; grad_output only.
-  expect_grads_bitwise(backward(p, f.output, {}, up.dhn), backward(p, f.output, dy0, up.dhn),
-                       "grad_output absent");
-  expect_grads_bitwise(backward(p, f.output, up.dy, {}), backward(p, f.output, up.dy, dhn0),
-                       "grad_final_state absent");
-}
-
-TEST_P(RecurrentTest, NonContiguousInputsGiveTheContiguousResult) {
-  const Problem p = random_problem(gru(), dtype(), {2, 3}, 2, 2, 5, 130);
-  Problem q;
-  q.gru = gru();
-  // Storage with the last two dimensions swapped, viewed back: the same values, other strides.
-  const auto swapped = [&](const TensorView& t) {
-    Shape shape = t.shape();
-    std::swap(shape[shape.size() - 1], shape[shape.size() - 2]);
-    const TensorView view = q.own(Tensor(shape, dtype())).transpose(t.dim() - 2, t.dim() - 1);
-    copy(t, view);
-    return view;
-  };
-  for (int k = 0; k < p.pairs(); ++k) {
-    q.inputs.push_back(swapped(p.inputs[k]));
-    q.weights.push_back(swapped(p.weights[k]));
-  }
-  q.state = swapped(p.state);
-  ASSERT_FALSE(q.inputs[0].is_contiguous());
-  const Forward a = forward(p), b = forward(q);
-  EXPECT_TRUE(testing::bitwise_equal(a.output, b.output));
-  EXPECT_TRUE(testing::bitwise_equal(a.final_state, b.final_state));
-  const Upstream up = random_upstream(a, 131);
-  expect_grads_bitwise(backward(p, a.output, up.dy, up.dhn),
-                       backward(q, swapped(a.output), swapped(up.dy), swapped(up.dhn)), "strided");
-}
-
-TEST_P(RecurrentTest, NanInOneSequenceStaysInThatSequence) {
-  Problem p = random_problem(gru(), dtype(), {2, 3}, 2, 1, 4, 140);
-  const Tensor x = Tensor::copy_of(p.inputs[0]);
-  copy(test::full({1, 1, 1, 1}, dtype(), NAN),
-       x.view().narrow(0, 0, 1).narrow(1, 1, 1).narrow(3, 2, 1));
-  p.inputs[0] = p.own(x);
-  const Forward f = forward(p);
-  EXPECT_FALSE(std::isnan(values(f.output)[0]));  // sequence 0, step 0: before the NaN
-  EXPECT_TRUE(std::isnan(values(f.final_state)[0]));
-  for (double v : values(f.output.view().narrow(0, 1, 1))) EXPECT_FALSE(std::isnan(v));
-  for (double v : values(f.final_state.view().narrow(0, 1, 1))) EXPECT_FALSE(std::isnan(v));
-}
-
-INSTANTIATE_TEST_SUITE_P(RnnAndGru, RecurrentTest,
-                         ::testing::Combine(::testing::Bool(),
-                                            ::testing::ValuesIn(test::kFloatDTypes)),
-                         [](const ::testing::TestParamInfo<std::tuple<bool, DType>>& info) {
-                           return std::string(std::get<0>(info.param) ? "gru_" : "rnn_") +
-                                  std::string(to_string(std::get<1>(info.param)));
-                         });
+INSTANTIATE_TEST_SUITE_P(, RecurrentBackends,
+                         ::testing::ValuesIn(recurrent_cases(test::kernel_targets())),
+                         recurrent_case_name);
+INSTANTIATE_TEST_SUITE_P(, RecurrentCpu,
+                         ::testing::ValuesIn(recurrent_cases({{KernelBackend::CPU, Device{}}})),
+                         recurrent_case_name);
 
 // --- PyTorch semantics -----------------------------------------------------------------------
 
@@ -695,74 +979,48 @@ void expect_values(const TensorView& t, const std::vector<double>& expected,
   for (std::size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], expected[i], 1e-10) << what << i;
 }
 
-void expect_torch_values(bool gru, std::optional<double> clip, const Expected& e) {
-  for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    ForceKernelBackend force(backend);
-    const std::string name(to_string(backend));
-    const KnownCase c = known_case(gru);
-    const Forward f = forward(c.problem);
-    expect_values(f.output, e.at("output"), name + " output");
-    expect_values(f.final_state, e.at("final"), name + " final_state");
-    const Grads g = backward(c.problem, f.output, c.dy, c.dhn, clip);
+// PyTorch's numbers (float64) on every target, the reference on CPU and CUDA tensors included.
+class RecurrentKnownValues : public RecurrentCase {
+ protected:
+  void expect_torch_values(std::optional<double> clip, const Expected& e) const {
+    const KnownCase c = known_case(is_gru);
+    const Problem p = on(c.problem);
+    const Forward f = forward(p, stream), host = to_host(f, stream);
+    expect_values(host.output, e.at("output"), "output");
+    expect_values(host.final_state, e.at("final"), "final_state");
+    const Grads g = to_host(backward(p, f.output, on(c.dy), on(c.dhn), clip, stream), stream);
     const char* inputs[3] = {"grad_input", "grad_forget_input", "grad_reset_input"};
     const char* weights[3] = {"grad_weight", "grad_forget_weight", "grad_reset_weight"};
-    for (int k = 0; k < c.problem.pairs(); ++k) {
-      expect_values(g.inputs[k], e.at(inputs[k]), name + " " + inputs[k]);
-      expect_values(g.weights[k], e.at(weights[k]), name + " " + weights[k]);
+    for (int k = 0; k < p.pairs(); ++k) {
+      expect_values(g.inputs[k], e.at(inputs[k]), inputs[k]);
+      expect_values(g.weights[k], e.at(weights[k]), weights[k]);
     }
-    expect_values(g.state, e.at("grad_state"), name + " grad_input_state");
+    expect_values(g.state, e.at("grad_state"), "grad_input_state");
   }
+  const Expected& unclipped() const { return is_gru ? kGru : kRnn; }
+  const Expected& clipped() const { return is_gru ? kGruClipped : kRnnClipped; }
+};
+
+TEST_P(RecurrentKnownValues, MatchesAPerStepTorchLoopWithAutogradOnKnownValues) {
+  expect_torch_values(std::nullopt, unclipped());
 }
 
-TEST(Rnn, MatchesAPerStepTorchLoopWithAutogradOnKnownValues) {
-  expect_torch_values(false, std::nullopt, kRnn);
+TEST_P(RecurrentKnownValues, GradientClippingClampsTheStateGradientAtEveryStepLikeTorchClampHooks) {
+  expect_torch_values(0.05, clipped());
+  EXPECT_NE(clipped().at("grad_weight"), unclipped().at("grad_weight"));  // the clamp bites
 }
 
-TEST(Gru, MatchesAPerStepTorchLoopWithAutogradOnKnownValues) {
-  expect_torch_values(true, std::nullopt, kGru);
-}
+// rnn's values known in closed form, on every target.
+class RnnKnownValues : public RecurrentCase {};
 
-TEST(Rnn, GradientClippingClampsTheStateGradientAtEveryStepLikeTorchClampHooks) {
-  expect_torch_values(false, 0.05, kRnnClipped);
-  EXPECT_NE(kRnnClipped.at("grad_weight"), kRnn.at("grad_weight"));  // the clamp bites
-}
-
-TEST(Gru, GradientClippingClampsTheStateGradientAtEveryStepLikeTorchClampHooks) {
-  expect_torch_values(true, 0.05, kGruClipped);
-  EXPECT_NE(kGruClipped.at("grad_weight"), kGru.at("grad_weight"));
-}
-
-TEST(Recurrent, DeterministicRunToRun) {
-  for (bool is_gru : {false, true}) {
-    const Problem p = random_problem(is_gru, DType::BF16, {4, 20}, 4, 8, 64, 150, true, 2, 4);
-    const Forward a = forward(p), b = forward(p);
-    EXPECT_TRUE(testing::bitwise_equal(a.output, b.output));
-    const Upstream up = random_upstream(a, 151);
-    expect_grads_bitwise(backward(p, a.output, up.dy, up.dhn, 1.0),
-                         backward(p, a.output, up.dy, up.dhn, 1.0), "run to run");
-  }
-}
-
-TEST(Recurrent, ManySequencesShareWeightGradientPartials) {
-  // B x N = 1200 pairs: the cpu backend sums the weight gradients of 2 sequences per partial.
-  const Problem p = random_problem(true, DType::F32, {300, 2}, 300, 4, 2, 155);
-  expect_cpu_matches_reference(p);
-}
-
-TEST(Recurrent, Int32AndInt64CuSeqlensAgree) {
-  const Problem p = random_problem(true, DType::F32, {6}, 2, 2, 3, 160);
-  const Forward a = forward(p, cu_seqlens({0, 2, 6}, DType::I32)),
-                b = forward(p, cu_seqlens({0, 2, 6}, DType::I64));
-  EXPECT_TRUE(testing::bitwise_equal(a.output, b.output));
-}
-
-TEST(Recurrent, LengthOneSequencesTakeOneStep) {
+TEST_P(RnnKnownValues, LengthOneSequencesTakeOneStep) {
   // h = tanh(h0 @ W + x) with H = 1: tanh(0.5 * 2 + 0.25), per sequence.
   Problem p;
-  p.inputs.push_back(p.own(test::from({3, 1, 1}, DType::F64, {0.25, -1, 0})));
-  p.weights.push_back(p.own(test::from({1, 1, 1}, DType::F64, {2})));
-  p.state = p.own(test::from({3, 1, 1}, DType::F64, {0.5, 0.5, -3}));
-  const Forward f = forward(p, cu_seqlens({0, 1, 2, 3}));
+  p.inputs.push_back(p.own(test::from({3, 1, 1}, dt, {0.25, -1, 0})));
+  p.weights.push_back(p.own(test::from({1, 1, 1}, dt, {2})));
+  p.state = p.own(test::from({3, 1, 1}, dt, {0.5, 0.5, -3}));
+  p.cu = p.own(cu_seqlens({0, 1, 2, 3}));
+  const Forward f = to_host(forward(on(p), stream), stream);
   const std::vector<double> out = values(f.output);
   EXPECT_NEAR(out[0], std::tanh(1.25), 1e-15);
   EXPECT_NEAR(out[1], std::tanh(0.0), 1e-15);
@@ -770,10 +1028,20 @@ TEST(Recurrent, LengthOneSequencesTakeOneStep) {
   EXPECT_EQ(values(f.final_state), out);
 }
 
+INSTANTIATE_TEST_SUITE_P(, RecurrentKnownValues,
+                         ::testing::ValuesIn(recurrent_cases(test::all_targets(), {DType::F64})),
+                         recurrent_case_name);
+INSTANTIATE_TEST_SUITE_P(, RnnKnownValues,
+                         ::testing::ValuesIn(recurrent_cases(test::all_targets(), {DType::F64},
+                                                             {false})),
+                         recurrent_case_name);
+
 TEST(Recurrent, BadCuSeqlensAreClearErrors) {
-  const Problem p = random_problem(false, DType::F32, {5}, 2, 1, 3, 170);
+  const Problem p = random_problem(false, DType::F32, {5}, 1, 3, 170, cu_seqlens({0, 2, 5}));
   const auto run = [&](const Tensor& cu, std::int64_t max_seqlen = -1) {
-    forward(p, cu, max_seqlen);
+    Problem q = p;
+    q.cu = q.own(cu);
+    forward(q, {}, max_seqlen);
   };
   test::expect_error(
       [&] {
@@ -802,13 +1070,15 @@ TEST(Recurrent, BadCuSeqlensAreClearErrors) {
   Tensor y({5, 1, 3}, DType::F32);
   test::expect_error([&] { rnn(p.inputs[0], p.weights[0], {}, y, {}, Tensor({0}, DType::I64)); },
                      ErrorCode::InvalidArgument, {"rnn", "'cu_seqlens'", "B+1"});
-  forward(p, cu_seqlens({0, 2, 5}), 3);  // max_seqlen equal to the longest is fine
-  const Problem padded = random_problem(true, DType::F32, {2, 3}, 2, 1, 3, 171);
+  run(cu_seqlens({0, 2, 5}), 3);  // max_seqlen equal to the longest is fine
+  const Problem padded = random_problem(true, DType::F32, {2, 3}, 1, 3, 171);
   test::expect_error([&] { forward(padded, {}, 3); }, ErrorCode::InvalidArgument,
                      {"gru", "max_seqlen", "without cu_seqlens"});
   test::expect_error(
       [&] {
-        forward(padded, cu_seqlens({0, 3, 6}));
+        Problem q = padded;
+        q.cu = q.own(cu_seqlens({0, 3, 6}));
+        forward(q);
       },
       ErrorCode::InvalidArgument, {"gru", "'input'", "3 dimensions (T, heads, H) with cu_seqlens"});
 }
@@ -853,6 +1123,68 @@ TEST(Recurrent, BadArgumentsNameTheOpArgumentAndWhatCame) {
   const GruParams params{x, w, x, w3, x, w};
   test::expect_error([&] { gru(params, {}, y, hn); }, ErrorCode::ShapeMismatch,
                      {"gru", "'forget_weight'", "(3) must divide"});
+}
+
+// The reference backend forced on CUDA tensors runs through host copies: bitwise the CPU's.
+TEST(CudaRecurrent, ForcedReferenceOnCudaTensorsMatchesTheCpuReference) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{kCuda};
+  for (bool gru : {false, true}) {
+    SCOPED_TRACE(gru ? "gru" : "rnn");
+    const Problem p = random_problem(gru, DType::BF16, {7}, 2, 7, 96, cu_seqlens({0, 2, 7}));
+    ForceKernelBackend force(KernelBackend::Reference);
+    const Forward cpu = forward(p);
+    const Problem gp = on(p, kCuda, stream);
+    const Forward staged = forward(gp, stream);
+    EXPECT_EQ(staged.output.device(), kCuda);
+    expect_bitwise(to_cpu(staged.output, stream), cpu.output, "output");
+    expect_bitwise(to_cpu(staged.final_state, stream), cpu.final_state, "final_state");
+    const Tensor dy = randn(cpu.output.shape(), DType::BF16, 97);
+    const Grads cg = backward(p, cpu.output, dy, {}, 2.0);
+    const Grads sg = backward(gp, test::on(cpu.output, kCuda, stream), test::on(dy, kCuda, stream),
+                              {}, 2.0, stream);
+    expect_grads_bitwise(to_host(sg, stream), cg, "backward");
+  }
+}
+
+// Zeros written on the device: a copy from one zero element broadcast with zero strides.
+Tensor cuda_zeros(const Shape& shape, DType dtype, const Stream& stream) {
+  const Tensor zero = Tensor::zeros({1}, dtype, kCuda, stream);
+  Tensor t(shape, dtype, kCuda, stream);
+  copy(TensorView(zero.data_ptr<char>(), dtype, shape, Shape(shape.size(), 0), kCuda), t, stream);
+  return t;
+}
+
+// One sequence of S = 32771 steps of 1024 heads of 64: its last rows start past element 2^31
+// (4 GiB per bf16 tensor, 16 GiB in all). The inputs are zero but for the last 3 steps, so the
+// state is zero until then and the last 3 rows equal a 3-step run (bitwise); zero states add
+// nothing to the weight gradient, and the clipped gradient stays finite through the zero steps.
+TEST(CudaRecurrent, RowsPastElementTwoToThe31AreAddressedWith64Bits) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{kCuda};
+  constexpr std::int64_t kHeads = 1024, kH = 64, kTail = 3;
+  constexpr std::int64_t kSteps = (std::int64_t{1} << 31) / (kHeads * kH) + kTail;
+  const Problem small = random_problem(false, DType::BF16, {1, kTail}, kHeads, kH, 98, {}, false,
+                                       Heads{{0, 0, 0}, {1, 1, 1}});
+  Problem big;
+  big.inputs.push_back(big.own(cuda_zeros({1, kSteps, kHeads, kH}, DType::BF16, stream)));
+  big.weights.push_back(big.own(test::on(small.weights[0], kCuda, stream)));
+  copy(small.inputs[0], big.inputs[0].narrow(1, kSteps - kTail, kTail), stream);
+  const Problem gsmall = on(small, kCuda, stream);
+
+  const Forward fs = forward(gsmall, stream), fb = forward(big, stream);
+  expect_bitwise(to_cpu(fb.output.view().narrow(1, kSteps - kTail, kTail), stream),
+                 to_cpu(fs.output, stream), "last rows of the output");
+  expect_bitwise(to_cpu(fb.final_state, stream), to_cpu(fs.final_state, stream), "final_state");
+
+  const Tensor dy_small = test::on(randn(fs.output.shape(), DType::BF16, 99), kCuda, stream);
+  const Tensor dy = cuda_zeros(fb.output.shape(), DType::BF16, stream);
+  copy(dy_small, dy.view().narrow(1, kSteps - kTail, kTail), stream);
+  const Grads gs = backward(gsmall, fs.output, dy_small, {}, 1.0, stream);
+  const Grads gb = backward(big, fb.output, dy, {}, 1.0, stream);
+  expect_bitwise(to_cpu(gb.inputs[0].view().narrow(1, kSteps - kTail, kTail), stream),
+                 to_cpu(gs.inputs[0], stream), "last rows of grad_input");
+  expect_bitwise(to_cpu(gb.weights[0], stream), to_cpu(gs.weights[0], stream), "grad_weight");
 }
 
 }  // namespace
