@@ -96,7 +96,7 @@ TEST_P(SwigluBackends, PackedLayoutsGiveTheBitsOfSeparateGateAndUp) {
   const Stream stream{target.device};
   const Device d = target.device;
   ForceKernelBackend force(target.backend);
-  for (const auto [rows, cols] : {std::pair<std::int64_t, std::int64_t>{3, 21}, {5, 40}}) {
+  for (const auto& [rows, cols] : {std::pair<std::int64_t, std::int64_t>{3, 21}, {5, 40}}) {
     SCOPED_TRACE(::testing::Message() << rows << " x " << cols);
     const Tensor g = randn({rows, cols}, dtype, 13), u = randn({rows, cols}, dtype, 14),
                  dy = randn({rows, cols}, dtype, 15);
