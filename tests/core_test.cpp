@@ -54,8 +54,8 @@ TEST(DType, F16RoundsToNearestEvenIncludingSubnormalsAndOverflow) {
   EXPECT_EQ(float_to_half_bits_soft(65519.0f), 0x7bff);  // max half
   EXPECT_EQ(to_float16(65520.0f).bits, 0x7c00);
   EXPECT_EQ(float_to_half_bits_soft(-std::numeric_limits<float>::infinity()), 0xfc00);
-  EXPECT_TRUE(std::isnan(half_bits_to_float_soft(
-      float_to_half_bits_soft(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(
+      half_bits_to_float_soft(float_to_half_bits_soft(std::numeric_limits<float>::quiet_NaN()))));
 }
 
 TEST(DType, FromDoubleRoundsOnceToBf16) {
@@ -113,16 +113,6 @@ TEST(Tensor, LargeCpuBuffersAreAlignedToHugePages) {
                {"Tensor", "4611686018427387904 elements", "f64", "address space"});
 }
 
-TEST(Tensor, CopyConvertsDtypesAndStrides) {
-  Tensor a = test::randn({4, 5}, DType::F32, 1);
-  const test::NonContiguous b = test::non_contiguous(a);
-  Tensor c = Tensor::copy_of(b.view);
-  EXPECT_TRUE(testing::bitwise_equal(a, c));
-  Tensor h(a.shape(), DType::BF16);
-  copy(a, h);
-  EXPECT_EQ(h.data_ptr<bfloat16>()[7].bits, to_bfloat16(a.data_ptr<float>()[7]).bits);
-}
-
 TEST(KernelBackend, ForcedBackendNestsRestoresAndIsPerThread) {
   EXPECT_FALSE(forced_kernel_backend().has_value());
   {
@@ -145,31 +135,28 @@ TEST(KernelBackend, ForcedBackendNestsRestoresAndIsPerThread) {
   EXPECT_FALSE(forced_kernel_backend().has_value());
 }
 
-TEST(KernelBackend, ResolvesFromDeviceAndNamesMismatches) {
+TEST(KernelBackend, ForcedReferenceResolvesAndMixedDevicesAreAnErrorNamingThem) {
   Tensor x = Tensor::zeros({2, 4}, DType::F32);
-  EXPECT_EQ(resolved_backend("swiglu", {{"gate", x}}), KernelBackend::CPU);
   {
     ForceKernelBackend force(KernelBackend::Reference);
     EXPECT_EQ(resolved_backend("swiglu", {{"gate", x}}), KernelBackend::Reference);
   }
   char dummy = 0;
   TensorView on_gpu(&dummy, DType::F32, {2, 4}, Device{DeviceType::CUDA, 1});
-  expect_error([&] { resolved_backend("swiglu", {{"gate", x}, {"up", on_gpu}}); },
-               ErrorCode::DeviceMismatch, {"swiglu", "gate", "cpu", "up", "cuda:1"});
-  ForceKernelBackend force(KernelBackend::CUDA);
-#ifdef MESHFUSE_WITH_CUDA  // the cuda kernel exists but cannot take CPU tensors
-  const ErrorCode expected = ErrorCode::Unsupported;
-#else  // this build has no cuda kernels at all
-  const ErrorCode expected = ErrorCode::BackendUnavailable;
-#endif
-  expect_error([&] { resolved_backend("swiglu", {{"gate", x}}); }, expected,
-               {"swiglu", "'cuda'", "forced", "cpu", "f32"});
+  expect_error(
+      [&] {
+        resolved_backend("swiglu", {{"gate", x}, {"up", on_gpu}});
+      },
+      ErrorCode::DeviceMismatch, {"swiglu", "gate", "cpu", "up", "cuda:1"});
 }
 
 TEST(KernelBackend, BackendWithoutTheDtypeIsAnErrorNamingIt) {
   Tensor labels = Tensor::zeros({4}, DType::I32);
-  expect_error([&] { resolved_backend("swiglu", {{"gate", labels}}); }, ErrorCode::Unsupported,
-               {"swiglu", "cpu", "i32", "gate"});
+  expect_error(
+      [&] {
+        resolved_backend("swiglu", {{"gate", labels}});
+      },
+      ErrorCode::Unsupported, {"swiglu", "cpu", "i32", "gate"});
 }
 
 TEST(KernelBackend, RegistryListsEveryOpOnReferenceAndCpu) {
@@ -180,6 +167,99 @@ TEST(KernelBackend, RegistryListsEveryOpOnReferenceAndCpu) {
     cpu |= k.backend == KernelBackend::CPU;
   }
   EXPECT_TRUE(reference && cpu);
+}
+
+// Tensors and backend resolution on each device: cpu, and cuda:0 (skipped without a GPU), with the
+// device's backend.
+class CoreOnDevices : public ::testing::TestWithParam<test::Target> {};
+
+TEST_P(CoreOnDevices, RoundTripThroughTheDeviceIsBitwiseForEveryDtype) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  for (DType d : {DType::F32, DType::F64, DType::BF16, DType::F16}) {
+    const Tensor a = test::randn({37, 41}, d, 1);
+    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(test::on(a, target.device, stream), stream), a))
+        << to_string(d);
+  }
+  Tensor labels({1000}, DType::I64);
+  testing::fill_uniform_int(labels, 2, -(std::int64_t{1} << 60), std::int64_t{1} << 60);
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(test::on(labels, target.device, stream), stream),
+                                     labels));
+}
+
+TEST_P(CoreOnDevices, CopiesConvertDtypesAndStridesLikeTheHost) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device device = target.device;
+  const Tensor a = test::randn({33, 65}, DType::F32, 3);
+  const Tensor on_device = test::on(a, device, stream);
+  const TensorView a_t = a.view().transpose(0, 1);
+  // Transposed view -> contiguous copy on the device, and -> contiguous host copy.
+  EXPECT_TRUE(testing::bitwise_equal(
+      test::to_cpu(Tensor::copy_of(on_device.view().transpose(0, 1), stream), stream), a_t));
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(on_device.view().transpose(0, 1), stream), a_t));
+  // f32 -> bf16 on the device rounds like the host conversion.
+  Tensor bf(a.shape(), DType::BF16, device, stream);
+  copy(on_device, bf, stream);
+  const Tensor bf_back = test::to_cpu(bf, stream);
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    ASSERT_EQ(bf_back.data_ptr<bfloat16>()[i].bits, to_bfloat16(a.data_ptr<float>()[i]).bits) << i;
+  // Host -> strided destination on the device.
+  Tensor dst = Tensor::zeros({65, 33}, DType::F32, device, stream);
+  copy(a, dst.view().transpose(0, 1), stream);
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(dst, stream).view().transpose(0, 1), a));
+}
+
+TEST_P(CoreOnDevices, BackendFollowsTheDeviceAndForcingAnotherIsAnError) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Tensor x =
+      test::on(test::randn({4, 8}, DType::F32, 5), target.device, Stream{target.device});
+  EXPECT_EQ(resolved_backend("swiglu", {{"gate", x}}), target.backend);
+  if (target.device.type == DeviceType::CUDA) {
+    ForceKernelBackend force(KernelBackend::CPU);
+    expect_error(
+        [&] {
+          resolved_backend("swiglu", {{"gate", x}});
+        },
+        ErrorCode::Unsupported, {"swiglu", "'cpu'", "cuda:0", "f32"});
+  } else {
+    ForceKernelBackend force(KernelBackend::CUDA);
+#ifdef MESHFUSE_WITH_CUDA  // the cuda kernel exists but cannot take CPU tensors
+    const ErrorCode expected = ErrorCode::Unsupported;
+#else  // this build has no cuda kernels at all
+    const ErrorCode expected = ErrorCode::BackendUnavailable;
+#endif
+    expect_error(
+        [&] {
+          resolved_backend("swiglu", {{"gate", x}});
+        },
+        expected, {"swiglu", "'cuda'", "forced", "cpu", "f32"});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, CoreOnDevices, ::testing::ValuesIn(test::kernel_targets()),
+                         test::target_param_name);
+
+TEST(CudaCore, WorkOnAnExplicitStreamIsOrdered) {
+  MESHFUSE_REQUIRE_CUDA();
+  CudaStream stream(0);
+  const Tensor a = test::randn({1 << 20}, DType::F32, 4);
+  const Tensor g = test::to_cuda(a, stream);
+  Tensor h = Tensor::copy_of(g, stream);
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(h, stream), a));
+}
+
+TEST(CudaCore, AllocationOnAMissingDeviceNamesIt) {
+  MESHFUSE_REQUIRE_CUDA();
+  const int n = cuda_device_count();
+  expect_error(
+      [&] {
+        Tensor({4}, DType::F32, Device{DeviceType::CUDA, n});
+      },
+      ErrorCode::BackendUnavailable, {"Tensor", fmt::format("cuda:{}", n)});
 }
 
 }  // namespace
@@ -195,6 +275,20 @@ TEST(StreamTimer, TimesCpuWorkWithTheHostClock) {
   const double ms = timer.stop();
   EXPECT_GE(ms, 19.0);
   EXPECT_LT(ms, 5000.0);
+}
+
+TEST(CudaCore, StreamTimerMeasuresDeviceTimeOfQueuedWork) {
+  MESHFUSE_REQUIRE_CUDA();
+  CudaStream stream(0);
+  const Tensor a = Tensor::zeros({1 << 26}, DType::F32, test::kCuda, stream);  // 256 MiB
+  Tensor b(a.shape(), DType::F32, test::kCuda, stream);
+  StreamTimer timer(stream);
+  timer.start();
+  copy(a, b, stream);
+  const double ms = timer.stop();
+  // 512 MiB moved: more than 10 us on any GPU, less than a second.
+  EXPECT_GT(ms, 0.01);
+  EXPECT_LT(ms, 1000.0);
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
+// rmsnorm and fused_residual_add_rmsnorm on every backend against the reference backend on the CPU,
+// plus known values, errors and registration. CUDA cases skip without a GPU.
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "meshfuse/meshfuse.h"
 #include "test_util.h"
@@ -8,18 +11,31 @@ namespace meshfuse {
 namespace {
 
 using test::expect_close;
+using test::on;
 using test::randn;
+using test::to_cpu;
 
-// One call's inputs; undefined tensors are absent optional arguments.
-struct Inputs {
-  Tensor x, residual, weight, grad_y, grad_r;
-  double multiplier = 1.0;
-  double eps = 1e-5;
-};
+constexpr double kEps = 1e-5;
 
 struct Flags {
   bool weight = false, residual = false, grad_r = false;
   double multiplier = 1.0;
+};
+
+// Every combination of the optional arguments that the API allows.
+const Flags kCases[] = {{},
+                        {.weight = true},
+                        {.multiplier = 0.5},
+                        {.weight = true, .residual = true},
+                        {.residual = true, .grad_r = true},
+                        {.weight = true, .residual = true, .grad_r = true, .multiplier = 2.0},
+                        {.weight = true, .multiplier = 3.0}};
+
+// One call's inputs, all on one device; undefined tensors are absent optional arguments.
+struct Inputs {
+  Tensor x, residual, weight, grad_y, grad_r;
+  double multiplier = 1.0;
+  double eps = kEps;
 };
 
 Inputs make_inputs(const Shape& shape, DType dtype, Flags f, std::uint64_t seed) {
@@ -33,8 +49,15 @@ Inputs make_inputs(const Shape& shape, DType dtype, Flags f, std::uint64_t seed)
   return in;
 }
 
-// rmsnorm when there is no residual and no multiplier, else the fused op.
-bool plain(const Inputs& in) { return !in.residual.defined() && in.multiplier == 1.0; }
+Inputs on(const Inputs& in, Device device, const Stream& stream) {
+  return {on(in.x, device, stream),
+          on(in.residual, device, stream),
+          on(in.weight, device, stream),
+          on(in.grad_y, device, stream),
+          on(in.grad_r, device, stream),
+          in.multiplier,
+          in.eps};
+}
 
 struct Forward {
   Tensor y, r, rstd;
@@ -43,31 +66,43 @@ struct Backward {
   Tensor dx, dresidual, dweight;
 };
 
-Forward forward(const Inputs& in) {
+Forward on(const Forward& f, Device device, const Stream& stream) {
+  return {on(f.y, device, stream), on(f.r, device, stream), on(f.rstd, device, stream)};
+}
+
+// rmsnorm when there is no residual and no multiplier, else the fused op.
+bool plain(const Inputs& in) { return !in.residual.defined() && in.multiplier == 1.0; }
+
+// The forward with outputs on x's device.
+Forward forward(const Inputs& in, const Stream& stream) {
   const TensorView& x = in.x;
-  Forward f{Tensor(x.shape(), x.dtype()), {}, Tensor({x.numel() / x.size(-1)}, DType::F32)};
-  if (in.residual.defined()) f.r = Tensor(x.shape(), x.dtype());
+  const Device d = x.device();
+  Forward f{Tensor(x.shape(), x.dtype(), d, stream),
+            {},
+            Tensor({x.numel() / x.size(-1)}, DType::F32, d, stream)};
+  if (in.residual.defined()) f.r = Tensor(x.shape(), x.dtype(), d, stream);
   if (plain(in))
-    rmsnorm(in.x, in.weight, f.y, f.rstd, in.eps);
+    rmsnorm(in.x, in.weight, f.y, f.rstd, in.eps, stream);
   else
     fused_residual_add_rmsnorm(in.x, in.residual, in.weight, f.y, f.r, f.rstd, in.eps,
-                               in.multiplier);
+                               in.multiplier, stream);
   return f;
 }
 
 // The backward from saved forward outputs (r, rstd), so that backends can be compared on the same
 // saved tensors.
-Backward backward(const Inputs& in, const Forward& saved) {
+Backward backward(const Inputs& in, const Forward& saved, const Stream& stream) {
   const TensorView& x = in.x;
-  Backward b{Tensor(x.shape(), x.dtype()), {}, {}};
-  if (in.residual.defined()) b.dresidual = Tensor(x.shape(), x.dtype());
-  if (in.weight.defined()) b.dweight = Tensor({x.size(-1)}, x.dtype());
+  const Device d = x.device();
+  Backward b{Tensor(x.shape(), x.dtype(), d, stream), {}, {}};
+  if (in.residual.defined()) b.dresidual = Tensor(x.shape(), x.dtype(), d, stream);
+  if (in.weight.defined()) b.dweight = Tensor({x.size(-1)}, x.dtype(), d, stream);
   if (plain(in))
-    rmsnorm_backward(in.grad_y, in.x, in.weight, saved.rstd, b.dx, b.dweight);
+    rmsnorm_backward(in.grad_y, in.x, in.weight, saved.rstd, b.dx, b.dweight, stream);
   else
-    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r,
-                                        in.residual.defined() ? saved.r : in.x, in.weight,
-                                        saved.rstd, b.dx, b.dresidual, b.dweight, in.multiplier);
+    fused_residual_add_rmsnorm_backward(
+        in.grad_y, in.grad_r, in.residual.defined() ? saved.r : in.x, in.weight, saved.rstd, b.dx,
+        b.dresidual, b.dweight, in.multiplier, stream);
   return b;
 }
 
@@ -77,238 +112,368 @@ auto on_reference(F&& f) {
   return f();
 }
 
-void expect_matches_reference(const Inputs& in) {
-  const Forward cpu = forward(in), ref = on_reference([&] { return forward(in); });
-  expect_close(cpu.y, ref.y, "y");
-  expect_close(cpu.rstd, ref.rstd, "rstd");
-  if (in.residual.defined()) expect_close(cpu.r, ref.r, "r");
-  const Backward cb = backward(in, ref), rb = on_reference([&] { return backward(in, ref); });
-  expect_close(cb.dx, rb.dx, "dx");
-  if (in.residual.defined()) expect_close(cb.dresidual, rb.dresidual, "dresidual");
-  // dweight sums over rows in fp32: allow for that on top of the dtype's rounding.
+// dweight sums over rows in fp32: allow for that on top of the dtype's rounding.
+double dweight_tolerance(DType dtype) { return std::max(testing::default_tolerance(dtype), 1e-4); }
+
+// The target's backend on copies of the CPU inputs `in` against the reference on `in`; the
+// backward of both reads the reference's saved tensors.
+void expect_matches_reference(const test::Target& target, const Inputs& in) {
+  const Forward ref = on_reference([&] { return forward(in, {}); });
+  const Backward rb = on_reference([&] { return backward(in, ref, {}); });
+  const Stream stream{target.device};
+  const Inputs dev_in = on(in, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward f = forward(dev_in, stream);
+  expect_close(to_cpu(f.y, stream), ref.y, "y");
+  expect_close(to_cpu(f.rstd, stream), ref.rstd, "rstd");
+  if (in.residual.defined()) expect_close(to_cpu(f.r, stream), ref.r, "r");
+  const Backward b = backward(dev_in, on(ref, target.device, stream), stream);
+  expect_close(to_cpu(b.dx, stream), rb.dx, "dx");
+  if (in.residual.defined()) expect_close(to_cpu(b.dresidual, stream), rb.dresidual, "dresidual");
   if (in.weight.defined())
-    expect_close(cb.dweight, rb.dweight, std::max(testing::default_tolerance(in.x.dtype()), 1e-4),
-                 "dweight");
+    expect_close(to_cpu(b.dweight, stream), rb.dweight, dweight_tolerance(in.x.dtype()), "dweight");
 }
 
-class RmsNormTest : public ::testing::TestWithParam<DType> {};
+// A view on `device` holding t's (rows, cols) values with transposed storage.
+struct Strided {
+  Tensor storage;
+  TensorView view;
+};
+Strided transposed_on(const Tensor& t, Device device, const Stream& stream) {
+  Strided nc{on(Tensor::copy_of(t.view().transpose(0, 1)), device, stream), {}};
+  nc.view = nc.storage.view().transpose(0, 1);
+  return nc;
+}
 
-TEST_P(RmsNormTest, CpuMatchesReferenceForEveryCombinationOfOptionalArguments) {
-  const Flags cases[] = {{},
-                         {.weight = true},
-                         {.multiplier = 0.5},
-                         {.weight = true, .residual = true},
-                         {.residual = true, .grad_r = true},
-                         {.weight = true, .residual = true, .grad_r = true, .multiplier = 2.0},
-                         {.weight = true, .multiplier = 3.0}};
-  // 1025 and 4100: past the cpu backend's 1024-column blocks of the fused statistics pass.
-  for (std::int64_t cols : {1, 7, 33, 1000, 1025, 4100})
-    for (const Flags& f : cases) {
+// A copy of t on `device` starting one element past a 16-byte boundary: the CUDA kernels fall
+// back to one element per access.
+Strided misaligned_on(const Tensor& t, Device device, const Stream& stream) {
+  Strided m{Tensor({t.numel() + 1}, t.dtype(), device, stream), {}};
+  m.view = TensorView(m.storage.data_ptr<char>() + element_size(t.dtype()), t.dtype(), t.shape(),
+                      device);
+  copy(t, m.view, stream);
+  return m;
+}
+
+bool row_finite(const Tensor& t, std::int64_t row, const Stream& stream) {
+  for (double v : test::values(to_cpu(t.view().narrow(0, row, 1), stream)))
+    if (!std::isfinite(v)) return false;
+  return true;
+}
+
+// The optimised backends (cpu, cuda) against the reference on the CPU.
+class RmsNormBackends : public ::testing::TestWithParam<test::OpCase> {};
+
+// 1, 7, 33, 4097: one element per CUDA vector; 40, 4104: 16-byte vectors; 4097, 16384
+// (backward), 16392: rows too wide for CUDA registers; 1025 and 4100: past the cpu backend's
+// 1024-column blocks of the fused statistics pass.
+TEST_P(RmsNormBackends, EveryOptionalArgumentCombinationMatchesTheReferenceAtOddAndVectorWidths) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  for (std::int64_t cols : {1, 7, 33, 40, 1000, 1025, 4097, 4100, 4104, 16384, 16392})
+    for (const Flags& f : kCases) {
       SCOPED_TRACE(::testing::Message()
                    << "cols " << cols << " weight " << f.weight << " residual " << f.residual
                    << " grad_r " << f.grad_r << " multiplier " << f.multiplier);
-      expect_matches_reference(make_inputs({5, cols}, GetParam(), f, 10 * cols));
+      expect_matches_reference(target, make_inputs({5, cols}, dtype, f, 10 * cols));
     }
 }
 
-// With multiplier 1 the residual's gradient is dx: dresidual given as dx itself gets the same
-// bits written once.
-TEST_P(RmsNormTest, DresidualMayBeDxItselfWhenTheMultiplierIsOne) {
-  const Inputs in =
-      make_inputs({3, 40}, GetParam(), {.weight = true, .residual = true, .grad_r = true}, 5);
-  const Forward f = forward(in);
-  for (const KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    ForceKernelBackend force(backend);
-    const Backward full = backward(in, f);
-    Tensor dx(in.x.shape(), in.x.dtype()), dweight({40}, in.x.dtype());
-    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, f.r, in.weight, f.rstd, dx, dx,
-                                        dweight);
-    EXPECT_EQ(test::values(dx), test::values(full.dx));
-    EXPECT_EQ(test::values(full.dresidual), test::values(full.dx));
-    EXPECT_EQ(test::values(dweight), test::values(full.dweight));
+TEST_P(RmsNormBackends, LlamaWidthsManyRowsOneRowAndOneAndThreeDimensionsMatchTheReference) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 0.5};
+  const Flags weight{.weight = true};
+  const struct {
+    Shape shape;
+    Flags flags;
+  } cases[] = {{{1, 129}, all},   {{1, 4096}, all},    {{384, 4096}, all}, {{256, 4096}, weight},
+               {{77, 8192}, all}, {{3, 8192}, weight}, {{4096, 33}, all},  {{100, 4104}, all},
+               {{129}, weight},   {{2, 3, 17}, all}};
+  std::uint64_t seed = 100;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(shape_str(c.shape) + (c.flags.residual ? " all" : " weight"));
+    expect_matches_reference(target, make_inputs(c.shape, dtype, c.flags, seed += 10));
   }
 }
 
-TEST_P(RmsNormTest, OneRowOneDimensionalAndThreeDimensionalInputs) {
-  const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 0.5};
-  expect_matches_reference(make_inputs({1, 129}, GetParam(), all, 1));
-  expect_matches_reference(make_inputs({129}, GetParam(), {.weight = true}, 2));
-  expect_matches_reference(make_inputs({2, 3, 17}, GetParam(), all, 3));
-}
-
-TEST_P(RmsNormTest, ZeroRowsGiveEmptyOutputsAndZeroDweight) {
-  Inputs in = make_inputs({0, 16}, GetParam(), {.weight = true, .residual = true}, 4);
-  const Forward f = forward(in);
+TEST_P(RmsNormBackends, ZeroRowsGiveEmptyOutputsAndZeroDweight) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Inputs in =
+      on(make_inputs({0, 16}, dtype, {.weight = true, .residual = true}, 4), target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward f = forward(in, stream);
   EXPECT_EQ(f.y.shape(), (Shape{0, 16}));
   EXPECT_EQ(f.rstd.shape(), (Shape{0}));
-  const Backward b = backward(in, f);
-  EXPECT_TRUE(testing::bitwise_equal(b.dweight, Tensor::zeros({16}, GetParam())));
+  const Backward b = backward(in, f, stream);
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(b.dweight, stream), Tensor::zeros({16}, dtype)));
 }
 
-TEST_P(RmsNormTest, NonContiguousInputsGiveTheContiguousResult) {
+TEST_P(RmsNormBackends, NonContiguousInputsGiveTheBitsOfTheirContiguousCopies) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
   const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 2.0};
-  const Inputs in = make_inputs({6, 40}, GetParam(), all, 5);
-  const auto x = test::non_contiguous(in.x), res = test::non_contiguous(in.residual),
-             dy = test::non_contiguous(in.grad_y), dr = test::non_contiguous(in.grad_r);
-  const Forward a = forward(in);
-  Forward b{Tensor(a.y.shape(), a.y.dtype()), Tensor(a.y.shape(), a.y.dtype()),
-            Tensor({6}, DType::F32)};
-  fused_residual_add_rmsnorm(x.view, res.view, in.weight, b.y, b.r, b.rstd, in.eps, 2.0);
-  EXPECT_TRUE(testing::bitwise_equal(a.y, b.y));
-  EXPECT_TRUE(testing::bitwise_equal(a.r, b.r));
-  EXPECT_TRUE(testing::bitwise_equal(a.rstd, b.rstd));
-  const Backward ga = backward(in, a);
-  const auto r = test::non_contiguous(a.r);
-  Backward gb{Tensor(a.y.shape(), a.y.dtype()), Tensor(a.y.shape(), a.y.dtype()),
-              Tensor({40}, a.y.dtype())};
-  fused_residual_add_rmsnorm_backward(dy.view, dr.view, r.view, in.weight, a.rstd, gb.dx,
-                                      gb.dresidual, gb.dweight, 2.0);
-  EXPECT_TRUE(testing::bitwise_equal(ga.dx, gb.dx));
-  EXPECT_TRUE(testing::bitwise_equal(ga.dresidual, gb.dresidual));
-  EXPECT_TRUE(testing::bitwise_equal(ga.dweight, gb.dweight));
+  ForceKernelBackend force(target.backend);
+  for (const std::int64_t rows : {6, 24}) {
+    SCOPED_TRACE(::testing::Message() << "rows " << rows);
+    const Inputs cpu = make_inputs({rows, 40}, dtype, all, 5);
+    const Inputs in = on(cpu, d, stream);
+    const Strided x = transposed_on(cpu.x, d, stream), res = transposed_on(cpu.residual, d, stream),
+                  dy = transposed_on(cpu.grad_y, d, stream),
+                  dr = transposed_on(cpu.grad_r, d, stream);
+    const Forward a = forward(in, stream);
+    Forward b{Tensor({rows, 40}, dtype, d, stream), Tensor({rows, 40}, dtype, d, stream),
+              Tensor({rows}, DType::F32, d, stream)};
+    fused_residual_add_rmsnorm(x.view, res.view, in.weight, b.y, b.r, b.rstd, kEps, 2.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.y, stream), to_cpu(b.y, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.r, stream), to_cpu(b.r, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.rstd, stream), to_cpu(b.rstd, stream)));
+    const Backward ga = backward(in, a, stream);
+    const Strided r = transposed_on(to_cpu(a.r, stream), d, stream);
+    Backward gb{Tensor({rows, 40}, dtype, d, stream), Tensor({rows, 40}, dtype, d, stream),
+                Tensor({40}, dtype, d, stream)};
+    fused_residual_add_rmsnorm_backward(dy.view, dr.view, r.view, in.weight, a.rstd, gb.dx,
+                                        gb.dresidual, gb.dweight, 2.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(ga.dx, stream), to_cpu(gb.dx, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(ga.dresidual, stream), to_cpu(gb.dresidual, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(ga.dweight, stream), to_cpu(gb.dweight, stream)));
+  }
 }
 
-TEST_P(RmsNormTest, DweightIsBitwiseDeterministicRunToRun) {
-  const Inputs in = make_inputs({1000, 300}, GetParam(), {.weight = true, .residual = true}, 6);
-  const Forward f = forward(in);
-  const Backward a = backward(in, f), b = backward(in, f);
-  EXPECT_TRUE(testing::bitwise_equal(a.dweight, b.dweight));
-  EXPECT_TRUE(testing::bitwise_equal(a.dx, b.dx));
-  EXPECT_TRUE(testing::bitwise_equal(forward(in).y, f.y));
+// At H = 4096 the aligned rows take the CUDA vector kernels (resident in registers) and the
+// misaligned ones the scalar streaming kernels: results agree, and dweight, whose summation order
+// is a function of the shape only, agrees bit for bit.
+TEST_P(RmsNormBackends, MisalignedRowsGiveTheResultAndTheDweightBitsOfAlignedOnes) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  const Inputs cpu = make_inputs({300, 4096}, dtype, {.weight = true}, 3);
+  const Inputs in = on(cpu, d, stream);
+  const Strided x = misaligned_on(cpu.x, d, stream), dy = misaligned_on(cpu.grad_y, d, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward a = forward(in, stream);
+  Tensor y({300, 4096}, dtype, d, stream), rstd({300}, DType::F32, d, stream);
+  rmsnorm(x.view, in.weight, y, rstd, kEps, stream);
+  expect_close(to_cpu(y, stream), to_cpu(a.y, stream), "y");
+  expect_close(to_cpu(rstd, stream), to_cpu(a.rstd, stream), "rstd");
+  const Backward ga = backward(in, a, stream);
+  Tensor dx({300, 4096}, dtype, d, stream), dweight({4096}, dtype, d, stream);
+  rmsnorm_backward(dy.view, x.view, in.weight, a.rstd, dx, dweight, stream);
+  expect_close(to_cpu(dx, stream), to_cpu(ga.dx, stream), "dx");
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(dweight, stream), to_cpu(ga.dweight, stream)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFloatDTypes, RmsNormTest, ::testing::ValuesIn(test::kFloatDTypes),
-                         test::dtype_name);
+TEST_P(RmsNormBackends, ForwardAndBackwardAreBitwiseDeterministicRunToRun) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  // On CUDA a stream of its own (non-blocking, as in training); declared before the tensors that
+  // it must outlive.
+  std::optional<CudaStream> cuda_stream;
+  if (target.device.type == DeviceType::CUDA) cuda_stream.emplace(target.device.index);
+  const Stream stream = cuda_stream ? cuda_stream->stream() : Stream{target.device};
+  const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 0.5};
+  const struct {
+    Shape shape;
+    Flags flags;
+  } cases[] = {
+      {{1000, 300}, {.weight = true, .residual = true}}, {{1024, 4096}, all}, {{256, 16392}, all}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(shape_str(c.shape));
+    // One random tensor serves as x, residual and both gradients (host randn is the slow part).
+    const Tensor data = on(randn(c.shape, dtype, 6), target.device, stream);
+    const Inputs in{data,
+                    c.flags.residual ? data : Tensor{},
+                    on(randn({c.shape[1]}, dtype, 7), target.device, stream),
+                    data,
+                    c.flags.grad_r ? data : Tensor{},
+                    c.flags.multiplier};
+    ForceKernelBackend force(target.backend);
+    const Forward f1 = forward(in, stream), f2 = forward(in, stream);
+    const Backward b1 = backward(in, f1, stream), b2 = backward(in, f1, stream);
+    const auto same = [&](const Tensor& a, const Tensor& b) {
+      return !a.defined() || testing::bitwise_equal(to_cpu(a, stream), to_cpu(b, stream));
+    };
+    EXPECT_TRUE(same(f1.y, f2.y));
+    EXPECT_TRUE(same(f1.r, f2.r));
+    EXPECT_TRUE(same(f1.rstd, f2.rstd));
+    EXPECT_TRUE(same(b1.dx, b2.dx));
+    EXPECT_TRUE(same(b1.dresidual, b2.dresidual));
+    EXPECT_TRUE(same(b1.dweight, b2.dweight));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, RmsNormBackends,
+                         ::testing::ValuesIn(test::op_cases(test::kernel_targets())),
+                         test::op_case_name);
+
+// Every backend, the reference included (on the CPU and on CUDA tensors through host copies).
+class RmsNormEveryBackend : public ::testing::TestWithParam<test::OpCase> {};
+
+// With multiplier 1 the residual's gradient is dx: dresidual given as dx itself gets the same
+// bits written once.
+TEST_P(RmsNormEveryBackend, DresidualAsDxItselfWithMultiplierOneGivesTheSameBits) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  const Flags f{.weight = true, .residual = true, .grad_r = true};
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{3, 40}, Shape{24, 40}, Shape{24, 4096}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Inputs in = on(make_inputs(shape, dtype, f, 3), d, stream);
+    const Forward a = forward(in, stream);
+    const Backward full = backward(in, a, stream);
+    Tensor dx(shape, dtype, d, stream), dweight({shape[1]}, dtype, d, stream);
+    fused_residual_add_rmsnorm_backward(in.grad_y, in.grad_r, a.r, in.weight, a.rstd, dx, dx,
+                                        dweight, 1.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(dx, stream), to_cpu(full.dx, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(full.dresidual, stream), to_cpu(full.dx, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(dweight, stream), to_cpu(full.dweight, stream)));
+  }
+}
+
+// 33: one element per CUDA vector; 40: 16-byte vectors.
+TEST_P(RmsNormEveryBackend, NanOrInfInARowPoisonsOnlyThatRow) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  ForceKernelBackend force(target.backend);
+  for (std::int64_t cols : {33, 40}) {
+    SCOPED_TRACE(::testing::Message() << "cols " << cols);
+    Inputs cpu = make_inputs({4, cols}, dtype, {.weight = true, .residual = true}, 4);
+    const Inputs clean_in = on(cpu, target.device, stream);
+    const Forward clean = forward(clean_in, stream);
+    const Backward clean_b = backward(clean_in, clean, stream);
+    testing::fill(cpu.x.view().narrow(0, 1, 1).narrow(1, 5, 1), std::nan(""));
+    testing::fill(cpu.residual.view().narrow(0, 2, 1).narrow(1, cols - 1, 1),
+                  std::numeric_limits<double>::infinity());
+    const Inputs in = on(cpu, target.device, stream);
+    const Forward f = forward(in, stream);
+    const Backward b = backward(in, f, stream);
+    for (std::int64_t row : {1, 2}) {
+      EXPECT_FALSE(row_finite(f.y, row, stream)) << "row " << row;
+      EXPECT_FALSE(row_finite(b.dx, row, stream)) << "row " << row;
+    }
+    for (std::int64_t row : {0, 3}) {
+      EXPECT_TRUE(testing::bitwise_equal(to_cpu(f.y.view().narrow(0, row, 1), stream),
+                                         to_cpu(clean.y.view().narrow(0, row, 1), stream)));
+      EXPECT_TRUE(testing::bitwise_equal(to_cpu(b.dx.view().narrow(0, row, 1), stream),
+                                         to_cpu(clean_b.dx.view().narrow(0, row, 1), stream)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, RmsNormEveryBackend,
+                         ::testing::ValuesIn(test::op_cases(test::all_targets())),
+                         test::op_case_name);
+
+// Known values, on every backend.
+class RmsNormTargets : public ::testing::TestWithParam<test::Target> {};
 
 Tensor f64(const Shape& shape, std::initializer_list<double> values) {
-  Tensor t(shape, DType::F64);
-  std::copy(values.begin(), values.end(), t.data_ptr<double>());
-  return t;
+  return test::from(shape, DType::F64, values);
 }
 
+// The values of t (on any device) within tol of expected.
 void expect_values(const Tensor& t, std::initializer_list<double> expected, double tol,
-                   const char* what) {
+                   const char* what, const Stream& stream) {
   SCOPED_TRACE(what);
-  ASSERT_EQ(t.numel(), static_cast<std::int64_t>(expected.size()));
-  std::int64_t i = 0;
-  for (double e : expected) EXPECT_NEAR(t.data_ptr<double>()[i++], e, tol) << "element " << i;
+  const std::vector<double> v = test::values(to_cpu(t, stream));
+  ASSERT_EQ(v.size(), expected.size());
+  std::size_t i = 0;
+  for (double e : expected) EXPECT_NEAR(v[i++], e, tol) << "element " << i;
 }
 
 // Expected numbers from torch 2.x in float64:
 //   y = F.rms_norm(x, (4,), w, eps); y.backward(dy)  (and r = x*0.5 + res for the fused case,
 //   torch.autograd.backward([y, r], [dy, grad_r])).
 // The backward reads the f32 rstd, hence 1e-6 there.
-TEST(RmsNorm, MatchesTorchRmsNormOnKnownValues) {
-  Inputs in;
-  in.x = f64({2, 4}, {1, 2, 3, 4, -0.5, 0.25, 0, 2});
-  in.weight = f64({4}, {0.5, 1, -2, 1.5});
-  in.grad_y = f64({2, 4}, {1, -1, 0.5, 2, 0.25, 3, -1, 1});
-  for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    SCOPED_TRACE(std::string(to_string(backend)));
-    ForceKernelBackend force(backend);
-    const Forward f = forward(in);
-    expect_values(f.y,
-                  {0.1825740641190532, 0.7302962564762128, -2.1908887694286383, 2.1908887694286383,
-                   -0.2407705895569007, 0.2407705895569007, 0.0, 2.8892470746828085},
-                  1e-12, "y");
-    const Backward b = backward(in, f);
-    expect_values(
-        b.dx,
-        {0.09128715377540705, -0.5477219489253986, -0.6390088592690448, 0.7302967433397346,
-         0.5321340780899425, 2.6833726830270623, 1.9261647164552056, -0.20237159590456444},
-        1e-6, "dx");
-    expect_values(
-        b.dweight,
-        {0.24476283345965605, -0.007984487805510643, 0.5477221923571596, 4.8473497423600564}, 1e-6,
-        "dweight");
-  }
+TEST_P(RmsNormTargets, MatchesTorchRmsNormOnKnownValues) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  Inputs cpu;
+  cpu.x = f64({2, 4}, {1, 2, 3, 4, -0.5, 0.25, 0, 2});
+  cpu.weight = f64({4}, {0.5, 1, -2, 1.5});
+  cpu.grad_y = f64({2, 4}, {1, -1, 0.5, 2, 0.25, 3, -1, 1});
+  const Inputs in = on(cpu, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward f = forward(in, stream);
+  expect_values(f.y,
+                {0.1825740641190532, 0.7302962564762128, -2.1908887694286383, 2.1908887694286383,
+                 -0.2407705895569007, 0.2407705895569007, 0.0, 2.8892470746828085},
+                1e-12, "y", stream);
+  const Backward b = backward(in, f, stream);
+  expect_values(b.dx,
+                {0.09128715377540705, -0.5477219489253986, -0.6390088592690448, 0.7302967433397346,
+                 0.5321340780899425, 2.6833726830270623, 1.9261647164552056, -0.20237159590456444},
+                1e-6, "dx", stream);
+  expect_values(
+      b.dweight,
+      {0.24476283345965605, -0.007984487805510643, 0.5477221923571596, 4.8473497423600564}, 1e-6,
+      "dweight", stream);
 }
 
-TEST(RmsNorm, FusedResidualAddMatchesTorchWithMultiplierAndGradR) {
-  Inputs in;
-  in.x = f64({2, 4}, {1, 2, 3, 4, -0.5, 0.25, 0, 2});
-  in.residual = f64({2, 4}, {0.5, -1, 1, 0, 2, 0, -3, 1});
-  in.weight = f64({4}, {0.5, 1, -2, 1.5});
-  in.grad_y = f64({2, 4}, {1, -1, 0.5, 2, 0.25, 3, -1, 1});
-  in.grad_r = f64({2, 4}, {0.1, 0.2, 0.3, 0.4, -1, 0, 1, 0.5});
-  in.multiplier = 0.5;
-  in.eps = 1e-6;
-  for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    SCOPED_TRACE(std::string(to_string(backend)));
-    ForceKernelBackend force(backend);
-    const Forward f = forward(in);
-    expect_values(f.r, {1.0, 0.0, 2.5, 2.0, 1.75, 0.125, -3.0, 2.0}, 0, "r");
-    expect_values(f.y,
-                  {0.29814234399689327, 0.0, -2.9814234399689328, 1.7888540639813595,
-                   0.4364357261826073, 0.06234796088322961, 2.992702122395021, 1.4963510611975106},
-                  1e-12, "y");
-    const Backward b = backward(in, f);
-    expect_values(
-        b.dx,
-        {0.09306504293506383, -0.19814234399689326, -0.41315766665535036, 0.8824147738639141,
-         -0.4035091244067852, 0.7528410231095839, 0.8868118668059513, 0.6987356454726348},
-        1e-6, "dx");
-    expect_values(
-        b.dresidual,
-        {0.18613008587012767, -0.3962846879937865, -0.8263153333107007, 1.7648295477278282,
-         -0.8070182488135704, 1.5056820462191678, 1.7736237336119025, 1.3974712909452696},
-        1e-6, "dresidual");
-    expect_values(b.dweight,
-                  {0.8145025510850902, 0.18704388264968883, 2.241706921189744, 3.38270612610682},
-                  1e-6, "dweight");
-  }
+TEST_P(RmsNormTargets, FusedResidualAddMatchesTorchWithMultiplierAndGradR) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  Inputs cpu;
+  cpu.x = f64({2, 4}, {1, 2, 3, 4, -0.5, 0.25, 0, 2});
+  cpu.residual = f64({2, 4}, {0.5, -1, 1, 0, 2, 0, -3, 1});
+  cpu.weight = f64({4}, {0.5, 1, -2, 1.5});
+  cpu.grad_y = f64({2, 4}, {1, -1, 0.5, 2, 0.25, 3, -1, 1});
+  cpu.grad_r = f64({2, 4}, {0.1, 0.2, 0.3, 0.4, -1, 0, 1, 0.5});
+  cpu.multiplier = 0.5;
+  cpu.eps = 1e-6;
+  const Inputs in = on(cpu, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward f = forward(in, stream);
+  expect_values(f.r, {1.0, 0.0, 2.5, 2.0, 1.75, 0.125, -3.0, 2.0}, 0, "r", stream);
+  expect_values(f.y,
+                {0.29814234399689327, 0.0, -2.9814234399689328, 1.7888540639813595,
+                 0.4364357261826073, 0.06234796088322961, 2.992702122395021, 1.4963510611975106},
+                1e-12, "y", stream);
+  const Backward b = backward(in, f, stream);
+  expect_values(
+      b.dx,
+      {0.09306504293506383, -0.19814234399689326, -0.41315766665535036, 0.8824147738639141,
+       -0.4035091244067852, 0.7528410231095839, 0.8868118668059513, 0.6987356454726348},
+      1e-6, "dx", stream);
+  expect_values(b.dresidual,
+                {0.18613008587012767, -0.3962846879937865, -0.8263153333107007, 1.7648295477278282,
+                 -0.8070182488135704, 1.5056820462191678, 1.7736237336119025, 1.3974712909452696},
+                1e-6, "dresidual", stream);
+  expect_values(b.dweight,
+                {0.8145025510850902, 0.18704388264968883, 2.241706921189744, 3.38270612610682},
+                1e-6, "dweight", stream);
 }
 
-bool row_finite(const Tensor& t, std::int64_t row) {
-  const std::int64_t cols = t.size(-1);
-  const Tensor f = Tensor::copy_of(t.view().narrow(0, row, 1));
-  Tensor d({1, cols}, DType::F64);
-  copy(f, d);
-  for (std::int64_t c = 0; c < cols; ++c)
-    if (!std::isfinite(d.data_ptr<double>()[c])) return false;
-  return true;
+TEST_P(RmsNormTargets, AllZeroRowGivesZeroOutputAndFiniteGradientsThanksToEps) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  Inputs cpu = make_inputs({2, 24}, DType::F32, {.weight = true}, 8);
+  testing::fill(cpu.x.view().narrow(0, 0, 1), 0.0);
+  const Inputs in = on(cpu, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Forward f = forward(in, stream);
+  // 0 * rstd * weight: +-0, the sign following the weight.
+  expect_close(to_cpu(f.y.view().narrow(0, 0, 1), stream), Tensor::zeros({1, 24}, DType::F32), 0.0,
+               "y");
+  EXPECT_FLOAT_EQ(to_cpu(f.rstd, stream).data_ptr<float>()[0],
+                  static_cast<float>(1 / std::sqrt(kEps)));
+  const Backward b = backward(in, f, stream);
+  EXPECT_TRUE(row_finite(b.dx, 0, stream));
 }
 
-TEST(RmsNorm, NanOrInfInARowPoisonsOnlyThatRow) {
-  for (DType dtype : test::kFloatDTypes)
-    for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-      SCOPED_TRACE(std::string(to_string(dtype)) + " " + std::string(to_string(backend)));
-      ForceKernelBackend force(backend);
-      Inputs in = make_inputs({4, 33}, dtype, {.weight = true, .residual = true}, 7);
-      const Forward clean = forward(in);
-      const Backward clean_b = backward(in, clean);
-      testing::fill(in.x.view().narrow(0, 1, 1).narrow(1, 5, 1), std::nan(""));
-      testing::fill(in.residual.view().narrow(0, 2, 1).narrow(1, 32, 1),
-                    std::numeric_limits<double>::infinity());
-      const Forward f = forward(in);
-      const Backward b = backward(in, f);
-      for (std::int64_t row : {1, 2}) {
-        EXPECT_FALSE(row_finite(f.y, row)) << "row " << row;
-        EXPECT_FALSE(row_finite(b.dx, row)) << "row " << row;
-      }
-      for (std::int64_t row : {0, 3}) {
-        EXPECT_TRUE(
-            testing::bitwise_equal(f.y.view().narrow(0, row, 1), clean.y.view().narrow(0, row, 1)));
-        EXPECT_TRUE(testing::bitwise_equal(b.dx.view().narrow(0, row, 1),
-                                           clean_b.dx.view().narrow(0, row, 1)));
-      }
-    }
-}
-
-TEST(RmsNorm, AllZeroRowGivesZeroOutputAndFiniteGradientsThanksToEps) {
-  for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    SCOPED_TRACE(std::string(to_string(backend)));
-    ForceKernelBackend force(backend);
-    Inputs in = make_inputs({2, 24}, DType::F32, {.weight = true}, 8);
-    testing::fill(in.x.view().narrow(0, 0, 1), 0.0);
-    const Forward f = forward(in);
-    // 0 * rstd * weight: +-0, the sign following the weight.
-    expect_close(f.y.view().narrow(0, 0, 1), Tensor::zeros({1, 24}, DType::F32), 0.0, "y");
-    EXPECT_FLOAT_EQ(f.rstd.data_ptr<float>()[0], static_cast<float>(1 / std::sqrt(1e-5)));
-    const Backward b = backward(in, f);
-    EXPECT_TRUE(row_finite(b.dx, 0));
-  }
-}
+INSTANTIATE_TEST_SUITE_P(, RmsNormTargets, ::testing::ValuesIn(test::all_targets()),
+                         test::target_param_name);
 
 TEST(RmsNorm, BadArgumentsNameTheOpArgumentAndWhatCame) {
   const Tensor x = randn({2, 8}, DType::F32, 1), y({2, 8}, DType::F32), r({2, 8}, DType::F32),
@@ -378,6 +543,82 @@ TEST(RmsNorm, BothOpsAreRegisteredForBothDirectionsOnReferenceAndCpu) {
       EXPECT_TRUE(found) << op << " " << to_string(backend);
     }
 }
+
+// Host staging: the reference on CUDA tensors computes on host copies, bit for bit.
+TEST(CudaRmsNorm, ForcedReferenceOnCudaTensorsGivesTheBitsOfTheCpuReference) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  const Flags all{.weight = true, .residual = true, .grad_r = true, .multiplier = 0.5};
+  const Inputs cpu = make_inputs({6, 40}, DType::BF16, all, 5);
+  const Inputs in = on(cpu, test::kCuda, stream);
+  const Forward ref = on_reference([&] { return forward(cpu, {}); });
+  const Forward staged = on_reference([&] { return forward(in, stream); });
+  EXPECT_EQ(staged.y.device(), test::kCuda);
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.y, stream), ref.y));
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.r, stream), ref.r));
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.rstd, stream), ref.rstd));
+  const Backward rb = on_reference([&] { return backward(cpu, ref, {}); });
+  const Backward sb = on_reference([&] { return backward(in, staged, stream); });
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(sb.dx, stream), rb.dx));
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(sb.dresidual, stream), rb.dresidual));
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(sb.dweight, stream), rb.dweight));
+}
+
+// Zeros written on the device (Tensor::zeros goes through host memory): a copy from one zero
+// element broadcast with zero strides.
+Tensor cuda_zeros(const Shape& shape, DType dtype, const Stream& stream) {
+  const Tensor zero = Tensor::zeros({1}, dtype, test::kCuda, stream);
+  Tensor t(shape, dtype, test::kCuda, stream);
+  copy(TensorView(zero.data_ptr<char>(), dtype, shape, Shape(shape.size(), 0), test::kCuda), t,
+       stream);
+  return t;
+}
+
+// 524290 rows of 4096 bf16: the last rows start past element 2^31 (4 GiB per tensor, 16 GiB in
+// all). Only the first and last rows are non-zero; zero rows add nothing to dweight.
+TEST(CudaRmsNorm, RowsPastElementTwoToThe31AreAddressedWith64Bits) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  constexpr std::int64_t kCols = 4096, kRows = (std::int64_t{1} << 31) / kCols + 2;
+  const Shape shape{kRows, kCols};
+  const Inputs rows = make_inputs({2, kCols}, DType::BF16, {.weight = true}, 7);
+  Inputs in;
+  try {
+    in.x = cuda_zeros(shape, DType::BF16, stream);
+    in.grad_y = cuda_zeros(shape, DType::BF16, stream);
+  } catch (const Error& e) {
+    GTEST_SKIP() << "not enough device memory: " << e.what();
+  }
+  in.weight = on(rows.weight, test::kCuda, stream);
+  for (std::int64_t i : {0, 1}) {
+    const std::int64_t row = i == 0 ? 0 : kRows - 1;
+    copy(rows.x.view().narrow(0, i, 1), in.x.view().narrow(0, row, 1), stream);
+    copy(rows.grad_y.view().narrow(0, i, 1), in.grad_y.view().narrow(0, row, 1), stream);
+  }
+  const Forward f = forward(in, stream);
+  const Backward b = backward(in, f, stream);
+  const Forward ref = on_reference([&] { return forward(rows, {}); });
+  const Backward rb = on_reference([&] { return backward(rows, ref, {}); });
+  for (std::int64_t i : {0, 1}) {
+    const std::int64_t row = i == 0 ? 0 : kRows - 1;
+    SCOPED_TRACE(::testing::Message() << "row " << row);
+    expect_close(to_cpu(f.y.view().narrow(0, row, 1), stream), ref.y.view().narrow(0, i, 1), "y");
+    expect_close(to_cpu(b.dx.view().narrow(0, row, 1), stream), rb.dx.view().narrow(0, i, 1), "dx");
+  }
+  expect_close(to_cpu(b.dweight, stream), rb.dweight, dweight_tolerance(DType::BF16), "dweight");
+}
+
+#ifdef MESHFUSE_WITH_CUDA
+TEST(CudaRmsNorm, BothOpsHaveACudaKernelForBothDirectionsAndEveryFloatDtype) {
+  for (const char* op : {"rmsnorm", "rmsnorm_backward", "fused_residual_add_rmsnorm",
+                         "fused_residual_add_rmsnorm_backward"}) {
+    bool found = false;
+    for (const KernelInfo& k : registered_kernels())
+      found |= k.op == op && k.backend == KernelBackend::CUDA && k.dtypes.size() == 4;
+    EXPECT_TRUE(found) << op;
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace meshfuse

@@ -1,5 +1,11 @@
+// softmax on every backend against the reference backend on the CPU, plus known values and
+// errors. CUDA cases skip without a GPU.
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "meshfuse/meshfuse.h"
 #include "ops/softmax/softmax_kernels.h"
@@ -8,98 +14,160 @@
 namespace meshfuse {
 namespace {
 
-using test::from;
-
 using test::expect_close;
+using test::from;
+using test::on;
 using test::randn;
+using test::to_cpu;
 
 struct Result {
   Tensor y, grad_x;
 };
 
-Result run(const TensorView& x, const TensorView& dy, double m = 1.0) {
-  Result r{Tensor(x.shape(), x.dtype()), Tensor(x.shape(), x.dtype())};
-  softmax(x, r.y, m);
-  softmax_backward(dy, r.y, r.grad_x, m);
+// y = softmax(x), grad_x = softmax_backward(dy, y), outputs on x's device.
+Result run(const TensorView& x, const TensorView& dy, double m, const Stream& stream) {
+  Result r{Tensor(x.shape(), x.dtype(), x.device(), stream),
+           Tensor(x.shape(), x.dtype(), x.device(), stream)};
+  softmax(x, r.y, m, stream);
+  softmax_backward(dy, r.y, r.grad_x, m, stream);
   return r;
 }
 
-// The cpu backward runs on the reference forward's y, so the two backwards see the same input.
-void expect_matches_reference(const TensorView& x, const TensorView& dy, double m = 1.0) {
-  Result ref;
-  {
-    ForceKernelBackend force(KernelBackend::Reference);
-    ref = run(x, dy, m);
+// The reference on the CPU.
+Result reference(const TensorView& x, const TensorView& dy, double m) {
+  ForceKernelBackend force(KernelBackend::Reference);
+  return run(x, dy, m, {});
+}
+
+// The target's forward on a copy of the CPU tensor x, and its backward on the reference's y (both
+// backwards see the same inputs), against the reference.
+void expect_matches_reference(const test::Target& target, const TensorView& x, const TensorView& dy,
+                              double m = 1.0, const std::string& what = "") {
+  const Result ref = reference(x, dy, m);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  const Tensor dev_x = on(x, d, stream), dev_dy = on(dy, d, stream), ref_y = on(ref.y, d, stream);
+  Tensor y(x.shape(), x.dtype(), d, stream), grad_x(x.shape(), x.dtype(), d, stream);
+  ForceKernelBackend force(target.backend);
+  softmax(dev_x, y, m, stream);
+  softmax_backward(dev_dy, ref_y, grad_x, m, stream);
+  expect_close(to_cpu(y, stream), ref.y, what + " y");
+  expect_close(to_cpu(grad_x, stream), ref.grad_x, what + " grad_x");
+}
+
+// The values of a tensor on any device, as doubles.
+std::vector<double> host_values(const TensorView& t, const Stream& stream) {
+  return test::values(to_cpu(t, stream));
+}
+
+// The optimised backends (cpu, cuda) against the reference on the CPU.
+class SoftmaxBackends : public ::testing::TestWithParam<test::OpCase> {};
+
+TEST_P(SoftmaxBackends, MatchesTheReferenceFromOneColumnTo262144) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  // Widths around the cpu backend's vectors (16) and past its 1024-column blocks; on CUDA odd
+  // widths take the scalar path, 1000 and 4104 one block, 128256 (LLaMA-3) a cluster for 16-bit
+  // rows, 262144 a cluster of 8 or, for the wide dtypes, the streamed kernels.
+  for (const auto& [cols, rows] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 5},
+                                                                                     {7, 5},
+                                                                                     {16, 4},
+                                                                                     {33, 4},
+                                                                                     {1000, 3},
+                                                                                     {1025, 4},
+                                                                                     {3000, 4},
+                                                                                     {4104, 3},
+                                                                                     {128256, 2},
+                                                                                     {262144, 1}}) {
+    const Tensor x = randn({rows, cols}, dtype, 1, 3.0), dy = randn({rows, cols}, dtype, 2);
+    expect_matches_reference(target, x, dy, 1.0, "V=" + std::to_string(cols));
   }
-  Tensor y(x.shape(), x.dtype()), grad_x(x.shape(), x.dtype());
-  softmax(x, y, m);
-  softmax_backward(dy, ref.y, grad_x, m);
-  expect_close(y, ref.y, "y");
-  expect_close(grad_x, ref.grad_x, "grad_x");
 }
 
-class SoftmaxTest : public ::testing::TestWithParam<DType> {};
-
-TEST_P(SoftmaxTest, CpuMatchesReferenceAtWidthsAroundTheVectorSize) {
-  for (std::int64_t cols : {1, 7, 16, 33, 1025, 3000}) {
-    const Tensor x = randn({4, cols}, GetParam(), 1, 3.0), dy = randn({4, cols}, GetParam(), 2);
-    expect_matches_reference(x, dy);
+TEST_P(SoftmaxBackends, LogitsMultiplierScalesInputsAndGradients) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  for (std::int64_t cols : {7, 2048, 2100}) {
+    const Tensor x = randn({3, cols}, dtype, 3, 4.0), dy = randn({3, cols}, dtype, 4);
+    for (double m : {0.5, -2.0, 0.0})
+      expect_matches_reference(target, x, dy, m,
+                               "V=" + std::to_string(cols) + " m=" + std::to_string(m));
   }
 }
 
-TEST_P(SoftmaxTest, LogitsMultiplierScalesInputsAndGradients) {
-  const Tensor x = randn({3, 2100}, GetParam(), 3, 4.0), dy = randn({3, 2100}, GetParam(), 4);
-  for (double m : {0.5, -2.0, 0.0}) expect_matches_reference(x, dy, m);
+TEST_P(SoftmaxBackends, OneRowOneAndThreeDimensionalInputsMatchTheReference) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  std::uint64_t seed = 5;
+  for (const Shape& shape : {Shape{1, 129}, Shape{2, 3, 17}, Shape{2, 3, 136}, Shape{40}}) {
+    const Tensor x = randn(shape, dtype, seed++), dy = randn(shape, dtype, seed++);
+    expect_matches_reference(target, x, dy, 1.0, shape_str(shape));
+  }
 }
 
-TEST_P(SoftmaxTest, OneRowAndThreeDimensionalInputs) {
-  const Tensor x = randn({1, 129}, GetParam(), 5), dy = randn({1, 129}, GetParam(), 6);
-  expect_matches_reference(x, dy);
-  const Tensor x3 = randn({2, 3, 17}, GetParam(), 7), dy3 = randn({2, 3, 17}, GetParam(), 8);
-  expect_matches_reference(x3, dy3);
-  const Tensor x1 = randn({40}, GetParam(), 9), dy1 = randn({40}, GetParam(), 10);
-  expect_matches_reference(x1, dy1);
+// A contiguous view one element into its buffer: rows are not 16-byte aligned.
+TEST_P(SoftmaxBackends, MisalignedRowsMatchTheReference) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  const Tensor x = randn({3, 1024}, dtype, 7), dy = randn({3, 1024}, dtype, 8);
+  const Result ref = reference(x, dy, 1.0);
+  Tensor xb({3 * 1024 + 1}, dtype, d, stream), yb({3 * 1024 + 1}, dtype, d, stream),
+      gb({3 * 1024 + 1}, dtype, d, stream), dyb({3 * 1024 + 1}, dtype, d, stream);
+  const auto shifted = [](const Tensor& t) {
+    return t.view().narrow(0, 1, 3 * 1024).reshape({3, 1024});
+  };
+  copy(x, shifted(xb), stream);
+  copy(dy, shifted(dyb), stream);
+  copy(ref.y, shifted(yb), stream);
+  Tensor y(x.shape(), x.dtype(), d, stream);
+  ForceKernelBackend force(target.backend);
+  softmax(shifted(xb), y, 1.0, stream);
+  softmax_backward(shifted(dyb), shifted(yb), shifted(gb), 1.0, stream);
+  expect_close(to_cpu(y, stream), ref.y, "misaligned y");
+  expect_close(to_cpu(shifted(gb), stream), ref.grad_x, "misaligned grad_x");
 }
 
-TEST_P(SoftmaxTest, ZeroRowsGiveEmptyOutputs) {
-  const Tensor x({0, 16}, GetParam()), dy({0, 16}, GetParam());
-  EXPECT_EQ(run(x, dy).y.shape(), (Shape{0, 16}));
-}
-
-TEST_P(SoftmaxTest, NonContiguousInputsGiveTheContiguousResult) {
-  const Tensor x = randn({6, 40}, GetParam(), 11), dy = randn({6, 40}, GetParam(), 12);
-  const auto xt = test::non_contiguous(x), dyt = test::non_contiguous(dy);
-  const Result a = run(x, dy), b = run(xt.view, dyt.view);
-  EXPECT_TRUE(testing::bitwise_equal(a.y, b.y));
-  Tensor grad_x(x.shape(), x.dtype());
-  softmax_backward(dyt.view, test::non_contiguous(a.y).view, grad_x);
-  EXPECT_TRUE(testing::bitwise_equal(a.grad_x, grad_x));
-}
-
-TEST_P(SoftmaxTest, MinusInfRowsGiveNanAndNanOrPlusInfPoisonsItsRowOnly) {
-  // Rows: all -inf; a NaN; a +inf; one -inf among finite values; finite (2000 wide, so the
-  // special values sit at both ends and in the middle of a row).
+TEST_P(SoftmaxBackends, MinusInfRowsGiveNanAndNanOrPlusInfPoisonsItsRowOnly) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  // Rows: all -inf; a NaN; a +inf; one -inf among finite values; finite. 2000 columns (special
+  // values at both ends and in the middle of a row; one CUDA block, vectors), 2001 (the scalar
+  // streamed CUDA kernel) and 40000 (a CUDA cluster for 16-bit types).
   const double inf = std::numeric_limits<double>::infinity();
-  Tensor x = randn({5, 2000}, GetParam(), 13);
-  copy(test::full({1, 2000}, DType::F64, -inf), x.view().narrow(0, 0, 1));
-  copy(test::full({1, 1}, DType::F64, NAN), x.view().narrow(0, 1, 1).narrow(1, 1500, 1));
-  copy(test::full({1, 1}, DType::F64, inf), x.view().narrow(0, 2, 1).narrow(1, 1999, 1));
-  copy(test::full({1, 1}, DType::F64, -inf), x.view().narrow(0, 3, 1).narrow(1, 0, 1));
-  const Tensor dy = randn({5, 2000}, GetParam(), 14);
-  const Result r = run(x, dy);
-  const Tensor y = Tensor::copy_of(r.y), y64({5, 2000}, DType::F64);
-  copy(y, y64);
-  const double* v = y64.data_ptr<double>();
-  for (std::int64_t row = 0; row < 3; ++row)
-    for (std::int64_t c = 0; c < 2000; ++c) ASSERT_TRUE(std::isnan(v[row * 2000 + c])) << row;
-  EXPECT_EQ(v[3 * 2000], 0.0);
-  for (std::int64_t c = 1; c < 2000; ++c) ASSERT_TRUE(std::isfinite(v[3 * 2000 + c]));
-  expect_matches_reference(x, dy);
+  for (std::int64_t v : {2000, 2001, 40000}) {
+    Tensor x = randn({5, v}, dtype, 13);
+    const auto set = [&](std::int64_t row, std::int64_t col, std::int64_t len, double value) {
+      copy(test::full({1, len}, DType::F64, value), x.view().narrow(0, row, 1).narrow(1, col, len));
+    };
+    set(0, 0, v, -inf);
+    set(1, v - 500, 1, NAN);
+    set(2, v - 1, 1, inf);
+    set(3, 0, 1, -inf);
+    const Tensor dy = randn({5, v}, dtype, 14);
+    Tensor y(x.shape(), x.dtype(), target.device, stream);
+    {
+      ForceKernelBackend force(target.backend);
+      softmax(on(x, target.device, stream), y, 1.0, stream);
+    }
+    const std::vector<double> p = host_values(y, stream);
+    for (std::int64_t row = 0; row < 3; ++row)
+      for (std::int64_t c = 0; c < v; ++c)
+        ASSERT_TRUE(std::isnan(p[row * v + c])) << v << " " << row;
+    EXPECT_EQ(p[3 * v], 0.0);
+    for (std::int64_t c = 1; c < v; ++c) ASSERT_TRUE(std::isfinite(p[3 * v + c])) << v;
+    expect_matches_reference(target, x, dy, 1.0, "non-finite V=" + std::to_string(v));
+  }
 }
 
-TEST_P(SoftmaxTest, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValues) {
-  // A thread takes each next row's max while it sums this row's exps (on 16-bit keys for bf16 and
-  // f16 when m > 0): 130 rows give every thread several. Rows of negative values only, widths
+TEST_P(SoftmaxBackends, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValues) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  // A cpu thread takes each next row's max while it sums this row's exps (on 16-bit keys for bf16
+  // and f16 when m > 0): 130 rows give every thread several. Rows of negative values only, widths
   // around 32 lanes, and past row 0: all -inf (NaN), a negative NaN (NaN), all -0 (uniform), a
   // leading -inf, and zeros of both signs among negatives.
   const double inf = std::numeric_limits<double>::infinity();
@@ -115,13 +183,16 @@ TEST_P(SoftmaxTest, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValues) 
     v[23 * cols] = -inf;
     v[24 * cols + 3] = 0.0;
     v[24 * cols + 5] = -0.0;
-    Tensor x({130, cols}, GetParam());
+    Tensor x({130, cols}, dtype);
     copy(x64, x);
-    const Tensor dy = randn({130, cols}, GetParam(), 18);
-    for (double m : {1.0, 0.5, -1.0}) expect_matches_reference(x, dy, m);
-    const Tensor y64({130, cols}, DType::F64);
-    copy(run(x, dy).y, y64);
-    const double* y = y64.data_ptr<double>();
+    const Tensor dy = randn({130, cols}, dtype, 18);
+    for (double m : {1.0, 0.5, -1.0}) expect_matches_reference(target, x, dy, m);
+    Tensor dev_y({130, cols}, dtype, target.device, stream);
+    {
+      ForceKernelBackend force(target.backend);
+      softmax(on(x, target.device, stream), dev_y, 1.0, stream);
+    }
+    const std::vector<double> y = host_values(dev_y, stream);
     for (std::int64_t c = 0; c < cols; ++c) {
       ASSERT_TRUE(std::isnan(y[20 * cols + c])) << cols;
       ASSERT_TRUE(std::isnan(y[21 * cols + c])) << cols;
@@ -132,10 +203,79 @@ TEST_P(SoftmaxTest, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValues) 
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFloatDTypes, SoftmaxTest, ::testing::ValuesIn(test::kFloatDTypes),
-                         test::dtype_name);
+TEST_P(SoftmaxBackends, DeterministicRunToRun) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  // On CUDA a stream of its own (non-blocking, as in training); declared before the tensors that
+  // it must outlive.
+  std::optional<CudaStream> cuda_stream;
+  if (target.device.type == DeviceType::CUDA) cuda_stream.emplace(target.device.index);
+  const Stream stream = cuda_stream ? cuda_stream->stream() : Stream{target.device};
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{64, 3001}, Shape{16, 3001}, Shape{16, 128256}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor x = on(randn(shape, dtype, 11), target.device, stream),
+                 dy = on(randn(shape, dtype, 12), target.device, stream);
+    const Result a = run(x, dy, 1.0, stream), b = run(x, dy, 1.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.y, stream), to_cpu(b.y, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.grad_x, stream), to_cpu(b.grad_x, stream)));
+  }
+}
 
-TEST(Softmax, MatchesTorchOnKnownValues) {
+INSTANTIATE_TEST_SUITE_P(, SoftmaxBackends,
+                         ::testing::ValuesIn(test::op_cases(test::kernel_targets())),
+                         test::op_case_name);
+
+// Every backend, the reference included (on the CPU and on CUDA tensors through host copies).
+class SoftmaxEveryBackend : public ::testing::TestWithParam<test::OpCase> {};
+
+TEST_P(SoftmaxEveryBackend, ZeroRowsGiveEmptyOutputs) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Tensor empty({0, 16}, dtype, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Result r = run(empty, empty, 1.0, stream);
+  EXPECT_EQ(r.y.shape(), (Shape{0, 16}));
+  EXPECT_EQ(r.grad_x.shape(), (Shape{0, 16}));
+}
+
+// A transposed view is copied to contiguous first: bitwise the contiguous result.
+TEST_P(SoftmaxEveryBackend, NonContiguousInputsGiveTheContiguousResult) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  // Transposed storage on the device (view it back with .view().transpose(0, 1)).
+  const auto transposed = [&](const TensorView& t) {
+    return on(Tensor::copy_of(t.transpose(0, 1)), d, stream);
+  };
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{6, 40}, Shape{24, 40}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor x = randn(shape, dtype, 11), dy = randn(shape, dtype, 12);
+    const Tensor xt = transposed(x), dyt = transposed(dy);
+    const Result a = run(on(x, d, stream), on(dy, d, stream), 1.0, stream);
+    Tensor y(shape, dtype, d, stream), grad_x(shape, dtype, d, stream);
+    softmax(xt.view().transpose(0, 1), y, 1.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.y, stream), to_cpu(y, stream)));
+    const Tensor yt = transposed(to_cpu(a.y, stream));
+    softmax_backward(dyt.view().transpose(0, 1), yt.view().transpose(0, 1), grad_x, 1.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.grad_x, stream), to_cpu(grad_x, stream)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, SoftmaxEveryBackend,
+                         ::testing::ValuesIn(test::op_cases(test::all_targets())),
+                         test::op_case_name);
+
+// Known values, on every backend.
+class SoftmaxTargets : public ::testing::TestWithParam<test::Target> {};
+
+TEST_P(SoftmaxTargets, MatchesTorchOnKnownValues) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
   // torch.softmax(x * 0.5, -1) and its backward for dy, in float64.
   const Tensor x = from({2, 4}, DType::F64, {1, 2, 3, -1, 0.5, 0.5, -2, 10}),
                dy = from({2, 4}, DType::F64, {1, 0, -1, 2, 0.25, -0.5, 3, 1});
@@ -147,20 +287,15 @@ TEST(Softmax, MatchesTorchOnKnownValues) {
                              {0.10212275312682405, 0.02462696496453515, -0.19639242215722311,
                               0.06964270406586388, -0.00312109828937394, -0.00630254809683267,
                               0.00244795934824736, 0.00697568703795927});
-  for (KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
-    ForceKernelBackend force(backend);
-    const Result r = run(x, dy, 0.5);
-    expect_close(r.y, y, 1e-14, "y");
-    expect_close(r.grad_x, grad_x, 1e-14, "grad_x");
-  }
+  const Tensor dev_x = on(x, target.device, stream), dev_dy = on(dy, target.device, stream);
+  ForceKernelBackend force(target.backend);
+  const Result r = run(dev_x, dev_dy, 0.5, stream);
+  expect_close(to_cpu(r.y, stream), y, 1e-14, "y");
+  expect_close(to_cpu(r.grad_x, stream), grad_x, 1e-14, "grad_x");
 }
 
-TEST(Softmax, DeterministicRunToRun) {
-  const Tensor x = randn({64, 3001}, DType::BF16, 15), dy = randn({64, 3001}, DType::BF16, 16);
-  const Result a = run(x, dy), b = run(x, dy);
-  EXPECT_TRUE(testing::bitwise_equal(a.y, b.y));
-  EXPECT_TRUE(testing::bitwise_equal(a.grad_x, b.grad_x));
-}
+INSTANTIATE_TEST_SUITE_P(, SoftmaxTargets, ::testing::ValuesIn(test::all_targets()),
+                         test::target_param_name);
 
 TEST(Softmax, RowOffsetsPast2To31AreExact) {
   // Row 70000 of a LLaMA-3 vocabulary (128256) starts at element 8'977'920'000 > 2^31.
@@ -186,6 +321,68 @@ TEST(Softmax, BadArgumentsNameTheOpArgumentAndWhatCame) {
   Tensor wide({8, 2}, DType::F32);
   test::expect_error([&] { softmax(x, wide.view().transpose(0, 1), 1.0); },
                      ErrorCode::InvalidArgument, {"softmax", "'y'", "contiguous"});
+}
+
+TEST(CudaSoftmax, ForwardClustersTakeSeveralRowsAtLargeBatches) {
+  MESHFUSE_REQUIRE_CUDA();
+  // Past as many rows as the GPU holds clusters at once, a forward cluster takes up to 4 rows in
+  // turn, loading the next while it writes one. 8449 rows of 1000 (one-block clusters) and 401 of
+  // 128256 (4-block clusters, 99 at a time on an H200) give 4 rows to some clusters and 3 to
+  // others.
+  const test::Target cuda{KernelBackend::CUDA, test::kCuda};
+  for (const auto& [cols, rows] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{1000, 8449}, {128256, 401}}) {
+    const Tensor x = randn({rows, cols}, DType::BF16, 15, 3.0),
+                 dy = randn({rows, cols}, DType::BF16, 16);
+    expect_matches_reference(cuda, x, dy, 1.0, "V=" + std::to_string(cols));
+  }
+}
+
+// The reference forced on CUDA tensors runs on host copies: bitwise the CPU reference.
+TEST(CudaSoftmax, ForcedReferenceOnCudaTensorsGivesTheBitsOfTheCpuReference) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  const Tensor x = randn({24, 40}, DType::F32, 9), dy = randn({24, 40}, DType::F32, 10);
+  const Result ref = reference(x, dy, 0.5);
+  const Tensor gx = on(x, test::kCuda, stream), gdy = on(dy, test::kCuda, stream);
+  ForceKernelBackend force(KernelBackend::Reference);
+  const Result staged = run(gx, gdy, 0.5, stream);
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.y, stream), ref.y));
+  EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.grad_x, stream), ref.grad_x));
+}
+
+TEST(CudaSoftmax, RowsPastElement2To31AreAddressedIn64Bits) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  // 16745 LLaMA-3 rows: the last starts at element 2'147'518'464 > 2^31. Only the last row is
+  // given values (the others hold whatever the allocator had) and checked.
+  const std::int64_t rows = 16745, cols = 128256;
+  std::optional<Tensor> x, y, grad_x;
+  try {
+    x.emplace(Shape{rows, cols}, DType::BF16, test::kCuda, stream);
+    y.emplace(Shape{rows, cols}, DType::BF16, test::kCuda, stream);
+    grad_x.emplace(Shape{rows, cols}, DType::BF16, test::kCuda, stream);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::OutOfMemory) GTEST_SKIP() << "needs 13 GB of device memory";
+    throw;
+  }
+  const Tensor last = randn({1, cols}, DType::BF16, 13, 3.0),
+               dy_last = randn({1, cols}, DType::BF16, 14);
+  const auto last_row = [&](const Tensor& t) { return t.view().narrow(0, rows - 1, 1); };
+  copy(last, last_row(*x), stream);
+  softmax(*x, *y, 1.0, stream);
+  // The backward reads grad_y from x's buffer: its last row holds dy.
+  copy(dy_last, last_row(*x), stream);
+  softmax_backward(*x, *y, *grad_x, 1.0, stream);
+  const Result ref = reference(last, dy_last, 1.0);
+  const Tensor y_last = to_cpu(last_row(*y), stream);
+  expect_close(y_last, ref.y, "y");
+  Tensor ref_grad(last.shape(), DType::BF16);
+  {
+    ForceKernelBackend force(KernelBackend::Reference);
+    softmax_backward(dy_last, y_last, ref_grad);
+  }
+  expect_close(to_cpu(last_row(*grad_x), stream), ref_grad, "grad_x");
 }
 
 }  // namespace
