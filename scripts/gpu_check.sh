@@ -29,7 +29,7 @@ for step in "${steps[@]}"; do
       # Both tools ($MESHFUSE_SANITIZE_TOOLS) at once, each over $MESHFUSE_SANITIZE_SHARDS
       # GoogleTest shards (default 6) spread over the visible GPUs: serially the suite takes an
       # hour under racecheck.
-      # racecheck leaves out the seven tests of 64-bit addressing (names with "2To31" or
+      # racecheck leaves out the tests of 64-bit addressing (names with "2To31" or
       # "TwoToThe31": tensors past 2^31 elements): under its shared-memory tracking they run for
       # hours (the recurrent one had not finished after 400 s in a shard of its own), and their
       # kernels are the ones the smaller tests race-check. memcheck runs them. racecheck also
@@ -37,7 +37,7 @@ for step in "${steps[@]}"; do
       # compute-sanitizer 2025.3's racecheck fails inside cuBLAS's sm_90 GEMM kernels ("failed to
       # handle a hardware exception", even with them filtered out of its checks), which leaves the
       # process's context unusable for every later test. Their other kernels are cross_entropy's
-      # and linear's grad_bias column sum, race-checked by their own tests (CudaLinearGradBias
+      # and linear's grad_bias column sum, race-checked by their own tests (LinearGradBias
       # calls no cuBLAS). Skipped tests are listed: four fused linear cross-entropy cases are
       # for 16-bit weights only.
       shards=${MESHFUSE_SANITIZE_SHARDS:-6}
@@ -49,9 +49,11 @@ for step in "${steps[@]}"; do
       rm -f "$out"/sanitize-*.log
       pids=()
       for tool in ${MESHFUSE_SANITIZE_TOOLS:-memcheck racecheck}; do
-        filter='*Cuda*'
+        # CUDA cases: the cross-backend suites' parameters end in cuda_<dtype> (or
+        # reference_cuda_<dtype>), and the CUDA-only tests carry Cuda in their names.
+        filter='*Cuda*:*cuda*'
         if [[ $tool == racecheck ]]; then
-          filter='*Cuda*:-*2To31*:*TwoToThe31*:*CudaGemm*:*CudaFusedLinear*'
+          filter='*Cuda*:*cuda*:-*2To31*:*TwoToThe31*:*Gemm*:*FusedLinear*'
         fi
         for ((i = 0; i < shards; ++i)); do
           CUDA_VISIBLE_DEVICES=${gpus[${#pids[@]} % ${#gpus[@]}]} GTEST_TOTAL_SHARDS=$shards \
