@@ -204,17 +204,6 @@ void check_optional(std::string_view op, std::string_view name, const TensorView
   detail::check_shape(op, name, t, shape);
 }
 
-// The backward's optional tensors of the forward's shapes: input_state and the upstream gradients.
-void check_backward_optionals(std::string_view op, const TensorView& output,
-                              const TensorView& input_state, const TensorView& grad_output,
-                              const TensorView& grad_final_state, const Rows& rows,
-                              std::int64_t heads) {
-  check_optional(op, "input_state", input_state, output, "output", state_shape(rows, heads));
-  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
-  check_optional(op, "grad_final_state", grad_final_state, output, "output",
-                 state_shape(rows, heads));
-}
-
 void check_grad_input_state(std::string_view op, const TensorView& grad_input_state,
                             const TensorView& input_state, const TensorView& output) {
   if (!grad_input_state.defined()) return;
@@ -241,12 +230,35 @@ template <typename PairHeads>
 Layout read_layout(std::string_view op, std::string_view from_name, const TensorView& from,
                    const TensorView& input_state, const TensorView& cu_seqlens,
                    std::int64_t max_seqlen, const Stream& stream, PairHeads&& pair_heads) {
-  Layout l{read_rows(op, from_name, from, cu_seqlens, max_seqlen, stream)};
+  Layout l{read_rows(op, from_name, from, cu_seqlens, max_seqlen, stream), {}, 0};
   l.counts = pair_heads(l.rows);
   std::vector<HeadCount> all = l.counts;
   add_state_heads(op, input_state, from, from_name, all);
   l.heads = common_heads(op, all);
   return l;
+}
+
+// The forward's input_state and outputs, of the layout's shapes.
+void check_forward_states(std::string_view op, const TensorView& input,
+                          const TensorView& input_state, const TensorView& output,
+                          const TensorView& final_state, const Layout& l) {
+  check_optional(op, "input_state", input_state, input, "input", state_shape(l.rows, l.heads));
+  detail::check_output(op, "output", output, token_shape(l.rows, l.heads), input.dtype());
+  if (final_state.defined())
+    detail::check_output(op, "final_state", final_state, state_shape(l.rows, l.heads),
+                         input.dtype());
+}
+
+// The backward's output and its optional tensors of the forward's shapes: input_state and the
+// upstream gradients.
+void check_backward_states(std::string_view op, const TensorView& output,
+                           const TensorView& input_state, const TensorView& grad_output,
+                           const TensorView& grad_final_state, const Layout& l) {
+  detail::check_shape(op, "output", output, token_shape(l.rows, l.heads));
+  check_optional(op, "input_state", input_state, output, "output", state_shape(l.rows, l.heads));
+  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
+  check_optional(op, "grad_final_state", grad_final_state, output, "output",
+                 state_shape(l.rows, l.heads));
 }
 
 RecurrentShape make_shape(DType dtype, const Layout& l, const TensorView& offsets) {
@@ -287,15 +299,8 @@ void rnn(const TensorView& input, const TensorView& weight, const TensorView& in
               return std::vector<HeadCount>{{"input", check_token_tensor(op, "input", input, rows)},
                                             {"weight", check_weight(op, "weight", weight, rows)}};
             });
-        const Rows& rows = l.rows;
-        const std::int64_t heads = l.heads;
-        check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
-        detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
-        if (final_state.defined())
-          detail::check_output(op, "final_state", final_state, state_shape(rows, heads),
-                               input.dtype());
-
-        const RecurrentShape s = make_shape(input.dtype(), l, call.input(rows.offsets));
+        check_forward_states(op, input, input_state, output, final_state, l);
+        const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
         fn(s, call.input(input).data(), call.input(weight).data(),
            data_or_null(call.input(input_state)), call.output(output).data(),
            data_or_null_out(call.output(final_state)), call.stream());
@@ -331,16 +336,12 @@ void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_st
                   {"grad_input", check_token_tensor(op, "grad_input", grad_input, rows)},
                   {"weight", check_weight(op, "weight", weight, rows)}};
             });
-        const Rows& rows = l.rows;
-        const std::int64_t heads = l.heads;
-        detail::check_shape(op, "output", output, token_shape(rows, heads));
-        check_backward_optionals(op, output, input_state, grad_output, grad_final_state, rows,
-                                 heads);
+        check_backward_states(op, output, input_state, grad_output, grad_final_state, l);
         detail::check_output(op, "grad_input", grad_input, grad_input.shape(), output.dtype());
         detail::check_output(op, "grad_weight", grad_weight, weight.shape(), output.dtype());
         check_grad_input_state(op, grad_input_state, input_state, output);
 
-        const RecurrentShape s = make_shape(output.dtype(), l, call.input(rows.offsets));
+        const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
         fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
            call.input(output).data(), call.input(weight).data(),
            data_or_null(call.input(input_state)), call.output(grad_input).data(),
@@ -403,15 +404,8 @@ void gru(const GruParams& params, const TensorView& input_state, const TensorVie
         const Layout l = read_layout(
             op, "input", input, input_state, cu_seqlens, max_seqlen, stream,
             [&](const Rows& rows) { return check_gru_params(op, params, rows, input, "input"); });
-        const Rows& rows = l.rows;
-        const std::int64_t heads = l.heads;
-        check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
-        detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
-        if (final_state.defined())
-          detail::check_output(op, "final_state", final_state, state_shape(rows, heads),
-                               input.dtype());
-
-        const RecurrentShape s = make_shape(input.dtype(), l, call.input(rows.offsets));
+        check_forward_states(op, input, input_state, output, final_state, l);
+        const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
         fn(s, gru_pointers(call, params), data_or_null(call.input(input_state)),
            call.output(output).data(), data_or_null_out(call.output(final_state)), call.stream());
       });
@@ -449,11 +443,7 @@ void gru_backward(const TensorView& grad_output, const TensorView& grad_final_st
         const Layout l = read_layout(
             op, "output", output, input_state, cu_seqlens, max_seqlen, stream,
             [&](const Rows& rows) { return check_gru_params(op, params, rows, output, "output"); });
-        const Rows& rows = l.rows;
-        const std::int64_t heads = l.heads;
-        detail::check_shape(op, "output", output, token_shape(rows, heads));
-        check_backward_optionals(op, output, input_state, grad_output, grad_final_state, rows,
-                                 heads);
+        check_backward_states(op, output, input_state, grad_output, grad_final_state, l);
         for (int k = 0; k < 3; ++k) {
           detail::check_output(op, kGradInputNames[k], *gru_inputs(grads, k),
                                gru_inputs(params, k)->shape(), output.dtype());
@@ -467,7 +457,7 @@ void gru_backward(const TensorView& grad_output, const TensorView& grad_final_st
           g.input[k] = call.output(*gru_inputs(grads, k)).data();
           g.weight[k] = call.output(*gru_weights(grads, k)).data();
         }
-        const RecurrentShape s = make_shape(output.dtype(), l, call.input(rows.offsets));
+        const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
         fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
            call.input(output).data(), gru_pointers(call, params),
            data_or_null(call.input(input_state)), g,
