@@ -4,10 +4,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
 #include "meshfuse/core/error.h"
+#include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 
 namespace meshfuse::python {
@@ -54,6 +56,18 @@ TensorView view(const nb::ndarray<Ts...>& a) {
 template <typename A>
 TensorView view(const std::optional<A>& a) {
   return a ? view(*a) : TensorView{};
+}
+
+template <typename... Ts>
+Device device_of(const nb::ndarray<Ts...>& a) {
+  return to_device(a.device_type(), a.device_id());
+}
+
+// The stream of a call from Python: `handle` (a cudaStream_t as an integer; 0: the default stream)
+// on `device`, the device of the call's arrays (meshfuse/core/stream.h says why a stream carries
+// its device).
+inline Stream stream_on(Device device, std::uintptr_t handle) {
+  return {device, reinterpret_cast<void*>(handle)};
 }
 
 }  // namespace meshfuse::python

@@ -43,12 +43,6 @@ CommOptions options(const std::string& backend, double timeout, bool check) {
   return o;
 }
 
-// `stream` (a cudaStream_t as an integer) on the device of the arrays: collectives on CUDA arrays
-// run on it (0: the device's default stream).
-Stream stream_for(const TensorView& t, std::uintptr_t stream) {
-  return {t.defined() ? t.device() : Device{}, reinterpret_cast<void*>(stream)};
-}
-
 // Calls `op` with the GIL released; the Work holds `arrays`.
 template <typename Op>
 PyWork run(Op&& op, std::vector<Array> arrays) {
@@ -140,14 +134,14 @@ void bind_communicator(nb::module_& m) {
           [](Communicator& c, Array t, const std::string& op, std::uintptr_t stream) {
             const TensorView v = view(t);
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.all_reduce(v, r, stream_for(v, stream)); }, {t});
+            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "broadcast",
           [](Communicator& c, Array t, int root, std::uintptr_t stream) {
             const TensorView v = view(t);
-            return run([&] { return c.broadcast(v, root, stream_for(v, stream)); }, {t});
+            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "root"_a, "stream"_a = 0)
       .def(
@@ -155,7 +149,7 @@ void bind_communicator(nb::module_& m) {
           [](Communicator& c, Array t, int root, const std::string& op, std::uintptr_t stream) {
             const TensorView v = view(t);
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.reduce(v, root, r, stream_for(v, stream)); }, {t});
+            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
@@ -163,7 +157,7 @@ void bind_communicator(nb::module_& m) {
           [](Communicator& c, Array input, Array output, const Splits& splits,
              std::uintptr_t stream) {
             const TensorView in = view(input), out = view(output);
-            const Stream s = stream_for(in, stream);
+            const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
                   return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
@@ -177,7 +171,7 @@ void bind_communicator(nb::module_& m) {
              const std::string& op, std::uintptr_t stream) {
             const TensorView in = view(input), out = view(output);
             const ReduceOp r = parse_reduce_op(op);
-            const Stream s = stream_for(in, stream);
+            const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
                   return splits ? c.reduce_scatter(in, out, *splits, r, s)
@@ -191,7 +185,7 @@ void bind_communicator(nb::module_& m) {
           [](Communicator& c, Array input, const OptArray& output, int root,
              std::uintptr_t stream) {
             const TensorView in = view(input), out = view(output);
-            return run([&] { return c.gather(in, out, root, stream_for(in, stream)); },
+            return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
                        present({&output}));
           },
           "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
@@ -203,7 +197,7 @@ void bind_communicator(nb::module_& m) {
             const TensorView in = view(input), out = view(output);
             std::vector<Array> keep = present({&input});
             keep.push_back(output);
-            return run([&] { return c.scatter(in, out, root, stream_for(out, stream)); },
+            return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
                        std::move(keep));
           },
           "input"_a.none(), "output"_a, "root"_a, "stream"_a = 0,
@@ -217,7 +211,7 @@ void bind_communicator(nb::module_& m) {
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
                                       out_splits.value_or(std::vector<std::int64_t>{}),
-                                      stream_for(in, stream));
+                                      stream_on(in.device(), stream));
                 },
                 {input, output});
           },
@@ -227,20 +221,20 @@ void bind_communicator(nb::module_& m) {
           "send",
           [](Communicator& c, Array t, int dst, int tag, std::uintptr_t stream) {
             const TensorView v = view(t);
-            return run([&] { return c.send(v, dst, tag, stream_for(v, stream)); }, {t});
+            return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "recv",
           [](Communicator& c, Array t, int src, int tag, std::uintptr_t stream) {
             const TensorView v = view(t);
-            return run([&] { return c.recv(v, src, tag, stream_for(v, stream)); }, {t});
+            return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "barrier",
           [](Communicator& c, const std::string& device, std::uintptr_t stream) {
-            const Stream s{Device::parse(device), reinterpret_cast<void*>(stream)};
+            const Stream s = stream_on(Device::parse(device), stream);
             return run([&] { return c.barrier(s); }, {});
           },
           "device"_a = "cpu", "stream"_a = 0,

@@ -1,6 +1,7 @@
 // The _meshfuse extension: meshfuse's ops on any DLPack tensor (PyTorch, NumPy, CuPy, JAX).
 // Inputs and caller-allocated outputs are passed as arrays; nothing is copied. Each op releases the
-// GIL while it runs. `stream` is a cudaStream_t as an integer (0: the default stream).
+// GIL while it runs. `stream` is a cudaStream_t as an integer on the device of the arrays (0: that
+// device's default stream).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -26,8 +27,6 @@ using In = nb::ndarray<nb::ro>;
 using Out = nb::ndarray<>;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
-
-Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
 
 SwigluLayout parse_layout(const std::string& name) {
   if (name == "halves") return SwigluLayout::Halves;
@@ -120,13 +119,13 @@ void bind_gemm(nb::module_& m) {
   m.def("gemm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
                    double beta, std::uintptr_t stream) {
     gemm(view(a), view(b), view(c), view(d), gemm_options(transpose_a, transpose_b, alpha, beta),
-         stream_of(stream));
+         stream_on(device_of(a), stream));
   }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
      "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release);
   m.def("bmm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
                   double beta, std::uintptr_t stream) {
     bmm(view(a), view(b), view(c), view(d), gemm_options(transpose_a, transpose_b, alpha, beta),
-        stream_of(stream));
+        stream_on(device_of(a), stream));
   }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
      "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release);
   m.def("cublaslt_library", &cublaslt_library,
@@ -135,12 +134,12 @@ void bind_gemm(nb::module_& m) {
         "meshfuse.Error in a build without CUDA or when none loads (MESHFUSE_CUBLASLT_LIBRARY "
         "names one).");
   m.def("linear", [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
-    linear(view(x), view(weight), view(bias), view(out), stream_of(stream));
+    linear(view(x), view(weight), view(bias), view(out), stream_on(device_of(x), stream));
   }, "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release);
   m.def("linear_backward", [](In grad_out, In x, In weight, OptOut grad_x, OptOut grad_weight,
                               OptOut grad_bias, std::uintptr_t stream) {
     linear_backward(view(grad_out), view(x), view(weight), view(grad_x), view(grad_weight),
-                    view(grad_bias), stream_of(stream));
+                    view(grad_bias), stream_on(device_of(grad_out), stream));
   }, "grad_out"_a, "x"_a, "weight"_a, "grad_x"_a.none(), "grad_weight"_a.none(),
      "grad_bias"_a.none(), "stream"_a = 0, release);
   m.def("fused_linear_cross_entropy",
@@ -153,7 +152,7 @@ void bind_gemm(nb::module_& m) {
               view(grad_x), view(grad_weight), view(grad_bias),
               ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                          z_loss_scale),
-              chunk_rows, stream_of(stream));
+              chunk_rows, stream_on(device_of(x), stream));
         },
         "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
         "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(),
@@ -165,37 +164,37 @@ void bind_gemm(nb::module_& m) {
 void bind_ops(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
   m.def("swiglu", [](In gate, In up, Out out, std::uintptr_t stream) {
-    swiglu(view(gate), view(up), view(out), stream_of(stream));
+    swiglu(view(gate), view(up), view(out), stream_on(device_of(gate), stream));
   }, "gate"_a, "up"_a, "out"_a, "stream"_a = 0, release);
   m.def("swiglu_backward", [](In grad_out, In gate, In up, Out grad_gate, Out grad_up,
                               std::uintptr_t stream) {
     swiglu_backward(view(grad_out), view(gate), view(up), view(grad_gate), view(grad_up),
-                    stream_of(stream));
+                    stream_on(device_of(grad_out), stream));
   }, "grad_out"_a, "gate"_a, "up"_a, "grad_gate"_a, "grad_up"_a, "stream"_a = 0, release);
   m.def("swiglu_packed", [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
-    swiglu_packed(view(x), parse_layout(layout), view(out), stream_of(stream));
+    swiglu_packed(view(x), parse_layout(layout), view(out), stream_on(device_of(x), stream));
   }, "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release);
   m.def("swiglu_packed_backward", [](In grad_out, In x, const std::string& layout, Out grad_x,
                                      std::uintptr_t stream) {
     swiglu_packed_backward(view(grad_out), view(x), parse_layout(layout), view(grad_x),
-                           stream_of(stream));
+                           stream_on(device_of(grad_out), stream));
   }, "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release);
 
   m.def("rmsnorm", [](In x, OptIn weight, Out y, OptOut rstd, double eps,
                       std::uintptr_t stream) {
-    rmsnorm(view(x), view(weight), view(y), view(rstd), eps, stream_of(stream));
+    rmsnorm(view(x), view(weight), view(y), view(rstd), eps, stream_on(device_of(x), stream));
   }, "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release);
   m.def("rmsnorm_backward", [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight,
                                std::uintptr_t stream) {
     rmsnorm_backward(view(grad_y), view(x), view(weight), view(rstd), view(dx), view(dweight),
-                     stream_of(stream));
+                     stream_on(device_of(grad_y), stream));
   }, "grad_y"_a, "x"_a, "weight"_a.none(), "rstd"_a, "dx"_a, "dweight"_a.none(), "stream"_a = 0,
      release);
   m.def("fused_residual_add_rmsnorm", [](In x, OptIn residual, OptIn weight, Out y, OptOut r,
                                          OptOut rstd, double eps, double multiplier,
                                          std::uintptr_t stream) {
     fused_residual_add_rmsnorm(view(x), view(residual), view(weight), view(y), view(r),
-                               view(rstd), eps, multiplier, stream_of(stream));
+                               view(rstd), eps, multiplier, stream_on(device_of(x), stream));
   }, "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(),
      "eps"_a, "multiplier"_a = 1.0, "stream"_a = 0, release);
   m.def("fused_residual_add_rmsnorm_backward",
@@ -203,17 +202,19 @@ void bind_ops(nb::module_& m) {
            OptOut dweight, double multiplier, std::uintptr_t stream) {
           fused_residual_add_rmsnorm_backward(view(grad_y), view(grad_r), view(r), view(weight),
                                               view(rstd), view(dx), view(dresidual),
-                                              view(dweight), multiplier, stream_of(stream));
+                                              view(dweight), multiplier,
+                                              stream_on(device_of(grad_y), stream));
         },
         "grad_y"_a, "grad_r"_a.none(), "r"_a, "weight"_a.none(), "rstd"_a, "dx"_a,
         "dresidual"_a.none(), "dweight"_a.none(), "multiplier"_a = 1.0, "stream"_a = 0, release);
 
   m.def("softmax", [](In x, Out y, double logits_multiplier, std::uintptr_t stream) {
-    softmax(view(x), view(y), logits_multiplier, stream_of(stream));
+    softmax(view(x), view(y), logits_multiplier, stream_on(device_of(x), stream));
   }, "x"_a, "y"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release);
   m.def("softmax_backward", [](In grad_y, In y, Out grad_x, double logits_multiplier,
                                std::uintptr_t stream) {
-    softmax_backward(view(grad_y), view(y), view(grad_x), logits_multiplier, stream_of(stream));
+    softmax_backward(view(grad_y), view(y), view(grad_x), logits_multiplier,
+                     stream_on(device_of(grad_y), stream));
   }, "grad_y"_a, "y"_a, "grad_x"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release);
 
   m.def("cross_entropy", [](In logits, In labels, Out loss, Out lse, std::int64_t ignore_index,
@@ -223,7 +224,7 @@ void bind_ops(nb::module_& m) {
     cross_entropy(view(logits), view(labels), view(loss), view(lse),
                   ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                              z_loss_scale),
-                  stream_of(stream));
+                  stream_on(device_of(logits), stream));
   }, "logits"_a, "labels"_a, "loss"_a, "lse"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
      "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
      "stream"_a = 0, release);
@@ -235,7 +236,7 @@ void bind_ops(nb::module_& m) {
                            view(grad_logits),
                            ce_options(ignore_index, reduction, label_smoothing,
                                       logits_multiplier, z_loss_scale),
-                           stream_of(stream));
+                           stream_on(device_of(grad_loss), stream));
   }, "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
      "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
      "z_loss_scale"_a = 0.0, "stream"_a = 0, release);

@@ -18,8 +18,6 @@ using Out = nb::ndarray<>;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
 
-Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
-
 }  // namespace
 
 void bind_recurrent(nb::module_& m) {
@@ -27,7 +25,7 @@ void bind_recurrent(nb::module_& m) {
   m.def("rnn", [](In input, In weight, OptIn input_state, Out output, OptOut final_state,
                   OptIn cu_seqlens, std::int64_t max_seqlen, std::uintptr_t stream) {
     rnn(view(input), view(weight), view(input_state), view(output), view(final_state),
-        view(cu_seqlens), max_seqlen, stream_of(stream));
+        view(cu_seqlens), max_seqlen, stream_on(device_of(input), stream));
   }, "input"_a, "weight"_a, "input_state"_a.none(), "output"_a, "final_state"_a.none(),
      "cu_seqlens"_a.none() = nb::none(), "max_seqlen"_a = -1, "stream"_a = 0, release);
   m.def("rnn_backward",
@@ -38,7 +36,7 @@ void bind_recurrent(nb::module_& m) {
           rnn_backward(view(grad_output), view(grad_final_state), view(output), view(weight),
                        view(input_state), view(grad_input), view(grad_weight),
                        view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
-                       stream_of(stream));
+                       stream_on(device_of(output), stream));
         },
         "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "weight"_a,
         "input_state"_a.none(), "grad_input"_a, "grad_weight"_a, "grad_input_state"_a.none(),
@@ -51,7 +49,7 @@ void bind_recurrent(nb::module_& m) {
           gru({view(input), view(weight), view(forget_input), view(forget_weight),
                view(reset_input), view(reset_weight)},
               view(input_state), view(output), view(final_state), view(cu_seqlens), max_seqlen,
-              stream_of(stream));
+              stream_on(device_of(input), stream));
         },
         "input"_a, "weight"_a, "forget_input"_a, "forget_weight"_a, "reset_input"_a,
         "reset_weight"_a, "input_state"_a.none(), "output"_a, "final_state"_a.none(),
@@ -71,7 +69,7 @@ void bind_recurrent(nb::module_& m) {
                         view(grad_forget_weight), view(grad_reset_input),
                         view(grad_reset_weight)},
                        view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
-                       stream_of(stream));
+                       stream_on(device_of(output), stream));
         },
         "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "input"_a, "weight"_a,
         "forget_input"_a, "forget_weight"_a, "reset_input"_a, "reset_weight"_a,

@@ -17,8 +17,6 @@ using namespace nb::literals;
 using In = nb::ndarray<nb::ro>;
 using Out = nb::ndarray<>;
 
-Stream stream_of(std::uintptr_t stream) { return {Device{}, reinterpret_cast<void*>(stream)}; }
-
 PaddingSide parse_padding_side(const char* op, const std::string& name) {
   if (name == "left") return PaddingSide::Left;
   if (name == "right") return PaddingSide::Right;
@@ -33,15 +31,17 @@ void bind_sequence(nb::module_& m) {
   m.def("pack_sequence", [](In x, In cu_seqlens, Out out, const std::string& padding_side,
                             std::uintptr_t stream) {
     pack_sequence(view(x), view(cu_seqlens), view(out),
-                  parse_padding_side("pack_sequence", padding_side), stream_of(stream));
+                  parse_padding_side("pack_sequence", padding_side),
+                  stream_on(device_of(x), stream));
   }, "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release);
   m.def("unpack_sequence", [](In x, In cu_seqlens, Out out, const std::string& padding_side,
                               std::uintptr_t stream) {
     unpack_sequence(view(x), view(cu_seqlens), view(out),
-                    parse_padding_side("unpack_sequence", padding_side), stream_of(stream));
+                    parse_padding_side("unpack_sequence", padding_side),
+                    stream_on(device_of(x), stream));
   }, "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release);
   m.def("continuous_count", [](In x, Out out, std::uintptr_t stream) {
-    continuous_count(view(x), view(out), stream_of(stream));
+    continuous_count(view(x), view(out), stream_on(device_of(x), stream));
   }, "x"_a, "out"_a, "stream"_a = 0, release);
 }
 

@@ -10,9 +10,10 @@ namespace {
 
 thread_local std::optional<KernelBackend> t_forced;
 
+// The index of every KernelTable, filled during static initialisation and read afterwards.
 struct Registry {
   std::mutex mutex;
-  std::vector<KernelInfo> kernels;
+  std::vector<const detail::KernelTableBase*> tables;
 };
 
 Registry& registry() {
@@ -35,9 +36,12 @@ std::string list_dtypes(const std::vector<DType>& dtypes) {
 
 std::string_view to_string(KernelBackend backend) {
   switch (backend) {
-    case KernelBackend::Reference: return "reference";
-    case KernelBackend::CPU: return "cpu";
-    case KernelBackend::CUDA: return "cuda";
+    case KernelBackend::Reference:
+      return "reference";
+    case KernelBackend::CPU:
+      return "cpu";
+    case KernelBackend::CUDA:
+      return "cuda";
   }
   return "unknown";
 }
@@ -61,26 +65,13 @@ ForceKernelBackend::~ForceKernelBackend() { t_forced = previous_; }
 
 std::optional<KernelBackend> forced_kernel_backend() { return t_forced; }
 
-void register_kernel(KernelInfo info) {
-  Registry& r = registry();
-  std::lock_guard lock(r.mutex);
-  r.kernels.push_back(std::move(info));
-}
+namespace {
 
-std::vector<KernelInfo> registered_kernels() {
-  Registry& r = registry();
-  std::vector<KernelInfo> out;
-  {
-    std::lock_guard lock(r.mutex);
-    out = r.kernels;
-  }
-  std::stable_sort(out.begin(), out.end(), [](const KernelInfo& a, const KernelInfo& b) {
-    return a.op != b.op ? a.op < b.op : a.backend < b.backend;
-  });
-  return out;
-}
-
-KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTensor>& tensors) {
+// The rules of kernel_backend.h for `op` with these kernels (none when no table has the op);
+// returns the index of the kernel that runs the tensors.
+detail::KernelTableBase::Resolution resolve(std::string_view op,
+                                            const std::vector<KernelInfo>& kernels,
+                                            std::span<const NamedTensor> tensors) {
   const NamedTensor* first = nullptr;
   for (const NamedTensor& t : tensors) {
     if (!t.tensor.defined()) continue;
@@ -98,12 +89,10 @@ KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTenso
   const std::optional<KernelBackend> forced = t_forced;
   const KernelBackend backend = forced.value_or(default_kernel_backend(device.type));
 
-  std::lock_guard lock(registry().mutex);
-  const KernelInfo* kernel = nullptr;
-  for (const KernelInfo& k : registry().kernels)
-    if (k.op == op && k.backend == backend) kernel = &k;
+  const auto kernel = std::find_if(kernels.begin(), kernels.end(),
+                                   [&](const KernelInfo& k) { return k.backend == backend; });
   const char* how = forced ? "forced" : "selected for the device";
-  if (kernel == nullptr)
+  if (kernel == kernels.end())
     fail(ErrorCode::BackendUnavailable,
          "{}: kernel backend '{}' ({}) has no kernel for this op in this build (device {}, dtype "
          "{})",
@@ -118,7 +107,50 @@ KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTenso
          "{})",
          op, to_string(backend), how, device.str(), to_string(dtype), first->name,
          list_dtypes(kernel->dtypes));
-  return backend;
+  return {static_cast<std::size_t>(kernel - kernels.begin()), backend, device};
+}
+
+}  // namespace
+
+namespace detail {
+
+KernelTableBase::KernelTableBase(std::string op, std::vector<KernelInfo> kernels)
+    : op_(std::move(op)), kernels_(std::move(kernels)) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.tables.push_back(this);
+}
+
+KernelTableBase::Resolution KernelTableBase::resolve(std::span<const NamedTensor> tensors) const {
+  return meshfuse::resolve(op_, kernels_, tensors);
+}
+
+}  // namespace detail
+
+std::vector<KernelInfo> registered_kernels() {
+  Registry& r = registry();
+  std::vector<KernelInfo> out;
+  {
+    std::lock_guard lock(r.mutex);
+    for (const detail::KernelTableBase* table : r.tables)
+      out.insert(out.end(), table->kernels().begin(), table->kernels().end());
+  }
+  std::stable_sort(out.begin(), out.end(), [](const KernelInfo& a, const KernelInfo& b) {
+    return a.op != b.op ? a.op < b.op : a.backend < b.backend;
+  });
+  return out;
+}
+
+KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTensor>& tensors) {
+  static const std::vector<KernelInfo> kNone;
+  const detail::KernelTableBase* table = nullptr;
+  {
+    Registry& r = registry();
+    std::lock_guard lock(r.mutex);
+    for (const detail::KernelTableBase* t : r.tables)
+      if (t->op() == op) table = t;
+  }
+  return resolve(op, table ? table->kernels() : kNone, tensors).backend;
 }
 
 }  // namespace meshfuse

@@ -48,45 +48,39 @@ void check_output(std::string_view op, std::string_view name, const TensorView& 
                  "{}: output '{}' must be contiguous, got {}", op, name, t.str());
 }
 
-Contiguous::Contiguous(const TensorView& t, const Stream& stream) {
-  if (!t.defined() || t.is_contiguous()) {
-    view_ = t;
-  } else {
-    copy_ = Tensor::copy_of(t, stream);
-    view_ = copy_.view();
-  }
-}
-
-HostStaging::HostStaging(std::string_view op, const TensorView& any_input, const Stream& stream)
-    : active_(any_input.device().type == DeviceType::CUDA &&
-              forced_kernel_backend() == KernelBackend::Reference),
+KernelCall::KernelCall(std::string_view op, KernelBackend backend, Device device,
+                       const Stream& stream)
+    : host_(backend == KernelBackend::Reference && device.type == DeviceType::CUDA),
       stream_(stream) {
-  const Device device = any_input.device();
-  if (device.type == DeviceType::CUDA && stream.device.type == DeviceType::CPU)
-    stream_ = Stream{device, stream.native};
-  MESHFUSE_CHECK(stream_.device == device, ErrorCode::DeviceMismatch,
-                 "{}: the stream is on {} but the tensors are on {}", op, stream_.device.str(),
+  MESHFUSE_CHECK(stream.device == device, ErrorCode::DeviceMismatch,
+                 "{}: the stream is on {} but the tensors are on {}", op, stream.device.str(),
                  device.str());
 }
 
-TensorView HostStaging::input(const TensorView& t) {
-  if (!active_ || !t.defined()) return t;
-  inputs_.emplace_back(t.shape(), t.dtype());
-  copy(t, inputs_.back(), stream_);
-  return inputs_.back().view();
+TensorView KernelCall::input(const TensorView& t) {
+  if (!host_ && t.defined() && !t.is_contiguous())
+    return copies_.emplace_back(Tensor::copy_of(t, stream_)).view();
+  return strided_input(t);
 }
 
-TensorView HostStaging::output(const TensorView& t) {
-  if (!active_ || !t.defined()) return t;
+TensorView KernelCall::strided_input(const TensorView& t) {
+  if (!host_ || !t.defined()) return t;
+  Tensor& host = copies_.emplace_back(t.shape(), t.dtype());
+  copy(t, host, stream_);
+  return host.view();
+}
+
+TensorView KernelCall::output(const TensorView& t) {
+  if (!host_ || !t.defined()) return t;
   Tensor host(t.shape(), t.dtype());
   copy(t, host, stream_);
   outputs_.emplace_back(host, t);
   return host.view();
 }
 
-void HostStaging::finish() {
+void KernelCall::finish() {
   for (const auto& [host, device] : outputs_) copy(host, device, stream_);
-  if (active_) synchronize(stream_);
+  if (host_) synchronize(stream_);
   outputs_.clear();
 }
 

@@ -8,13 +8,17 @@
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/tensor.h"
 
-// A KernelTable entry for the cuda backend in CUDA builds, nothing otherwise:
-//   {reference entry, cpu entry MESHFUSE_CUDA_ENTRY(kFloatDTypes, swiglu_forward)}
+// The usual table of an op whose kernels share the name `fn` in each backend's namespace
+// (detail::reference, detail::cpu, detail::cuda): see kernel_table() below.
+//   const auto kForward = MESHFUSE_KERNEL_TABLE("softmax", detail::kFloatDTypes, softmax_forward);
+#define MESHFUSE_KERNEL_TABLE(op, dtypes, fn)                                      \
+  ::meshfuse::detail::kernel_table(op, dtypes, &::meshfuse::detail::reference::fn, \
+                                   &::meshfuse::detail::cpu::fn MESHFUSE_CUDA_KERNEL(fn))
+// The cuda kernel exists in CUDA builds only.
 #ifdef MESHFUSE_WITH_CUDA
-#define MESHFUSE_CUDA_ENTRY(dtypes, fn) \
-  , { KernelBackend::CUDA, {DeviceType::CUDA}, dtypes, &::meshfuse::detail::cuda::fn }
+#define MESHFUSE_CUDA_KERNEL(fn) , &::meshfuse::detail::cuda::fn
 #else
-#define MESHFUSE_CUDA_ENTRY(dtypes, fn)
+#define MESHFUSE_CUDA_KERNEL(fn)
 #endif
 
 namespace meshfuse::detail {
@@ -39,19 +43,6 @@ void check_shape(std::string_view op, std::string_view name, const TensorView& t
 void check_output(std::string_view op, std::string_view name, const TensorView& t,
                   const Shape& expected, DType dtype);
 
-// `t` itself when contiguous, else a contiguous copy on the same device (why: backends read rows
-// with unit stride; a non-contiguous input costs one copy instead of a strided kernel per op).
-class Contiguous {
- public:
-  explicit Contiguous(const TensorView& t, const Stream& stream = {});
-  const TensorView& view() const { return view_; }
-  operator const TensorView&() const { return view_; }  // NOLINT
-
- private:
-  Tensor copy_;
-  TensorView view_;
-};
-
 // The devices the reference backend serves: the CPU, and CUDA tensors through host copies
 // (slow; for tests and checks).
 #ifdef MESHFUSE_WITH_CUDA
@@ -60,31 +51,61 @@ inline const std::vector<DeviceType> kReferenceDevices = {DeviceType::CPU, Devic
 inline const std::vector<DeviceType> kReferenceDevices = {DeviceType::CPU};
 #endif
 
-// The stream a kernel runs on, and the reference backend on CUDA tensors. stream() is the
-// caller's stream, or the default stream of the tensors' device when the caller passed a CPU
-// stream (the default argument); a CUDA stream of another device is Error(DeviceMismatch).
-// When the tensors are on a CUDA device and the reference backend is forced, input() and output()
-// hand out host copies, stream() a CPU stream, and finish() copies the outputs back and waits.
-// Otherwise input() and output() pass their tensors through.
-//   detail::HostStaging host("op", x, stream);
-//   fn(host.input(x), host.output(y), host.stream());
-//   host.finish();
-class HostStaging {
+// An op's table with the usual kernels, each for `dtypes`: the reference on kReferenceDevices,
+// cpu on the CPU and, when given (CUDA builds), cuda on CUDA devices.
+template <typename Fn>
+KernelTable<Fn> kernel_table(std::string op, const std::vector<DType>& dtypes, Fn* reference,
+                             Fn* cpu, Fn* cuda = nullptr) {
+  std::vector<typename KernelTable<Fn>::Entry> entries = {
+      {KernelBackend::Reference, kReferenceDevices, dtypes, reference},
+      {KernelBackend::CPU, {DeviceType::CPU}, dtypes, cpu}};
+  if (cuda != nullptr) entries.push_back({KernelBackend::CUDA, {DeviceType::CUDA}, dtypes, cuda});
+  return KernelTable<Fn>(std::move(op), entries);
+}
+
+// The operands of one kernel call, as the selected kernel reads them, and the stream it runs on.
+// The caller's stream must be on the tensors' device (Error(DeviceMismatch) otherwise: a stream is
+// never relabelled). Inputs are handed out contiguous (why: backends read rows with unit stride; a
+// non-contiguous input costs one copy instead of a strided kernel per op). When the reference
+// backend runs on CUDA tensors, inputs and outputs are host copies, stream() is the CPU's, and
+// finish() copies the outputs back and waits; otherwise outputs pass through.
+class KernelCall {
  public:
-  HostStaging(std::string_view op, const TensorView& any_input, const Stream& stream);
+  KernelCall(std::string_view op, KernelBackend backend, Device device, const Stream& stream);
+  // `t` contiguous, on the kernel's device (undefined stays undefined).
   TensorView input(const TensorView& t);
-  // A host copy holding the output's current contents (some kernels accumulate into outputs).
+  // `t` on the kernel's device with its layout (gemm's operands are read with their strides).
+  TensorView strided_input(const TensorView& t);
+  // Where the kernel writes `t`; a host copy holds its current contents (some kernels accumulate
+  // into outputs).
   TensorView output(const TensorView& t);
-  const Stream& stream() const { return active_ ? host_stream_ : stream_; }
+  const Stream& stream() const { return host_ ? host_stream_ : stream_; }
   void finish();
 
  private:
-  bool active_;
+  bool host_;
   Stream stream_;
   Stream host_stream_{};
-  std::vector<Tensor> inputs_;
+  std::vector<Tensor> copies_;
   std::vector<std::pair<Tensor, TensorView>> outputs_;  // host copy, device destination
 };
+
+// Runs one op call: selects the kernel for the tensors from the op's table (Error as
+// kernel_backend.h says), checks the stream and stages the operands (KernelCall), runs
+// body(fn, call), which calls fn on call's operands, and finishes the call.
+//   detail::run_kernel(kForward, {{"x", x}, {"y", y}}, stream,
+//                      [&](auto* fn, detail::KernelCall& call) {
+//                        fn(shape, call.input(x).data(), call.output(y).data(), call.stream());
+//                      });
+template <typename Fn, typename Body>
+void run_kernel(const KernelTable<Fn>& table, std::initializer_list<NamedTensor> tensors,
+                const Stream& stream, Body&& body) {
+  const typename KernelTable<Fn>::Selection kernel =
+      table.select({tensors.begin(), tensors.size()});
+  KernelCall call(table.op(), kernel.backend, kernel.device, stream);
+  body(kernel.fn, call);
+  call.finish();
+}
 
 // Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers below).
 [[noreturn]] void fail_dtype(std::string_view op, DType dtype);

@@ -23,7 +23,8 @@ std::vector<Direction> cross_entropy_directions(const BenchSetup& s) {
   const Tensor loss = output_tensor(s, {n}), lse = output_tensor(s, {n}, DType::F32);
   const Tensor grad_logits = output_tensor(s, {n, v});
   const std::string shape = shape_text({{"logits", {n, v}}});
-  cross_entropy(logits, labels, loss, lse, options);  // the backward's lse
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
+  cross_entropy(logits, labels, loss, lse, options, stream);  // the backward's lse
 
   Direction forward{.kernel = "cross_entropy",
                     .direction = "forward",
@@ -31,13 +32,13 @@ std::vector<Direction> cross_entropy_directions(const BenchSetup& s) {
                     .bytes = n * v * e,
                     .formula = "N·V·e (read logits; loss and lse left out)",
                     .notes = notes};
-  forward.run = [=] { cross_entropy(logits, labels, loss, lse, options); };
+  forward.run = [=] { cross_entropy(logits, labels, loss, lse, options, stream); };
   forward.check = [=] {
     const Tensor loss_ref = output_tensor(s, {checked}),
                  lse_ref = output_tensor(s, {checked}, DType::F32);
     on_reference([&] {
       cross_entropy(first_rows(logits, checked), first_rows(labels, checked), loss_ref, lse_ref,
-                    options);
+                    options, stream);
     });
     return std::vector{
         compare_output("loss", first_rows(loss, checked), loss_ref, tolerance(s.dtype, 1.0, v)),
@@ -51,14 +52,14 @@ std::vector<Direction> cross_entropy_directions(const BenchSetup& s) {
                      .formula = "2·N·V·e (read logits; write grad_logits)",
                      .notes = notes};
   backward.run = [=] {
-    cross_entropy_backward(grad_loss, logits, labels, lse, grad_logits, options);
+    cross_entropy_backward(grad_loss, logits, labels, lse, grad_logits, options, stream);
   };
   backward.check = [=] {
     const Tensor grad_logits_ref = output_tensor(s, {checked, v});
     on_reference([&] {
       cross_entropy_backward(first_rows(grad_loss, checked), first_rows(logits, checked),
                              first_rows(labels, checked), first_rows(lse, checked), grad_logits_ref,
-                             options);
+                             options, stream);
     });
     // grad_loss * (p - onehot): ~1/V off the label.
     return std::vector{compare_output("grad_logits", first_rows(grad_logits, checked),

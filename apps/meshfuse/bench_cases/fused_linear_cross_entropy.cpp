@@ -112,6 +112,7 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
                grad_weight = output_tensor(s, {v, h});
   const CrossEntropyOptions options{.reduction = Reduction::None};
   const std::string shape = shape_text({{"x", {n, h}}, {"weight", {v, h}}});
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
   const double e = static_cast<double>(element_size(s.dtype));
   const double product =
       2.0 * static_cast<double>(n) * static_cast<double>(v) * static_cast<double>(h);
@@ -128,7 +129,7 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
                             const Tensor& grad_weight_out) {
     fused_linear_cross_entropy(first_rows(x, rows), weight, TensorView{}, first_rows(labels, rows),
                                first_rows(grad_loss, rows), loss_out, grad_x_out, grad_weight_out,
-                               TensorView{}, options);
+                               TensorView{}, options, kFusedLinearCrossEntropyChunkRows, stream);
   };
 
   // The vendor GEMM's f32 operands (CPU only: on a GPU the yardstick would be cuBLAS).
@@ -145,7 +146,8 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
                     .notes = notes};
   forward.run = [=] {
     fused_linear_cross_entropy(x, weight, TensorView{}, labels, TensorView{}, loss, TensorView{},
-                               TensorView{}, TensorView{}, options);
+                               TensorView{}, TensorView{}, options,
+                               kFusedLinearCrossEntropyChunkRows, stream);
   };
   if (on_cpu)
     forward.blas = [=] {
@@ -157,14 +159,16 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
     on_reference([&] {
       fused_linear_cross_entropy(first_rows(x, checked), weight, TensorView{},
                                  first_rows(labels, checked), TensorView{}, loss_ref, TensorView{},
-                                 TensorView{}, TensorView{}, options);
+                                 TensorView{}, TensorView{}, options,
+                                 kFusedLinearCrossEntropyChunkRows, stream);
     });
     return std::vector{compare_output("loss", first_rows(loss, checked), loss_ref, loss_tol)};
   };
 
   const auto fused = [=] {
     fused_linear_cross_entropy(x, weight, TensorView{}, labels, grad_loss, loss, grad_x,
-                               grad_weight, TensorView{}, options);
+                               grad_weight, TensorView{}, options,
+                               kFusedLinearCrossEntropyChunkRows, stream);
   };
   std::vector<std::string> backward_notes = notes;
   if (!on_cpu) {
@@ -174,11 +178,11 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
       Tensor logits = output_tensor(s, {n, v});
       const Tensor lse = output_tensor(s, {n}, s.dtype == DType::F64 ? DType::F64 : DType::F32),
                    dlogits = output_tensor(s, {n, v});
-      linear(x, weight, TensorView{}, logits);
-      cross_entropy(logits, labels, loss, lse, options);
-      cross_entropy_backward(grad_loss, logits, labels, lse, dlogits, options);
+      linear(x, weight, TensorView{}, logits, stream);
+      cross_entropy(logits, labels, loss, lse, options, stream);
+      cross_entropy_backward(grad_loss, logits, labels, lse, dlogits, options, stream);
       logits = Tensor();
-      linear_backward(dlogits, x, weight, grad_x, grad_weight, TensorView{});
+      linear_backward(dlogits, x, weight, grad_x, grad_weight, TensorView{}, stream);
     };
     const std::int64_t fused_bytes = peak_extra_bytes(s.device, fused),
                        unfused_bytes = peak_extra_bytes(s.device, unfused);

@@ -43,6 +43,7 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
   const Tensor out = output_tensor(s, {t, n}), grad_x = output_tensor(s, {t, k}),
                grad_weight = output_tensor(s, {n, k});
   const std::string text = shape_text({{"x", {t, k}}, {"weight", {n, k}}});
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
   const double flops =
       2.0 * static_cast<double>(t) * static_cast<double>(n) * static_cast<double>(k);
   const double e = static_cast<double>(element_size(s.dtype));
@@ -58,7 +59,7 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
                     .formula = "2·T·N·K",
                     .working_set = (t * k + n * k + t * n) * e,
                     .notes = notes};
-  forward.run = [=] { linear(x, weight, TensorView{}, out); };
+  forward.run = [=] { linear(x, weight, TensorView{}, out, stream); };
   if (on_cpu) {
     const Tensor out32({t, n}, DType::F32);
     forward.blas = [=] {
@@ -68,7 +69,7 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
   }
   forward.check = [=] {
     const Tensor out_ref = output_tensor(s, {rows, n});
-    on_reference([&] { linear(first_rows(x, rows), weight, TensorView{}, out_ref); });
+    on_reference([&] { linear(first_rows(x, rows), weight, TensorView{}, out_ref, stream); });
     return std::vector{
         compare_output("out", first_rows(out, rows), out_ref, tolerance(s.dtype, sqrt_of(k), k))};
   };
@@ -81,7 +82,9 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
       .formula = "2 x 2·T·N·K (grad_x = grad_out @ weight, grad_weight = grad_out^T @ x)",
       .working_set = (2 * t * k + 2 * n * k + t * n) * e,
       .notes = notes};
-  backward.run = [=] { linear_backward(grad_out, x, weight, grad_x, grad_weight, TensorView{}); };
+  backward.run = [=] {
+    linear_backward(grad_out, x, weight, grad_x, grad_weight, TensorView{}, stream);
+  };
   if (on_cpu) {
     const Tensor dy32 = widened_to_f32(grad_out), dx32({t, k}, DType::F32),
                  dw32({n, k}, DType::F32);
@@ -97,10 +100,10 @@ std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view n
                  grad_weight_ref = output_tensor(s, {features, k});
     on_reference([&] {
       linear_backward(first_rows(grad_out, rows), first_rows(x, rows), weight, grad_x_ref,
-                      TensorView{}, TensorView{});
+                      TensorView{}, TensorView{}, stream);
       // grad_weight[0:features] = grad_out[:, 0:features]^T @ x, over every token.
       gemm(grad_out.view().narrow(1, 0, features), x, TensorView{}, grad_weight_ref,
-           {.transpose_a = true});
+           {.transpose_a = true}, stream);
     });
     return std::vector{compare_output("grad_x", first_rows(grad_x, rows), grad_x_ref,
                                       tolerance(s.dtype, sqrt_of(n), n)),

@@ -50,10 +50,10 @@ std::vector<Direction> pack_directions(const BenchSetup& s) {
   const Shape padded{kBatch, steps, kHeads, kHeadDim}, packed{t, kHeads, kHeadDim};
   const Tensor x = random_tensor(s, padded, 41), grad_packed = random_tensor(s, packed, 42);
   const Tensor out = output_tensor(s, packed), grad_x = output_tensor(s, padded);
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
   const double e = static_cast<double>(element_size(s.dtype));
-  const std::string shape =
-      shape_text({{"x", padded}, {"packed", packed}}) +
-      fmt::format(" (left padding, lengths in [{}, {}])", steps / 2, steps);
+  const std::string shape = shape_text({{"x", padded}, {"packed", packed}}) +
+                            fmt::format(" (left padding, lengths in [{}, {}])", steps / 2, steps);
   const std::vector<std::string> notes = {
       fmt::format("T = {} of B·S = {} tokens; cu_seqlens is read on the host to check it (on a "
                   "GPU a small copy that waits for the stream, in the timing)",
@@ -65,10 +65,10 @@ std::vector<Direction> pack_directions(const BenchSetup& s) {
                     .bytes = 2 * static_cast<double>(t * r) * e,
                     .formula = "2·T·N·H·e (read and write the T tokens)",
                     .notes = notes};
-  forward.run = [=] { pack_sequence(x, cu, out); };
+  forward.run = [=] { pack_sequence(x, cu, out, PaddingSide::Left, stream); };
   forward.check = [=] {
     const Tensor expected = output_tensor(s, packed);
-    on_reference([&] { pack_sequence(x, cu, expected); });
+    on_reference([&] { pack_sequence(x, cu, expected, PaddingSide::Left, stream); });
     return std::vector{compare_output("out", out, expected, kExact)};
   };
 
@@ -80,10 +80,10 @@ std::vector<Direction> pack_directions(const BenchSetup& s) {
                          "(T + B·S)·N·H·e (read the T tokens; write B·S rows, padding "
                          "zero-filled)",
                      .notes = notes};
-  backward.run = [=] { unpack_sequence(grad_packed, cu, grad_x); };
+  backward.run = [=] { unpack_sequence(grad_packed, cu, grad_x, PaddingSide::Left, stream); };
   backward.check = [=] {
     const Tensor expected = output_tensor(s, padded);
-    on_reference([&] { unpack_sequence(grad_packed, cu, expected); });
+    on_reference([&] { unpack_sequence(grad_packed, cu, expected, PaddingSide::Left, stream); });
     return std::vector{compare_output("grad_x", grad_x, expected, kExact)};
   };
   return {forward, backward};
@@ -94,16 +94,17 @@ std::vector<Direction> count_directions(const BenchSetup& s) {
   testing::fill_uniform_int(ids_host, 43, 0, kExperts);
   const Tensor ids = on_device(s, ids_host);
   const Tensor counts = output_tensor(s, {kExperts}, DType::I64);
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
   Direction forward{.kernel = "continuous_count",
                     .direction = "forward",
                     .shape = shape_text({{"x (i32)", {kExpertIds}}, {"out (i64)", {kExperts}}}),
                     .bytes = static_cast<double>(kExpertIds * 4 + kExperts * 8),
                     .formula = "4·n + 8·bins (read the i32 ids; write the i64 counts)",
                     .notes = {"the ids are i32 whatever --dtype"}};
-  forward.run = [=] { continuous_count(ids, counts); };
+  forward.run = [=] { continuous_count(ids, counts, stream); };
   forward.check = [=] {
     const Tensor expected = output_tensor(s, {kExperts}, DType::I64);
-    on_reference([&] { continuous_count(ids, expected); });
+    on_reference([&] { continuous_count(ids, expected, stream); });
     return std::vector{compare_output("out", counts, expected, kExact)};
   };
   return {forward};

@@ -36,19 +36,21 @@ GruParams params(const std::vector<Tensor>& in, const std::vector<Tensor>& w) {
 }
 
 void run_forward(const Problem& p) {
+  const Stream stream{p.output.device()};
   if (p.gru)
-    gru(params(p.inputs, p.weights), p.state, p.output, p.final_state);
+    gru(params(p.inputs, p.weights), p.state, p.output, p.final_state, {}, -1, stream);
   else
-    rnn(p.inputs[0], p.weights[0], p.state, p.output, p.final_state);
+    rnn(p.inputs[0], p.weights[0], p.state, p.output, p.final_state, {}, -1, stream);
 }
 
 void run_backward(const Problem& p) {
+  const Stream stream{p.output.device()};
   if (p.gru)
     gru_backward(p.grad_output, p.grad_final_state, p.output, params(p.inputs, p.weights), p.state,
-                 params(p.grad_inputs, p.grad_weights), p.grad_state);
+                 params(p.grad_inputs, p.grad_weights), p.grad_state, {}, {}, -1, stream);
   else
     rnn_backward(p.grad_output, p.grad_final_state, p.output, p.weights[0], p.state,
-                 p.grad_inputs[0], p.grad_weights[0], p.grad_state);
+                 p.grad_inputs[0], p.grad_weights[0], p.grad_state, {}, {}, -1, stream);
 }
 
 Problem make_problem(const BenchSetup& s, bool gru) {

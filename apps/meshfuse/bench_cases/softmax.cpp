@@ -18,7 +18,8 @@ std::vector<Direction> softmax_directions(const BenchSetup& s) {
   // Probabilities and their gradients are ~1/V each, normalised by a sum over V.
   const Tolerance tol = tolerance(s.dtype, 1.0 / static_cast<double>(v), v);
   const std::string shape = shape_text({{"x", {n, v}}});
-  softmax(x, y);  // the backward's y
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
+  softmax(x, y, 1.0, stream);     // the backward's y
 
   Direction forward{.kernel = "softmax",
                     .direction = "forward",
@@ -26,10 +27,10 @@ std::vector<Direction> softmax_directions(const BenchSetup& s) {
                     .bytes = 2 * n * v * e,
                     .formula = "2·N·V·e (read x; write y)",
                     .notes = notes};
-  forward.run = [=] { softmax(x, y); };
+  forward.run = [=] { softmax(x, y, 1.0, stream); };
   forward.check = [=] {
     const Tensor y_ref = output_tensor(s, {checked, v});
-    on_reference([&] { softmax(first_rows(x, checked), y_ref); });
+    on_reference([&] { softmax(first_rows(x, checked), y_ref, 1.0, stream); });
     return std::vector{compare_output("y", first_rows(y, checked), y_ref, tol)};
   };
 
@@ -39,11 +40,13 @@ std::vector<Direction> softmax_directions(const BenchSetup& s) {
                      .bytes = 3 * n * v * e,
                      .formula = "3·N·V·e (read y, grad_y; write grad_x)",
                      .notes = notes};
-  backward.run = [=] { softmax_backward(grad_y, y, grad_x); };
+  backward.run = [=] { softmax_backward(grad_y, y, grad_x, 1.0, stream); };
   backward.check = [=] {
     const Tensor grad_x_ref = output_tensor(s, {checked, v});
-    on_reference(
-        [&] { softmax_backward(first_rows(grad_y, checked), first_rows(y, checked), grad_x_ref); });
+    on_reference([&] {
+      softmax_backward(first_rows(grad_y, checked), first_rows(y, checked), grad_x_ref, 1.0,
+                       stream);
+    });
     return std::vector{compare_output("grad_x", first_rows(grad_x, checked), grad_x_ref, tol)};
   };
   return {forward, backward};

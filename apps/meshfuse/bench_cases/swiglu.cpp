@@ -15,6 +15,7 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
                grad_up = output_tensor(s, {n, i});
   const Tolerance tol = tolerance(s.dtype);
   const std::string shape = shape_text({{"gate, up", {n, i}}});
+  const Stream stream{s.device};  // ops run on the default stream of the tensors' device
 
   // Elementwise: the reference is cheap, so it checks every row.
   Direction forward{.kernel = "swiglu",
@@ -22,10 +23,10 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
                     .shape = shape,
                     .bytes = 3 * n * i * e,
                     .formula = "3·N·I·e (read gate, up; write out)"};
-  forward.run = [=] { swiglu(gate, up, out); };
+  forward.run = [=] { swiglu(gate, up, out, stream); };
   forward.check = [=] {
     const Tensor expected = output_tensor(s, {n, i});
-    on_reference([&] { swiglu(gate, up, expected); });
+    on_reference([&] { swiglu(gate, up, expected, stream); });
     return std::vector{compare_output("out", out, expected, tol)};
   };
 
@@ -34,10 +35,10 @@ std::vector<Direction> swiglu_directions(const BenchSetup& s) {
                      .shape = shape,
                      .bytes = 5 * n * i * e,
                      .formula = "5·N·I·e (read grad_out, gate, up; write grad_gate, grad_up)"};
-  backward.run = [=] { swiglu_backward(grad_out, gate, up, grad_gate, grad_up); };
+  backward.run = [=] { swiglu_backward(grad_out, gate, up, grad_gate, grad_up, stream); };
   backward.check = [=] {
     const Tensor expected_gate = output_tensor(s, {n, i}), expected_up = output_tensor(s, {n, i});
-    on_reference([&] { swiglu_backward(grad_out, gate, up, expected_gate, expected_up); });
+    on_reference([&] { swiglu_backward(grad_out, gate, up, expected_gate, expected_up, stream); });
     return std::vector{compare_output("grad_gate", grad_gate, expected_gate, tol),
                        compare_output("grad_up", grad_up, expected_up, tol)};
   };

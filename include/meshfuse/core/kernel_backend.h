@@ -12,6 +12,7 @@
 #pragma once
 
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,8 +62,6 @@ struct KernelInfo {
 
 // Every registered kernel, sorted by op then backend.
 std::vector<KernelInfo> registered_kernels();
-// Registers a kernel; called by the ops' static registration tables.
-void register_kernel(KernelInfo info);
 
 // A tensor argument of an op call, named for error messages.
 struct NamedTensor {
@@ -74,10 +73,45 @@ struct NamedTensor {
 // rules above; throws what the call itself would throw.
 KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTensor>& tensors);
 
-// An op's table of kernels of one signature, registered at static initialisation. Each op's
-// front-end owns one per direction and calls select() to get the function to run.
+namespace detail {
+
+// The part of a KernelTable that does not depend on its function type: the op's kernels and the
+// rules above. Each table adds itself to the registry once, at construction (the tables are
+// namespace-scope objects that live as long as the program); the registry is only an index of
+// the tables, read by registered_kernels() and resolved_backend(), never by an op call.
+class KernelTableBase {
+ public:
+  KernelTableBase(const KernelTableBase&) = delete;
+  KernelTableBase& operator=(const KernelTableBase&) = delete;
+
+  const std::string& op() const { return op_; }
+  const std::vector<KernelInfo>& kernels() const { return kernels_; }
+
+  // Which kernel runs these tensors: its index in kernels(), its backend and the tensors' device.
+  struct Resolution {
+    std::size_t index;
+    KernelBackend backend;
+    Device device;
+  };
+  // Applies the rules above, reading the forced backend once; throws their errors.
+  Resolution resolve(std::span<const NamedTensor> tensors) const;
+
+ protected:
+  KernelTableBase(std::string op, std::vector<KernelInfo> kernels);
+  ~KernelTableBase() = default;
+
+ private:
+  std::string op_;
+  std::vector<KernelInfo> kernels_;
+};
+
+}  // namespace detail
+
+// An op's table of kernels of one signature: the one place that says which backend runs it on
+// which devices and dtypes, and with which function. Each op's front-end owns one per direction
+// (src/ops/common.h declares the usual ones) and calls select() to get the function to run.
 template <typename Fn>
-class KernelTable {
+class KernelTable : public detail::KernelTableBase {
  public:
   struct Entry {
     KernelBackend backend;
@@ -86,21 +120,31 @@ class KernelTable {
     Fn* fn;
   };
 
-  KernelTable(std::string op, std::vector<Entry> entries)
-      : op_(std::move(op)), entries_(std::move(entries)) {
-    for (const Entry& e : entries_) register_kernel({op_, e.backend, e.devices, e.dtypes});
+  // The kernel an op call runs: its backend, its function, and the device of the call's tensors.
+  struct Selection {
+    KernelBackend backend;
+    Fn* fn;
+    Device device;
+  };
+
+  KernelTable(std::string op, const std::vector<Entry>& entries)
+      : KernelTableBase(op, info(op, entries)) {
+    for (const Entry& e : entries) fns_.push_back(e.fn);
   }
 
-  Fn* select(const std::vector<NamedTensor>& tensors) const {
-    const KernelBackend backend = resolved_backend(op_, tensors);
-    for (const Entry& e : entries_)
-      if (e.backend == backend) return e.fn;
-    return nullptr;  // unreachable: resolved_backend checked the registry
+  Selection select(std::span<const NamedTensor> tensors) const {
+    const Resolution r = resolve(tensors);
+    return {r.backend, fns_[r.index], r.device};
   }
 
  private:
-  std::string op_;
-  std::vector<Entry> entries_;
+  static std::vector<KernelInfo> info(const std::string& op, const std::vector<Entry>& entries) {
+    std::vector<KernelInfo> out;
+    for (const Entry& e : entries) out.push_back({op, e.backend, e.devices, e.dtypes});
+    return out;
+  }
+
+  std::vector<Fn*> fns_;
 };
 
 }  // namespace meshfuse

@@ -5,8 +5,16 @@
 
 namespace meshfuse {
 
-// On the CPU a stream is only a device tag and ops run synchronously on the calling thread (with
-// OpenMP workers). On CUDA, `native` is a cudaStream_t; nullptr is the legacy default stream.
+// A stream belongs to one device, fixed when it is made: Stream{device} is that device's default
+// stream, Stream{device, native} a given one, and Stream{} the CPU's. On the CPU a stream is only
+// a device tag and ops run synchronously on the calling thread (with OpenMP workers). On CUDA,
+// `native` is a cudaStream_t; nullptr is the legacy default stream.
+//
+// The contract: an op runs on the stream it is given, which must be on the device of its tensors;
+// a stream of another device, the CPU's included, is Error(DeviceMismatch) naming the op, the
+// stream's device and the tensors' device. Nothing relabels a stream, so a caller with CUDA
+// tensors passes a stream of their device (at least Stream{tensor.device()}). The Python bindings
+// build theirs from the device of the call's tensors and the caller's handle (0: the default).
 struct Stream {
   Device device{};
   void* native = nullptr;

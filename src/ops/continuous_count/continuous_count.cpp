@@ -7,14 +7,8 @@
 namespace meshfuse {
 namespace {
 
-const KernelTable<detail::CountFn> kCount(
-    "continuous_count",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kIndexDTypes,
-      &detail::reference::continuous_count},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kIndexDTypes,
-      &detail::cpu::continuous_count} MESHFUSE_CUDA_ENTRY(detail::kIndexDTypes, continuous_count)});
+const auto kCount =
+    MESHFUSE_KERNEL_TABLE("continuous_count", detail::kIndexDTypes, continuous_count);
 
 }  // namespace
 
@@ -26,12 +20,11 @@ void continuous_count(const TensorView& x, const TensorView& out, const Stream& 
   detail::check_defined(op, "out", out);
   detail::check_rank(op, "out", out, 1);
   detail::check_output(op, "out", out, out.shape(), DType::I64);
-  auto* fn = kCount.select({{"x", x}, {"out", out}});
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous xc(host.input(x), host.stream());
-  fn({x.dtype(), x.size(0), out.size(0)}, xc.view().data(),
-     host.output(out).data_ptr<std::int64_t>(), host.stream());
-  host.finish();
+  detail::run_kernel(kCount, {{"x", x}, {"out", out}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       fn({x.dtype(), x.size(0), out.size(0)}, call.input(x).data(),
+                          call.output(out).data_ptr<std::int64_t>(), call.stream());
+                     });
 }
 
 }  // namespace meshfuse

@@ -5,8 +5,8 @@
 #include <cmath>
 
 #include "ops/common.h"
-#include "ops/cross_entropy/options.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
+#include "ops/cross_entropy/options.h"
 
 namespace meshfuse {
 
@@ -90,25 +90,10 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
 
 namespace {
 
-const KernelTable<detail::CrossEntropyForwardFn> kForward(
-    "cross_entropy",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::cross_entropy_forward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::cross_entropy_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                               cross_entropy_forward)});
-
-const KernelTable<detail::CrossEntropyBackwardFn> kBackward(
-    "cross_entropy_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::cross_entropy_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::cross_entropy_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                                cross_entropy_backward)});
+const auto kForward =
+    MESHFUSE_KERNEL_TABLE("cross_entropy", detail::kFloatDTypes, cross_entropy_forward);
+const auto kBackward =
+    MESHFUSE_KERNEL_TABLE("cross_entropy_backward", detail::kFloatDTypes, cross_entropy_backward);
 
 // Checks logits (N, V), labels (N,), lse (N,) and the options; returns the shape.
 detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& logits,
@@ -137,14 +122,12 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
   const detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
   detail::check_output(op, "loss", loss, loss_shape(s, options.reduction), s.dtype);
   detail::check_output(op, "lse", lse, {s.rows}, detail::lse_dtype(s.dtype));
-  auto* fn =
-      kForward.select({{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}});
-  detail::HostStaging host(op, logits, stream);
-  const detail::Contiguous x(host.input(logits), host.stream()),
-      y(host.input(labels), host.stream());
-  fn(s, x.view().data(), y.view().data(), host.output(loss).data(), host.output(lse).data(),
-     options, host.stream());
-  host.finish();
+  detail::run_kernel(
+      kForward, {{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}}, stream,
+      [&](auto* fn, detail::KernelCall& call) {
+        fn(s, call.input(logits).data(), call.input(labels).data(), call.output(loss).data(),
+           call.output(lse).data(), options, call.stream());
+      });
 }
 
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
@@ -160,18 +143,17 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   detail::check_dtype(op, "lse", lse, {detail::lse_dtype(s.dtype)});
   detail::check_shape(op, "lse", lse, {s.rows});
   detail::check_output(op, "grad_logits", grad_logits, logits.shape(), s.dtype);
-  auto* fn = kBackward.select({{"logits", logits},
-                               {"grad_loss", grad_loss},
-                               {"labels", labels},
-                               {"lse", lse},
-                               {"grad_logits", grad_logits}});
-  detail::HostStaging host(op, logits, stream);
-  const detail::Contiguous dl(host.input(grad_loss), host.stream()),
-      x(host.input(logits), host.stream()), y(host.input(labels), host.stream()),
-      l(host.input(lse), host.stream());
-  fn(s, dl.view().data(), x.view().data(), y.view().data(), l.view().data(),
-     host.output(grad_logits).data(), options, host.stream());
-  host.finish();
+  detail::run_kernel(kBackward,
+                     {{"logits", logits},
+                      {"grad_loss", grad_loss},
+                      {"labels", labels},
+                      {"lse", lse},
+                      {"grad_logits", grad_logits}},
+                     stream, [&](auto* fn, detail::KernelCall& call) {
+                       fn(s, call.input(grad_loss).data(), call.input(logits).data(),
+                          call.input(labels).data(), call.input(lse).data(),
+                          call.output(grad_logits).data(), options, call.stream());
+                     });
 }
 
 namespace detail {

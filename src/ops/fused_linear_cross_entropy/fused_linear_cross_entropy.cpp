@@ -11,23 +11,12 @@ namespace {
 
 using detail::kFusedLinearCrossEntropy;
 
-std::vector<KernelTable<detail::FusedLinearCrossEntropyFn>::Entry> entries() {
-  return {
-      {KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-       &detail::reference::fused_linear_cross_entropy},
-      {KernelBackend::CPU,
-       {DeviceType::CPU},
-       detail::kFloatDTypes,
-       &detail::cpu::fused_linear_cross_entropy} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                                     fused_linear_cross_entropy)};
-}
-
 // One kernel computes both directions; the table named for the direction asked for is the one
 // resolved, so that each direction is listed and forced like every other op's.
-const KernelTable<detail::FusedLinearCrossEntropyFn> kForward(std::string(kFusedLinearCrossEntropy),
-                                                              entries());
-const KernelTable<detail::FusedLinearCrossEntropyFn> kBackward(
-    std::string(kFusedLinearCrossEntropy) + "_backward", entries());
+const auto kForward = MESHFUSE_KERNEL_TABLE(std::string(kFusedLinearCrossEntropy),
+                                            detail::kFloatDTypes, fused_linear_cross_entropy);
+const auto kBackward = MESHFUSE_KERNEL_TABLE(std::string(kFusedLinearCrossEntropy) + "_backward",
+                                             detail::kFloatDTypes, fused_linear_cross_entropy);
 
 void check_chunk_rows(std::int64_t chunk_rows) {
   MESHFUSE_CHECK(chunk_rows >= 0, ErrorCode::InvalidArgument,
@@ -98,30 +87,26 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                    op);
     check_parameter_grad("grad_bias", grad_bias, {s.vocab}, s.dtype);
   }
-  auto* fn = (grads ? kBackward : kForward)
-                 .select({{"x", x},
-                          {"weight", weight},
-                          {"bias", bias},
-                          {"labels", labels},
-                          {"grad_loss", grad_loss},
-                          {"loss", loss},
-                          {"grad_x", grad_x},
-                          {"grad_weight", grad_weight},
-                          {"grad_bias", grad_bias}});
-  detail::HostStaging host(op, x, stream);
-  const auto in = [&](const TensorView& t) {
-    return detail::Contiguous(host.input(t), host.stream());
-  };
-  const detail::Contiguous xc = in(x), wc = in(weight), bc = in(bias), yc = in(labels),
-                           gc = in(grad_loss);
-  const auto out = [&](const TensorView& t) { return host.output(t).data(); };
-  fn(s, labels.dtype(),
-     {xc.view().data(), wc.view().data(), bc.view().data(), yc.view().data(), gc.view().data(),
-      out(loss), out(grad_x), out(grad_weight), out(grad_bias),
-      grad_weight.defined() ? grad_weight.dtype() : s.dtype,
-      grad_bias.defined() ? grad_bias.dtype() : s.dtype},
-     options, host.stream());
-  host.finish();
+  detail::run_kernel(
+      grads ? kBackward : kForward,
+      {{"x", x},
+       {"weight", weight},
+       {"bias", bias},
+       {"labels", labels},
+       {"grad_loss", grad_loss},
+       {"loss", loss},
+       {"grad_x", grad_x},
+       {"grad_weight", grad_weight},
+       {"grad_bias", grad_bias}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        const auto in = [&](const TensorView& t) { return call.input(t).data(); };
+        const auto out = [&](const TensorView& t) { return call.output(t).data(); };
+        fn(s, labels.dtype(),
+           {in(x), in(weight), in(bias), in(labels), in(grad_loss), out(loss), out(grad_x),
+            out(grad_weight), out(grad_bias), grad_weight.defined() ? grad_weight.dtype() : s.dtype,
+            grad_bias.defined() ? grad_bias.dtype() : s.dtype},
+           options, call.stream());
+      });
 }
 
 std::int64_t fused_linear_cross_entropy_chunk_rows(DeviceType type, std::int64_t vocab) {

@@ -13,26 +13,11 @@ namespace {
 using detail::GemmMatrix;
 using detail::GemmProblem;
 
-std::vector<KernelTable<detail::GemmFn>::Entry> gemm_entries() {
-  return {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-           &detail::reference::gemm},
-          {KernelBackend::CPU,
-           {DeviceType::CPU},
-           detail::kFloatDTypes,
-           &detail::cpu::gemm} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gemm)};
-}
-
-const KernelTable<detail::GemmFn> kGemm("gemm", gemm_entries());
-const KernelTable<detail::GemmFn> kBmm("bmm", gemm_entries());
-const KernelTable<detail::GemmFn> kLinear("linear", gemm_entries());
-const KernelTable<const detail::LinearBackwardKernels> kLinearBackward(
-    "linear_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::linear_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::linear_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, linear_backward)});
+const auto kGemm = MESHFUSE_KERNEL_TABLE("gemm", detail::kFloatDTypes, gemm);
+const auto kBmm = MESHFUSE_KERNEL_TABLE("bmm", detail::kFloatDTypes, gemm);
+const auto kLinear = MESHFUSE_KERNEL_TABLE("linear", detail::kFloatDTypes, gemm);
+const auto kLinearBackward =
+    MESHFUSE_KERNEL_TABLE("linear_backward", detail::kFloatDTypes, linear_backward);
 
 // The BLAS view of a (rows, cols) matrix with strides (rs, cs): row-major when the columns have
 // unit stride, transposed storage when the rows do; nullopt otherwise. A dim of size <= 1 takes
@@ -145,13 +130,14 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
                    "{}: beta must be 0 when no 'c' is given, got beta = {}", op, o.beta);
   }
   detail::check_output(op, "d", d, out_shape, a.dtype());
-  auto* fn = table.select({{"a", a}, {"b", b}, {"c", c}, {"d", d}});
-  detail::HostStaging host(op, a, stream);
-  const Operand oa(host.input(a), o.transpose_a, host.stream()),
-      ob(host.input(b), o.transpose_b, host.stream()), oc(host.input(c), false, host.stream());
-  fn({a.dtype(), batch, m, n, k, o.alpha, o.beta, op.data()}, oa.matrix(), ob.matrix(), oc.matrix(),
-     output(host.output(d), n, m), host.stream());
-  host.finish();
+  detail::run_kernel(table, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       const Operand oa(call.strided_input(a), o.transpose_a, call.stream()),
+                           ob(call.strided_input(b), o.transpose_b, call.stream()),
+                           oc(call.strided_input(c), false, call.stream());
+                       fn({a.dtype(), batch, m, n, k, o.alpha, o.beta, op.data()}, oa.matrix(),
+                          ob.matrix(), oc.matrix(), output(call.output(d), n, m), call.stream());
+                     });
 }
 
 // The checks shared by linear and linear_backward; returns N.
@@ -188,15 +174,16 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
     detail::check_shape(op, "bias", bias, {n});
   }
   detail::check_output(op, "out", out, with_last(x.shape(), n), x.dtype());
-  auto* fn = kLinear.select({{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}});
-  detail::HostStaging host(op, x, stream);
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
-  const Operand ox = Operand::rows_of(host.input(x), host.stream()),
-                ow(host.input(weight), true, host.stream()),
-                ob = Operand::broadcast_row(host.input(bias), host.stream());
-  fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()}, ox.matrix(),
-     ow.matrix(), ob.matrix(), output(host.output(out), n, rows), host.stream());
-  host.finish();
+  detail::run_kernel(
+      kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
+      [&](auto* fn, detail::KernelCall& call) {
+        const Operand ox = Operand::rows_of(call.strided_input(x), call.stream()),
+                      ow(call.strided_input(weight), true, call.stream()),
+                      ob = Operand::broadcast_row(call.strided_input(bias), call.stream());
+        fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()}, ox.matrix(),
+           ow.matrix(), ob.matrix(), output(call.output(out), n, rows), call.stream());
+      });
 }
 
 void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,
@@ -210,31 +197,34 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
   if (grad_weight.defined())
     detail::check_output(op, "grad_weight", grad_weight, weight.shape(), x.dtype());
   if (grad_bias.defined()) detail::check_output(op, "grad_bias", grad_bias, {n}, x.dtype());
-  const auto* kernels = kLinearBackward.select({{"grad_out", grad_out},
-                                                {"x", x},
-                                                {"weight", weight},
-                                                {"grad_x", grad_x},
-                                                {"grad_weight", grad_weight},
-                                                {"grad_bias", grad_bias}});
-  detail::HostStaging host(op, x, stream);
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
   const DType dtype = x.dtype();
-  const Operand dy = Operand::rows_of(host.input(grad_out), host.stream());
-  if (grad_x.defined()) {  // dx (rows, K) = dy (rows, N) @ W (N, K)
-    const Operand ow(host.input(weight), false, host.stream());
-    kernels->gemm({dtype, 1, rows, k, n, 1.0, 0.0, op.data()}, dy.matrix(), ow.matrix(), {},
-                  output(host.output(grad_x), k, rows), host.stream());
-  }
-  if (grad_weight.defined()) {  // dW (N, K) = dy^T (N, rows) @ x (rows, K)
-    const Operand ox = Operand::rows_of(host.input(x), host.stream());
-    GemmMatrix dyt = dy.matrix();
-    dyt.transposed = !dyt.transposed;
-    kernels->gemm({dtype, 1, n, k, rows, 1.0, 0.0, op.data()}, dyt, ox.matrix(), {},
-                  output(host.output(grad_weight), k, n), host.stream());
-  }
-  if (grad_bias.defined())
-    kernels->column_sum(dtype, rows, n, dy.matrix(), host.output(grad_bias).data(), host.stream());
-  host.finish();
+  detail::run_kernel(
+      kLinearBackward,
+      {{"grad_out", grad_out},
+       {"x", x},
+       {"weight", weight},
+       {"grad_x", grad_x},
+       {"grad_weight", grad_weight},
+       {"grad_bias", grad_bias}},
+      stream, [&](auto* kernels, detail::KernelCall& call) {
+        const Operand dy = Operand::rows_of(call.strided_input(grad_out), call.stream());
+        if (grad_x.defined()) {  // dx (rows, K) = dy (rows, N) @ W (N, K)
+          const Operand ow(call.strided_input(weight), false, call.stream());
+          kernels->gemm({dtype, 1, rows, k, n, 1.0, 0.0, op.data()}, dy.matrix(), ow.matrix(), {},
+                        output(call.output(grad_x), k, rows), call.stream());
+        }
+        if (grad_weight.defined()) {  // dW (N, K) = dy^T (N, rows) @ x (rows, K)
+          const Operand ox = Operand::rows_of(call.strided_input(x), call.stream());
+          GemmMatrix dyt = dy.matrix();
+          dyt.transposed = !dyt.transposed;
+          kernels->gemm({dtype, 1, n, k, rows, 1.0, 0.0, op.data()}, dyt, ox.matrix(), {},
+                        output(call.output(grad_weight), k, n), call.stream());
+        }
+        if (grad_bias.defined())
+          kernels->column_sum(dtype, rows, n, dy.matrix(), call.output(grad_bias).data(),
+                              call.stream());
+      });
 }
 
 std::string cublaslt_library() {

@@ -11,23 +11,8 @@ namespace {
 const std::vector<DType> kAllDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16,
                                        DType::I32, DType::I64, DType::U8,  DType::Bool};
 
-const KernelTable<detail::PackFn> kPack(
-    "pack_sequence",
-    {{KernelBackend::Reference, detail::kReferenceDevices, kAllDTypes,
-      &detail::reference::pack_sequence},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      kAllDTypes,
-      &detail::cpu::pack_sequence} MESHFUSE_CUDA_ENTRY(kAllDTypes, pack_sequence)});
-
-const KernelTable<detail::PackFn> kUnpack(
-    "unpack_sequence",
-    {{KernelBackend::Reference, detail::kReferenceDevices, kAllDTypes,
-      &detail::reference::unpack_sequence},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      kAllDTypes,
-      &detail::cpu::unpack_sequence} MESHFUSE_CUDA_ENTRY(kAllDTypes, unpack_sequence)});
+const auto kPack = MESHFUSE_KERNEL_TABLE("pack_sequence", kAllDTypes, pack_sequence);
+const auto kUnpack = MESHFUSE_KERNEL_TABLE("unpack_sequence", kAllDTypes, unpack_sequence);
 
 // `head` followed by the dims of t from dimension d on.
 Shape with_trailing(Shape head, const TensorView& t, std::int64_t d) {
@@ -66,21 +51,23 @@ void check_offsets(std::string_view op, const TensorView& cu, std::int64_t batch
                  batch, tokens, tokens_from, c[batch]);
 }
 
-// Checks the offsets, then runs fn on contiguous operands. padded: the (B, S, ...) tensor.
-void run(std::string_view op, detail::PackFn* fn, const TensorView& x, const TensorView& cu_seqlens,
-         const TensorView& out, const TensorView& padded, std::int64_t tokens,
-         std::string_view tokens_from, PaddingSide side, const Stream& stream) {
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous cu(host.input(cu_seqlens), host.stream());
-  const std::int64_t batch = padded.size(0), seq_len = padded.size(1);
-  check_offsets(op, cu, batch, seq_len, tokens, tokens_from, host.stream());
-  const detail::Contiguous xc(host.input(x), host.stream());
-  const std::int64_t row_bytes = shape_numel(with_trailing({}, padded, 2)) *
-                                 static_cast<std::int64_t>(element_size(x.dtype()));
-  const detail::PackShape s{
-      batch, seq_len, tokens, row_bytes, side, cu.view().data(), cu_seqlens.dtype()};
-  fn(s, xc.view().data(), host.output(out).data(), host.stream());
-  host.finish();
+// Selects the kernel, checks the offsets, then runs it. padded: the (B, S, ...) tensor.
+void run(std::string_view op, const KernelTable<detail::PackFn>& table, const TensorView& x,
+         const TensorView& cu_seqlens, const TensorView& out, const TensorView& padded,
+         std::int64_t tokens, std::string_view tokens_from, PaddingSide side,
+         const Stream& stream) {
+  detail::run_kernel(table, {{"x", x}, {"cu_seqlens", cu_seqlens}, {"out", out}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       const TensorView cu = call.input(cu_seqlens);
+                       const std::int64_t batch = padded.size(0), seq_len = padded.size(1);
+                       check_offsets(op, cu, batch, seq_len, tokens, tokens_from, call.stream());
+                       const std::int64_t row_bytes =
+                           shape_numel(with_trailing({}, padded, 2)) *
+                           static_cast<std::int64_t>(element_size(x.dtype()));
+                       const detail::PackShape s{
+                           batch, seq_len, tokens, row_bytes, side, cu.data(), cu_seqlens.dtype()};
+                       fn(s, call.input(x).data(), call.output(out).data(), call.stream());
+                     });
 }
 
 }  // namespace
@@ -96,8 +83,7 @@ void pack_sequence(const TensorView& x, const TensorView& cu_seqlens, const Tens
   detail::check_defined(op, "out", out);
   const std::int64_t tokens = out.dim() >= 1 ? out.size(0) : 0;
   detail::check_output(op, "out", out, with_trailing({tokens}, x, 2), x.dtype());
-  auto* fn = kPack.select({{"x", x}, {"cu_seqlens", cu_seqlens}, {"out", out}});
-  run(op, fn, x, cu_seqlens, out, x, tokens, "out", padding_side, stream);
+  run(op, kPack, x, cu_seqlens, out, x, tokens, "out", padding_side, stream);
 }
 
 void unpack_sequence(const TensorView& x, const TensorView& cu_seqlens, const TensorView& out,
@@ -112,8 +98,7 @@ void unpack_sequence(const TensorView& x, const TensorView& cu_seqlens, const Te
                  shape_str(with_trailing({}, x, 1)), shape_str(out.shape()));
   detail::check_output(op, "out", out, with_trailing({out.size(0), out.size(1)}, x, 1), x.dtype());
   check_cu_seqlens_tensor(op, cu_seqlens, out.size(0));
-  auto* fn = kUnpack.select({{"x", x}, {"cu_seqlens", cu_seqlens}, {"out", out}});
-  run(op, fn, x, cu_seqlens, out, out, x.size(0), "x", padding_side, stream);
+  run(op, kUnpack, x, cu_seqlens, out, out, x.size(0), "x", padding_side, stream);
 }
 
 }  // namespace meshfuse

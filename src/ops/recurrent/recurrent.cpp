@@ -15,45 +15,18 @@ namespace {
 
 using detail::RecurrentShape;
 
-const KernelTable<detail::RnnForwardFn> kRnn{
-    "rnn",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::rnn_forward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::rnn_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rnn_forward)}};
-
-const KernelTable<detail::RnnBackwardFn> kRnnBackward{
-    "rnn_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::rnn_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::rnn_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rnn_backward)}};
-
-const KernelTable<detail::GruForwardFn> kGru{
-    "gru",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::gru_forward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::gru_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gru_forward)}};
-
-const KernelTable<detail::GruBackwardFn> kGruBackward{
-    "gru_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::gru_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::gru_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, gru_backward)}};
+const auto kRnn = MESHFUSE_KERNEL_TABLE("rnn", detail::kFloatDTypes, rnn_forward);
+const auto kRnnBackward = MESHFUSE_KERNEL_TABLE("rnn_backward", detail::kFloatDTypes, rnn_backward);
+const auto kGru = MESHFUSE_KERNEL_TABLE("gru", detail::kFloatDTypes, gru_forward);
+const auto kGruBackward = MESHFUSE_KERNEL_TABLE("gru_backward", detail::kFloatDTypes, gru_backward);
 
 // The GRU's tensors in RecurrentShape's order (candidate, forget, reset), with their names.
 constexpr std::string_view kGruInputNames[3] = {"input", "forget_input", "reset_input"};
 constexpr std::string_view kGruWeightNames[3] = {"weight", "forget_weight", "reset_weight"};
+constexpr std::string_view kGradInputNames[3] = {"grad_input", "grad_forget_input",
+                                                 "grad_reset_input"};
+constexpr std::string_view kGradWeightNames[3] = {"grad_weight", "grad_forget_weight",
+                                                  "grad_reset_weight"};
 const TensorView* gru_inputs(const GruParams& p, int k) {
   const TensorView* t[3] = {&p.input, &p.forget_input, &p.reset_input};
   return t[k];
@@ -73,14 +46,6 @@ void check_dtype_of(std::string_view op, std::string_view name, const TensorView
                     const TensorView& like, std::string_view like_name) {
   detail::check_defined(op, name, t);
   detail::check_same_dtype(op, name, t, like.dtype(), like_name);
-}
-
-// The stream copies of the call run on: the caller's, or the tensors' device's default stream
-// when the caller passed a CPU stream (HostStaging's rule; HostStaging checks the device).
-Stream device_stream(const TensorView& t, const Stream& stream) {
-  if (t.device().type == DeviceType::CUDA && stream.device.type == DeviceType::CPU)
-    return Stream{t.device(), stream.native};
-  return stream;
 }
 
 // The token rows of a call, read from the tensor that defines them (the forward's input, the
@@ -203,6 +168,15 @@ std::int64_t common_heads(std::string_view op, const std::vector<HeadCount>& cou
   return n;
 }
 
+// input_state's head count joins `counts` when it is given (of the dtype of `like`, rank 3).
+void add_state_heads(std::string_view op, const TensorView& input_state, const TensorView& like,
+                     std::string_view like_name, std::vector<HeadCount>& counts) {
+  if (!input_state.defined()) return;
+  detail::check_same_dtype(op, "input_state", input_state, like.dtype(), like_name);
+  detail::check_rank(op, "input_state", input_state, 3);
+  counts.push_back({"input_state", input_state.size(1)});
+}
+
 Shape state_shape(const Rows& rows, std::int64_t heads) {
   return {rows.batch, heads, rows.head_dim};
 }
@@ -230,19 +204,76 @@ void check_optional(std::string_view op, std::string_view name, const TensorView
   detail::check_shape(op, name, t, shape);
 }
 
+void check_grad_input_state(std::string_view op, const TensorView& grad_input_state,
+                            const TensorView& input_state, const TensorView& output) {
+  if (!grad_input_state.defined()) return;
+  MESHFUSE_CHECK(input_state.defined(), ErrorCode::InvalidArgument,
+                 "{}: 'grad_input_state' is given but 'input_state' is not", op);
+  detail::check_output(op, "grad_input_state", grad_input_state, input_state.shape(),
+                       output.dtype());
+}
+
 const void* data_or_null(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
 void* data_or_null_out(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
 
-RecurrentShape make_shape(DType dtype, const Rows& rows, std::int64_t heads,
-                          const TensorView& offsets) {
+// The token rows of a call and its heads: the head counts of its (input, weight) pairs (the
+// inputs', then the weights'), and N, the largest of them and of input_state's.
+struct Layout {
+  Rows rows;
+  std::vector<HeadCount> counts;
+  std::int64_t heads = 0;
+};
+
+// Reads the rows from `from` (named `from_name`; input_state must have its dtype) and checks the
+// pairs through pair_heads(rows), which returns their head counts.
+template <typename PairHeads>
+Layout read_layout(std::string_view op, std::string_view from_name, const TensorView& from,
+                   const TensorView& input_state, const TensorView& cu_seqlens,
+                   std::int64_t max_seqlen, const Stream& stream, PairHeads&& pair_heads) {
+  Layout l{read_rows(op, from_name, from, cu_seqlens, max_seqlen, stream), {}, 0};
+  l.counts = pair_heads(l.rows);
+  std::vector<HeadCount> all = l.counts;
+  add_state_heads(op, input_state, from, from_name, all);
+  l.heads = common_heads(op, all);
+  return l;
+}
+
+// The forward's input_state and outputs, of the layout's shapes.
+void check_forward_states(std::string_view op, const TensorView& input,
+                          const TensorView& input_state, const TensorView& output,
+                          const TensorView& final_state, const Layout& l) {
+  check_optional(op, "input_state", input_state, input, "input", state_shape(l.rows, l.heads));
+  detail::check_output(op, "output", output, token_shape(l.rows, l.heads), input.dtype());
+  if (final_state.defined())
+    detail::check_output(op, "final_state", final_state, state_shape(l.rows, l.heads),
+                         input.dtype());
+}
+
+// The backward's output and its optional tensors of the forward's shapes: input_state and the
+// upstream gradients.
+void check_backward_states(std::string_view op, const TensorView& output,
+                           const TensorView& input_state, const TensorView& grad_output,
+                           const TensorView& grad_final_state, const Layout& l) {
+  detail::check_shape(op, "output", output, token_shape(l.rows, l.heads));
+  check_optional(op, "input_state", input_state, output, "output", state_shape(l.rows, l.heads));
+  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
+  check_optional(op, "grad_final_state", grad_final_state, output, "output",
+                 state_shape(l.rows, l.heads));
+}
+
+RecurrentShape make_shape(DType dtype, const Layout& l, const TensorView& offsets) {
   RecurrentShape s{};
   s.dtype = dtype;
-  s.batch = rows.batch;
-  s.seq_len = rows.seq_len;
-  s.heads = heads;
-  s.head_dim = rows.head_dim;
+  s.batch = l.rows.batch;
+  s.seq_len = l.rows.seq_len;
+  s.heads = l.heads;
+  s.head_dim = l.rows.head_dim;
   s.cu_seqlens = offsets.defined() ? offsets.data_ptr<const std::int64_t>() : nullptr;
-  for (int k = 0; k < 3; ++k) s.input_heads[k] = s.weight_heads[k] = heads;
+  const std::size_t pairs = l.counts.size() / 2;
+  for (std::size_t k = 0; k < 3; ++k) {
+    s.input_heads[k] = k < pairs ? l.counts[k].count : l.heads;
+    s.weight_heads[k] = k < pairs ? l.counts[pairs + k].count : l.heads;
+  }
   return s;
 }
 
@@ -254,37 +285,26 @@ void rnn(const TensorView& input, const TensorView& weight, const TensorView& in
   constexpr std::string_view op = "rnn";
   check_float(op, "input", input);
   check_dtype_of(op, "weight", weight, input, "input");
-  auto* fn = kRnn.select({{"input", input},
-                          {"weight", weight},
-                          {"input_state", input_state},
-                          {"output", output},
-                          {"final_state", final_state},
-                          {"cu_seqlens", cu_seqlens}});
-  detail::HostStaging host(op, input, stream);
-  const Rows rows =
-      read_rows(op, "input", input, cu_seqlens, max_seqlen, device_stream(input, stream));
-  const std::int64_t nx = check_token_tensor(op, "input", input, rows);
-  const std::int64_t nw = check_weight(op, "weight", weight, rows);
-  std::vector<HeadCount> counts = {{"input", nx}, {"weight", nw}};
-  if (input_state.defined()) {
-    detail::check_same_dtype(op, "input_state", input_state, input.dtype(), "input");
-    detail::check_rank(op, "input_state", input_state, 3);
-    counts.push_back({"input_state", input_state.size(1)});
-  }
-  const std::int64_t heads = common_heads(op, counts);
-  check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
-  detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
-  if (final_state.defined())
-    detail::check_output(op, "final_state", final_state, state_shape(rows, heads), input.dtype());
-
-  const detail::Contiguous x(host.input(input), host.stream()),
-      w(host.input(weight), host.stream()), h0(host.input(input_state), host.stream());
-  RecurrentShape s = make_shape(input.dtype(), rows, heads, host.input(rows.offsets));
-  s.input_heads[0] = nx;
-  s.weight_heads[0] = nw;
-  fn(s, x.view().data(), w.view().data(), data_or_null(h0), host.output(output).data(),
-     data_or_null_out(host.output(final_state)), host.stream());
-  host.finish();
+  detail::run_kernel(
+      kRnn,
+      {{"input", input},
+       {"weight", weight},
+       {"input_state", input_state},
+       {"output", output},
+       {"final_state", final_state},
+       {"cu_seqlens", cu_seqlens}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        const Layout l = read_layout(
+            op, "input", input, input_state, cu_seqlens, max_seqlen, stream, [&](const Rows& rows) {
+              return std::vector<HeadCount>{{"input", check_token_tensor(op, "input", input, rows)},
+                                            {"weight", check_weight(op, "weight", weight, rows)}};
+            });
+        check_forward_states(op, input, input_state, output, final_state, l);
+        const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
+        fn(s, call.input(input).data(), call.input(weight).data(),
+           data_or_null(call.input(input_state)), call.output(output).data(),
+           data_or_null_out(call.output(final_state)), call.stream());
+      });
 }
 
 void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_state,
@@ -297,77 +317,67 @@ void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_st
   check_dtype_of(op, "weight", weight, output, "output");
   check_dtype_of(op, "grad_input", grad_input, output, "output");
   const double clip = clipping_bound(op, gradient_clipping);
-  auto* fn = kRnnBackward.select({{"output", output},
-                                  {"grad_output", grad_output},
-                                  {"grad_final_state", grad_final_state},
-                                  {"weight", weight},
-                                  {"input_state", input_state},
-                                  {"grad_input", grad_input},
-                                  {"grad_weight", grad_weight},
-                                  {"grad_input_state", grad_input_state},
-                                  {"cu_seqlens", cu_seqlens}});
-  detail::HostStaging host(op, output, stream);
-  const Rows rows =
-      read_rows(op, "output", output, cu_seqlens, max_seqlen, device_stream(output, stream));
-  const std::int64_t nx = check_token_tensor(op, "grad_input", grad_input, rows);
-  const std::int64_t nw = check_weight(op, "weight", weight, rows);
-  std::vector<HeadCount> counts = {{"grad_input", nx}, {"weight", nw}};
-  if (input_state.defined()) {
-    detail::check_same_dtype(op, "input_state", input_state, output.dtype(), "output");
-    detail::check_rank(op, "input_state", input_state, 3);
-    counts.push_back({"input_state", input_state.size(1)});
-  }
-  const std::int64_t heads = common_heads(op, counts);
-  detail::check_shape(op, "output", output, token_shape(rows, heads));
-  check_optional(op, "input_state", input_state, output, "output", state_shape(rows, heads));
-  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
-  check_optional(op, "grad_final_state", grad_final_state, output, "output",
-                 state_shape(rows, heads));
-  detail::check_output(op, "grad_input", grad_input, grad_input.shape(), output.dtype());
-  detail::check_output(op, "grad_weight", grad_weight, weight.shape(), output.dtype());
-  if (grad_input_state.defined()) {
-    MESHFUSE_CHECK(input_state.defined(), ErrorCode::InvalidArgument,
-                   "{}: 'grad_input_state' is given but 'input_state' is not", op);
-    detail::check_output(op, "grad_input_state", grad_input_state, input_state.shape(),
-                         output.dtype());
-  }
+  detail::run_kernel(
+      kRnnBackward,
+      {{"output", output},
+       {"grad_output", grad_output},
+       {"grad_final_state", grad_final_state},
+       {"weight", weight},
+       {"input_state", input_state},
+       {"grad_input", grad_input},
+       {"grad_weight", grad_weight},
+       {"grad_input_state", grad_input_state},
+       {"cu_seqlens", cu_seqlens}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        const Layout l = read_layout(
+            op, "output", output, input_state, cu_seqlens, max_seqlen, stream,
+            [&](const Rows& rows) {
+              return std::vector<HeadCount>{
+                  {"grad_input", check_token_tensor(op, "grad_input", grad_input, rows)},
+                  {"weight", check_weight(op, "weight", weight, rows)}};
+            });
+        check_backward_states(op, output, input_state, grad_output, grad_final_state, l);
+        detail::check_output(op, "grad_input", grad_input, grad_input.shape(), output.dtype());
+        detail::check_output(op, "grad_weight", grad_weight, weight.shape(), output.dtype());
+        check_grad_input_state(op, grad_input_state, input_state, output);
 
-  const detail::Contiguous dy(host.input(grad_output), host.stream()),
-      dhn(host.input(grad_final_state), host.stream()), y(host.input(output), host.stream()),
-      w(host.input(weight), host.stream()), h0(host.input(input_state), host.stream());
-  RecurrentShape s = make_shape(output.dtype(), rows, heads, host.input(rows.offsets));
-  s.input_heads[0] = nx;
-  s.weight_heads[0] = nw;
-  fn(s, data_or_null(dy), data_or_null(dhn), y.view().data(), w.view().data(), data_or_null(h0),
-     host.output(grad_input).data(), host.output(grad_weight).data(),
-     data_or_null_out(host.output(grad_input_state)), clip, host.stream());
-  host.finish();
+        const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
+        fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
+           call.input(output).data(), call.input(weight).data(),
+           data_or_null(call.input(input_state)), call.output(grad_input).data(),
+           call.output(grad_weight).data(), data_or_null_out(call.output(grad_input_state)), clip,
+           call.stream());
+      });
 }
 
 namespace {
 
-// Checks the GRU's three (input, weight) pairs against the token rows; fills the head counts
-// into `counts` (inputs, then weights).
-void check_gru_params(std::string_view op, const GruParams& p, const Rows& rows,
-                      const TensorView& like, std::string_view like_name,
-                      std::vector<HeadCount>& counts) {
+// Checks the GRU's three (input, weight) pairs against the token rows; returns their head counts
+// (inputs, then weights).
+std::vector<HeadCount> check_gru_params(std::string_view op, const GruParams& p, const Rows& rows,
+                                        const TensorView& like, std::string_view like_name) {
   for (int k = 0; k < 3; ++k) {
     check_dtype_of(op, kGruInputNames[k], *gru_inputs(p, k), like, like_name);
     check_dtype_of(op, kGruWeightNames[k], *gru_weights(p, k), like, like_name);
   }
+  std::vector<HeadCount> counts;
   for (int k = 0; k < 3; ++k)
     counts.push_back(
         {kGruInputNames[k], check_token_tensor(op, kGruInputNames[k], *gru_inputs(p, k), rows)});
   for (int k = 0; k < 3; ++k)
     counts.push_back(
         {kGruWeightNames[k], check_weight(op, kGruWeightNames[k], *gru_weights(p, k), rows)});
+  return counts;
 }
 
-void set_gru_heads(RecurrentShape& s, const std::vector<HeadCount>& counts) {
+// The GRU's inputs and weights as the kernel reads them.
+detail::GruPointers gru_pointers(detail::KernelCall& call, const GruParams& p) {
+  detail::GruPointers out{};
   for (int k = 0; k < 3; ++k) {
-    s.input_heads[k] = counts[k].count;
-    s.weight_heads[k] = counts[3 + k].count;
+    out.input[k] = call.input(*gru_inputs(p, k)).data();
+    out.weight[k] = call.input(*gru_weights(p, k)).data();
   }
+  return out;
 }
 
 }  // namespace
@@ -378,46 +388,27 @@ void gru(const GruParams& params, const TensorView& input_state, const TensorVie
   constexpr std::string_view op = "gru";
   const TensorView& input = params.input;
   check_float(op, "input", input);
-  auto* fn = kGru.select({{"input", input},
-                          {"weight", params.weight},
-                          {"forget_input", params.forget_input},
-                          {"forget_weight", params.forget_weight},
-                          {"reset_input", params.reset_input},
-                          {"reset_weight", params.reset_weight},
-                          {"input_state", input_state},
-                          {"output", output},
-                          {"final_state", final_state},
-                          {"cu_seqlens", cu_seqlens}});
-  detail::HostStaging host(op, input, stream);
-  const Rows rows =
-      read_rows(op, "input", input, cu_seqlens, max_seqlen, device_stream(input, stream));
-  std::vector<HeadCount> counts;
-  check_gru_params(op, params, rows, input, "input", counts);
-  std::vector<HeadCount> all = counts;
-  if (input_state.defined()) {
-    detail::check_same_dtype(op, "input_state", input_state, input.dtype(), "input");
-    detail::check_rank(op, "input_state", input_state, 3);
-    all.push_back({"input_state", input_state.size(1)});
-  }
-  const std::int64_t heads = common_heads(op, all);
-  check_optional(op, "input_state", input_state, input, "input", state_shape(rows, heads));
-  detail::check_output(op, "output", output, token_shape(rows, heads), input.dtype());
-  if (final_state.defined())
-    detail::check_output(op, "final_state", final_state, state_shape(rows, heads), input.dtype());
-
-  std::vector<detail::Contiguous> c;
-  c.reserve(7);
-  detail::GruPointers p{};
-  for (int k = 0; k < 3; ++k) {
-    p.input[k] = c.emplace_back(host.input(*gru_inputs(params, k)), host.stream()).view().data();
-    p.weight[k] = c.emplace_back(host.input(*gru_weights(params, k)), host.stream()).view().data();
-  }
-  const detail::Contiguous h0(host.input(input_state), host.stream());
-  RecurrentShape s = make_shape(input.dtype(), rows, heads, host.input(rows.offsets));
-  set_gru_heads(s, counts);
-  fn(s, p, data_or_null(h0), host.output(output).data(), data_or_null_out(host.output(final_state)),
-     host.stream());
-  host.finish();
+  detail::run_kernel(
+      kGru,
+      {{"input", input},
+       {"weight", params.weight},
+       {"forget_input", params.forget_input},
+       {"forget_weight", params.forget_weight},
+       {"reset_input", params.reset_input},
+       {"reset_weight", params.reset_weight},
+       {"input_state", input_state},
+       {"output", output},
+       {"final_state", final_state},
+       {"cu_seqlens", cu_seqlens}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        const Layout l = read_layout(
+            op, "input", input, input_state, cu_seqlens, max_seqlen, stream,
+            [&](const Rows& rows) { return check_gru_params(op, params, rows, input, "input"); });
+        check_forward_states(op, input, input_state, output, final_state, l);
+        const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
+        fn(s, gru_pointers(call, params), data_or_null(call.input(input_state)),
+           call.output(output).data(), data_or_null_out(call.output(final_state)), call.stream());
+      });
 }
 
 void gru_backward(const TensorView& grad_output, const TensorView& grad_final_state,
@@ -428,71 +419,50 @@ void gru_backward(const TensorView& grad_output, const TensorView& grad_final_st
   constexpr std::string_view op = "gru_backward";
   check_float(op, "output", output);
   const double clip = clipping_bound(op, gradient_clipping);
-  std::vector<NamedTensor> named = {{"output", output},
-                                    {"grad_output", grad_output},
-                                    {"grad_final_state", grad_final_state},
-                                    {"input_state", input_state},
-                                    {"grad_input_state", grad_input_state},
-                                    {"cu_seqlens", cu_seqlens}};
-  static const std::string kGradInputNames[3] = {"grad_input", "grad_forget_input",
-                                                 "grad_reset_input"};
-  static const std::string kGradWeightNames[3] = {"grad_weight", "grad_forget_weight",
-                                                  "grad_reset_weight"};
-  for (int k = 0; k < 3; ++k) {
-    named.push_back({kGruInputNames[k], *gru_inputs(params, k)});
-    named.push_back({kGruWeightNames[k], *gru_weights(params, k)});
-    named.push_back({kGradInputNames[k], *gru_inputs(grads, k)});
-    named.push_back({kGradWeightNames[k], *gru_weights(grads, k)});
-  }
-  auto* fn = kGruBackward.select(named);
-  detail::HostStaging host(op, output, stream);
-  const Rows rows =
-      read_rows(op, "output", output, cu_seqlens, max_seqlen, device_stream(output, stream));
-  std::vector<HeadCount> counts;
-  check_gru_params(op, params, rows, output, "output", counts);
-  std::vector<HeadCount> all = counts;
-  if (input_state.defined()) {
-    detail::check_same_dtype(op, "input_state", input_state, output.dtype(), "output");
-    detail::check_rank(op, "input_state", input_state, 3);
-    all.push_back({"input_state", input_state.size(1)});
-  }
-  const std::int64_t heads = common_heads(op, all);
-  detail::check_shape(op, "output", output, token_shape(rows, heads));
-  check_optional(op, "input_state", input_state, output, "output", state_shape(rows, heads));
-  check_optional(op, "grad_output", grad_output, output, "output", output.shape());
-  check_optional(op, "grad_final_state", grad_final_state, output, "output",
-                 state_shape(rows, heads));
-  for (int k = 0; k < 3; ++k) {
-    detail::check_output(op, kGradInputNames[k], *gru_inputs(grads, k),
-                         gru_inputs(params, k)->shape(), output.dtype());
-    detail::check_output(op, kGradWeightNames[k], *gru_weights(grads, k),
-                         gru_weights(params, k)->shape(), output.dtype());
-  }
-  if (grad_input_state.defined()) {
-    MESHFUSE_CHECK(input_state.defined(), ErrorCode::InvalidArgument,
-                   "{}: 'grad_input_state' is given but 'input_state' is not", op);
-    detail::check_output(op, "grad_input_state", grad_input_state, input_state.shape(),
-                         output.dtype());
-  }
+  detail::run_kernel(
+      kGruBackward,
+      {{"output", output},
+       {"grad_output", grad_output},
+       {"grad_final_state", grad_final_state},
+       {"input_state", input_state},
+       {"grad_input_state", grad_input_state},
+       {"cu_seqlens", cu_seqlens},
+       {"input", params.input},
+       {"weight", params.weight},
+       {"grad_input", grads.input},
+       {"grad_weight", grads.weight},
+       {"forget_input", params.forget_input},
+       {"forget_weight", params.forget_weight},
+       {"grad_forget_input", grads.forget_input},
+       {"grad_forget_weight", grads.forget_weight},
+       {"reset_input", params.reset_input},
+       {"reset_weight", params.reset_weight},
+       {"grad_reset_input", grads.reset_input},
+       {"grad_reset_weight", grads.reset_weight}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        const Layout l = read_layout(
+            op, "output", output, input_state, cu_seqlens, max_seqlen, stream,
+            [&](const Rows& rows) { return check_gru_params(op, params, rows, output, "output"); });
+        check_backward_states(op, output, input_state, grad_output, grad_final_state, l);
+        for (int k = 0; k < 3; ++k) {
+          detail::check_output(op, kGradInputNames[k], *gru_inputs(grads, k),
+                               gru_inputs(params, k)->shape(), output.dtype());
+          detail::check_output(op, kGradWeightNames[k], *gru_weights(grads, k),
+                               gru_weights(params, k)->shape(), output.dtype());
+        }
+        check_grad_input_state(op, grad_input_state, input_state, output);
 
-  std::vector<detail::Contiguous> c;
-  c.reserve(10);
-  detail::GruPointers p{};
-  detail::GruGradPointers g{};
-  for (int k = 0; k < 3; ++k) {
-    p.input[k] = c.emplace_back(host.input(*gru_inputs(params, k)), host.stream()).view().data();
-    p.weight[k] = c.emplace_back(host.input(*gru_weights(params, k)), host.stream()).view().data();
-    g.input[k] = host.output(*gru_inputs(grads, k)).data();
-    g.weight[k] = host.output(*gru_weights(grads, k)).data();
-  }
-  const detail::Contiguous dy(host.input(grad_output), host.stream()),
-      dhn(host.input(grad_final_state), host.stream()), y(host.input(output), host.stream()),
-      h0(host.input(input_state), host.stream());
-  RecurrentShape s = make_shape(output.dtype(), rows, heads, host.input(rows.offsets));
-  set_gru_heads(s, counts);
-  fn(s, data_or_null(dy), data_or_null(dhn), y.view().data(), p, data_or_null(h0), g,
-     data_or_null_out(host.output(grad_input_state)), clip, host.stream());
-  host.finish();
+        detail::GruGradPointers g{};
+        for (int k = 0; k < 3; ++k) {
+          g.input[k] = call.output(*gru_inputs(grads, k)).data();
+          g.weight[k] = call.output(*gru_weights(grads, k)).data();
+        }
+        const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
+        fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
+           call.input(output).data(), gru_pointers(call, params),
+           data_or_null(call.input(input_state)), g,
+           data_or_null_out(call.output(grad_input_state)), clip, call.stream());
+      });
 }
 
 }  // namespace meshfuse

@@ -11,36 +11,13 @@
 namespace meshfuse {
 namespace {
 
-using detail::RmsNormBackwardFn;
-using detail::RmsNormForwardFn;
-
-KernelTable<RmsNormForwardFn> forward_table(const char* op) {
-  return {
-      op,
-      {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-        &detail::reference::rmsnorm_forward},
-       {KernelBackend::CPU,
-        {DeviceType::CPU},
-        detail::kFloatDTypes,
-        &detail::cpu::rmsnorm_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, rmsnorm_forward)}};
-}
-
-KernelTable<RmsNormBackwardFn> backward_table(const char* op) {
-  return {op,
-          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-            &detail::reference::rmsnorm_backward},
-           {KernelBackend::CPU,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
-            &detail::cpu::rmsnorm_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                                rmsnorm_backward)}};
-}
-
-const KernelTable<RmsNormForwardFn> kRmsNorm = forward_table("rmsnorm");
-const KernelTable<RmsNormBackwardFn> kRmsNormBackward = backward_table("rmsnorm_backward");
-const KernelTable<RmsNormForwardFn> kFused = forward_table("fused_residual_add_rmsnorm");
-const KernelTable<RmsNormBackwardFn> kFusedBackward =
-    backward_table("fused_residual_add_rmsnorm_backward");
+const auto kRmsNorm = MESHFUSE_KERNEL_TABLE("rmsnorm", detail::kFloatDTypes, rmsnorm_forward);
+const auto kRmsNormBackward =
+    MESHFUSE_KERNEL_TABLE("rmsnorm_backward", detail::kFloatDTypes, rmsnorm_backward);
+const auto kFused =
+    MESHFUSE_KERNEL_TABLE("fused_residual_add_rmsnorm", detail::kFloatDTypes, rmsnorm_forward);
+const auto kFusedBackward = MESHFUSE_KERNEL_TABLE("fused_residual_add_rmsnorm_backward",
+                                                  detail::kFloatDTypes, rmsnorm_backward);
 
 void check_like(std::string_view op, std::string_view name, const TensorView& t,
                 const TensorView& like, std::string_view like_name) {
@@ -73,10 +50,10 @@ void check_absent_without(std::string_view op, std::string_view name, const Tens
                  t.str());
 }
 
-void forward(std::string_view op, const KernelTable<RmsNormForwardFn>& table, const TensorView& x,
-             const TensorView& residual, const TensorView& weight, const TensorView& y,
-             const TensorView& r, const TensorView& rstd, double eps, double multiplier,
-             const Stream& stream) {
+void forward(std::string_view op, const KernelTable<detail::RmsNormForwardFn>& table,
+             const TensorView& x, const TensorView& residual, const TensorView& weight,
+             const TensorView& y, const TensorView& r, const TensorView& rstd, double eps,
+             double multiplier, const Stream& stream) {
   const detail::RmsNormShape s = row_shape(op, "x", x);
   if (residual.defined()) check_like(op, "residual", residual, x, "x");
   check_weight(op, weight, x, "x");
@@ -87,20 +64,20 @@ void forward(std::string_view op, const KernelTable<RmsNormForwardFn>& table, co
   else
     check_absent_without(op, "r", r, false, "residual");
   if (rstd.defined()) detail::check_output(op, "rstd", rstd, {s.rows}, DType::F32);
-  auto* fn = table.select(
-      {{"x", x}, {"residual", residual}, {"weight", weight}, {"y", y}, {"r", r}, {"rstd", rstd}});
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous xc(host.input(x), host.stream()),
-      res(host.input(residual), host.stream()), w(host.input(weight), host.stream());
-  fn(s,
-     {xc.view().data(), res.view().data(), w.view().data(), host.output(y).data(),
-      host.output(r).data(), static_cast<float*>(host.output(rstd).data()), eps, multiplier},
-     host.stream());
-  host.finish();
+  detail::run_kernel(
+      table,
+      {{"x", x}, {"residual", residual}, {"weight", weight}, {"y", y}, {"r", r}, {"rstd", rstd}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        fn(s,
+           {call.input(x).data(), call.input(residual).data(), call.input(weight).data(),
+            call.output(y).data(), call.output(r).data(),
+            static_cast<float*>(call.output(rstd).data()), eps, multiplier},
+           call.stream());
+      });
 }
 
 // `input` is r when the forward had a residual (then dresidual is its gradient), else x.
-void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
+void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>& table,
               const TensorView& grad_y, const TensorView& grad_r, const TensorView& input,
               std::string_view input_name, const TensorView& weight, const TensorView& rstd,
               const TensorView& dx, const TensorView& dresidual, const TensorView& dweight,
@@ -129,25 +106,24 @@ void backward(std::string_view op, const KernelTable<RmsNormBackwardFn>& table,
     check_absent_without(op, "dweight", dweight, weight.defined(), "weight");
     detail::check_output(op, "dweight", dweight, {s.cols}, grad_y.dtype());
   }
-  auto* fn = table.select({{"grad_y", grad_y},
-                           {"grad_r", grad_r},
-                           {std::string_view(input_name), input},
-                           {"weight", weight},
-                           {"rstd", rstd},
-                           {"dx", dx},
-                           {"dresidual", written_dresidual},
-                           {"dweight", dweight}});
-  detail::HostStaging host(op, grad_y, stream);
-  const detail::Contiguous dy(host.input(grad_y), host.stream()),
-      dr(host.input(grad_r), host.stream()), in(host.input(input), host.stream()),
-      w(host.input(weight), host.stream()), rs(host.input(rstd), host.stream());
-  fn(s,
-     {dy.view().data(), dr.view().data(), in.view().data(), w.view().data(),
-      static_cast<const float*>(rs.view().data()), host.output(dx).data(),
-      host.output(written_dresidual).data(), host.output(dweight).data(),
-      residual ? 1.0 : multiplier, multiplier},
-     host.stream());
-  host.finish();
+  detail::run_kernel(
+      table,
+      {{"grad_y", grad_y},
+       {"grad_r", grad_r},
+       {input_name, input},
+       {"weight", weight},
+       {"rstd", rstd},
+       {"dx", dx},
+       {"dresidual", written_dresidual},
+       {"dweight", dweight}},
+      stream, [&](auto* fn, detail::KernelCall& call) {
+        fn(s,
+           {call.input(grad_y).data(), call.input(grad_r).data(), call.input(input).data(),
+            call.input(weight).data(), static_cast<const float*>(call.input(rstd).data()),
+            call.output(dx).data(), call.output(written_dresidual).data(),
+            call.output(dweight).data(), residual ? 1.0 : multiplier, multiplier},
+           call.stream());
+      });
 }
 
 }  // namespace

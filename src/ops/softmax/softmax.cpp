@@ -7,23 +7,9 @@
 namespace meshfuse {
 namespace {
 
-const KernelTable<detail::SoftmaxForwardFn> kForward(
-    "softmax",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::softmax_forward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::softmax_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, softmax_forward)});
-
-const KernelTable<detail::SoftmaxBackwardFn> kBackward(
-    "softmax_backward",
-    {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-      &detail::reference::softmax_backward},
-     {KernelBackend::CPU,
-      {DeviceType::CPU},
-      detail::kFloatDTypes,
-      &detail::cpu::softmax_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes, softmax_backward)});
+const auto kForward = MESHFUSE_KERNEL_TABLE("softmax", detail::kFloatDTypes, softmax_forward);
+const auto kBackward =
+    MESHFUSE_KERNEL_TABLE("softmax_backward", detail::kFloatDTypes, softmax_backward);
 
 // Checks `x` (floating, rank >= 1) and returns its rows x cols.
 detail::SoftmaxShape rows_of(std::string_view op, std::string_view name, const TensorView& x) {
@@ -48,11 +34,10 @@ void softmax(const TensorView& x, const TensorView& y, double logits_multiplier,
   constexpr std::string_view op = "softmax";
   const detail::SoftmaxShape s = rows_of(op, "x", x);
   detail::check_output(op, "y", y, x.shape(), x.dtype());
-  auto* fn = kForward.select({{"x", x}, {"y", y}});
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous xc(host.input(x), host.stream());
-  fn(s, xc.view().data(), host.output(y).data(), logits_multiplier, host.stream());
-  host.finish();
+  detail::run_kernel(
+      kForward, {{"x", x}, {"y", y}}, stream, [&](auto* fn, detail::KernelCall& call) {
+        fn(s, call.input(x).data(), call.output(y).data(), logits_multiplier, call.stream());
+      });
 }
 
 void softmax_backward(const TensorView& grad_y, const TensorView& y, const TensorView& grad_x,
@@ -61,12 +46,11 @@ void softmax_backward(const TensorView& grad_y, const TensorView& y, const Tenso
   const detail::SoftmaxShape s = rows_of(op, "y", y);
   check_like(op, "grad_y", grad_y, y, "y");
   detail::check_output(op, "grad_x", grad_x, y.shape(), y.dtype());
-  auto* fn = kBackward.select({{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}});
-  detail::HostStaging host(op, y, stream);
-  const detail::Contiguous dy(host.input(grad_y), host.stream()), yc(host.input(y), host.stream());
-  fn(s, dy.view().data(), yc.view().data(), host.output(grad_x).data(), logits_multiplier,
-     host.stream());
-  host.finish();
+  detail::run_kernel(kBackward, {{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       fn(s, call.input(grad_y).data(), call.input(y).data(),
+                          call.output(grad_x).data(), logits_multiplier, call.stream());
+                     });
 }
 
 }  // namespace meshfuse

@@ -12,33 +12,12 @@ using detail::SwigluShape;
 
 // swiglu and swiglu_packed run the same kernels, registered under each op's own name so that
 // errors, the registry and resolved_backend() name the op that was called.
-KernelTable<detail::SwigluForwardFn> forward_table(const char* op) {
-  return {op,
-          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-            &detail::reference::swiglu_forward},
-           {KernelBackend::CPU,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
-            &detail::cpu::swiglu_forward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                              swiglu_forward)}};
-}
-
-KernelTable<detail::SwigluBackwardFn> backward_table(const char* op) {
-  return {op,
-          {{KernelBackend::Reference, detail::kReferenceDevices, detail::kFloatDTypes,
-            &detail::reference::swiglu_backward},
-           {KernelBackend::CPU,
-            {DeviceType::CPU},
-            detail::kFloatDTypes,
-            &detail::cpu::swiglu_backward} MESHFUSE_CUDA_ENTRY(detail::kFloatDTypes,
-                                                               swiglu_backward)}};
-}
-
-const KernelTable<detail::SwigluForwardFn> kForward = forward_table("swiglu");
-const KernelTable<detail::SwigluBackwardFn> kBackward = backward_table("swiglu_backward");
-const KernelTable<detail::SwigluForwardFn> kPacked = forward_table("swiglu_packed");
-const KernelTable<detail::SwigluBackwardFn> kPackedBackward =
-    backward_table("swiglu_packed_backward");
+const auto kForward = MESHFUSE_KERNEL_TABLE("swiglu", detail::kFloatDTypes, swiglu_forward);
+const auto kBackward =
+    MESHFUSE_KERNEL_TABLE("swiglu_backward", detail::kFloatDTypes, swiglu_backward);
+const auto kPacked = MESHFUSE_KERNEL_TABLE("swiglu_packed", detail::kFloatDTypes, swiglu_forward);
+const auto kPackedBackward =
+    MESHFUSE_KERNEL_TABLE("swiglu_packed_backward", detail::kFloatDTypes, swiglu_backward);
 
 SwigluOperand plain(const TensorView& t) { return {t.data(), t.dim() == 0 ? 1 : t.size(-1), 1}; }
 
@@ -86,13 +65,13 @@ void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
   check_float(op, "gate", gate);
   check_like(op, "up", up, gate, "gate");
   detail::check_output(op, "out", out, gate.shape(), gate.dtype());
-  auto* fn = kForward.select({{"gate", gate}, {"up", up}, {"out", out}});
-  detail::HostStaging host(op, gate, stream);
-  const detail::Contiguous g(host.input(gate), host.stream()), u(host.input(up), host.stream());
   const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
                       gate.dim() == 0 ? 1 : gate.size(-1)};
-  fn(s, plain(g), plain(u), plain(host.output(out)), host.stream());
-  host.finish();
+  detail::run_kernel(kForward, {{"gate", gate}, {"up", up}, {"out", out}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       fn(s, plain(call.input(gate)), plain(call.input(up)),
+                          plain(call.output(out)), call.stream());
+                     });
 }
 
 void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
@@ -103,19 +82,19 @@ void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const T
   check_like(op, "grad_out", grad_out, gate, "gate");
   detail::check_output(op, "grad_gate", grad_gate, gate.shape(), gate.dtype());
   detail::check_output(op, "grad_up", grad_up, gate.shape(), gate.dtype());
-  auto* fn = kBackward.select({{"gate", gate},
-                               {"up", up},
-                               {"grad_out", grad_out},
-                               {"grad_gate", grad_gate},
-                               {"grad_up", grad_up}});
-  detail::HostStaging host(op, gate, stream);
-  const detail::Contiguous g(host.input(gate), host.stream()), u(host.input(up), host.stream()),
-      dy(host.input(grad_out), host.stream());
   const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
                       gate.dim() == 0 ? 1 : gate.size(-1)};
-  fn(s, plain(dy), plain(g), plain(u), plain(host.output(grad_gate)), plain(host.output(grad_up)),
-     host.stream());
-  host.finish();
+  detail::run_kernel(kBackward,
+                     {{"gate", gate},
+                      {"up", up},
+                      {"grad_out", grad_out},
+                      {"grad_gate", grad_gate},
+                      {"grad_up", grad_up}},
+                     stream, [&](auto* fn, detail::KernelCall& call) {
+                       fn(s, plain(call.input(grad_out)), plain(call.input(gate)),
+                          plain(call.input(up)), plain(call.output(grad_gate)),
+                          plain(call.output(grad_up)), call.stream());
+                     });
 }
 
 void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& out,
@@ -124,12 +103,12 @@ void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& o
   check_float(op, "x", x);
   const std::int64_t cols = half_width(op, x);
   detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
-  auto* fn = kPacked.select({{"x", x}, {"out", out}});
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous xc(host.input(x), host.stream());
-  const auto [gate, up] = packed(xc, layout, cols);
-  fn({x.dtype(), detail::leading_rows(x), cols}, gate, up, plain(host.output(out)), host.stream());
-  host.finish();
+  detail::run_kernel(kPacked, {{"x", x}, {"out", out}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       const auto [gate, up] = packed(call.input(x), layout, cols);
+                       fn({x.dtype(), detail::leading_rows(x), cols}, gate, up,
+                          plain(call.output(out)), call.stream());
+                     });
 }
 
 void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, SwigluLayout layout,
@@ -141,15 +120,13 @@ void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, Swi
   detail::check_same_dtype(op, "grad_out", grad_out, x.dtype(), "x");
   detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), cols));
   detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
-  auto* fn = kPackedBackward.select({{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}});
-  detail::HostStaging host(op, x, stream);
-  const detail::Contiguous xc(host.input(x), host.stream()),
-      dy(host.input(grad_out), host.stream());
-  const auto [gate, up] = packed(xc, layout, cols);
-  const auto [grad_gate, grad_up] = packed(host.output(grad_x), layout, cols);
-  fn({x.dtype(), detail::leading_rows(x), cols}, plain(dy), gate, up, grad_gate, grad_up,
-     host.stream());
-  host.finish();
+  detail::run_kernel(kPackedBackward, {{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}},
+                     stream, [&](auto* fn, detail::KernelCall& call) {
+                       const auto [gate, up] = packed(call.input(x), layout, cols);
+                       const auto [grad_gate, grad_up] = packed(call.output(grad_x), layout, cols);
+                       fn({x.dtype(), detail::leading_rows(x), cols}, plain(call.input(grad_out)),
+                          gate, up, grad_gate, grad_up, call.stream());
+                     });
 }
 
 }  // namespace meshfuse
