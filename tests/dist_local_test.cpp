@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "dist_cases.h"
-#include "meshfuse/dist/bootstrap.h"
-#include "meshfuse/dist/communicator.h"
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/communicator.h"
+#include "meshfuse/distributed/store.h"
 #include "test_util.h"
 
 namespace meshfuse::test {

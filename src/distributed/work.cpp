@@ -5,7 +5,7 @@
 #include <mutex>
 #include <thread>
 
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse::detail {

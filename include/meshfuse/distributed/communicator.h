@@ -69,8 +69,8 @@
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
-#include "meshfuse/dist/bootstrap.h"
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse {
 

@@ -10,7 +10,7 @@
 // Point to point: NCCL matches the sends and receives between two ranks in the order they are
 // issued; tags are not seen by it.
 #include "core/shared_library.h"
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 #if MESHFUSE_WITH_NCCL

@@ -1,5 +1,5 @@
 // Element-wise reductions of CPU buffers for the CPU communicator backends.
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 #include <algorithm>
 #include <type_traits>

@@ -1,5 +1,5 @@
 // Rendezvous stores: in memory, files in a directory, and a small TCP server.
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/store.h"
 
 #include <netdb.h>
 #include <netinet/in.h>

@@ -1,7 +1,7 @@
 // The generic layer of every communicator: argument checks, the backend of each device type, the
 // cross-rank metadata check, records and the errors that carry them. Backends only move bytes
 // (comm_impl.h).
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 #include <algorithm>
 #include <cctype>
@@ -13,9 +13,9 @@
 #include <numeric>
 #include <thread>
 
-#include "dist/comm_impl.h"
-#include "dist/local.h"
-#include "dist/reduce.h"
+#include "distributed/comm_impl.h"
+#include "distributed/local.h"
+#include "distributed/reduce.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse {
