@@ -1,0 +1,325 @@
+// TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
+//
+// Protocol: a request is [u8 command][u32 key length][key] and for SET [u64 value length][value].
+// SET replies [u8 1]; GET replies [u8 found] and, when found, [u64 length][value]. Clients poll GET
+// until the key is set, so the server never blocks on a missing key. Keys and values are at most
+// kMaxLength bytes: the server hangs up on a client that announces more.
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "distributed/store_wait.h"
+#include "meshfuse/core/error.h"
+#include "meshfuse/distributed/store.h"
+
+namespace meshfuse {
+
+using detail::fail_timeout;
+using detail::poll_until;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum : std::uint8_t { kSet = 1, kGet = 2 };
+constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
+
+bool write_all(int fd, const void* data, std::size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* data, std::size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) errno = ECONNRESET;  // the peer hung up (errno says why a read failed)
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+template <typename T>
+bool read_value(int fd, T& v) {
+  return read_all(fd, &v, sizeof(T));
+}
+
+}  // namespace
+
+struct TcpStore::Impl {
+  std::string host;
+  int port = 0;
+  std::chrono::milliseconds timeout;
+  int client = -1;
+  std::mutex client_mutex;
+
+  // Server side (is_server only).
+  int listener = -1;
+  std::thread acceptor;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::map<std::string, Bytes> values;
+  std::vector<int> connections;
+  std::vector<std::thread> handlers;
+  int open_connections = 0;
+  bool stopping = false;
+
+  void serve_connection(int fd) {
+    try {
+      serve_requests(fd);
+    } catch (const std::exception&) {
+      // Out of memory for one client's request: that client loses its connection, nobody else.
+    }
+    ::shutdown(fd, SHUT_RDWR);  // the client sees the end (closed by stop_server)
+    std::lock_guard lock(mutex);
+    --open_connections;
+    changed.notify_all();
+  }
+
+  // Returns when the client hangs up or breaks the protocol.
+  void serve_requests(int fd) {
+    for (;;) {
+      std::uint8_t command = 0;
+      std::uint32_t key_len = 0;
+      if (!read_value(fd, command) || !read_value(fd, key_len) || key_len > kMaxLength) return;
+      std::string key(key_len, '\0');
+      if (!read_all(fd, key.data(), key_len)) return;
+      if (command == kSet) {
+        std::uint64_t len = 0;
+        if (!read_value(fd, len) || len > kMaxLength) return;
+        Bytes value(len);
+        if (!read_all(fd, value.data(), len)) return;
+        {
+          std::lock_guard lock(mutex);
+          values[key] = std::move(value);
+        }
+        const std::uint8_t ok = 1;
+        if (!write_all(fd, &ok, 1)) return;
+      } else if (command == kGet) {
+        Bytes value;
+        std::uint8_t found = 0;
+        {
+          std::lock_guard lock(mutex);
+          auto it = values.find(key);
+          if (it != values.end()) {
+            found = 1;
+            value = it->second;
+          }
+        }
+        const std::uint64_t len = value.size();
+        if (!write_all(fd, &found, 1)) return;
+        if (found && (!write_all(fd, &len, 8) || !write_all(fd, value.data(), len))) return;
+      } else {
+        return;  // not a client of ours
+      }
+    }
+  }
+
+  void accept_loop() {
+    for (;;) {
+      const int fd = ::accept(listener, nullptr, nullptr);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        return;  // the listener was shut down
+      }
+      std::lock_guard lock(mutex);
+      if (stopping) {
+        ::close(fd);
+        return;
+      }
+      connections.push_back(fd);
+      ++open_connections;
+      handlers.emplace_back([this, fd] { serve_connection(fd); });
+    }
+  }
+
+  void start_server() {
+    listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    MESHFUSE_CHECK(listener >= 0, ErrorCode::CommunicationFailure, "TcpStore: socket: {}",
+                   std::strerror(errno));
+    const int one = 1;
+    ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(listener, 1024) != 0) {
+      const std::string why = std::strerror(errno);
+      ::close(listener);
+      fail(ErrorCode::CommunicationFailure, "TcpStore: cannot serve on port {}: {}", port, why);
+    }
+    socklen_t len = sizeof(addr);
+    ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+    acceptor = std::thread([this] { accept_loop(); });
+  }
+
+  void stop_server() {
+    {
+      // Let the other ranks finish with the store before it goes away.
+      std::unique_lock lock(mutex);
+      changed.wait_for(lock, timeout, [&] { return open_connections == 0; });
+      stopping = true;
+      for (int fd : connections) ::shutdown(fd, SHUT_RDWR);
+    }
+    ::shutdown(listener, SHUT_RDWR);
+    acceptor.join();
+    for (std::thread& t : handlers) t.join();
+    for (int fd : connections) ::close(fd);
+    ::close(listener);
+  }
+
+  // Connects, retrying until the deadline: the server may start after its clients.
+  void connect_client() {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    const auto deadline = Clock::now() + timeout;
+    std::string why;
+    auto sleep = std::chrono::milliseconds(5);
+    for (;;) {
+      addrinfo* found = nullptr;
+      const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      if (rc != 0) {
+        why = ::gai_strerror(rc);
+      } else {
+        for (addrinfo* a = found; a && client < 0; a = a->ai_next) {
+          const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+          if (fd < 0) continue;
+          if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+            client = fd;
+          } else {
+            why = std::strerror(errno);
+            ::close(fd);
+          }
+        }
+        ::freeaddrinfo(found);
+      }
+      if (client >= 0) break;
+      MESHFUSE_CHECK(Clock::now() < deadline, ErrorCode::CommunicationFailure,
+                     "TcpStore: cannot reach {}:{} within {} ms: {}", host, port, timeout.count(),
+                     why);
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::milliseconds(200));
+    }
+    const int one = 1;
+    ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    // A server that stops answering: reads and writes give up after the timeout (a zero timeval
+    // would mean never, hence at least 1 us).
+    const auto us = std::max<std::int64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(timeout).count(), 1);
+    const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
+
+  // A request failed (errno says why): the connection is out of step, so later requests fail too.
+  [[noreturn]] void lost() {
+    const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+    ::shutdown(client, SHUT_RDWR);
+    if (timed_out)
+      fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
+           timeout.count());
+    fail(ErrorCode::CommunicationFailure, "TcpStore: lost the connection to {}:{}", host, port);
+  }
+
+  static void check_length(const char* what, std::uint64_t n) {
+    MESHFUSE_CHECK(n <= kMaxLength, ErrorCode::InvalidArgument,
+                   "TcpStore: {} of {} bytes; the most is {} (1 GiB)", what, n, kMaxLength);
+  }
+
+  std::optional<Bytes> request_get(const std::string& key) {
+    check_length("key", key.size());
+    std::lock_guard lock(client_mutex);
+    const std::uint8_t command = kGet;
+    const auto key_len = static_cast<std::uint32_t>(key.size());
+    if (!write_all(client, &command, 1) || !write_all(client, &key_len, 4) ||
+        !write_all(client, key.data(), key.size()))
+      lost();
+    std::uint8_t found = 0;
+    if (!read_value(client, found)) lost();
+    if (!found) return std::nullopt;
+    std::uint64_t len = 0;
+    if (!read_value(client, len)) lost();
+    if (len > kMaxLength) {
+      errno = EPROTO;
+      lost();
+    }
+    Bytes value(len);
+    if (!read_all(client, value.data(), len)) lost();
+    return value;
+  }
+};
+
+TcpStore::TcpStore(std::string host, int port, bool is_server, std::chrono::milliseconds timeout)
+    : Store(timeout), impl_(std::make_unique<Impl>()) {
+  impl_->host = std::move(host);
+  impl_->port = port;
+  impl_->timeout = timeout;
+  if (is_server) impl_->start_server();
+  try {
+    impl_->connect_client();
+  } catch (...) {
+    if (impl_->listener >= 0) impl_->stop_server();
+    throw;
+  }
+}
+
+TcpStore::~TcpStore() {
+  ::close(impl_->client);
+  if (impl_->listener >= 0) impl_->stop_server();
+}
+
+int TcpStore::port() const { return impl_->port; }
+
+void TcpStore::set(const std::string& key, const Bytes& value) {
+  Impl::check_length("key", key.size());
+  Impl::check_length("value", value.size());
+  std::lock_guard lock(impl_->client_mutex);
+  const std::uint8_t command = kSet;
+  const auto key_len = static_cast<std::uint32_t>(key.size());
+  const std::uint64_t len = value.size();
+  std::uint8_t ok = 0;
+  if (!write_all(impl_->client, &command, 1) || !write_all(impl_->client, &key_len, 4) ||
+      !write_all(impl_->client, key.data(), key.size()) || !write_all(impl_->client, &len, 8) ||
+      !write_all(impl_->client, value.data(), len) || !read_value(impl_->client, ok))
+    impl_->lost();
+}
+
+Store::Bytes TcpStore::get(const std::string& key) {
+  std::optional<Bytes> value;
+  if (!poll_until([&] { return (value = impl_->request_get(key)).has_value(); }, timeout()))
+    fail_timeout("TcpStore", {key}, timeout());
+  return *value;
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  for (const std::string& k : keys)
+    if (!impl_->request_get(k)) return false;
+  return true;
+}
+
+}  // namespace meshfuse
