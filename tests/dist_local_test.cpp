@@ -154,6 +154,16 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
                  {"bool"});
     expect_error([&] { c.send(t, c.rank()); }, ErrorCode::InvalidArgument, {"no sends to self"});
     expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
+    // The stream is on the tensors' device, or the call fails: no stream is relabelled (a view
+    // labelled cuda:0 is enough, the check comes before any backend).
+    const TensorView on_cuda(t.data(), t.dtype(), t.shape(), Device{DeviceType::CUDA, 0});
+    expect_error([&] { c.all_reduce(on_cuda); }, ErrorCode::DeviceMismatch,
+                 {"all_reduce", "the stream is on cpu but the tensors on cuda:0"});
+    expect_error(
+        [&] {
+          c.all_reduce(t, ReduceOp::Sum, Stream{Device{DeviceType::CUDA, 0}});
+        },
+        ErrorCode::DeviceMismatch, {"the stream is on cuda:0 but the tensors on cpu"});
     c.barrier().wait();  // still in step
   });
 }

@@ -35,7 +35,8 @@ struct Call {
 
 std::string op_name(CommOp op) { return std::string(to_string(op)); }
 
-// Checks the tensors (contiguous, one dtype, one device) and the stream; fills dtype and device.
+// Checks the tensors (contiguous, one dtype, one device) and the stream (on the tensors' device,
+// never relabelled: a CPU stream with CUDA tensors is a DeviceMismatch); fills dtype and device.
 void check_tensors(Call& c, const Stream& stream) {
   const std::string op = op_name(c.op);
   if (c.tensors.empty()) {
@@ -55,9 +56,6 @@ void check_tensors(Call& c, const Stream& stream) {
                    "{}: tensors must be on one device, got {} and {}", op, first.str(), t.str());
   }
   c.stream = stream;
-  // CUDA tensors with the default (CPU) stream run on their device's legacy default stream.
-  if (c.device.type != DeviceType::CPU && stream.device.type == DeviceType::CPU)
-    c.stream = Stream{c.device, nullptr};
   MESHFUSE_CHECK(c.stream.device == c.device, ErrorCode::DeviceMismatch,
                  "{}: the stream is on {} but the tensors on {}", op, c.stream.device.str(),
                  c.device.str());
