@@ -156,7 +156,7 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
     expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
     // The stream is on the tensors' device, or the call fails: no stream is relabelled (a view
     // labelled cuda:0 is enough, the check comes before any backend).
-    const TensorView on_cuda(t.data(), t.dtype(), t.shape(), Device{DeviceType::CUDA, 0});
+    const TensorView on_cuda(t.view().data(), t.dtype(), t.shape(), Device{DeviceType::CUDA, 0});
     expect_error([&] { c.all_reduce(on_cuda); }, ErrorCode::DeviceMismatch,
                  {"all_reduce", "the stream is on cpu but the tensors on cuda:0"});
     expect_error(
