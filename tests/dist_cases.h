@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 #include "test_util.h"
 
 namespace meshfuse::test::dist {

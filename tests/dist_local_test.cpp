@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "dist_cases.h"
-#include "meshfuse/dist/bootstrap.h"
-#include "meshfuse/dist/communicator.h"
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/communicator.h"
+#include "meshfuse/distributed/store.h"
 #include "test_util.h"
 
 namespace meshfuse::test {
@@ -154,6 +154,16 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
                  {"bool"});
     expect_error([&] { c.send(t, c.rank()); }, ErrorCode::InvalidArgument, {"no sends to self"});
     expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
+    // The stream is on the tensors' device, or the call fails: no stream is relabelled (a view
+    // labelled cuda:0 is enough, the check comes before any backend).
+    const TensorView on_cuda(t.view().data(), t.dtype(), t.shape(), Device{DeviceType::CUDA, 0});
+    expect_error([&] { c.all_reduce(on_cuda); }, ErrorCode::DeviceMismatch,
+                 {"all_reduce", "the stream is on cpu but the tensors on cuda:0"});
+    expect_error(
+        [&] {
+          c.all_reduce(t, ReduceOp::Sum, Stream{Device{DeviceType::CUDA, 0}});
+        },
+        ErrorCode::DeviceMismatch, {"the stream is on cuda:0 but the tensors on cpu"});
     c.barrier().wait();  // still in step
   });
 }

@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "meshfuse/core/platform.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 #include "test_util.h"
 
 namespace meshfuse::test {

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "dist_cases.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::test {
 namespace {

@@ -13,7 +13,7 @@
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::cli {
 namespace {

@@ -10,7 +10,7 @@
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/platform.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 #include "meshfuse/ops/gemm.h"
 
 namespace meshfuse::cli {

@@ -246,7 +246,7 @@ void bind_ops(nb::module_& m) {
 }  // namespace meshfuse::python
 
 namespace meshfuse::python {
-void bind_dist(nb::module_& m);  // dist.cpp
+void bind_distributed(nb::module_& m);  // distributed.cpp
 void bind_recurrent(nb::module_& m);  // recurrent.cpp
 void bind_sequence(nb::module_& m);  // sequence.cpp
 }  // namespace meshfuse::python
@@ -256,7 +256,7 @@ NB_MODULE(_meshfuse, m) {
   meshfuse::python::bind_core(m);
   meshfuse::python::bind_ops(m);
   meshfuse::python::bind_gemm(m);
-  meshfuse::python::bind_dist(m);
+  meshfuse::python::bind_distributed(m);
   meshfuse::python::bind_recurrent(m);
   meshfuse::python::bind_sequence(m);
 }

@@ -2,8 +2,8 @@
 #pragma once
 
 #include <initializer_list>
-#include <type_traits>
 
+#include "core/numeric.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/kernel_backend.h"
 #include "meshfuse/core/tensor.h"
@@ -138,23 +138,6 @@ decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
     default:
       fail_dtype(op, dtype);
   }
-}
-
-// The accumulation type of a kernel on T: double for f64, float for everything else.
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-// Whether T is one of the storage-only 16-bit floats (bf16, f16).
-template <typename T>
-constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
-
-// Stores an accumulator value as T (rounding once for 16-bit types).
-template <typename T, typename A>
-inline T store_as(A x) {
-  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>)
-    return static_cast<T>(x);
-  else
-    return from_float<T>(static_cast<float>(x));
 }
 
 // Product of all sizes but the last (the "rows" of a row-wise op); 1 for a 1-D tensor.

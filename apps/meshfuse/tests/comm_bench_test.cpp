@@ -14,7 +14,7 @@
 
 #include "cli_util.h"
 #include "meshfuse/core/error.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 namespace {
 

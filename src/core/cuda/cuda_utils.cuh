@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "core/cuda/runtime.h"
+#include "core/numeric.h"
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/stream.h"
@@ -23,18 +25,6 @@ inline void check_launch(std::string_view op) { check(cudaGetLastError(), op); }
 inline cudaStream_t native(const Stream& stream) {
   return static_cast<cudaStream_t>(stream.native);
 }
-
-// Makes `device` current for the scope (kernels launch on the current device).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // The CUDA element type of a meshfuse element type.
 template <typename T>
@@ -72,9 +62,6 @@ template <typename T>
 __device__ __forceinline__ T store(double x) {
   return static_cast<T>(x);
 }
-
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 inline unsigned ceil_div(std::int64_t a, std::int64_t b) {
   return static_cast<unsigned>((a + b - 1) / b);

@@ -9,6 +9,23 @@
 
 namespace meshfuse::detail {
 
+namespace cuda {
+
+// Makes `device` current for the scope (kernels, copies and NCCL calls go to the current device).
+// Throws Error(Internal) when CUDA cannot get or set the device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace cuda
+
 int cuda_device_count();
 // Throws Error(BackendUnavailable) naming `what` unless `device` is a CUDA device of this process.
 void check_cuda_device(Device device, std::string_view what);

@@ -7,7 +7,7 @@
 #include "ops/common.h"
 #include "ops/cpu_math.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
-#include "ops/softmax/cpu_logsumexp.h"
+#include "ops/cpu_logsumexp.h"
 #include "ops/softmax/softmax_kernels.h"
 
 namespace meshfuse::detail::cpu {

@@ -20,7 +20,7 @@
 #include "core/cuda/cuda_utils.cuh"
 #include "ops/common.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
-#include "ops/softmax/cuda_logsumexp.cuh"
+#include "ops/cuda_logsumexp.cuh"
 
 namespace meshfuse::detail::cuda {
 namespace {

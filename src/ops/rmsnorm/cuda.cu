@@ -23,7 +23,7 @@
 #include "meshfuse/core/tensor.h"
 #include "ops/common.h"
 #include "ops/rmsnorm/rmsnorm_kernels.h"
-#include "ops/softmax/cuda_logsumexp.cuh"
+#include "ops/cuda_rows.cuh"
 
 namespace meshfuse::detail::cuda {
 namespace {

@@ -22,7 +22,7 @@
 
 #include "core/cuda/cuda_utils.cuh"
 #include "ops/common.h"
-#include "ops/softmax/cuda_logsumexp.cuh"
+#include "ops/cuda_logsumexp.cuh"
 #include "ops/softmax/softmax_kernels.h"
 
 namespace meshfuse::detail::cuda {

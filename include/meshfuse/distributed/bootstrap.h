@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse {
 

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "core/cuda/cuda_utils.cuh"
+#include "ops/cuda_rows.cuh"
 
 namespace meshfuse::detail::cuda {
 
@@ -40,48 +41,6 @@ template <typename A>
 __device__ __forceinline__ A neg_inf() {
   return -std::numeric_limits<A>::infinity();
 }
-
-// W elements of T moved as one access (16 bytes, or one element). 16-bit elements stay in pairs
-// in 32-bit words and are taken out only when used: ptxas gives every lone 16-bit value a whole
-// register, which would double the registers of a bf16 row.
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-  static constexpr bool kPaired = sizeof(T) == 2 && W % 2 == 0;
-  using Word = std::conditional_t<kPaired, unsigned, T>;
-  static constexpr int kWords = kPaired ? W / 2 : W;
-  Word w[kWords];
-
-  // Element i in the accumulation type (exact).
-  __device__ __forceinline__ acc_t<T> operator[](int i) const {
-    if constexpr (!kPaired) {
-      return load(w[i]);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      return __uint_as_float(i % 2 ? w[i / 2] & 0xffff0000u : w[i / 2] << 16);
-    } else {
-      __half2 h;
-      std::memcpy(&h, &w[i / 2], sizeof(h));
-      return i % 2 ? __high2float(h) : __low2float(h);
-    }
-  }
-
-  // From W accumulator values, each rounded once to T.
-  __device__ __forceinline__ static Chunk from(const acc_t<T> (&a)[W]) {
-    Chunk c;
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      if constexpr (!kPaired) {
-        c.w[i] = store<T>(a[i]);
-      } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const __nv_bfloat162 p = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
-        std::memcpy(&c.w[i], &p, sizeof(p));
-      } else {
-        const __half2 p = __floats2half2_rn(a[2 * i], a[2 * i + 1]);
-        std::memcpy(&c.w[i], &p, sizeof(p));
-      }
-    }
-    return c;
-  }
-};
 
 // The shift that keeps 2^(u - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted by
 // 0, so that its -inf values give 0 (not 2^(-inf + inf) = NaN) and its NaNs stay NaN.
@@ -244,11 +203,6 @@ inline int row_threads(std::int64_t nv, int per_thread) {
   const std::int64_t t = (nv + per_thread - 1) / per_thread;
   return static_cast<int>(
       std::min<std::int64_t>(kMaxThreads, std::max<std::int64_t>(32, (t + 31) / 32 * 32)));
-}
-
-// Blocks for a loop over rows, one row per block at a time.
-inline unsigned row_blocks(std::int64_t rows) {
-  return static_cast<unsigned>(std::min<std::int64_t>(rows, std::int64_t{1} << 30));
 }
 
 // Vectors of W elements when every pointer is 16-byte aligned and rows are a whole number of

@@ -7,7 +7,7 @@
 // per rank: each rank reduces its chunk into a scratch, the team meets, and each writes its chunk
 // back. Collectives run on one worker thread per rank (asynchronous, in call order); exchange()
 // and send/recv run on the calling thread.
-#include "dist/local.h"
+#include "distributed/local.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -17,8 +17,8 @@
 #include <mutex>
 #include <tuple>
 
-#include "dist/comm_impl.h"
-#include "dist/reduce.h"
+#include "distributed/comm_impl.h"
+#include "distributed/reduce.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse::detail {

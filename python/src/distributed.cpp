@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "arrays.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::python {
 namespace {
@@ -106,7 +106,7 @@ void bind_record(nb::module_& m) {
 void bind_communicator(nb::module_& m) {
   nb::class_<Communicator>(m, "Communicator",
                            "A team of ranks and the backends that move its arrays (see "
-                           "include/meshfuse/dist/communicator.h).")
+                           "include/meshfuse/distributed/communicator.h).")
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("team", &Communicator::team)
@@ -291,7 +291,7 @@ void bind_communicator(nb::module_& m) {
 
 }  // namespace
 
-void bind_dist(nb::module_& m) {
+void bind_distributed(nb::module_& m) {
   m.def(
       "communicator_backends",
       [] {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse::detail {
 

@@ -1,11 +1,14 @@
-// Finished works and the worker queue that makes blocking transfers asynchronous.
+// Works: the state behind a Communicator's Work (its wait, and the errors that break the
+// communicator), and the backends' finished works and worker queue that makes blocking
+// transfers asynchronous.
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <mutex>
 #include <thread>
 
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
+#include "distributed/comm_state.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse::detail {
@@ -96,4 +99,80 @@ std::shared_ptr<WorkImpl> WorkerQueue::submit(std::function<void()> task) {
   return work;
 }
 
+std::string message_of(const Error& e) {
+  const std::string what = e.what();
+  const std::string prefix = fmt::format("[{}] ", to_string(e.code()));
+  return what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
+}
+
+bool breaks_communicator(ErrorCode code) {
+  return code == ErrorCode::Timeout || code == ErrorCode::CommunicationFailure;
+}
+
+[[noreturn]] void rethrow_for(const CommRecord& record, const Error& e,
+                              std::chrono::milliseconds timeout, Health& health, CommImpl* impl) {
+  std::string message = record.to_string() + ": ";
+  if (e.code() == ErrorCode::Timeout)
+    message += fmt::format(
+        "not finished after {} ms (has every rank of the team called it? is one dead?): ",
+        timeout.count());
+  message += message_of(e);
+  if (breaks_communicator(e.code())) health.fail_with(message, impl);
+  throw Error(e.code(), message);
+}
+
+void WorkState::wait(std::chrono::milliseconds wait_timeout) {
+  {
+    std::lock_guard lock(mutex);
+    if (finished) {
+      if (error) std::rethrow_exception(error);
+      return;
+    }
+  }
+  std::exception_ptr failure;
+  try {
+    impl->wait(CommClock::now() + wait_timeout);
+  } catch (const Error& e) {
+    try {
+      rethrow_for(record, e, wait_timeout, *health, comm.get());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  std::lock_guard lock(mutex);
+  if (!finished) {
+    finished = true;
+    error = failure;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace meshfuse::detail
+
+namespace meshfuse {
+
+Work::Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
+
+void Work::wait() {
+  if (state_) state_->wait(state_->timeout);
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  if (state_) state_->wait(timeout);
+}
+
+bool Work::is_completed() const {
+  if (!state_) return true;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->finished) return true;
+  }
+  return state_->impl->test();
+}
+
+const CommRecord& Work::record() const {
+  static const CommRecord kEmpty;
+  return state_ ? state_->record : kEmpty;
+}
+
+}  // namespace meshfuse

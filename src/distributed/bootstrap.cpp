@@ -1,5 +1,5 @@
 // Launch information from the environment of torchrun, Open MPI and Slurm; the rendezvous store.
-#include "meshfuse/dist/bootstrap.h"
+#include "meshfuse/distributed/bootstrap.h"
 
 #include <charconv>
 #include <cstdlib>

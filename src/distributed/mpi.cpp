@@ -9,7 +9,7 @@
 // Teams: the world team duplicates MPI_COMM_WORLD, sub-teams come from MPI_Comm_create_group
 // (collective over the team's members only). Both block without a timeout, like MPI itself.
 // Counts are MPI ints: more than 2^31 - 1 elements per rank and message is Unsupported.
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 #ifdef MESHFUSE_WITH_MPI
@@ -22,7 +22,7 @@
 #include <mutex>
 #include <thread>
 
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 namespace meshfuse::detail {
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "meshfuse/core/dtype.h"
-#include "meshfuse/dist/communicator.h"
+#include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::detail {
 

@@ -9,8 +9,9 @@
 //
 // Point to point: NCCL matches the sends and receives between two ranks in the order they are
 // issued; tags are not seen by it.
+#include "core/cuda/runtime.h"
 #include "core/shared_library.h"
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 #if MESHFUSE_WITH_NCCL
@@ -85,24 +86,6 @@ void check_cuda(cudaError_t status, std::string_view what) {
   fail(ErrorCode::CommunicationFailure, "nccl: {}: CUDA error {} ({})", what,
        cudaGetErrorName(status), cudaGetErrorString(status));
 }
-
-// Makes the communicator's device current for the scope (NCCL and cudaMemcpyAsync launch there).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
@@ -225,7 +208,7 @@ class NcclComm : public CommImpl {
     if (rank_ == 0) check(nccl().GetUniqueId(&id), "ncclGetUniqueId");
     std::vector<ncclUniqueId> ids(static_cast<std::size_t>(size_));
     context.bootstrap_exchange(&id, ids.data(), sizeof id);
-    const DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard(device_);
     handle_->device = device_;
     check(nccl().CommInitRank(&handle_->comm, size_, ids[0], rank_), "ncclCommInitRank");
     comm_ = handle_->comm;
@@ -250,7 +233,7 @@ class NcclComm : public CommImpl {
   // Through the device: host bytes up, ncclAllGather, back down, on a stream of our own. The host
   // side is pinned, so that no copy blocks and the wait can honour the deadline.
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
-    const DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard(device_);
     const std::size_t total = bytes * static_cast<std::size_t>(size_ + 1);
     if (scratch_bytes_ < total) {
       if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");
@@ -437,7 +420,7 @@ class NcclComm : public CommImpl {
 
   // An all-reduce of one int on a scratch buffer, as torch.distributed's NCCL barrier.
   std::shared_ptr<WorkImpl> barrier(const Stream& stream) override {
-    const DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard(device_);
     check_device(stream.device, "stream");
     if (!barrier_) check_cuda(cudaMalloc(&barrier_, sizeof(int)), "cudaMalloc");
     check(nccl().AllReduce(barrier_, barrier_, 1, ncclInt32, ncclSum, comm_, native(stream)),
@@ -457,7 +440,7 @@ class NcclComm : public CommImpl {
       comm.check_device(t.device(), "tensor");
       comm.check_device(s.device, "stream");
     }
-    DeviceGuard guard;
+    cuda::DeviceGuard guard;
     cudaStream_t stream;
   };
 

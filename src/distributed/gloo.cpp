@@ -15,7 +15,7 @@
 //
 // Address: GLOO_SOCKET_IFNAME (as in PyTorch) names the interface; otherwise 127.0.0.1 when every
 // rank is on this machine, else this machine's hostname.
-#include "dist/comm_impl.h"
+#include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
 #ifdef MESHFUSE_WITH_GLOO
@@ -41,7 +41,7 @@
 #include <mutex>
 #include <thread>
 
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 namespace meshfuse::detail {
 

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "meshfuse/dist/bootstrap.h"
-#include "meshfuse/dist/communicator.h"
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/communicator.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse::detail {
 

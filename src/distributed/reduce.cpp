@@ -1,11 +1,11 @@
 // Element-wise reductions of CPU buffers for the CPU communicator backends.
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 #include <algorithm>
 #include <type_traits>
 
+#include "core/numeric.h"
 #include "meshfuse/core/error.h"
-#include "ops/common.h"
 
 namespace meshfuse::detail {
 
@@ -122,11 +122,15 @@ void reduce_buffers(DType dtype, ReduceOp op, const std::vector<const void*>& sr
 }
 
 void divide_buffer(DType dtype, void* data, std::int64_t n, int divisor) {
-  dispatch_float(dtype, "communicator avg", [&](auto t) {
+  MESHFUSE_CHECK(is_floating_point(dtype), ErrorCode::DTypeMismatch,
+                 "communicator avg: no kernel for dtype {}", to_string(dtype));
+  dispatch_reducible(dtype, [&](auto t) {
     using T = decltype(t);
-    T* p = static_cast<T*>(data);
-    for (std::int64_t i = 0; i < n; ++i)
-      p[i] = store_as<T>(to_float(p[i]) / static_cast<acc_t<T>>(divisor));
+    if constexpr (!std::is_integral_v<T>) {
+      T* p = static_cast<T*>(data);
+      for (std::int64_t i = 0; i < n; ++i)
+        p[i] = store_as<T>(to_float(p[i]) / static_cast<acc_t<T>>(divisor));
+    }
   });
 }
 

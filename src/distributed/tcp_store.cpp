@@ -1,173 +1,37 @@
-// Rendezvous stores: in memory, files in a directory, and a small TCP server.
-#include "meshfuse/dist/store.h"
-
+// TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
+//
+// Protocol: a request is [u8 command][u32 key length][key] and for SET [u64 value length][value].
+// SET replies [u8 1]; GET replies [u8 found] and, when found, [u64 length][value]. Clients poll GET
+// until the key is set, so the server never blocks on a missing key. Keys and values are at most
+// kMaxLength bytes: the server hangs up on a client that announces more.
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 
+#include "distributed/store_wait.h"
 #include "meshfuse/core/error.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse {
+
+using detail::fail_timeout;
+using detail::poll_until;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string key_list(const std::vector<std::string>& keys) {
-  std::string s;
-  for (const std::string& k : keys) s += (s.empty() ? "'" : ", '") + k + "'";
-  return s;
-}
-
-[[noreturn]] void fail_timeout(const char* store, const std::vector<std::string>& keys,
-                               std::chrono::milliseconds timeout) {
-  fail(ErrorCode::Timeout, "{}: keys {} not set after {} ms", store, key_list(keys),
-       timeout.count());
-}
-
-// Polls check() with a growing sleep (1 ms .. 50 ms): rendezvous waits are short and rare.
-template <typename Check>
-bool poll_until(Check&& check, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  auto sleep = std::chrono::milliseconds(1);
-  while (!check()) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::milliseconds(50));
-  }
-  return true;
-}
-
-}  // namespace
-
-void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  if (!poll_until([&] { return check(keys); }, timeout)) fail_timeout("store", keys, timeout);
-}
-
-// --- HashStore
-// ------------------------------------------------------------------------------------
-
-struct HashStore::State {
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::map<std::string, Bytes> values;
-
-  bool has(const std::vector<std::string>& keys) const {
-    for (const std::string& k : keys)
-      if (!values.count(k)) return false;
-    return true;
-  }
-};
-
-HashStore::HashStore(std::chrono::milliseconds timeout)
-    : Store(timeout), state_(std::make_unique<State>()) {}
-HashStore::~HashStore() = default;
-
-void HashStore::set(const std::string& key, const Bytes& value) {
-  {
-    std::lock_guard lock(state_->mutex);
-    state_->values[key] = value;
-  }
-  state_->changed.notify_all();
-}
-
-Store::Bytes HashStore::get(const std::string& key) {
-  wait({key});
-  std::lock_guard lock(state_->mutex);
-  return state_->values.at(key);
-}
-
-bool HashStore::check(const std::vector<std::string>& keys) {
-  std::lock_guard lock(state_->mutex);
-  return state_->has(keys);
-}
-
-void HashStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  std::unique_lock lock(state_->mutex);
-  if (!state_->changed.wait_for(lock, timeout, [&] { return state_->has(keys); }))
-    fail_timeout("HashStore", keys, timeout);
-}
-
-// --- FileStore
-// ------------------------------------------------------------------------------------
-
-FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
-    : Store(timeout), path_(std::move(path)) {
-  std::error_code ec;
-  std::filesystem::create_directories(path_, ec);
-  MESHFUSE_CHECK(!ec && std::filesystem::is_directory(path_), ErrorCode::InvalidArgument,
-                 "FileStore: cannot create the directory '{}': {}", path_, ec.message());
-}
-
-// Keys may hold any byte: everything but [A-Za-z0-9._-] is written as %XX.
-std::string FileStore::file_of(const std::string& key) const {
-  std::string name;
-  for (unsigned char c : key) {
-    if (std::isalnum(c) || c == '.' || c == '_' || c == '-')
-      name += static_cast<char>(c);
-    else
-      name += fmt::format("%{:02X}", c);
-  }
-  return path_ + "/" + name;
-}
-
-void FileStore::set(const std::string& key, const Bytes& value) {
-  // Write a private temporary file, then rename it: readers see the whole value or nothing.
-  static std::atomic<std::uint64_t> counter{0};
-  const std::string file = file_of(key);
-  const std::string tmp =
-      fmt::format("{}/.tmp.{}.{}.{}", path_, ::getpid(),
-                  std::hash<std::thread::id>{}(std::this_thread::get_id()), counter++);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(value.data()),
-              static_cast<std::streamsize>(value.size()));
-    MESHFUSE_CHECK(out.good(), ErrorCode::CommunicationFailure,
-                   "FileStore: cannot write '{}' for key '{}'", tmp, key);
-  }
-  MESHFUSE_CHECK(std::rename(tmp.c_str(), file.c_str()) == 0, ErrorCode::CommunicationFailure,
-                 "FileStore: cannot rename '{}' to '{}': {}", tmp, file, std::strerror(errno));
-}
-
-Store::Bytes FileStore::get(const std::string& key) {
-  wait({key});
-  std::ifstream in(file_of(key), std::ios::binary);
-  return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-bool FileStore::check(const std::vector<std::string>& keys) {
-  for (const std::string& k : keys) {
-    struct stat st;
-    if (::stat(file_of(k).c_str(), &st) != 0) return false;
-  }
-  return true;
-}
-
-// --- TcpStore
-// ------------------------------------------------------------------------------------- Protocol: a
-// request is [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET replies
-// [u8 1]; GET replies [u8 found] and, when found, [u64 length][value]. Clients poll GET until the
-// key is set, so the server never blocks on a missing key. Keys and values are at most kMaxLength
-// bytes: the server hangs up on a client that announces more.
-
-namespace {
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
 constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
@@ -456,29 +320,6 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
   for (const std::string& k : keys)
     if (!impl_->request_get(k)) return false;
   return true;
-}
-
-// --- PrefixStore
-// ----------------------------------------------------------------------------------
-
-PrefixStore::PrefixStore(std::string prefix, std::shared_ptr<Store> store)
-    : Store(store->timeout()), prefix_(std::move(prefix) + "/"), store_(std::move(store)) {}
-
-void PrefixStore::set(const std::string& key, const Bytes& value) {
-  store_->set(prefix_ + key, value);
-}
-Store::Bytes PrefixStore::get(const std::string& key) { return store_->get(prefix_ + key); }
-bool PrefixStore::check(const std::vector<std::string>& keys) {
-  return store_->check(prefixed(keys));
-}
-void PrefixStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  store_->wait(prefixed(keys), timeout);
-}
-
-std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {
-  std::vector<std::string> out;
-  for (const std::string& k : keys) out.push_back(prefix_ + k);
-  return out;
 }
 
 }  // namespace meshfuse

@@ -34,7 +34,9 @@
 //
 // Tensors: contiguous (InvalidArgument otherwise); one dtype per operation (any DType moves;
 // reductions take f32, f64, f16, bf16, i32, i64, u8, and Avg only floating types); all tensors
-// of an operation on one device. 16-bit reductions are computed in fp32 where the backend lets us
+// of an operation on one device, and the stream on that device too (DeviceMismatch otherwise: the
+// default Stream{} is the CPU's, CUDA tensors take Stream{device} or a CudaStream of their device).
+// 16-bit reductions are computed in fp32 where the backend lets us
 // choose (local, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
 // all_reduce and reduce, and mpi: fp32 per pairwise step, rounded at each).
 // Split sizes count slices along dim 0 (as in torch.distributed.all_to_all_single): a tensor
@@ -69,8 +71,8 @@
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
-#include "meshfuse/dist/bootstrap.h"
-#include "meshfuse/dist/store.h"
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/store.h"
 
 namespace meshfuse {
 

@@ -1,0 +1,362 @@
+// The operations of a Communicator (collectives, send and recv, barrier): the argument checks
+// every backend shares, the metadata check, the record, then the backend of the tensors' device.
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distributed/comm_state.h"
+#include "distributed/reduce.h"
+#include "meshfuse/core/error.h"
+#include "meshfuse/distributed/communicator.h"
+
+namespace meshfuse {
+
+using detail::CommState;
+
+namespace {
+
+// One call, as the generic layer sees it.
+struct Call {
+  Call(CommOp op, std::vector<TensorView> tensors) : op(op), tensors(std::move(tensors)) {}
+
+  CommOp op;
+  std::vector<TensorView> tensors;  // the defined ones
+  int root = -1;
+  std::optional<ReduceOp> reduction;
+  std::int64_t count = 0;  // see CommRecord::count
+  std::int64_t bytes = 0;
+  bool uneven = false;
+  std::vector<std::int64_t> in_counts, out_counts;  // elements per rank, where they apply
+  Stream stream;
+  DType dtype = DType::U8;
+  Device device{};
+};
+
+std::string op_name(CommOp op) { return std::string(to_string(op)); }
+
+// Checks the tensors (contiguous, one dtype, one device) and the stream (on the tensors' device,
+// never relabelled: a CPU stream with CUDA tensors is a DeviceMismatch); fills dtype and device.
+void check_tensors(Call& c, const Stream& stream) {
+  const std::string op = op_name(c.op);
+  if (c.tensors.empty()) {
+    c.stream = stream;
+    c.device = stream.device;
+    return;
+  }
+  const TensorView& first = c.tensors.front();
+  c.dtype = first.dtype();
+  c.device = first.device();
+  for (const TensorView& t : c.tensors) {
+    MESHFUSE_CHECK(t.is_contiguous(), ErrorCode::InvalidArgument,
+                   "{}: tensors must be contiguous, got {}", op, t.str());
+    MESHFUSE_CHECK(t.dtype() == c.dtype, ErrorCode::DTypeMismatch,
+                   "{}: tensors must share one dtype, got {} and {}", op, first.str(), t.str());
+    MESHFUSE_CHECK(t.device() == c.device, ErrorCode::DeviceMismatch,
+                   "{}: tensors must be on one device, got {} and {}", op, first.str(), t.str());
+  }
+  c.stream = stream;
+  MESHFUSE_CHECK(c.stream.device == c.device, ErrorCode::DeviceMismatch,
+                 "{}: the stream is on {} but the tensors on {}", op, c.stream.device.str(),
+                 c.device.str());
+}
+
+void check_rank(int r, int size, const char* what, CommOp op) {
+  MESHFUSE_CHECK(r >= 0 && r < size, ErrorCode::InvalidArgument,
+                 "{}: {} {} is outside the team's ranks 0..{}", op_name(op), what, r, size - 1);
+}
+
+// A contiguous tensor as a flat 1-D view (what backends receive).
+TensorView flat(const TensorView& t) {
+  if (!t.defined()) return t;
+  return TensorView(t.data(), t.dtype(), Shape{t.numel()}, t.device());
+}
+
+std::int64_t row_elements(const TensorView& t) {
+  Shape trailing(t.shape().begin() + 1, t.shape().end());
+  return shape_numel(trailing);
+}
+
+// Split sizes (rows of dim 0) -> elements per rank; checks the count and the sum.
+std::vector<std::int64_t> split_elements(const std::vector<std::int64_t>& rows, const TensorView& t,
+                                         int size, const char* which, CommOp op) {
+  const std::string name = op_name(op);
+  MESHFUSE_CHECK(t.dim() >= 1, ErrorCode::InvalidArgument,
+                 "{}: split sizes need tensors of at least one dim, got {}", name, t.str());
+  std::vector<std::int64_t> rows_used = rows;
+  if (rows_used.empty()) {  // equal rows
+    MESHFUSE_CHECK(t.size(0) % size == 0, ErrorCode::InvalidArgument,
+                   "{}: without {}, dim 0 of {} must divide by the team size {}", name, which,
+                   t.str(), size);
+    rows_used.assign(size, t.size(0) / size);
+  }
+  MESHFUSE_CHECK(static_cast<int>(rows_used.size()) == size, ErrorCode::InvalidArgument,
+                 "{}: {} has {} entries for a team of {}", name, which, rows_used.size(), size);
+  std::int64_t sum = 0;
+  for (std::int64_t r : rows_used) {
+    MESHFUSE_CHECK(r >= 0, ErrorCode::InvalidArgument, "{}: {} {} has a negative size", name, which,
+                   detail::list_str(rows_used));
+    sum += r;
+  }
+  MESHFUSE_CHECK(sum == t.size(0), ErrorCode::InvalidArgument,
+                 "{}: {} {} add up to {} rows but the tensor {} has {}", name, which,
+                 detail::list_str(rows_used), sum, t.str(), t.size(0));
+  const std::int64_t row = row_elements(t);
+  for (std::int64_t& r : rows_used) r *= row;
+  return rows_used;
+}
+
+void check_same_rows(const TensorView& a, const TensorView& b, CommOp op) {
+  MESHFUSE_CHECK(a.dim() >= 1 && a.dim() == b.dim() &&
+                     std::equal(a.shape().begin() + 1, a.shape().end(), b.shape().begin() + 1),
+                 ErrorCode::ShapeMismatch, "{}: {} and {} must agree in every dim but dim 0",
+                 op_name(op), a.str(), b.str());
+}
+
+void check_numel(const TensorView& t, std::int64_t expected, const char* what, CommOp op) {
+  MESHFUSE_CHECK(t.numel() == expected, ErrorCode::ShapeMismatch,
+                 "{}: {} {} should have {} elements", op_name(op), what, t.str(), expected);
+}
+
+template <typename F>
+Work start(CommState& s, Call& c, F&& run) {
+  s.health->check(s.name);
+  const CommunicatorBackend backend = s.spec.for_device(c.device.type);
+  MESHFUSE_CHECK(!c.reduction || c.dtype != DType::Bool, ErrorCode::InvalidArgument,
+                 "{}: cannot reduce bool tensors (use u8)", op_name(c.op));
+  if (c.reduction) detail::check_reducible(c.dtype, *c.reduction, op_name(c.op));
+  detail::CommImpl& impl = s.impl(backend);
+
+  CommRecord record;
+  record.op = c.op;
+  record.backend = backend;
+  record.team = s.team;
+  record.rank = s.rank;
+  record.root = c.root;
+  record.reduction = c.reduction;
+  record.dtype = c.dtype;
+  record.count = c.count;
+  record.bytes = c.bytes;
+  record.seq = s.seq++;
+  record.uneven = c.uneven;
+  s.remember(record);
+
+  try {
+    if (s.check && c.op != CommOp::Send && c.op != CommOp::Recv) {
+      const int n = s.size();
+      detail::Meta meta{
+          {static_cast<std::int32_t>(c.op), static_cast<std::int32_t>(c.dtype), c.root,
+           c.reduction ? static_cast<std::int32_t>(*c.reduction) : -1, c.uneven, 0, c.count},
+          c.in_counts,
+          c.out_counts};
+      meta.in.resize(n, 0);
+      meta.out.resize(n, 0);
+      s.exchange_meta(impl, meta);
+    }
+    auto work = std::make_shared<detail::WorkState>();
+    work->impl = run(impl);
+    work->record = std::move(record);
+    work->comm = s.impls.at(backend);
+    work->health = s.health;
+    work->timeout = s.timeout;
+    return Work(std::move(work));
+  } catch (const Error& e) {
+    detail::rethrow_for(record, e, s.timeout, *s.health, &impl);
+  }
+}
+
+std::int64_t bytes_of(std::int64_t elements, DType dtype) {
+  return elements * static_cast<std::int64_t>(element_size(dtype));
+}
+
+}  // namespace
+
+Work Communicator::all_reduce(const TensorView& tensor, ReduceOp op, const Stream& stream) {
+  Call c(CommOp::AllReduce, {tensor});
+  c.reduction = op;
+  check_tensors(c, stream);
+  c.count = tensor.numel();
+  c.bytes = bytes_of(c.count, c.dtype);
+  return start(*state_, c,
+               [&](detail::CommImpl& impl) { return impl.all_reduce(flat(tensor), op, c.stream); });
+}
+
+Work Communicator::broadcast(const TensorView& tensor, int root, const Stream& stream) {
+  Call c(CommOp::Broadcast, {tensor});
+  check_rank(root, size(), "root", c.op);
+  c.root = root;
+  check_tensors(c, stream);
+  c.count = tensor.numel();
+  c.bytes = bytes_of(c.count, c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.broadcast(flat(tensor), root, c.stream);
+  });
+}
+
+Work Communicator::reduce(const TensorView& tensor, int root, ReduceOp op, const Stream& stream) {
+  Call c(CommOp::Reduce, {tensor});
+  check_rank(root, size(), "root", c.op);
+  c.root = root;
+  c.reduction = op;
+  check_tensors(c, stream);
+  c.count = tensor.numel();
+  c.bytes = bytes_of(c.count, c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.reduce(flat(tensor), root, op, c.stream);
+  });
+}
+
+Work Communicator::all_gather(const TensorView& input, const TensorView& output,
+                              const Stream& stream) {
+  Call c(CommOp::AllGather, {input, output});
+  check_tensors(c, stream);
+  check_numel(output, size() * input.numel(), "output", c.op);
+  c.count = input.numel();
+  c.bytes = bytes_of(output.numel(), c.dtype);
+  c.out_counts.assign(size(), input.numel());
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.all_gather(flat(input), flat(output), c.out_counts, c.stream);
+  });
+}
+
+Work Communicator::all_gather(const TensorView& input, const TensorView& output,
+                              const std::vector<std::int64_t>& output_split_sizes,
+                              const Stream& stream) {
+  Call c(CommOp::AllGather, {input, output});
+  check_tensors(c, stream);
+  check_same_rows(input, output, c.op);
+  c.uneven = true;
+  c.out_counts = split_elements(output_split_sizes, output, size(), "output_split_sizes", c.op);
+  check_numel(input, c.out_counts[rank()], "input", c.op);
+  c.count = input.numel();
+  c.bytes = bytes_of(output.numel(), c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.all_gather(flat(input), flat(output), c.out_counts, c.stream);
+  });
+}
+
+Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output, ReduceOp op,
+                                  const Stream& stream) {
+  Call c(CommOp::ReduceScatter, {input, output});
+  c.reduction = op;
+  check_tensors(c, stream);
+  check_numel(input, size() * output.numel(), "input", c.op);
+  c.count = output.numel();
+  c.bytes = bytes_of(input.numel(), c.dtype);
+  c.in_counts.assign(size(), output.numel());
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.reduce_scatter(flat(input), flat(output), c.in_counts, op, c.stream);
+  });
+}
+
+Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output,
+                                  const std::vector<std::int64_t>& input_split_sizes, ReduceOp op,
+                                  const Stream& stream) {
+  Call c(CommOp::ReduceScatter, {input, output});
+  c.reduction = op;
+  check_tensors(c, stream);
+  check_same_rows(input, output, c.op);
+  c.uneven = true;
+  c.in_counts = split_elements(input_split_sizes, input, size(), "input_split_sizes", c.op);
+  check_numel(output, c.in_counts[rank()], "output", c.op);
+  c.count = output.numel();
+  c.bytes = bytes_of(input.numel(), c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.reduce_scatter(flat(input), flat(output), c.in_counts, op, c.stream);
+  });
+}
+
+Work Communicator::gather(const TensorView& input, const TensorView& output, int root,
+                          const Stream& stream) {
+  check_rank(root, size(), "root", CommOp::Gather);
+  const bool is_root = rank() == root;
+  Call c(CommOp::Gather, {input});
+  if (is_root) c.tensors.push_back(output);
+  c.root = root;
+  check_tensors(c, stream);
+  if (is_root) check_numel(output, size() * input.numel(), "output", c.op);
+  c.count = input.numel();
+  c.bytes = bytes_of(is_root ? output.numel() : c.count, c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.gather(flat(input), is_root ? flat(output) : TensorView{}, root, c.stream);
+  });
+}
+
+Work Communicator::scatter(const TensorView& input, const TensorView& output, int root,
+                           const Stream& stream) {
+  check_rank(root, size(), "root", CommOp::Scatter);
+  const bool is_root = rank() == root;
+  Call c(CommOp::Scatter, {output});
+  if (is_root) c.tensors.push_back(input);
+  c.root = root;
+  check_tensors(c, stream);
+  if (is_root) check_numel(input, size() * output.numel(), "input", c.op);
+  c.count = output.numel();
+  c.bytes = bytes_of(is_root ? input.numel() : c.count, c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.scatter(is_root ? flat(input) : TensorView{}, flat(output), root, c.stream);
+  });
+}
+
+Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
+                              const std::vector<std::int64_t>& input_split_sizes,
+                              const std::vector<std::int64_t>& output_split_sizes,
+                              const Stream& stream) {
+  Call c(CommOp::AllToAll, {input, output});
+  check_tensors(c, stream);
+  const int n = size();
+  if (input_split_sizes.empty() && output_split_sizes.empty()) {
+    MESHFUSE_CHECK(input.numel() % n == 0, ErrorCode::InvalidArgument,
+                   "all_to_all: without split sizes the input {} must divide into {} blocks",
+                   input.str(), n);
+    check_numel(output, input.numel(), "output", c.op);
+    c.in_counts.assign(n, input.numel() / n);
+    c.out_counts = c.in_counts;
+  } else {
+    check_same_rows(input, output, c.op);
+    c.uneven = true;
+    c.in_counts = split_elements(input_split_sizes, input, n, "input_split_sizes", c.op);
+    c.out_counts = split_elements(output_split_sizes, output, n, "output_split_sizes", c.op);
+  }
+  c.count = input.numel();
+  c.bytes = bytes_of(std::max(input.numel(), output.numel()), c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.all_to_all(flat(input), flat(output), c.in_counts, c.out_counts, c.stream);
+  });
+}
+
+Work Communicator::send(const TensorView& tensor, int dst, int tag, const Stream& stream) {
+  Call c(CommOp::Send, {tensor});
+  check_rank(dst, size(), "destination", c.op);
+  MESHFUSE_CHECK(dst != rank() && tag >= 0, ErrorCode::InvalidArgument,
+                 "send: to rank {} with tag {} from rank {} (no sends to self, tags >= 0)", dst,
+                 tag, rank());
+  c.root = dst;
+  check_tensors(c, stream);
+  c.count = tensor.numel();
+  c.bytes = bytes_of(c.count, c.dtype);
+  return start(*state_, c,
+               [&](detail::CommImpl& impl) { return impl.send(flat(tensor), dst, tag, c.stream); });
+}
+
+Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream& stream) {
+  Call c(CommOp::Recv, {tensor});
+  check_rank(src, size(), "source", c.op);
+  MESHFUSE_CHECK(src != rank() && tag >= 0, ErrorCode::InvalidArgument,
+                 "recv: from rank {} with tag {} on rank {} (no receives from self, tags >= 0)",
+                 src, tag, rank());
+  c.root = src;
+  check_tensors(c, stream);
+  c.count = tensor.numel();
+  c.bytes = bytes_of(c.count, c.dtype);
+  return start(*state_, c,
+               [&](detail::CommImpl& impl) { return impl.recv(flat(tensor), src, tag, c.stream); });
+}
+
+Work Communicator::barrier(const Stream& stream) {
+  Call c(CommOp::Barrier, {});
+  check_tensors(c, stream);
+  return start(*state_, c, [&](detail::CommImpl& impl) { return impl.barrier(c.stream); });
+}
+
+}  // namespace meshfuse

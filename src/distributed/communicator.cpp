@@ -1,0 +1,197 @@
+// The generic layer of every communicator: the state of a team (CommState: its backends, set up on
+// first use, the rendezvous before them, the metadata exchange, the history and sub-teams) and the
+// Communicator's accessors. The operations are in collectives.cpp, their checks and records in
+// metadata_check.cpp and comm_record.cpp; backends only move bytes (comm_impl.h).
+#include "meshfuse/distributed/communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "distributed/comm_state.h"
+#include "meshfuse/core/error.h"
+
+namespace meshfuse {
+
+namespace detail {
+
+std::unique_ptr<CommState> CommState::child(std::vector<int> members, int new_rank,
+                                            std::string child_name) const {
+  auto c = std::make_unique<CommState>();
+  c->team = std::move(members);
+  c->rank = new_rank;
+  c->spec = spec;
+  c->launch = launch;
+  c->store = store;
+  c->local = local;
+  c->name = std::move(child_name);
+  c->timeout = timeout;
+  c->check = check;
+  c->history_size = history_size;
+  return c;
+}
+
+CommImpl& CommState::impl(CommunicatorBackend backend) {
+  auto it = impls.find(backend);
+  if (it != impls.end()) return *it->second;
+  TeamContext context;
+  context.team = team;
+  context.rank = rank;
+  context.launch = launch;
+  if (store)
+    context.store =
+        std::make_shared<PrefixStore>(name + "/" + std::string(to_string(backend)), store);
+  context.timeout = timeout;
+  context.name = name;
+  context.local = local;
+  context.bootstrap_exchange = [this, backend](const void* mine, void* all, std::size_t bytes) {
+    bootstrap_exchange(backend, mine, all, bytes);
+  };
+  std::unique_ptr<CommImpl> created;
+  switch (backend) {
+    case CommunicatorBackend::Local:
+      created = make_local_comm(context);
+      break;
+    case CommunicatorBackend::Gloo:
+      created = make_gloo_comm(context);
+      break;
+    case CommunicatorBackend::Mpi:
+      created = make_mpi_comm(context);
+      break;
+    case CommunicatorBackend::Nccl:
+      created = make_nccl_comm(context);
+      break;
+  }
+  return *impls.emplace(backend, std::move(created)).first->second;
+}
+
+void CommState::bootstrap_exchange(CommunicatorBackend backend, const void* mine, void* all,
+                                   std::size_t bytes) {
+  const std::string key = fmt::format("{}/boot{}/", name, boots++);
+  if (store) {
+    const auto* p = static_cast<const std::uint8_t*>(mine);
+    store->set(key + std::to_string(rank), Store::Bytes(p, p + bytes));
+    for (int r = 0; r < size(); ++r) {
+      const Store::Bytes v = store->get(key + std::to_string(r));
+      MESHFUSE_CHECK(v.size() == bytes, ErrorCode::CommunicationFailure,
+                     "communicator {}: rank {} sent {} bytes at set-up, expected {}", name, r,
+                     v.size(), bytes);
+      std::memcpy(static_cast<std::uint8_t*>(all) + r * bytes, v.data(), bytes);
+    }
+    return;
+  }
+  for (const auto& [device, other] : spec.backends)
+    if (other != backend) return impl(other).exchange(mine, all, bytes, CommClock::now() + timeout);
+  fail(ErrorCode::BackendUnavailable,
+       "communicator {}: {} needs a rendezvous store (MASTER_ADDR/MASTER_PORT or "
+       "MESHFUSE_STORE_PATH) or another backend in the spec '{}'",
+       name, to_string(backend), spec.str());
+}
+
+std::vector<Meta> CommState::exchange_meta(CommImpl& impl, const Meta& mine) {
+  const int n = size();
+  const std::size_t bytes = Meta::bytes(n);
+  std::vector<std::uint8_t> packed(bytes), all(bytes * n);
+  mine.pack(packed.data());
+  impl.exchange(packed.data(), all.data(), bytes, CommClock::now() + timeout);
+  std::vector<Meta> metas;
+  for (int r = 0; r < n; ++r) metas.push_back(Meta::unpack(all.data() + r * bytes, n));
+  compare(metas);
+  return metas;
+}
+
+void CommState::remember(const CommRecord& record) {
+  std::lock_guard lock(history_mutex);
+  if (history_size == 0) return;
+  history.push_back(record);
+  while (history.size() > history_size) history.pop_front();
+}
+
+std::shared_ptr<Communicator> CommState::split(int color, int key, const std::vector<int>* group) {
+  health->check(name);
+  const CommunicatorBackend backend = spec.backends.begin()->second;
+  CommImpl& channel = impl(backend);
+  const int n = size();
+  Meta mine{{kSplitOp, 0, color, -1, group != nullptr, 0, key},
+            std::vector<std::int64_t>(n, -1),
+            std::vector<std::int64_t>(n, -1)};
+  if (group) std::copy(group->begin(), group->end(), mine.in.begin());
+  std::vector<Meta> metas;
+  try {
+    metas = exchange_meta(channel, mine);
+  } catch (const Error& e) {
+    const std::string what =
+        fmt::format("communicator {}: {}: {}", name, group ? "new_group" : "split", message_of(e));
+    if (breaks_communicator(e.code())) health->fail_with(what, &channel);
+    throw Error(e.code(), what);
+  }
+  const int split_index = splits++;
+  if (color < 0) return nullptr;
+  // Members ordered by (key, rank here).
+  std::vector<int> order;
+  for (int r = 0; r < n; ++r)
+    if (metas[r].h.root == color) order.push_back(r);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return metas[a].h.count < metas[b].h.count; });
+  std::vector<int> members;
+  for (int r : order) members.push_back(team[r]);
+  const int new_rank =
+      static_cast<int>(std::find(order.begin(), order.end(), rank) - order.begin());
+  return make(
+      child(std::move(members), new_rank, fmt::format("{}.s{}c{}", name, split_index, color)));
+}
+
+}  // namespace detail
+
+// --- Communicator
+// ---------------------------------------------------------------------------------
+
+using detail::CommState;
+
+Communicator::Communicator(std::unique_ptr<CommState> state) : state_(std::move(state)) {}
+Communicator::~Communicator() = default;
+
+int Communicator::rank() const { return state_->rank; }
+int Communicator::size() const { return state_->size(); }
+const std::vector<int>& Communicator::team() const { return state_->team; }
+const BackendSpec& Communicator::spec() const { return state_->spec; }
+CommunicatorBackend Communicator::backend(DeviceType type) const {
+  return state_->spec.for_device(type);
+}
+std::chrono::milliseconds Communicator::timeout() const { return state_->timeout; }
+void Communicator::set_timeout(std::chrono::milliseconds timeout) { state_->timeout = timeout; }
+bool Communicator::checks() const { return state_->check; }
+void Communicator::set_checks(bool on) { state_->check = on; }
+
+std::vector<CommRecord> Communicator::history() const {
+  std::lock_guard lock(state_->history_mutex);
+  return {state_->history.begin(), state_->history.end()};
+}
+std::size_t Communicator::history_size() const { return state_->history_size; }
+void Communicator::set_history_size(std::size_t n) {
+  std::lock_guard lock(state_->history_mutex);
+  state_->history_size = n;
+  while (state_->history.size() > n) state_->history.pop_front();
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  return state_->split(color, key, nullptr);
+}
+
+std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {
+  const int n = size();
+  MESHFUSE_CHECK(!ranks.empty() && static_cast<int>(ranks.size()) <= n, ErrorCode::InvalidArgument,
+                 "new_group: {} ranks in a team of {}", ranks.size(), n);
+  std::vector<bool> seen(n);
+  for (int r : ranks) {
+    MESHFUSE_CHECK(r >= 0 && r < n && !seen[r], ErrorCode::InvalidArgument,
+                   "new_group: rank {} is outside 0..{} or listed twice", r, n - 1);
+    seen[r] = true;
+  }
+  const auto it = std::find(ranks.begin(), ranks.end(), rank());
+  const bool member = it != ranks.end();
+  return state_->split(member ? 0 : -1, member ? static_cast<int>(it - ranks.begin()) : 0, &ranks);
+}
+
+}  // namespace meshfuse
