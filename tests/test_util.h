@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,12 @@ inline std::string op_case_name(const ::testing::TestParamInfo<OpCase>& info) {
 }
 inline std::string target_param_name(const ::testing::TestParamInfo<Target>& info) {
   return target_name(info.param);
+}
+
+// How GoogleTest prints a parameter (else it dumps the struct's bytes).
+inline void PrintTo(const Target& t, std::ostream* os) { *os << target_name(t); }
+inline void PrintTo(const OpCase& c, std::ostream* os) {
+  *os << target_name(c.target) << " " << to_string(c.dtype);
 }
 
 // Skips the current test when the target's device is absent.
