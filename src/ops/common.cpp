@@ -24,6 +24,23 @@ void check_same_dtype(std::string_view op, std::string_view name, const TensorVi
                  to_string(expected), to_string(t.dtype()));
 }
 
+void check_float(std::string_view op, std::string_view name, const TensorView& t) {
+  check_defined(op, name, t);
+  check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
+}
+
+void check_dtype_of(std::string_view op, std::string_view name, const TensorView& t,
+                    const TensorView& like, std::string_view like_name) {
+  check_defined(op, name, t);
+  check_same_dtype(op, name, t, like.dtype(), like_name);
+}
+
+void check_like(std::string_view op, std::string_view name, const TensorView& t,
+                const TensorView& like, std::string_view like_name) {
+  check_dtype_of(op, name, t, like, like_name);
+  check_shape(op, name, t, like.shape());
+}
+
 void check_rank(std::string_view op, std::string_view name, const TensorView& t,
                 std::int64_t rank) {
   MESHFUSE_CHECK(t.dim() == rank, ErrorCode::InvalidArgument,

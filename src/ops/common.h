@@ -34,6 +34,15 @@ void check_dtype(std::string_view op, std::string_view name, const TensorView& t
 // Throws DTypeMismatch unless t.dtype() == expected.
 void check_same_dtype(std::string_view op, std::string_view name, const TensorView& t,
                       DType expected, std::string_view expected_from);
+// A defined tensor of a floating dtype (f32, f64, bf16, f16), else InvalidArgument /
+// DTypeMismatch.
+void check_float(std::string_view op, std::string_view name, const TensorView& t);
+// A defined tensor of the dtype of `like` (named `like_name`).
+void check_dtype_of(std::string_view op, std::string_view name, const TensorView& t,
+                    const TensorView& like, std::string_view like_name);
+// A defined tensor of the dtype and shape of `like`.
+void check_like(std::string_view op, std::string_view name, const TensorView& t,
+                const TensorView& like, std::string_view like_name);
 // Throws InvalidArgument unless t.dim() == rank.
 void check_rank(std::string_view op, std::string_view name, const TensorView& t, std::int64_t rank);
 // Throws ShapeMismatch unless t.shape() == expected.

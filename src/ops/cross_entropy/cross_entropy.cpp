@@ -99,8 +99,7 @@ const auto kBackward =
 detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& logits,
                                        const TensorView& labels,
                                        const CrossEntropyOptions& options) {
-  detail::check_defined(op, "logits", logits);
-  detail::check_dtype(op, "logits", logits, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_float(op, "logits", logits);
   detail::check_rank(op, "logits", logits, 2);
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});

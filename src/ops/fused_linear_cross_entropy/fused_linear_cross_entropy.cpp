@@ -51,8 +51,7 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                                 const TensorView& grad_bias, const CrossEntropyOptions& options,
                                 std::int64_t chunk_rows, const Stream& stream) {
   constexpr std::string_view op = kFusedLinearCrossEntropy;
-  detail::check_defined(op, "x", x);
-  detail::check_dtype(op, "x", x, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_float(op, "x", x);
   detail::check_rank(op, "x", x, 2);
   detail::check_defined(op, "weight", weight);
   detail::check_same_dtype(op, "weight", weight, x.dtype(), "x");

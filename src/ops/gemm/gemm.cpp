@@ -86,17 +86,6 @@ GemmMatrix output(const TensorView& t, std::int64_t cols, std::int64_t rows) {
   return {t.data(), std::max<std::int64_t>(cols, 1), rows * cols, false};
 }
 
-void check_float(std::string_view op, std::string_view name, const TensorView& t) {
-  detail::check_defined(op, name, t);
-  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
-}
-
-void check_like(std::string_view op, std::string_view name, const TensorView& t, DType dtype,
-                std::string_view like) {
-  detail::check_defined(op, name, t);
-  detail::check_same_dtype(op, name, t, dtype, like);
-}
-
 Shape with_last(Shape shape, std::int64_t last) {
   shape.back() = last;
   return shape;
@@ -106,8 +95,8 @@ Shape with_last(Shape shape, std::int64_t last) {
 void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::int64_t rank,
             const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
             const GemmOptions& o, const Stream& stream) {
-  check_float(op, "a", a);
-  check_like(op, "b", b, a.dtype(), "a");
+  detail::check_float(op, "a", a);
+  detail::check_dtype_of(op, "b", b, a, "a");
   detail::check_rank(op, "a", a, rank);
   detail::check_rank(op, "b", b, rank);
   const std::int64_t batch = rank == 3 ? a.size(0) : 1;
@@ -123,7 +112,7 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
                  kb);
   const Shape out_shape = rank == 3 ? Shape{batch, m, n} : Shape{m, n};
   if (c.defined()) {
-    check_like(op, "c", c, a.dtype(), "a");
+    detail::check_dtype_of(op, "c", c, a, "a");
     detail::check_shape(op, "c", c, out_shape);
   } else {
     MESHFUSE_CHECK(o.beta == 0, ErrorCode::InvalidArgument,
@@ -142,10 +131,10 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
 
 // The checks shared by linear and linear_backward; returns N.
 std::int64_t check_linear(std::string_view op, const TensorView& x, const TensorView& weight) {
-  check_float(op, "x", x);
+  detail::check_float(op, "x", x);
   MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
                  "{}: 'x' must have at least 1 dimension, got a 0-d tensor", op);
-  check_like(op, "weight", weight, x.dtype(), "x");
+  detail::check_dtype_of(op, "weight", weight, x, "x");
   detail::check_rank(op, "weight", weight, 2);
   MESHFUSE_CHECK(weight.size(1) == x.size(-1), ErrorCode::ShapeMismatch,
                  "{}: 'weight' {} must be (N, {}) to match the last dim of 'x' {}", op,
@@ -170,7 +159,7 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
   constexpr std::string_view op = "linear";
   const std::int64_t n = check_linear(op, x, weight);
   if (bias.defined()) {
-    check_like(op, "bias", bias, x.dtype(), "x");
+    detail::check_dtype_of(op, "bias", bias, x, "x");
     detail::check_shape(op, "bias", bias, {n});
   }
   detail::check_output(op, "out", out, with_last(x.shape(), n), x.dtype());
@@ -191,7 +180,7 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
                      const TensorView& grad_bias, const Stream& stream) {
   constexpr std::string_view op = "linear_backward";
   const std::int64_t n = check_linear(op, x, weight);
-  check_like(op, "grad_out", grad_out, x.dtype(), "x");
+  detail::check_dtype_of(op, "grad_out", grad_out, x, "x");
   detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), n));
   if (grad_x.defined()) detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
   if (grad_weight.defined())

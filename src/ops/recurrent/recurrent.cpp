@@ -36,18 +36,6 @@ const TensorView* gru_weights(const GruParams& p, int k) {
   return t[k];
 }
 
-void check_float(std::string_view op, std::string_view name, const TensorView& t) {
-  detail::check_defined(op, name, t);
-  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
-}
-
-// A defined tensor of the dtype of `like`.
-void check_dtype_of(std::string_view op, std::string_view name, const TensorView& t,
-                    const TensorView& like, std::string_view like_name) {
-  detail::check_defined(op, name, t);
-  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
-}
-
 // The token rows of a call, read from the tensor that defines them (the forward's input, the
 // backward's output): padded (B, S, heads, H) or packed (T, heads, H) with cu_seqlens.
 struct Rows {
@@ -283,8 +271,8 @@ void rnn(const TensorView& input, const TensorView& weight, const TensorView& in
          const TensorView& output, const TensorView& final_state, const TensorView& cu_seqlens,
          std::int64_t max_seqlen, const Stream& stream) {
   constexpr std::string_view op = "rnn";
-  check_float(op, "input", input);
-  check_dtype_of(op, "weight", weight, input, "input");
+  detail::check_float(op, "input", input);
+  detail::check_dtype_of(op, "weight", weight, input, "input");
   detail::run_kernel(
       kRnn,
       {{"input", input},
@@ -313,9 +301,9 @@ void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_st
                   const TensorView& grad_input_state, std::optional<double> gradient_clipping,
                   const TensorView& cu_seqlens, std::int64_t max_seqlen, const Stream& stream) {
   constexpr std::string_view op = "rnn_backward";
-  check_float(op, "output", output);
-  check_dtype_of(op, "weight", weight, output, "output");
-  check_dtype_of(op, "grad_input", grad_input, output, "output");
+  detail::check_float(op, "output", output);
+  detail::check_dtype_of(op, "weight", weight, output, "output");
+  detail::check_dtype_of(op, "grad_input", grad_input, output, "output");
   const double clip = clipping_bound(op, gradient_clipping);
   detail::run_kernel(
       kRnnBackward,
@@ -357,8 +345,8 @@ namespace {
 std::vector<HeadCount> check_gru_params(std::string_view op, const GruParams& p, const Rows& rows,
                                         const TensorView& like, std::string_view like_name) {
   for (int k = 0; k < 3; ++k) {
-    check_dtype_of(op, kGruInputNames[k], *gru_inputs(p, k), like, like_name);
-    check_dtype_of(op, kGruWeightNames[k], *gru_weights(p, k), like, like_name);
+    detail::check_dtype_of(op, kGruInputNames[k], *gru_inputs(p, k), like, like_name);
+    detail::check_dtype_of(op, kGruWeightNames[k], *gru_weights(p, k), like, like_name);
   }
   std::vector<HeadCount> counts;
   for (int k = 0; k < 3; ++k)
@@ -387,7 +375,7 @@ void gru(const GruParams& params, const TensorView& input_state, const TensorVie
          const Stream& stream) {
   constexpr std::string_view op = "gru";
   const TensorView& input = params.input;
-  check_float(op, "input", input);
+  detail::check_float(op, "input", input);
   detail::run_kernel(
       kGru,
       {{"input", input},
@@ -417,7 +405,7 @@ void gru_backward(const TensorView& grad_output, const TensorView& grad_final_st
                   std::optional<double> gradient_clipping, const TensorView& cu_seqlens,
                   std::int64_t max_seqlen, const Stream& stream) {
   constexpr std::string_view op = "gru_backward";
-  check_float(op, "output", output);
+  detail::check_float(op, "output", output);
   const double clip = clipping_bound(op, gradient_clipping);
   detail::run_kernel(
       kGruBackward,

@@ -19,17 +19,9 @@ const auto kFused =
 const auto kFusedBackward = MESHFUSE_KERNEL_TABLE("fused_residual_add_rmsnorm_backward",
                                                   detail::kFloatDTypes, rmsnorm_backward);
 
-void check_like(std::string_view op, std::string_view name, const TensorView& t,
-                const TensorView& like, std::string_view like_name) {
-  detail::check_defined(op, name, t);
-  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
-  detail::check_shape(op, name, t, like.shape());
-}
-
 // x must be a floating tensor of rank >= 1; returns its (rows, H).
 detail::RmsNormShape row_shape(std::string_view op, std::string_view name, const TensorView& x) {
-  detail::check_defined(op, name, x);
-  detail::check_dtype(op, name, x, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_float(op, name, x);
   MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
                  "{}: '{}' must have at least 1 dimension, got a 0-d tensor", op, name);
   return {x.dtype(), detail::leading_rows(x), x.size(-1)};
@@ -55,7 +47,7 @@ void forward(std::string_view op, const KernelTable<detail::RmsNormForwardFn>& t
              const TensorView& y, const TensorView& r, const TensorView& rstd, double eps,
              double multiplier, const Stream& stream) {
   const detail::RmsNormShape s = row_shape(op, "x", x);
-  if (residual.defined()) check_like(op, "residual", residual, x, "x");
+  if (residual.defined()) detail::check_like(op, "residual", residual, x, "x");
   check_weight(op, weight, x, "x");
   MESHFUSE_CHECK(eps >= 0, ErrorCode::InvalidArgument, "{}: 'eps' must be >= 0, got {}", op, eps);
   detail::check_output(op, "y", y, x.shape(), x.dtype());
@@ -83,7 +75,7 @@ void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>&
               const TensorView& dx, const TensorView& dresidual, const TensorView& dweight,
               double multiplier, const Stream& stream) {
   const detail::RmsNormShape s = row_shape(op, "grad_y", grad_y);
-  check_like(op, input_name, input, grad_y, "grad_y");
+  detail::check_like(op, input_name, input, grad_y, "grad_y");
   const bool residual = dresidual.defined();
   // dresidual may be dx itself when multiplier is 1 (then they are equal): written once.
   const bool shared = residual && dresidual.data() == dx.data();
@@ -94,7 +86,7 @@ void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>&
   const TensorView written_dresidual = shared ? TensorView() : dresidual;
   if (grad_r.defined()) {
     check_absent_without(op, "grad_r", grad_r, residual, "dresidual");
-    check_like(op, "grad_r", grad_r, grad_y, "grad_y");
+    detail::check_like(op, "grad_r", grad_r, grad_y, "grad_y");
   }
   check_weight(op, weight, grad_y, "grad_y");
   detail::check_defined(op, "rstd", rstd);

@@ -13,18 +13,10 @@ const auto kBackward =
 
 // Checks `x` (floating, rank >= 1) and returns its rows x cols.
 detail::SoftmaxShape rows_of(std::string_view op, std::string_view name, const TensorView& x) {
-  detail::check_defined(op, name, x);
-  detail::check_dtype(op, name, x, {DType::F32, DType::F64, DType::BF16, DType::F16});
+  detail::check_float(op, name, x);
   MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
                  "{}: '{}' must have at least 1 dimension, got a 0-d tensor", op, name);
   return {x.dtype(), detail::leading_rows(x), x.size(-1)};
-}
-
-void check_like(std::string_view op, std::string_view name, const TensorView& t,
-                const TensorView& like, std::string_view like_name) {
-  detail::check_defined(op, name, t);
-  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
-  detail::check_shape(op, name, t, like.shape());
 }
 
 }  // namespace
@@ -44,7 +36,7 @@ void softmax_backward(const TensorView& grad_y, const TensorView& y, const Tenso
                       double logits_multiplier, const Stream& stream) {
   constexpr std::string_view op = "softmax_backward";
   const detail::SoftmaxShape s = rows_of(op, "y", y);
-  check_like(op, "grad_y", grad_y, y, "y");
+  detail::check_like(op, "grad_y", grad_y, y, "y");
   detail::check_output(op, "grad_x", grad_x, y.shape(), y.dtype());
   detail::run_kernel(kBackward, {{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {

@@ -30,18 +30,6 @@ std::pair<SwigluOperand, SwigluOperand> packed(const TensorView& x, SwigluLayout
   return {{base, 2 * cols, 2}, {base + e, 2 * cols, 2}};
 }
 
-void check_float(std::string_view op, std::string_view name, const TensorView& t) {
-  detail::check_defined(op, name, t);
-  detail::check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});
-}
-
-void check_like(std::string_view op, std::string_view name, const TensorView& t,
-                const TensorView& like, std::string_view like_name) {
-  detail::check_defined(op, name, t);
-  detail::check_same_dtype(op, name, t, like.dtype(), like_name);
-  detail::check_shape(op, name, t, like.shape());
-}
-
 // The packed last dim must be even; returns I = last dim / 2.
 std::int64_t half_width(std::string_view op, const TensorView& x) {
   MESHFUSE_CHECK(x.dim() >= 1, ErrorCode::InvalidArgument,
@@ -62,8 +50,8 @@ Shape with_last(Shape shape, std::int64_t last) {
 void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
             const Stream& stream) {
   constexpr std::string_view op = "swiglu";
-  check_float(op, "gate", gate);
-  check_like(op, "up", up, gate, "gate");
+  detail::check_float(op, "gate", gate);
+  detail::check_like(op, "up", up, gate, "gate");
   detail::check_output(op, "out", out, gate.shape(), gate.dtype());
   const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
                       gate.dim() == 0 ? 1 : gate.size(-1)};
@@ -77,9 +65,9 @@ void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
 void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
                      const TensorView& grad_gate, const TensorView& grad_up, const Stream& stream) {
   constexpr std::string_view op = "swiglu_backward";
-  check_float(op, "gate", gate);
-  check_like(op, "up", up, gate, "gate");
-  check_like(op, "grad_out", grad_out, gate, "gate");
+  detail::check_float(op, "gate", gate);
+  detail::check_like(op, "up", up, gate, "gate");
+  detail::check_like(op, "grad_out", grad_out, gate, "gate");
   detail::check_output(op, "grad_gate", grad_gate, gate.shape(), gate.dtype());
   detail::check_output(op, "grad_up", grad_up, gate.shape(), gate.dtype());
   const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
@@ -100,7 +88,7 @@ void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const T
 void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& out,
                    const Stream& stream) {
   constexpr std::string_view op = "swiglu_packed";
-  check_float(op, "x", x);
+  detail::check_float(op, "x", x);
   const std::int64_t cols = half_width(op, x);
   detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
   detail::run_kernel(kPacked, {{"x", x}, {"out", out}}, stream,
@@ -114,7 +102,7 @@ void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& o
 void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, SwigluLayout layout,
                             const TensorView& grad_x, const Stream& stream) {
   constexpr std::string_view op = "swiglu_packed_backward";
-  check_float(op, "x", x);
+  detail::check_float(op, "x", x);
   const std::int64_t cols = half_width(op, x);
   detail::check_defined(op, "grad_out", grad_out);
   detail::check_same_dtype(op, "grad_out", grad_out, x.dtype(), "x");
