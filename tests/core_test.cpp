@@ -240,6 +240,28 @@ TEST_P(CoreOnDevices, BackendFollowsTheDeviceAndForcingAnotherIsAnError) {
   }
 }
 
+// The stream contract: an op given a stream of another device than its tensors fails before it
+// writes anything, on every backend that could run the tensors; no stream is relabelled.
+TEST_P(CoreOnDevices, AStreamOfAnotherDeviceIsAnErrorBeforeAnyWrite) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream own{target.device};
+  const Stream other = target.device.type == DeviceType::CUDA ? Stream{} : Stream{test::kCuda};
+  const Tensor x = test::on(test::randn({3, 5}, DType::F32, 6), target.device, own);
+  const Tensor y = test::on(test::full({3, 5}, DType::F32, 7.0), target.device, own);
+  for (KernelBackend backend : {target.backend, KernelBackend::Reference}) {
+    ForceKernelBackend force(backend);
+    expect_error(
+        [&] {
+          softmax(x, y, 1.0, other);
+        },
+        ErrorCode::DeviceMismatch,
+        {fmt::format("softmax: the stream is on {} but the tensors are on {}", other.device.str(),
+                     target.device.str())});
+  }
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(y, own), test::full({3, 5}, DType::F32, 7.0)));
+}
+
 INSTANTIATE_TEST_SUITE_P(, CoreOnDevices, ::testing::ValuesIn(test::kernel_targets()),
                          test::target_param_name);
 
