@@ -251,13 +251,9 @@ TEST_P(CoreOnDevices, AStreamOfAnotherDeviceIsAnErrorBeforeAnyWrite) {
   const Tensor y = test::on(test::full({3, 5}, DType::F32, 7.0), target.device, own);
   for (KernelBackend backend : {target.backend, KernelBackend::Reference}) {
     ForceKernelBackend force(backend);
-    expect_error(
-        [&] {
-          softmax(x, y, 1.0, other);
-        },
-        ErrorCode::DeviceMismatch,
-        {fmt::format("softmax: the stream is on {} but the tensors are on {}", other.device.str(),
-                     target.device.str())});
+    expect_error([&] { softmax(x, y, 1.0, other); }, ErrorCode::DeviceMismatch,
+                 {fmt::format("softmax: the stream is on {} but the tensors are on {}",
+                              other.device.str(), target.device.str())});
   }
   EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(y, own), test::full({3, 5}, DType::F32, 7.0)));
 }
