@@ -19,6 +19,8 @@ std::string_view to_string(ErrorCode code) {
 }
 
 Error::Error(ErrorCode code, const std::string& message)
-    : std::runtime_error(fmt::format("[{}] {}", to_string(code), message)), code_(code) {}
+    : std::runtime_error(fmt::format("[{}] {}", to_string(code), message)),
+      code_(code),
+      message_(message) {}
 
 }  // namespace meshfuse

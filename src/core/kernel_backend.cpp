@@ -118,7 +118,17 @@ KernelTableBase::KernelTableBase(std::string op, std::vector<KernelInfo> kernels
     : op_(std::move(op)), kernels_(std::move(kernels)) {
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
+  // One table per op name: resolved_backend() and the listings find an op by its name.
+  for (const KernelTableBase* t : r.tables)
+    MESHFUSE_CHECK(t->op() != op_, ErrorCode::Internal, "kernel registry: two tables for op '{}'",
+                   op_);
   r.tables.push_back(this);
+}
+
+KernelTableBase::~KernelTableBase() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::erase(r.tables, this);
 }
 
 KernelTableBase::Resolution KernelTableBase::resolve(std::span<const NamedTensor> tensors) const {
@@ -148,7 +158,7 @@ KernelBackend resolved_backend(std::string_view op, const std::vector<NamedTenso
     Registry& r = registry();
     std::lock_guard lock(r.mutex);
     for (const detail::KernelTableBase* t : r.tables)
-      if (t->op() == op) table = t;
+      if (t->op() == op) table = t;  // names are unique (checked as tables register)
   }
   return resolve(op, table ? table->kernels() : kNone, tensors).backend;
 }

@@ -25,9 +25,6 @@ bool is_rooted(CommOp op);
 
 // --- Work (work.cpp)
 
-// The message of an Error without the "[code] " prefix that what() adds.
-std::string message_of(const Error& e);
-
 // Whether an error leaves the communicator out of step with its peers.
 bool breaks_communicator(ErrorCode code);
 

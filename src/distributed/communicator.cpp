@@ -122,7 +122,7 @@ std::shared_ptr<Communicator> CommState::split(int color, int key, const std::ve
     metas = exchange_meta(channel, mine);
   } catch (const Error& e) {
     const std::string what =
-        fmt::format("communicator {}: {}: {}", name, group ? "new_group" : "split", message_of(e));
+        fmt::format("communicator {}: {}: {}", name, group ? "new_group" : "split", e.message());
     if (breaks_communicator(e.code())) health->fail_with(what, &channel);
     throw Error(e.code(), what);
   }

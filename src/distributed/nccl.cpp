@@ -87,6 +87,16 @@ void check_cuda(cudaError_t status, std::string_view what) {
        cudaGetErrorName(status), cudaGetErrorString(status));
 }
 
+// core's DeviceGuard with its CUDA error as this backend's other CUDA errors: a device that cannot
+// be made current fails the operation with CommunicationFailure, which breaks the communicator.
+cuda::DeviceGuard device_guard(int device) {
+  try {
+    return cuda::DeviceGuard(device);
+  } catch (const Error& e) {
+    fail(ErrorCode::CommunicationFailure, "nccl: {}", e.message());
+  }
+}
+
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
     case DType::F32:
@@ -208,7 +218,7 @@ class NcclComm : public CommImpl {
     if (rank_ == 0) check(nccl().GetUniqueId(&id), "ncclGetUniqueId");
     std::vector<ncclUniqueId> ids(static_cast<std::size_t>(size_));
     context.bootstrap_exchange(&id, ids.data(), sizeof id);
-    const cuda::DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard = device_guard(device_);
     handle_->device = device_;
     check(nccl().CommInitRank(&handle_->comm, size_, ids[0], rank_), "ncclCommInitRank");
     comm_ = handle_->comm;
@@ -233,7 +243,7 @@ class NcclComm : public CommImpl {
   // Through the device: host bytes up, ncclAllGather, back down, on a stream of our own. The host
   // side is pinned, so that no copy blocks and the wait can honour the deadline.
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
-    const cuda::DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard = device_guard(device_);
     const std::size_t total = bytes * static_cast<std::size_t>(size_ + 1);
     if (scratch_bytes_ < total) {
       if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");
@@ -420,7 +430,7 @@ class NcclComm : public CommImpl {
 
   // An all-reduce of one int on a scratch buffer, as torch.distributed's NCCL barrier.
   std::shared_ptr<WorkImpl> barrier(const Stream& stream) override {
-    const cuda::DeviceGuard guard(device_);
+    const cuda::DeviceGuard guard = device_guard(device_);
     check_device(stream.device, "stream");
     if (!barrier_) check_cuda(cudaMalloc(&barrier_, sizeof(int)), "cudaMalloc");
     check(nccl().AllReduce(barrier_, barrier_, 1, ncclInt32, ncclSum, comm_, native(stream)),
@@ -436,7 +446,7 @@ class NcclComm : public CommImpl {
   // The scope of one operation: the device made current and the tensors' device checked.
   struct Launch {
     Launch(const NcclComm& comm, const TensorView& t, const Stream& s)
-        : guard(comm.device_), stream(native(s)) {
+        : guard(device_guard(comm.device_)), stream(native(s)) {
       comm.check_device(t.device(), "tensor");
       comm.check_device(s.device, "stream");
     }

@@ -99,12 +99,6 @@ std::shared_ptr<WorkImpl> WorkerQueue::submit(std::function<void()> task) {
   return work;
 }
 
-std::string message_of(const Error& e) {
-  const std::string what = e.what();
-  const std::string prefix = fmt::format("[{}] ", to_string(e.code()));
-  return what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
-}
-
 bool breaks_communicator(ErrorCode code) {
   return code == ErrorCode::Timeout || code == ErrorCode::CommunicationFailure;
 }
@@ -116,7 +110,7 @@ bool breaks_communicator(ErrorCode code) {
     message += fmt::format(
         "not finished after {} ms (has every rank of the team called it? is one dead?): ",
         timeout.count());
-  message += message_of(e);
+  message += e.message();
   if (breaks_communicator(e.code())) health.fail_with(message, impl);
   throw Error(e.code(), message);
 }

@@ -70,8 +70,9 @@ KernelCall::KernelCall(std::string_view op, KernelBackend backend, Device device
     : host_(backend == KernelBackend::Reference && device.type == DeviceType::CUDA),
       stream_(stream) {
   MESHFUSE_CHECK(stream.device == device, ErrorCode::DeviceMismatch,
-                 "{}: the stream is on {} but the tensors are on {}", op, stream.device.str(),
-                 device.str());
+                 "{}: the stream is on {} but the tensors are on {} (pass a stream of {}: "
+                 "Stream{{device}} is its default stream)",
+                 op, stream.device.str(), device.str(), device.str());
 }
 
 TensorView KernelCall::input(const TensorView& t) {

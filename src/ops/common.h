@@ -81,9 +81,12 @@ KernelTable<Fn> kernel_table(std::string op, const std::vector<DType>& dtypes, F
 class KernelCall {
  public:
   KernelCall(std::string_view op, KernelBackend backend, Device device, const Stream& stream);
+  KernelCall(const KernelCall&) = delete;  // one call finishes once
+  KernelCall& operator=(const KernelCall&) = delete;
   // `t` contiguous, on the kernel's device (undefined stays undefined).
   TensorView input(const TensorView& t);
-  // `t` on the kernel's device with its layout (gemm's operands are read with their strides).
+  // `t` on the kernel's device with its layout (gemm's operands are read with their strides); a
+  // host copy, contiguous, when the reference runs on CUDA tensors.
   TensorView strided_input(const TensorView& t);
   // Where the kernel writes `t`; a host copy holds its current contents (some kernels accumulate
   // into outputs).
@@ -147,6 +150,12 @@ decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
     default:
       fail_dtype(op, dtype);
   }
+}
+
+// `shape` with its last size replaced by `last`.
+inline Shape with_last(Shape shape, std::int64_t last) {
+  shape.back() = last;
+  return shape;
 }
 
 // Product of all sizes but the last (the "rows" of a row-wise op); 1 for a 1-D tensor.

@@ -28,9 +28,12 @@ class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message);
   ErrorCode code() const noexcept { return code_; }
+  // The message without the "[code] " prefix of what(), for wrapping in another error's message.
+  const std::string& message() const noexcept { return message_; }
 
  private:
   ErrorCode code_;
+  std::string message_;
 };
 
 }  // namespace meshfuse

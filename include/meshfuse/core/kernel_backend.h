@@ -8,7 +8,9 @@
 //      (cpu -> `cpu`, cuda -> `cuda`);
 //   3. that backend must have a kernel for the op supporting the device type and the op's dtype
 //      (the dtype of its first tensor), else Error(Unsupported / BackendUnavailable) naming the
-//      op, backend, device and dtype. There is never a silent fallback to another backend.
+//      op, backend, device and dtype. There is never a silent fallback to another backend;
+//   4. the call's stream must be on that device (stream.h), else Error(DeviceMismatch): a stream
+//      is never relabelled.
 #pragma once
 
 #include <optional>
@@ -98,7 +100,7 @@ class KernelTableBase {
 
  protected:
   KernelTableBase(std::string op, std::vector<KernelInfo> kernels);
-  ~KernelTableBase() = default;
+  ~KernelTableBase();  // leaves the registry (tables of a static library's unloading, exit)
 
  private:
   std::string op_;
@@ -109,7 +111,7 @@ class KernelTableBase {
 
 // An op's table of kernels of one signature: the one place that says which backend runs it on
 // which devices and dtypes, and with which function. Each op's front-end owns one per direction
-// (src/ops/common.h declares the usual ones) and calls select() to get the function to run.
+// (src/ops/common.h builds the usual ones) and calls select() to get the function to run.
 template <typename Fn>
 class KernelTable : public detail::KernelTableBase {
  public:

@@ -11,7 +11,8 @@
 // rounded once). Any rank >= 1; outputs are contiguous and preallocated by the caller.
 // Errors: DTypeMismatch (dtypes differ or not floating), ShapeMismatch (shapes differ),
 // InvalidArgument (0-d input, output not contiguous), DeviceMismatch (tensors on different
-// devices), Unsupported / BackendUnavailable (see kernel_backend.h).
+// devices, or a stream of another device), Unsupported / BackendUnavailable (see
+// kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

@@ -37,7 +37,8 @@ void check_parameter_grad(std::string_view name, const TensorView& t, const Shap
   detail::check_output(op, name, t, shape, t.dtype());
 }
 
-void check_like(std::string_view name, const TensorView& t, DType dtype, const Shape& shape) {
+void check_dtype_and_shape(std::string_view name, const TensorView& t, DType dtype,
+                           const Shape& shape) {
   detail::check_same_dtype(kFusedLinearCrossEntropy, name, t, dtype, "x");
   detail::check_shape(kFusedLinearCrossEntropy, name, t, shape);
 }
@@ -63,7 +64,7 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                                  weight.size(0),     chunk_rows,       options.reduction,
                                  bias.defined(),     grad_x.defined(), grad_weight.defined(),
                                  grad_bias.defined()};
-  if (bias.defined()) check_like("bias", bias, s.dtype, {s.vocab});
+  if (bias.defined()) check_dtype_and_shape("bias", bias, s.dtype, {s.vocab});
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {s.rows});
@@ -78,7 +79,7 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                  "{}: 'grad_loss' (the upstream gradient of the loss) is required when a gradient "
                  "output is given",
                  op);
-  if (grad_loss.defined()) check_like("grad_loss", grad_loss, s.dtype, loss_shape);
+  if (grad_loss.defined()) check_dtype_and_shape("grad_loss", grad_loss, s.dtype, loss_shape);
   if (s.grad_x) detail::check_output(op, "grad_x", grad_x, x.shape(), s.dtype);
   if (s.grad_weight) check_parameter_grad("grad_weight", grad_weight, weight.shape(), s.dtype);
   if (s.grad_bias) {

@@ -86,11 +86,6 @@ GemmMatrix output(const TensorView& t, std::int64_t cols, std::int64_t rows) {
   return {t.data(), std::max<std::int64_t>(cols, 1), rows * cols, false};
 }
 
-Shape with_last(Shape shape, std::int64_t last) {
-  shape.back() = last;
-  return shape;
-}
-
 // gemm (rank 2) and bmm (rank 3).
 void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::int64_t rank,
             const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
@@ -162,7 +157,7 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
     detail::check_dtype_of(op, "bias", bias, x, "x");
     detail::check_shape(op, "bias", bias, {n});
   }
-  detail::check_output(op, "out", out, with_last(x.shape(), n), x.dtype());
+  detail::check_output(op, "out", out, detail::with_last(x.shape(), n), x.dtype());
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
   detail::run_kernel(
       kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
@@ -181,7 +176,7 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
   constexpr std::string_view op = "linear_backward";
   const std::int64_t n = check_linear(op, x, weight);
   detail::check_dtype_of(op, "grad_out", grad_out, x, "x");
-  detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), n));
+  detail::check_shape(op, "grad_out", grad_out, detail::with_last(x.shape(), n));
   if (grad_x.defined()) detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
   if (grad_weight.defined())
     detail::check_output(op, "grad_weight", grad_weight, weight.shape(), x.dtype());

@@ -40,11 +40,6 @@ std::int64_t half_width(std::string_view op, const TensorView& x) {
   return x.size(-1) / 2;
 }
 
-Shape with_last(Shape shape, std::int64_t last) {
-  shape.back() = last;
-  return shape;
-}
-
 }  // namespace
 
 void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
@@ -90,7 +85,7 @@ void swiglu_packed(const TensorView& x, SwigluLayout layout, const TensorView& o
   constexpr std::string_view op = "swiglu_packed";
   detail::check_float(op, "x", x);
   const std::int64_t cols = half_width(op, x);
-  detail::check_output(op, "out", out, with_last(x.shape(), cols), x.dtype());
+  detail::check_output(op, "out", out, detail::with_last(x.shape(), cols), x.dtype());
   detail::run_kernel(kPacked, {{"x", x}, {"out", out}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        const auto [gate, up] = packed(call.input(x), layout, cols);
@@ -106,7 +101,7 @@ void swiglu_packed_backward(const TensorView& grad_out, const TensorView& x, Swi
   const std::int64_t cols = half_width(op, x);
   detail::check_defined(op, "grad_out", grad_out);
   detail::check_same_dtype(op, "grad_out", grad_out, x.dtype(), "x");
-  detail::check_shape(op, "grad_out", grad_out, with_last(x.shape(), cols));
+  detail::check_shape(op, "grad_out", grad_out, detail::with_last(x.shape(), cols));
   detail::check_output(op, "grad_x", grad_x, x.shape(), x.dtype());
   detail::run_kernel(kPackedBackward, {{"x", x}, {"grad_out", grad_out}, {"grad_x", grad_x}},
                      stream, [&](auto* fn, detail::KernelCall& call) {
