@@ -15,6 +15,8 @@ namespace meshfuse {
 // stream's device and the tensors' device. Nothing relabels a stream, so a caller with CUDA
 // tensors passes a stream of their device (at least Stream{tensor.device()}). The Python bindings
 // build theirs from the device of the call's tensors and the caller's handle (0: the default).
+// Tensor allocation and copy() (tensor.h) take the CPU's stream too: their CUDA work then goes on
+// the legacy default stream of the CUDA device involved, for set-up code that orders nothing.
 struct Stream {
   Device device{};
   void* native = nullptr;
