@@ -445,6 +445,41 @@ TEST_P(GemmAllTargets, MatchesTorchAddmmOnKnownValues) {
   EXPECT_EQ(values(back(run_matmul(on(at), on(bt), c, {true, true, 2.0, 0.5}, stream))), expected);
 }
 
+TEST_P(GemmAllTargets, AlphaScalesTheAccumulatedSumOnce) {
+  // Integer-valued A and B in [-8, 8): every product and partial sum is an exact integer S in the
+  // fp32 (f64) accumulator, so only the scaling rounds. alpha = 0.3 is not representable, and the
+  // result must be alpha * S rounded once to the output dtype, as cuBLAS and torch do: alpha in the
+  // accumulator's type (f32, or f64) on cpu and cuda, in double on the reference, which computes
+  // in double. Scaling the operands before the sums (as BLAS packs them) rounds at every partial
+  // sum and misses these bits.
+  const double alpha = 0.3;
+  for (const std::int64_t k : {256, 257, 1024}) {
+    const auto integers = [&](Shape shape, std::uint64_t seed) {
+      Tensor i64(std::move(shape), DType::I64), t(i64.shape(), dt);
+      testing::fill_uniform_int(i64, seed, -8, 8);
+      copy(i64, t);
+      return t;
+    };
+    const Tensor a = integers({17, k}, 60 + k), b = integers({k, 23}, 61 + k);
+    const std::vector<double> av = values(a), bv = values(b);
+    const bool in_double = target.backend == KernelBackend::Reference || dt == DType::F64;
+    Tensor expected_f64({17, 23}, DType::F64);
+    for (std::int64_t i = 0; i < 17; ++i)
+      for (std::int64_t j = 0; j < 23; ++j) {
+        double sum = 0;  // exact: integers below 2^24
+        for (std::int64_t l = 0; l < k; ++l) sum += av[i * k + l] * bv[l * 23 + j];
+        expected_f64.data_ptr<double>()[i * 23 + j] =
+            in_double ? alpha * sum
+                      : static_cast<double>(static_cast<float>(alpha) * static_cast<float>(sum));
+      }
+    Tensor expected(expected_f64.shape(), dt);
+    copy(expected_f64, expected);  // the one rounding to 16-bit (or to f32 from double)
+    EXPECT_EQ(values(back(run_matmul(on(a), on(b), {}, {false, false, alpha, 0.0}, stream))),
+              values(expected))
+        << "k = " << k;
+  }
+}
+
 TEST_P(GemmAllTargets, LinearMatchesTorchOnKnownValues) {
   // torch.nn.functional.linear(x, W, b) and its autograd gradients for dy, in float64: short
   // binary fractions again, exact in every dtype.

@@ -20,7 +20,9 @@
 // Each gradient output is optional (an undefined view is not computed).
 //
 // dtypes: all tensors of a call share one: f32, f64, bf16 or f16. 16-bit types are stored as
-// 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. The
+// 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. alpha and
+// beta * C meet the accumulated product once (D = alpha * sum + beta * C in the accumulator's type,
+// then one rounding to D's dtype), as in cuBLAS and torch: never inside the sums. The
 // `reference` backend accumulates in double. Results are deterministic for a fixed thread count
 // (cpu) or GPU model (cuda).
 // The cpu backend runs f32, bf16 and f16 on oneDNN's sgemm with both operands row-major f32 (16-bit

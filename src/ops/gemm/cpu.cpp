@@ -7,6 +7,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <dnnl.hpp>
 #include <limits>
@@ -229,19 +230,22 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 }
 
 // f32, bf16 and f16 GEMMs: per (row block, column block) of D, A's and B's blocks as row-major f32
-// (row_major), one sgemm ('N', 'N'), then for 16-bit D = round(product + beta * C) (f32 adds C
-// inside sgemm, after copy_c). A row block of A is prepared once, B once per row block. The
-// blocks, their leading dims and their alignment depend on m, n and k alone, never on how A and B
-// are stored, so a transposed view gives bitwise its contiguous copy's result: sgemm's sums follow
-// its transpose flags, and so, at some shapes, do those of oneDNN's matmul primitive (f32 20 x
-// 1504 x 1100), which ran here before (its rates, and this loop's: docs/kernels/gemm.md).
+// (row_major), one sgemm ('N', 'N') of the plain product, then D = round(alpha * product + beta *
+// C) with one fma: alpha and C meet the accumulated sum once, as in cuBLAS and the reference (BLAS
+// scales its packed operands by alpha and adds beta * C into its partial sums, which rounds the
+// result several times). An f32 GEMM with alpha = 1 and no C writes D inside sgemm. A row block of
+// A is prepared once, B once per row block. The blocks, their leading dims and their alignment
+// depend on m, n and k alone, never on how A and B are stored, so a transposed view gives bitwise
+// its contiguous copy's result: sgemm's sums follow its transpose flags, and so, at some shapes, do
+// those of oneDNN's matmul primitive (f32 20 x 1504 x 1100), which ran here before (its rates, and
+// this loop's: docs/kernels/gemm.md).
 template <typename T>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
-  constexpr bool kF32 = std::is_same_v<T, float>;
+  const bool direct = std::is_same_v<T, float> && p.alpha == 1.0 && !add_c;
   const std::int64_t block = std::max<std::int64_t>(256, kBlockFloats / p.k);
   const std::int64_t mb = std::min(p.m, block), nb = std::min(p.n, block);
-  float* const ds = kF32 ? nullptr : scratch(2, mb * nb);
+  float* const ds = direct ? nullptr : scratch(2, mb * nb);
   const float alpha = static_cast<float>(p.alpha), beta = static_cast<float>(p.beta);
   for (std::int64_t l = 0; l < p.batch; ++l)
     for (std::int64_t i0 = 0; i0 < p.m; i0 += mb) {
@@ -250,26 +254,27 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
       for (std::int64_t j0 = 0; j0 < p.n; j0 += nb) {
         const std::int64_t nj = std::min(nb, p.n - j0);
         const float* const bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
-        if constexpr (kF32) {
-          sgemm(mi, nj, p.k, alpha, ab, p.k, bb, nj, add_c ? beta : 0.0f,
-                item<float>(d, l) + i0 * d.ld + j0, d.ld);
-        } else {
-          sgemm(mi, nj, p.k, alpha, ab, p.k, bb, nj, 0.0f, ds, nj);
+        if (direct) {
+          sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, item<float>(d, l) + i0 * d.ld + j0, d.ld);
+          continue;
+        }
+        sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, ds, nj);
 #pragma omp parallel for schedule(static) if (mi * nj >= kParallelMin)
-          for (std::int64_t i = 0; i < mi; ++i) {
-            T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;
-            for (std::int64_t j = 0; j < nj; ++j) {
-              const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
-              out[j] = store_as<T>(ds[i * nj + j] + cv);
-            }
+        for (std::int64_t i = 0; i < mi; ++i) {
+          T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;  // may be C itself: read before written
+          for (std::int64_t j = 0; j < nj; ++j) {
+            const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
+            out[j] = store_as<T>(std::fma(alpha, ds[i * nj + j], cv));
           }
         }
       }
     }
 }
 
-void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d,
-              bool add_c) {
+// f64 through OpenBLAS: the plain product (into D, or into a scratch product when alpha != 1 or C
+// is added), then D = alpha * product + beta * C with one fma, for the reason given above.
+void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& c,
+              const GemmMatrix& d, bool add_c) {
   constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
   MESHFUSE_CHECK(std::max({p.m, p.n, p.k, a.ld, b.ld, d.ld}) <= kMax, ErrorCode::Unsupported,
                  "gemm: f64 sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} "
@@ -277,10 +282,22 @@ void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, co
                  8 * sizeof(blasint), p.m, p.n, p.k, a.ld, b.ld, d.ld);
   const auto op = [](const GemmMatrix& x) { return x.transposed ? CblasTrans : CblasNoTrans; };
   const auto i = [](std::int64_t v) { return static_cast<blasint>(v); };
-  for (std::int64_t l = 0; l < p.batch; ++l)
-    cblas_dgemm(CblasRowMajor, op(a), op(b), i(p.m), i(p.n), i(p.k), p.alpha, item<double>(a, l),
-                i(a.ld), item<double>(b, l), i(b.ld), add_c ? p.beta : 0.0, item<double>(d, l),
-                i(d.ld));
+  const bool direct = p.alpha == 1.0 && !add_c;
+  Tensor product = direct ? Tensor() : Tensor({p.m * p.n}, DType::F64);
+  for (std::int64_t l = 0; l < p.batch; ++l) {
+    double* const out = direct ? item<double>(d, l) : product.data_ptr<double>();
+    cblas_dgemm(CblasRowMajor, op(a), op(b), i(p.m), i(p.n), i(p.k), 1.0, item<double>(a, l),
+                i(a.ld), item<double>(b, l), i(b.ld), 0.0, out, direct ? i(d.ld) : i(p.n));
+    if (direct) continue;
+#pragma omp parallel for schedule(static) if (p.m * p.n >= kParallelMin)
+    for (std::int64_t r = 0; r < p.m; ++r) {
+      double* const row = item<double>(d, l) + r * d.ld;  // may be C itself: read before written
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        const double cv = add_c ? p.beta * at<double>(c, l, r, j) : 0.0;
+        row[j] = std::fma(p.alpha, out[r * p.n + j], cv);
+      }
+    }
+  }
 }
 
 template <typename T, bool kTransposed>
@@ -313,10 +330,8 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
     if (p.alpha == 0 || p.k == 0) {  // BLAS: A and B are not read
       scale_c<T>(p, c, d, add_c);
     } else if constexpr (std::is_same_v<T, double>) {
-      if (add_c) copy_c<T>(p, c, d);
-      gemm_f64(p, a, b, d, add_c);
+      gemm_f64(p, a, b, c, d, add_c);
     } else {
-      if (std::is_same_v<T, float> && add_c) copy_c<T>(p, c, d);
       gemm_row_major<T>(p, a, b, c, d, add_c);
     }
   });
