@@ -329,8 +329,19 @@ inline void check_timeout(Communicator& c) {
     sub->barrier().wait();  // every backend set up on every rank before one goes missing
     if (!absent) {
       Tensor t = Tensor::zeros({16}, DType::F32);
-      expect_error([&] { sub->all_reduce(t).wait(); }, ErrorCode::Timeout,
-                   {"all_reduce(sum) f32 x 16", "not finished after 500 ms"});
+      // Its own deadline, or a peer that timed out first and closed its connections (gloo): either
+      // way a clear error naming the operation, never a hang.
+      try {
+        sub->all_reduce(t).wait();
+        ADD_FAILURE() << "expected an Error";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_TRUE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure)
+            << what;
+        EXPECT_NE(what.find("all_reduce(sum) f32 x 16"), std::string::npos) << what;
+        if (e.code() == ErrorCode::Timeout)
+          EXPECT_NE(what.find("not finished after 500 ms"), std::string::npos) << what;
+      }
       expect_error([&] { sub->barrier(); }, ErrorCode::CommunicationFailure,
                    {"unusable after an earlier failure"});
     }
