@@ -339,8 +339,9 @@ inline void check_timeout(Communicator& c) {
         EXPECT_TRUE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure)
             << what;
         EXPECT_NE(what.find("all_reduce(sum) f32 x 16"), std::string::npos) << what;
-        if (e.code() == ErrorCode::Timeout)
+        if (e.code() == ErrorCode::Timeout) {
           EXPECT_NE(what.find("not finished after 500 ms"), std::string::npos) << what;
+        }
       }
       expect_error([&] { sub->barrier(); }, ErrorCode::CommunicationFailure,
                    {"unusable after an earlier failure"});
