@@ -42,8 +42,8 @@ std::shared_ptr<void> allocate(Device device, std::size_t bytes, const Stream& s
   }
   // Buffers of 32 MiB or more on 2 MiB transparent huge pages, where the system gives them on
   // request (THP "madvise" or "always"; "never" turns this off): kernels streaming several such
-  // buffers take fewer TLB misses (docs/kernels/common.md). At most 2 MiB of rounding, 6% of the
-  // smallest such buffer.
+  // buffers take fewer TLB misses (docs/kernels/common.md). The rounding wastes at most one huge
+  // page per buffer.
   constexpr std::size_t kHugePage = std::size_t{2} << 20, kMinHuge = std::size_t{32} << 20;
   const bool huge = bytes >= kMinHuge;
   const std::size_t align = huge ? kHugePage : 64;

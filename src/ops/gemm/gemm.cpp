@@ -60,12 +60,10 @@ class Operand {
     return o;
   }
 
-  // A 1-D tensor (cols) broadcast to every row: ld = 0, which only C may use.
-  static Operand broadcast_row(const TensorView& t, const Stream& stream) {
+  // A contiguous 1-D tensor (cols) broadcast to every row: ld = 0, which only C may use.
+  static Operand broadcast_row(const TensorView& t) {
     Operand o;
-    if (!t.defined()) return o;
-    o.copy_ = t.is_contiguous() ? Tensor() : Tensor::copy_of(t, stream);
-    o.matrix_ = GemmMatrix{o.copy_.defined() ? o.copy_.view().data() : t.data(), 0, 0, false};
+    if (t.defined()) o.matrix_ = GemmMatrix{t.data(), 0, 0, false};
     return o;
   }
 
@@ -159,15 +157,15 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
   }
   detail::check_output(op, "out", out, detail::with_last(x.shape(), n), x.dtype());
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
-  detail::run_kernel(
-      kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
-      [&](auto* fn, detail::KernelCall& call) {
-        const Operand ox = Operand::rows_of(call.strided_input(x), call.stream()),
-                      ow(call.strided_input(weight), true, call.stream()),
-                      ob = Operand::broadcast_row(call.strided_input(bias), call.stream());
-        fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()}, ox.matrix(),
-           ow.matrix(), ob.matrix(), output(call.output(out), n, rows), call.stream());
-      });
+  detail::run_kernel(kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       const Operand ox = Operand::rows_of(call.strided_input(x), call.stream()),
+                                     ow(call.strided_input(weight), true, call.stream()),
+                                     ob = Operand::broadcast_row(call.input(bias));
+                       fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()},
+                          ox.matrix(), ow.matrix(), ob.matrix(), output(call.output(out), n, rows),
+                          call.stream());
+                     });
 }
 
 void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,

@@ -201,9 +201,6 @@ void check_grad_input_state(std::string_view op, const TensorView& grad_input_st
                        output.dtype());
 }
 
-const void* data_or_null(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
-void* data_or_null_out(const TensorView& t) { return t.defined() ? t.data() : nullptr; }
-
 // The token rows of a call and its heads: the head counts of its (input, weight) pairs (the
 // inputs', then the weights'), and N, the largest of them and of input_state's.
 struct Layout {
@@ -289,9 +286,8 @@ void rnn(const TensorView& input, const TensorView& weight, const TensorView& in
             });
         check_forward_states(op, input, input_state, output, final_state, l);
         const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
-        fn(s, call.input(input).data(), call.input(weight).data(),
-           data_or_null(call.input(input_state)), call.output(output).data(),
-           data_or_null_out(call.output(final_state)), call.stream());
+        fn(s, call.input(input).data(), call.input(weight).data(), call.input(input_state).data(),
+           call.output(output).data(), call.output(final_state).data(), call.stream());
       });
 }
 
@@ -330,11 +326,10 @@ void rnn_backward(const TensorView& grad_output, const TensorView& grad_final_st
         check_grad_input_state(op, grad_input_state, input_state, output);
 
         const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
-        fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
-           call.input(output).data(), call.input(weight).data(),
-           data_or_null(call.input(input_state)), call.output(grad_input).data(),
-           call.output(grad_weight).data(), data_or_null_out(call.output(grad_input_state)), clip,
-           call.stream());
+        fn(s, call.input(grad_output).data(), call.input(grad_final_state).data(),
+           call.input(output).data(), call.input(weight).data(), call.input(input_state).data(),
+           call.output(grad_input).data(), call.output(grad_weight).data(),
+           call.output(grad_input_state).data(), clip, call.stream());
       });
 }
 
@@ -394,8 +389,8 @@ void gru(const GruParams& params, const TensorView& input_state, const TensorVie
             [&](const Rows& rows) { return check_gru_params(op, params, rows, input, "input"); });
         check_forward_states(op, input, input_state, output, final_state, l);
         const RecurrentShape s = make_shape(input.dtype(), l, call.input(l.rows.offsets));
-        fn(s, gru_pointers(call, params), data_or_null(call.input(input_state)),
-           call.output(output).data(), data_or_null_out(call.output(final_state)), call.stream());
+        fn(s, gru_pointers(call, params), call.input(input_state).data(),
+           call.output(output).data(), call.output(final_state).data(), call.stream());
       });
 }
 
@@ -446,10 +441,9 @@ void gru_backward(const TensorView& grad_output, const TensorView& grad_final_st
           g.weight[k] = call.output(*gru_weights(grads, k)).data();
         }
         const RecurrentShape s = make_shape(output.dtype(), l, call.input(l.rows.offsets));
-        fn(s, data_or_null(call.input(grad_output)), data_or_null(call.input(grad_final_state)),
-           call.input(output).data(), gru_pointers(call, params),
-           data_or_null(call.input(input_state)), g,
-           data_or_null_out(call.output(grad_input_state)), clip, call.stream());
+        fn(s, call.input(grad_output).data(), call.input(grad_final_state).data(),
+           call.input(output).data(), gru_pointers(call, params), call.input(input_state).data(), g,
+           call.output(grad_input_state).data(), clip, call.stream());
       });
 }
 
