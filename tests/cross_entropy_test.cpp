@@ -35,11 +35,14 @@ struct Forward {
 };
 
 // The op on `target`: CPU inputs are copied to its device, the outputs come back to the CPU.
+// The loss has `loss_dtype`, or the logits' dtype when it is not given.
 Forward forward(const Target& target, const TensorView& logits, const TensorView& labels,
-                const CrossEntropyOptions& o, const Stream& stream) {
+                const CrossEntropyOptions& o, const Stream& stream,
+                std::optional<DType> loss_dtype = std::nullopt) {
   ForceKernelBackend force(target.backend);
   const std::int64_t n = logits.size(0);
-  Tensor loss(loss_shape(n, o.reduction), logits.dtype(), target.device, stream),
+  Tensor loss(loss_shape(n, o.reduction), loss_dtype.value_or(logits.dtype()), target.device,
+              stream),
       lse({n}, detail::lse_dtype(logits.dtype()), target.device, stream);
   cross_entropy(on(logits, target.device, stream), on(labels, target.device, stream), loss, lse, o,
                 stream);
@@ -139,6 +142,39 @@ TEST_P(CrossEntropyBackends, Int32AndInt64LabelsGiveBitwiseTheSameResults) {
     EXPECT_TRUE(testing::bitwise_equal(backward(target, dl, logits, l64, a.lse, o, stream),
                                        backward(target, dl, logits, l32, a.lse, o, stream)))
         << vocab;
+  }
+}
+
+// 16-bit logits with an f32 loss (what Megatron-LM returns): the double per-row losses rounded
+// once to f32, so the reference gives bitwise the f64 loss of the same logits rounded to f32, and
+// the other backends agree with it to f32's tolerance (their lse is f32). An f32 grad_loss gives
+// the gradient of a 16-bit grad_loss of the same value, bit for bit.
+TEST_P(CrossEntropyBackends, Fp32LossOf16BitLogitsIsTheDoubleLossRoundedOnce) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  if (dtype != DType::BF16 && dtype != DType::F16) GTEST_SKIP() << "for 16-bit logits";
+  const Stream stream{target.device};
+  const Tensor logits = randn({33, 1000}, dtype, 21, 4.0), wide({33, 1000}, DType::F64);
+  copy(logits, wide);
+  const Tensor labels = make_labels(33, 1000, DType::I64, 22);
+  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    for (const CrossEntropyOptions& o : option_sets(r)) {
+      const std::string what = fmt::format("{} eps={}", to_string(r), o.label_smoothing);
+      const Forward exact = forward(kOracle, wide, labels, o, {});
+      const Tensor rounded(exact.loss.shape(), DType::F32);
+      copy(exact.loss, rounded);
+      const Forward got = forward(target, logits, labels, o, stream, DType::F32);
+      ASSERT_EQ(got.loss.dtype(), DType::F32);
+      if (target.backend == KernelBackend::Reference)
+        EXPECT_TRUE(testing::bitwise_equal(got.loss, rounded)) << what;
+      else
+        test::expect_close(got.loss, rounded, 1e-5, what);
+      const Tensor dl = upstream(33, dtype, r), dl32(dl.shape(), DType::F32);
+      copy(dl, dl32);
+      EXPECT_TRUE(testing::bitwise_equal(backward(target, dl32, logits, labels, got.lse, o, stream),
+                                         backward(target, dl, logits, labels, got.lse, o, stream)))
+          << what;
+    }
   }
 }
 
@@ -465,7 +501,7 @@ TEST_P(CrossEntropyRowKernels, OnChunksEqualTheWholeOpAndRunInPlace) {
   const Tensor on_labels = on(labels, device, stream), on_dl = on(dl, device, stream);
   const Tensor lse = Tensor::zeros({n}, DType::F32, device, stream);
   const Tensor row_loss = on(test::full({n}, DType::F64, -1.0), device, stream);
-  const detail::CrossEntropyShape shape{DType::F32, DType::I32, n, v};
+  const detail::CrossEntropyShape shape{DType::F32, DType::F32, DType::I32, n, v};
   const detail::CrossEntropyRows block{DType::F32, DType::I32, begin, rows, v};
   if (target.backend == KernelBackend::CPU) {
     std::vector<double> row_grad;
@@ -594,6 +630,17 @@ TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
                                Tensor({4, 8}, DType::F32));
       },
       ErrorCode::DTypeMismatch, {"cross_entropy_backward", "'grad_loss'", "f32", "bf16"});
+  const Tensor bf16_logits = randn({4, 8}, DType::BF16, 15);
+  test::expect_error(
+      [&] { cross_entropy(bf16_logits, labels, Tensor({}, DType::F64), lse); },
+      ErrorCode::DTypeMismatch, {"cross_entropy", "'loss'", "'logits' (bf16) or f32", "f64"});
+  test::expect_error(
+      [&] {
+        cross_entropy_backward(Tensor({}, DType::F16), bf16_logits, labels, lse,
+                               Tensor({4, 8}, DType::BF16));
+      },
+      ErrorCode::DTypeMismatch,
+      {"cross_entropy_backward", "'grad_loss'", "'logits' (bf16) or f32", "f16"});
   EXPECT_EQ(parse_reduction("sum"), Reduction::Sum);
   EXPECT_EQ(parse_reduction("avg"), std::nullopt);
 }

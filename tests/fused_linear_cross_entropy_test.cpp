@@ -58,17 +58,22 @@ Tensor cpu_or_empty(const Tensor& t, const Stream& stream) {
 }
 
 // Runs the op on `target` (inputs are copied to its device) with every gradient output (grad_bias
-// when there is a bias), or the loss only; outputs come back on the CPU.
+// when there is a bias), or the loss only; outputs come back on the CPU. The loss and grad_loss
+// have `loss_dtype` (grad_loss converted), or the inputs' dtype when it is not given.
 Result run(const Target& target, const Stream& stream, const Problem& p,
-           const CrossEntropyOptions& o, std::int64_t chunk_rows, bool grads = true) {
+           const CrossEntropyOptions& o, std::int64_t chunk_rows, bool grads = true,
+           std::optional<DType> loss_dtype = std::nullopt) {
   ForceKernelBackend force(target.backend);
   const Device d = target.device;
+  const DType ldt = loss_dtype.value_or(p.x.dtype());
+  const Tensor grad_loss(p.grad_loss.shape(), ldt);
+  copy(p.grad_loss, grad_loss);
   const Tensor x = on(p.x, d, stream), w = on(p.weight, d, stream), b = on(p.bias, d, stream),
-               y = on(p.labels, d, stream), g = on(p.grad_loss, d, stream);
+               y = on(p.labels, d, stream), g = on(grad_loss, d, stream);
   const auto gradient_of = [&](const Tensor& t) {
     return grads && t.defined() ? Tensor(t.shape(), t.dtype(), d, stream) : Tensor();
   };
-  const Tensor loss(loss_shape(p.x.size(0), o.reduction), p.x.dtype(), d, stream);
+  const Tensor loss(loss_shape(p.x.size(0), o.reduction), ldt, d, stream);
   const Tensor dx = gradient_of(x), dw = gradient_of(w), db = gradient_of(b);
   fused_linear_cross_entropy(x, w, b, y, grads ? g.view() : TensorView{}, loss, dx, dw, db, o,
                              chunk_rows, stream);
@@ -437,6 +442,42 @@ TEST_P(FusedLinearCrossEntropyBackends, AnF32GradWeightOfSixteenBitWeightsMatche
                            "f32 grad_weight and grad_bias");
 }
 
+// 16-bit inputs with an f32 loss: the double per-row losses rounded once to f32, so the reference
+// gives bitwise the f64 loss of the same inputs rounded to f32 and the kernels agree with it to
+// f32's tolerance; the gradients of an f32 grad_loss are those of the 16-bit grad_loss of the same
+// value, bit for bit.
+TEST_P(FusedLinearCrossEntropyBackends, AnF32LossOfSixteenBitInputsIsTheDoubleLossRoundedOnce) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  if (dtype != DType::BF16 && dtype != DType::F16) GTEST_SKIP() << "16-bit inputs only";
+  const Stream stream{target.device};
+  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    const Problem p = make_problem(dtype, 37, 24, 500, true, r, 31);
+    const auto widened = [](const Tensor& t) {
+      if (!t.defined()) return Tensor();
+      const Tensor w(t.shape(), t.dtype() == DType::I64 ? DType::I64 : DType::F64);
+      copy(t, w);
+      return w;
+    };
+    const Problem exact_inputs{widened(p.x), widened(p.weight), widened(p.bias), p.labels,
+                               widened(p.grad_loss)};
+    for (const CrossEntropyOptions& o : option_sets(r)) {
+      const std::string what = fmt::format("{} eps={}", to_string(r), o.label_smoothing);
+      const Tensor exact = run_reference(exact_inputs, o).loss, rounded(exact.shape(), DType::F32);
+      copy(exact, rounded);
+      const Result got = run(target, stream, p, o, 8, true, DType::F32);
+      ASSERT_EQ(got.loss.dtype(), DType::F32);
+      if (target.backend == KernelBackend::Reference)
+        EXPECT_TRUE(testing::bitwise_equal(got.loss, rounded)) << what;
+      else
+        test::expect_close(got.loss, rounded, tolerance(target, DType::F32), what);
+      Result same = run(target, stream, p, o, 8);
+      same.loss = got.loss;  // the gradients are compared
+      expect_bitwise(got, same, what);
+    }
+  }
+}
+
 // A 16-bit grad_weight takes each chunk's fp32 product added to its 16-bit running sum and rounded
 // once per chunk: against the f32 grad_weight of the same chunks (same products), the difference
 // at each element is at most sum over k of u |s_k| (u the dtype's unit roundoff, s_k the running
@@ -629,7 +670,7 @@ TEST_P(FusedLinearCrossEntropyCpu, SeveralWeightBlocksMatchTheReferenceWithOneOr
           {p.x.data_ptr<void>(), p.weight.data_ptr<void>(), p.bias.data_ptr<void>(),
            p.labels.data_ptr<void>(), p.grad_loss.data_ptr<void>(), out.loss.data_ptr<void>(),
            out.grad_x.data_ptr<void>(), out.grad_weight.data_ptr<void>(),
-           out.grad_bias.data_ptr<void>(), gdt, gdt},
+           out.grad_bias.data_ptr<void>(), dtype, gdt, gdt},
           o);
       expect_close(out, ref, tolerance(cpu, dtype),
                    fmt::format("chunk={} grad dtype {}", chunk, to_string(gdt)));
@@ -913,6 +954,13 @@ TEST(FusedLinearCrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   expect_error(call(h.x, h.weight, h.bias, h.labels, h.grad_loss, hloss, hdx,
                     Tensor({10, 7}, DType::F32), {}),
                ErrorCode::ShapeMismatch, {op, "'grad_weight'", "[10, 8]", "[10, 7]"});
+  // loss: the input's dtype, or f32 for 16-bit inputs; grad_loss: the loss's.
+  expect_error(call(h.x, h.weight, h.bias, h.labels, h.grad_loss, Tensor({}, DType::F16), hdx, {},
+                    {}),
+               ErrorCode::DTypeMismatch, {op, "'loss'", "'x' (bf16) or f32", "got f16"});
+  expect_error(call(h.x, h.weight, h.bias, h.labels, h.grad_loss, Tensor({}, DType::F32), hdx, {},
+                    {}),
+               ErrorCode::DTypeMismatch, {op, "'grad_loss'", "'loss' (f32)", "got bf16"});
 }
 
 TEST(FusedLinearCrossEntropy, BothDirectionsAreRegisteredForReferenceAndCpu) {

@@ -156,12 +156,17 @@ def softmax(x, logits_multiplier=1.0):
 
 
 # --- cross_entropy -------------------------------------------------------------------------------
+def _loss_shape(n, reduction):
+    return (n,) if reduction == "none" else ()
+
+
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
-                          label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0):
-    """Returns (loss, lse); loss is () for mean/sum and (N,) for none, in the logits' dtype; lse
-    is f32 (f64 for f64 logits)."""
+                          label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
+                          loss_dtype=None):
+    """Returns (loss, lse); loss is () for mean/sum and (N,) for none, in ``loss_dtype`` (the
+    logits' dtype by default, or float32 for 16-bit logits); lse is f32 (f64 for f64 logits)."""
     n = logits.shape[0]
-    loss = torch.empty((n,) if reduction == "none" else (), dtype=logits.dtype,
+    loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
     lse_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
@@ -174,6 +179,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
 
 def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, reduction="mean",
                            label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0):
+    """grad_loss: the loss's shape, in the logits' dtype or float32 for 16-bit logits."""
     grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _C.cross_entropy_backward(_d(grad_loss).contiguous(), _d(logits), _d(labels), lse,
                               grad_logits, ignore_index=ignore_index, reduction=reduction,
@@ -185,8 +191,8 @@ def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, re
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, options):
-        loss, lse = cross_entropy_forward(logits, labels, **options)
+    def forward(ctx, logits, labels, options, loss_dtype):
+        loss, lse = cross_entropy_forward(logits, labels, **options, loss_dtype=loss_dtype)
         ctx.options = options
         ctx.save_for_backward(logits, labels, lse)
         return loss
@@ -194,17 +200,88 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, labels, lse = ctx.saved_tensors
-        return cross_entropy_backward(grad_loss, logits, labels, lse, **ctx.options), None, None
+        grad = cross_entropy_backward(grad_loss, logits, labels, lse, **ctx.options)
+        return grad, None, None, None
 
 
 def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  logits_multiplier=1.0, z_loss_scale=0.0):
+                  logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None):
     """``torch.nn.functional.cross_entropy(logits * logits_multiplier, labels, ...)`` plus an
-    optional z-loss ``z_loss_scale * lse**2`` per row not ignored; logits (N, V), labels (N,)."""
+    optional z-loss ``z_loss_scale * lse**2`` per row not ignored; logits (N, V), labels (N,).
+    The loss has the logits' dtype, as PyTorch's, unless ``loss_dtype=torch.float32`` is given for
+    16-bit logits (Megatron-LM's fp32 loss: the per-row losses are summed in double and rounded
+    once to it)."""
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
                    z_loss_scale=z_loss_scale)
-    return _CrossEntropy.apply(logits, labels, options)
+    return _CrossEntropy.apply(logits, labels, options, loss_dtype)
+
+
+# --- fused_linear_cross_entropy ------------------------------------------------------------------
+def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=None,
+                                       grad_x=False, grad_weight=False, grad_bias=False,
+                                       ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                                       logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None,
+                                       chunk_rows=0):
+    """The raw kernel: returns (loss, grad_x, grad_weight, grad_bias), each gradient None unless
+    asked for (then grad_loss, in the loss's dtype, is required). grad_weight and grad_bias are
+    float32 for 16-bit inputs (one rounding at the end instead of one per chunk), else the
+    inputs' dtype; the loss is in ``loss_dtype`` (the inputs' dtype by default)."""
+    wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    loss = torch.empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype,
+                       device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if grad_x else None
+    dw = torch.empty(weight.shape, dtype=wide, device=x.device) if grad_weight else None
+    db = torch.empty(bias.shape, dtype=wide, device=x.device) if grad_bias else None
+    _C.fused_linear_cross_entropy(
+        _d(x), _d(weight), _d(bias), _d(labels), _d(grad_loss), loss, dx, dw, db,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale, chunk_rows=chunk_rows,
+        stream=_stream(x))
+    return loss, dx, dw, db
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    # mean and sum: the gradients are computed with the loss (upstream 1) and scaled by the real
+    # upstream in backward (they are linear in it). none: the upstream is per row, so backward
+    # runs the op again with it (the logits are recomputed; nothing of size N x V is kept).
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, options):
+        ctx.options = options
+        ctx.wants = ctx.needs_input_grad[:3]
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        eager = options["reduction"] != "none" and any(ctx.wants)
+        one = (torch.ones((), dtype=options["loss_dtype"] or x.dtype, device=x.device)
+               if eager else None)
+        loss, *ctx.grads = fused_linear_cross_entropy_forward(
+            x, weight, labels, bias, one, *(ctx.wants if eager else (False,) * 3), **options)
+        if not eager:
+            ctx.save_for_backward(x, weight, bias, labels)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.options["reduction"] == "none":
+            x, weight, bias, labels = ctx.saved_tensors
+            _, *grads = fused_linear_cross_entropy_forward(
+                x, weight, labels, bias, grad_loss.contiguous(), *ctx.wants, **ctx.options)
+        else:
+            grads = [None if g is None else g * grad_loss for g in ctx.grads]
+        ctx.grads = None
+        grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        return grads[0], grads[1], grads[2], None, None
+
+
+def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
+                               label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
+                               loss_dtype=None, chunk_rows=0):
+    """``cross_entropy(torch.nn.functional.linear(x, weight, bias), labels, ...)`` without the
+    (N, V) logits in memory: x (N, H), weight (V, H), bias (V,) or None, labels (N,). Options and
+    ``loss_dtype`` as in :func:`cross_entropy`; ``chunk_rows`` 0 picks the device's default."""
+    options = dict(ignore_index=ignore_index, reduction=reduction,
+                   label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
+                   z_loss_scale=z_loss_scale, loss_dtype=loss_dtype, chunk_rows=chunk_rows)
+    return _FusedLinearCrossEntropy.apply(x, weight, bias, labels, options)
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------

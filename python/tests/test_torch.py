@@ -66,3 +66,46 @@ def test_cross_entropy_matches_torch_with_ignore_index_and_smoothing(reduction):
     ours = mt.cross_entropy(logits, labels, reduction=reduction, label_smoothing=0.1)
     theirs = F.cross_entropy(logits, labels, reduction=reduction, label_smoothing=0.1)
     _check(ours, theirs, (logits,))
+
+
+def test_cross_entropy_fp32_loss_of_bf16_logits_is_the_double_loss_rounded_once():
+    logits = _leaf(16, 1000, seed=14, dtype=torch.bfloat16)
+    labels = torch.randint(0, 1000, (16,), generator=torch.Generator().manual_seed(15))
+    ours = mt.cross_entropy(logits, labels, loss_dtype=torch.float32)
+    assert ours.dtype == torch.float32
+    assert mt.cross_entropy(logits, labels).dtype == torch.bfloat16  # PyTorch's default
+    exact = F.cross_entropy(logits.detach().double(), labels)
+    torch.testing.assert_close(ours.double(), exact, rtol=2e-6, atol=0)
+    # The f32 upstream 1 gives the gradient of the bf16 upstream 1, bit for bit.
+    (g32,) = torch.autograd.grad(ours, logits)
+    (g16,) = torch.autograd.grad(mt.cross_entropy(logits, labels), logits)
+    assert torch.equal(g32, g16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_cross_entropy_matches_linear_then_cross_entropy(reduction, bias):
+    x, w = _leaf(12, 16, seed=16), _leaf(40, 16, seed=17)
+    b = _leaf(40, seed=18) if bias else None
+    labels = torch.tensor([1, -100, 39, 0, 7, 5, 3, 3, -100, 20, 21, 22])
+    inputs = (x, w) + ((b,) if bias else ())
+    options = dict(reduction=reduction, label_smoothing=0.1, chunk_rows=5)
+    ours = mt.fused_linear_cross_entropy(x, w, labels, b, **options)
+    options.pop("chunk_rows")
+    theirs = F.cross_entropy(F.linear(x, w, b), labels, **options)
+    _check(ours, theirs, inputs, tol=1e-9)  # a random upstream: scaled (mean, sum) or per row
+
+
+def test_fused_linear_cross_entropy_bf16_with_fp32_loss_and_only_some_gradients():
+    x = _leaf(32, 64, seed=19, dtype=torch.bfloat16)
+    w = _leaf(100, 64, seed=20, dtype=torch.bfloat16).detach()  # no weight gradient asked
+    labels = torch.randint(0, 100, (32,), generator=torch.Generator().manual_seed(21))
+    loss = mt.fused_linear_cross_entropy(x, w, labels, loss_dtype=torch.float32)
+    assert loss.dtype == torch.float32
+    exact = F.cross_entropy(F.linear(x.detach().double(), w.double()), labels)
+    torch.testing.assert_close(loss.double(), exact, rtol=1e-5, atol=0)
+    (3 * loss).backward()
+    xd = x.detach().double().requires_grad_()
+    (3 * F.cross_entropy(F.linear(xd, w.double()), labels)).backward()
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=2e-2, atol=1e-4)

@@ -24,6 +24,15 @@ void check_same_dtype(std::string_view op, std::string_view name, const TensorVi
                  to_string(expected), to_string(t.dtype()));
 }
 
+void check_same_or_f32(std::string_view op, std::string_view name, const TensorView& t,
+                       DType expected, std::string_view expected_from) {
+  const bool sixteen_bit = expected == DType::BF16 || expected == DType::F16;
+  MESHFUSE_CHECK(t.dtype() == expected || (sixteen_bit && t.dtype() == DType::F32),
+                 ErrorCode::DTypeMismatch, "{}: '{}' must have the dtype of '{}' ({}){}, got {}",
+                 op, name, expected_from, to_string(expected), sixteen_bit ? " or f32" : "",
+                 to_string(t.dtype()));
+}
+
 void check_float(std::string_view op, std::string_view name, const TensorView& t) {
   check_defined(op, name, t);
   check_dtype(op, name, t, {DType::F32, DType::F64, DType::BF16, DType::F16});

@@ -34,6 +34,10 @@ void check_dtype(std::string_view op, std::string_view name, const TensorView& t
 // Throws DTypeMismatch unless t.dtype() == expected.
 void check_same_dtype(std::string_view op, std::string_view name, const TensorView& t,
                       DType expected, std::string_view expected_from);
+// Throws DTypeMismatch unless t.dtype() is `expected` (the dtype of `expected_from`) or, when that
+// is bf16 / f16, f32: the outputs a caller may keep in fp32 (a loss, a parameter's gradient).
+void check_same_or_f32(std::string_view op, std::string_view name, const TensorView& t,
+                       DType expected, std::string_view expected_from);
 // A defined tensor of a floating dtype (f32, f64, bf16, f16), else InvalidArgument /
 // DTypeMismatch.
 void check_float(std::string_view op, std::string_view name, const TensorView& t);

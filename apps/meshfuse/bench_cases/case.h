@@ -137,6 +137,12 @@ inline constexpr std::int64_t kVocabCheckRows = 32;
 // fewer than the tokens.
 std::int64_t vocab_rows(const BenchSetup& setup, std::vector<std::string>& notes);
 
+// The dtype of the losses and their upstream gradients: f32 (f64 for f64), as training loops log
+// and sum them, whatever the logits' dtype.
+inline DType loss_dtype(const BenchSetup& setup) {
+  return setup.dtype == DType::F64 ? DType::F64 : DType::F32;
+}
+
 // Adds "reference checked on the first R of N rows (why)" to `notes` when R < N.
 void note_rows_checked(std::vector<std::string>& notes, std::int64_t checked, std::int64_t rows,
                        std::string_view why);

@@ -94,13 +94,14 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
                                 s.tokens, static_cast<double>(v * h) / 1e6));
   note_rows_checked(notes, checked, n, "the reference holds the whole logits in double");
   notes.push_back(fmt::format(
-      "weight ~ N(0, 1/H); reduction none, a random upstream per row; grad_weight checked from a "
-      "call on those rows, at their labels' rows and the first {} vocabulary rows",
-      std::min(v, kWeightCheckRows)));
+      "weight ~ N(0, 1/H); reduction none, loss and its upstream per row in {}; grad_weight "
+      "checked from a call on those rows, at their labels' rows and the first {} vocabulary rows",
+      to_string(loss_dtype(s)), std::min(v, kWeightCheckRows)));
+  const DType ldt = loss_dtype(s);
   const double inv_sqrt_h = 1.0 / std::sqrt(static_cast<double>(h));
   const Tensor x = random_tensor(s, {n, h}, 61),
                weight = random_tensor(s, {v, h}, 62, {}, inv_sqrt_h);
-  const Tensor grad_loss = random_tensor(s, {n}, 63);
+  const Tensor grad_loss = random_tensor(s, {n}, 63, ldt);
   Tensor labels_host({n}, DType::I64);
   testing::fill_uniform_int(labels_host, 64, 0, v);
   std::vector<std::int64_t> weight_rows;  // of grad_weight, compared
@@ -108,7 +109,7 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
   for (std::int64_t i = 0; i < checked; ++i)
     weight_rows.push_back(labels_host.data_ptr<std::int64_t>()[i]);
   const Tensor labels = labels_host.to(s.device);
-  const Tensor loss = output_tensor(s, {n}), grad_x = output_tensor(s, {n, h}),
+  const Tensor loss = output_tensor(s, {n}, ldt), grad_x = output_tensor(s, {n, h}),
                grad_weight = output_tensor(s, {v, h});
   const CrossEntropyOptions options{.reduction = Reduction::None};
   const std::string shape = shape_text({{"x", {n, h}}, {"weight", {v, h}}});
@@ -119,7 +120,7 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
   // Loss: ~log V from sums over H (logits) and V (lse). grad_x = dlogits @ weight: a sum over V
   // whose partial sums are weight rows, ~1/√H. grad_weight = dlogits^T @ x over the rows: ~1 at
   // label rows (where rtol applies), else p·x, with p at most ~100/V for N(0, 1) logits.
-  const Tolerance loss_tol = tolerance(s.dtype, 1.0, v),
+  const Tolerance loss_tol = tolerance(ldt, 1.0, v),
                   grad_x_tol = tolerance(s.dtype, inv_sqrt_h, v),
                   grad_weight_tol = tolerance(
                       s.dtype, 100.0 * sqrt_of(checked) / static_cast<double>(v), checked);
@@ -155,7 +156,7 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
                    logits32.data_ptr<float>());
     };
   forward.check = [=] {
-    const Tensor loss_ref = output_tensor(s, {checked});
+    const Tensor loss_ref = output_tensor(s, {checked}, ldt);
     on_reference([&] {
       fused_linear_cross_entropy(first_rows(x, checked), weight, TensorView{},
                                  first_rows(labels, checked), TensorView{}, loss_ref, TensorView{},
@@ -218,11 +219,11 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
     };
   }
   backward.check = [=] {
-    const Tensor loss_ref = output_tensor(s, {checked}),
+    const Tensor loss_ref = output_tensor(s, {checked}, ldt),
                  grad_x_ref = output_tensor(s, {checked, h}),
                  grad_weight_ref = output_tensor(s, {v, h});
     on_reference([&] { run_rows(checked, loss_ref, grad_x_ref, grad_weight_ref); });
-    const Tensor loss_rows = output_tensor(s, {checked}),
+    const Tensor loss_rows = output_tensor(s, {checked}, ldt),
                  grad_x_rows = output_tensor(s, {checked, h}),
                  grad_weight_rows = output_tensor(s, {v, h});
     run_rows(checked, loss_rows, grad_x_rows, grad_weight_rows);

@@ -23,8 +23,10 @@
 // a -inf logit among finite ones has p = 0 (with label smoothing the loss is +inf, as PyTorch).
 // Ignored rows never read their logits.
 //
-// Dtypes: logits, loss and grad_loss share one dtype, f32, f64, bf16 or f16 (16-bit computed in
-// fp32, rounded once); labels are i32 or i64; lse is f32 (f64 for f64 logits, so that the f64
+// Dtypes: logits and grad_logits share one dtype, f32, f64, bf16 or f16 (16-bit computed in fp32,
+// rounded once); loss and grad_loss have it too or, for bf16 / f16 logits, f32 (an fp32 loss as
+// Megatron-LM returns it, for training loops that log and sum losses in fp32; each output is
+// rounded once from the double per-row losses); labels are i32 or i64; lse is f32 (f64 for f64 logits, so that the f64
 // backward keeps double precision). Inputs may be strided; outputs are contiguous and
 // preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) that is not ignore_index (the message names
@@ -59,13 +61,13 @@ struct CrossEntropyOptions {
 };
 
 // logits: (N, V); labels: (N,) i32/i64.
-// Writes loss: () for mean and sum, (N,) for none, dtype of logits; and lse: (N,), the
+// Writes loss: () for mean and sum, (N,) for none, dtype of logits or f32; and lse: (N,), the
 // log-sum-exp of each row of m * logits, saved for the backward (0 for ignored rows).
 void cross_entropy(const TensorView& logits, const TensorView& labels, const TensorView& loss,
                    const TensorView& lse, const CrossEntropyOptions& options = {},
                    const Stream& stream = {});
 
-// grad_loss: the shape and dtype of the forward's loss; logits, labels, lse and options as given
+// grad_loss: the shape of the forward's loss, the dtype of the logits or f32 for 16-bit logits; logits, labels, lse and options as given
 // to (or written by) the forward. Writes grad_logits: (N, V), dtype of logits.
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
                             const TensorView& labels, const TensorView& lse,

@@ -77,8 +77,10 @@
 // thread count. A different chunk_rows changes the GEMM shapes and the order of the sums over
 // rows, so results agree within rounding (chunk_rows >= N all give the same bits).
 //
-// Dtypes: x, weight, bias, loss, grad_loss and grad_x share one dtype: f32, f64, bf16 or f16;
-// grad_weight and grad_bias have it too, or f32 when it is bf16 / f16; labels are i32 or i64.
+// Dtypes: x, weight, bias and grad_x share one dtype: f32, f64, bf16 or f16; loss, grad_weight and
+// grad_bias have it too, or f32 when it is bf16 / f16 (an fp32 loss as Megatron-LM returns it; the
+// loss rows are summed in double either way, so only the output's rounding differs); grad_loss has
+// the loss's dtype; labels are i32 or i64.
 // Inputs may be strided (copied once when not contiguous); outputs are contiguous and preallocated
 // by the caller; optional tensors are undefined TensorViews. Errors: InvalidArgument (wrong rank,
 // chunk_rows < 0, label_smoothing outside [0, 1], a label outside [0, V) that is not ignore_index

@@ -55,7 +55,7 @@ void fail_label(std::string_view op, const CrossEntropyShape& s, std::int64_t ro
 
 void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
                 Reduction reduction, void* loss) {
-  dispatch_float(s.dtype, "cross_entropy", [&](auto tag) {
+  dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     T* out = static_cast<T*>(loss);
     if (reduction == Reduction::None) {
@@ -72,7 +72,7 @@ void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss,
 CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
                                    std::int64_t count, Reduction reduction,
                                    std::vector<double>& row_grad_storage) {
-  return dispatch_float(s.dtype, "cross_entropy_backward", [&](auto tag) {
+  return dispatch_float(s.loss_dtype, "cross_entropy_backward", [&](auto tag) {
     using T = decltype(tag);
     const T* g = static_cast<const T*>(grad_loss);
     if (reduction == Reduction::None) {
@@ -105,7 +105,16 @@ detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& lo
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {logits.size(0)});
   detail::check_cross_entropy_options(op, options);
-  return {logits.dtype(), labels.dtype(), logits.size(0), logits.size(1)};
+  return {logits.dtype(), logits.dtype(), labels.dtype(), logits.size(0), logits.size(1)};
+}
+
+// The loss (forward) or grad_loss (backward): defined, of the logits' dtype or, for 16-bit logits,
+// f32; recorded as s.loss_dtype.
+void check_loss_dtype(std::string_view op, std::string_view name, const TensorView& t,
+                      detail::CrossEntropyShape& s) {
+  detail::check_defined(op, name, t);
+  detail::check_same_or_f32(op, name, t, s.dtype, "logits");
+  s.loss_dtype = t.dtype();
 }
 
 Shape loss_shape(const detail::CrossEntropyShape& s, Reduction reduction) {
@@ -118,8 +127,9 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
                    const TensorView& lse, const CrossEntropyOptions& options,
                    const Stream& stream) {
   constexpr std::string_view op = "cross_entropy";
-  const detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
-  detail::check_output(op, "loss", loss, loss_shape(s, options.reduction), s.dtype);
+  detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
+  check_loss_dtype(op, "loss", loss, s);
+  detail::check_output(op, "loss", loss, loss_shape(s, options.reduction), s.loss_dtype);
   detail::check_output(op, "lse", lse, {s.rows}, detail::lse_dtype(s.dtype));
   detail::run_kernel(
       kForward, {{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}}, stream,
@@ -134,9 +144,8 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
                             const TensorView& grad_logits, const CrossEntropyOptions& options,
                             const Stream& stream) {
   constexpr std::string_view op = "cross_entropy_backward";
-  const detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
-  detail::check_defined(op, "grad_loss", grad_loss);
-  detail::check_same_dtype(op, "grad_loss", grad_loss, s.dtype, "logits");
+  detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
+  check_loss_dtype(op, "grad_loss", grad_loss, s);
   detail::check_shape(op, "grad_loss", grad_loss, loss_shape(s, options.reduction));
   detail::check_defined(op, "lse", lse);
   detail::check_dtype(op, "lse", lse, {detail::lse_dtype(s.dtype)});

@@ -14,7 +14,8 @@ namespace meshfuse::detail {
 
 // logits (rows, vocab) contiguous, labels (rows,) contiguous.
 struct CrossEntropyShape {
-  DType dtype;        // logits, loss, grad_loss, grad_logits
+  DType dtype;        // logits, grad_logits
+  DType loss_dtype;   // loss (forward), grad_loss (backward): dtype, or F32 for 16-bit logits
   DType label_dtype;  // I32 or I64
   std::int64_t rows;
   std::int64_t vocab;

@@ -272,7 +272,7 @@ class LabelCheck {
     host_ = h.status;
     event_ = h.events[d];
     device_ = Tensor({4}, DType::I64, stream.device, stream);
-    dispatch_float(s.dtype, op, [&](auto tag) {
+    dispatch_float(s.loss_dtype, op, [&](auto tag) {  // the grad_loss read by the check
       using T = cuda_t<decltype(tag)>;
       check_kernel<T><<<1, 1024, 0, native(stream)>>>(
           Labels{labels, s.label_dtype == DType::I64}, s.rows, s.vocab, ignore_index, device(),
@@ -367,7 +367,7 @@ std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const
 void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,
                 Reduction reduction, void* loss, const Stream& stream) {
   DeviceGuard guard(stream.device.index);
-  dispatch_float(s.dtype, "cross_entropy", [&](auto tag) {
+  dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
     T* out = static_cast<T*>(loss);
     if (reduction == Reduction::None) {
@@ -387,7 +387,7 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
                                    Tensor& row_grad_storage, const Stream& stream) {
   row_grad_storage = Tensor({s.rows}, DType::F64, stream.device, stream);
   // Stride 0 broadcasts the scalar of mean and sum to every row.
-  const TensorView grad(const_cast<void*>(grad_loss), s.dtype, {s.rows},
+  const TensorView grad(const_cast<void*>(grad_loss), s.loss_dtype, {s.rows},
                         {reduction == Reduction::None ? 1 : 0}, stream.device);
   meshfuse::copy(grad, row_grad_storage, stream);
   const double scale = reduction != Reduction::Mean ? 1.0

@@ -94,7 +94,7 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   using A = acc_t<T>;
   constexpr bool kWiden = !std::is_same_v<T, A>;
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
-  const CrossEntropyShape ce{s.dtype, label_dtype, n, v};
+  const CrossEntropyShape ce{s.dtype, a.loss_dtype, label_dtype, n, v};
   const std::int64_t count = check_labels(kFusedLinearCrossEntropy, ce, a.labels, o.ignore_index);
   const FusedLinearCrossEntropyPlan p = plan(s, block_floats);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;

@@ -24,23 +24,13 @@ void check_chunk_rows(std::int64_t chunk_rows) {
                  kFusedLinearCrossEntropy, chunk_rows);
 }
 
-// A parameter's gradient output: its shape, and the input dtype or f32 for a 16-bit input.
-void check_parameter_grad(std::string_view name, const TensorView& t, const Shape& shape,
-                          DType dtype) {
+// The loss or a parameter's gradient: an output of the input dtype or, for a 16-bit input, f32.
+void check_wide_output(std::string_view name, const TensorView& t, const Shape& shape,
+                       DType dtype) {
   constexpr std::string_view op = kFusedLinearCrossEntropy;
-  const bool widened =
-      t.defined() && t.dtype() == DType::F32 && (dtype == DType::BF16 || dtype == DType::F16);
-  if (t.defined() && t.dtype() != dtype && !widened)
-    fail(ErrorCode::DTypeMismatch, "{}: '{}' must have the dtype of 'x' ({}){}, got {}", op, name,
-         to_string(dtype), dtype == DType::BF16 || dtype == DType::F16 ? " or f32" : "",
-         to_string(t.dtype()));
+  detail::check_defined(op, name, t);
+  detail::check_same_or_f32(op, name, t, dtype, "x");
   detail::check_output(op, name, t, shape, t.dtype());
-}
-
-void check_dtype_and_shape(std::string_view name, const TensorView& t, DType dtype,
-                           const Shape& shape) {
-  detail::check_same_dtype(kFusedLinearCrossEntropy, name, t, dtype, "x");
-  detail::check_shape(kFusedLinearCrossEntropy, name, t, shape);
 }
 
 }  // namespace
@@ -64,7 +54,10 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
                                  weight.size(0),     chunk_rows,       options.reduction,
                                  bias.defined(),     grad_x.defined(), grad_weight.defined(),
                                  grad_bias.defined()};
-  if (bias.defined()) check_dtype_and_shape("bias", bias, s.dtype, {s.vocab});
+  if (bias.defined()) {
+    detail::check_same_dtype(op, "bias", bias, s.dtype, "x");
+    detail::check_shape(op, "bias", bias, {s.vocab});
+  }
   detail::check_defined(op, "labels", labels);
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {s.rows});
@@ -73,19 +66,22 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
   if (chunk_rows == 0) chunk_rows = fused_linear_cross_entropy_chunk_rows(x.device().type, s.vocab);
   s.chunk_rows = chunk_rows;
   const Shape loss_shape = s.reduction == Reduction::None ? Shape{s.rows} : Shape{};
-  detail::check_output(op, "loss", loss, loss_shape, s.dtype);
+  check_wide_output("loss", loss, loss_shape, s.dtype);
   const bool grads = s.grad_x || s.grad_weight || s.grad_bias;
   MESHFUSE_CHECK(!grads || grad_loss.defined(), ErrorCode::InvalidArgument,
                  "{}: 'grad_loss' (the upstream gradient of the loss) is required when a gradient "
                  "output is given",
                  op);
-  if (grad_loss.defined()) check_dtype_and_shape("grad_loss", grad_loss, s.dtype, loss_shape);
+  if (grad_loss.defined()) {
+    detail::check_same_dtype(op, "grad_loss", grad_loss, loss.dtype(), "loss");
+    detail::check_shape(op, "grad_loss", grad_loss, loss_shape);
+  }
   if (s.grad_x) detail::check_output(op, "grad_x", grad_x, x.shape(), s.dtype);
-  if (s.grad_weight) check_parameter_grad("grad_weight", grad_weight, weight.shape(), s.dtype);
+  if (s.grad_weight) check_wide_output("grad_weight", grad_weight, weight.shape(), s.dtype);
   if (s.grad_bias) {
     MESHFUSE_CHECK(s.bias, ErrorCode::InvalidArgument, "{}: 'grad_bias' is given but 'bias' is not",
                    op);
-    check_parameter_grad("grad_bias", grad_bias, {s.vocab}, s.dtype);
+    check_wide_output("grad_bias", grad_bias, {s.vocab}, s.dtype);
   }
   detail::run_kernel(
       grads ? kBackward : kForward,
@@ -103,7 +99,8 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
         const auto out = [&](const TensorView& t) { return call.output(t).data(); };
         fn(s, labels.dtype(),
            {in(x), in(weight), in(bias), in(labels), in(grad_loss), out(loss), out(grad_x),
-            out(grad_weight), out(grad_bias), grad_weight.defined() ? grad_weight.dtype() : s.dtype,
+            out(grad_weight), out(grad_bias), loss.dtype(),
+            grad_weight.defined() ? grad_weight.dtype() : s.dtype,
             grad_bias.defined() ? grad_bias.dtype() : s.dtype},
            options, call.stream());
       });

@@ -25,7 +25,8 @@ struct FusedLinearCrossEntropyArgs {
   void* grad_x;             // (N, H)
   void* grad_weight;        // (V, H)
   void* grad_bias;          // (V)
-  DType grad_weight_dtype;  // the input dtype, or f32 for 16-bit inputs
+  DType loss_dtype;         // loss and grad_loss: the input dtype, or f32 for 16-bit inputs
+  DType grad_weight_dtype;  // likewise
   DType grad_bias_dtype;    // likewise
 };
 

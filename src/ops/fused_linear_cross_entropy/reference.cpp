@@ -43,7 +43,7 @@ void fused_linear_cross_entropy(const FusedLinearCrossEntropyShape& s, DType lab
                                 const FusedLinearCrossEntropyArgs& a, const CrossEntropyOptions& o,
                                 const Stream& stream) {
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
-  const CrossEntropyShape ce{DType::F64, label_dtype, n, v};
+  const CrossEntropyShape ce{DType::F64, DType::F64, label_dtype, n, v};
   check_labels(kFusedLinearCrossEntropy, ce, a.labels, o.ignore_index);  // names this op
   std::vector<double> x = load(a.x, s.dtype, n * h), w = load(a.weight, s.dtype, v * h);
   std::vector<double> bias = a.bias ? load(a.bias, s.dtype, v) : std::vector<double>();
@@ -54,10 +54,10 @@ void fused_linear_cross_entropy(const FusedLinearCrossEntropyShape& s, DType lab
   const std::int64_t loss_size = o.reduction == Reduction::None ? n : 1;
   std::vector<double> loss(static_cast<std::size_t>(loss_size)), lse(static_cast<std::size_t>(n));
   cross_entropy_forward(ce, logits.data(), a.labels, loss.data(), lse.data(), o, stream);
-  store(loss, s.dtype, a.loss);
+  store(loss, a.loss_dtype, a.loss);
   if (!a.grad_x && !a.grad_weight && !a.grad_bias) return;
 
-  std::vector<double> grad_loss = load(a.grad_loss, s.dtype, loss_size);
+  std::vector<double> grad_loss = load(a.grad_loss, a.loss_dtype, loss_size);
   std::vector<double> dl(static_cast<std::size_t>(n * v));
   cross_entropy_backward(ce, grad_loss.data(), logits.data(), a.labels, lse.data(), dl.data(), o,
                          stream);
