@@ -7,7 +7,10 @@
 // multiplier's multiply only where it is not 1. A software pipeline (y of row i - 1 written in the
 // loop that reads row i) measured slower. Figures: docs/kernels/rmsnorm.md.
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
-// block order, so the result does not depend on the thread count either.
+// block order, so the result does not depend on the thread count either. The partials are double:
+// each term dy * n is exact in it and the sums over rows lose nothing that shows in the output, so
+// dweight is the exact sum of the terms rounded once (fp32 sums over thousands of rows drift
+// further from it than PyTorch's; the backward is bound by memory, not by these adds).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -98,11 +101,11 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   }
 }
 
-// One row of the backward; adds dy * n into dw_partial when kDweight. `next` is the row that
+// One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row that
 // follows (itself for the last row), brought into cache while this row's outputs are written.
 template <typename T, bool kGradR, bool kDresidual, bool kDweight, typename A = acc_t<T>>
 void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* w, std::int64_t row,
-                  std::int64_t next, bool stream, A* dw_partial) {
+                  std::int64_t next, bool stream, double* dw_partial) {
   const auto in_row = [&](const void* p, std::int64_t r) {
     return p ? static_cast<const T*>(p) + r * s.cols : nullptr;
   };
@@ -118,7 +121,7 @@ void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* 
     const A g = to_float(dy[c]);
     const A n = A(to_float(in[c])) * scale;
     dot += g * w[c] * n;
-    if constexpr (kDweight) dw_partial[c] += g * n;
+    if constexpr (kDweight) dw_partial[c] += double(g) * double(n);
   }
   const A mean = dot / A(s.cols);
   const auto dr = [&](std::int64_t c) {
@@ -151,7 +154,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
     return;
   }
   const std::int64_t rows_per_block = (s.rows + blocks - 1) / blocks;
-  const std::unique_ptr<A[]> partials(kDweight ? new A[blocks * s.cols] : nullptr);
+  const std::unique_ptr<double[]> partials(kDweight ? new double[blocks * s.cols] : nullptr);
   const bool stream =
       stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.dx,
                         s.rows * s.cols * std::int64_t{sizeof(T)});
@@ -159,8 +162,8 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   {
 #pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
-      A* partial = kDweight ? partials.get() + b * s.cols : nullptr;
-      if constexpr (kDweight) std::fill_n(partial, s.cols, A(0));
+      double* partial = kDweight ? partials.get() + b * s.cols : nullptr;
+      if constexpr (kDweight) std::fill_n(partial, s.cols, 0.0);
       const std::int64_t end = std::min(s.rows, (b + 1) * rows_per_block);
       for (std::int64_t row = b * rows_per_block; row < end; ++row)
         backward_row<T, kGradR, kDresidual, kDweight>(
@@ -173,13 +176,13 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
 #pragma omp parallel for schedule(static)
     for (std::int64_t c0 = 0; c0 < s.cols; c0 += kCombineCols) {
       const std::int64_t width = std::min(kCombineCols, s.cols - c0);
-      A sum[kCombineCols] = {};
+      double sum[kCombineCols] = {};
       for (std::int64_t b = 0; b < blocks; ++b) {
-        const A* p = partials.get() + b * s.cols + c0;
+        const double* p = partials.get() + b * s.cols + c0;
 #pragma omp simd
         for (std::int64_t c = 0; c < width; ++c) sum[c] += p[c];
       }
-      for (std::int64_t c = 0; c < width; ++c) dw[c0 + c] = store_as<T>(sum[c]);
+      for (std::int64_t c = 0; c < width; ++c) dw[c0 + c] = from_double<T>(sum[c]);
     }
   }
 }

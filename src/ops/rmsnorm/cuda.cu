@@ -12,7 +12,9 @@
 // Each thread sums dy * n for its columns in registers and writes the block's partial row once; a
 // second kernel, launched as a programmatic dependent, adds the partial rows in a fixed order. No
 // float atomics, and dweight's bits depend on the shape only (not on the vector width or the
-// device).
+// device). The sums are double (each term exact, rounded once at the end, as the cpu backend):
+// fp32 sums over a block's rows drift further from the exact sum than PyTorch's, and a double add
+// per element is free in a kernel bound by memory.
 //
 // Rows too wide for registers take the "streaming" kernels, which read the row again after the
 // reduction (from L2). Widths that are not a multiple of the vector, or rows that are not 16-byte
@@ -243,11 +245,11 @@ __device__ __forceinline__ A dot_share(const Slice<T, N>& v, const Chunk<T, N>& 
 }
 
 // dr = rstd * (dn - n * mean) + grad_r; writes dx = dr * multiplier and dresidual = dr, and adds
-// dy * n to acc (an explicit fma, so every kernel rounds dweight's terms alike).
+// dy * n to acc (exact in double).
 template <typename T, int N, typename A>
 __device__ __forceinline__ void write_grads(const RmsNormBackwardArgs& a, std::int64_t off,
                                             const Slice<T, N>& v, const Chunk<T, N>& w, A scale,
-                                            A mean, A (&acc)[N]) {
+                                            A mean, double (&acc)[N]) {
   const A rstd = v.rstd, m = static_cast<A>(a.multiplier);
   A dr[N], dx[N];
 #pragma unroll
@@ -255,7 +257,7 @@ __device__ __forceinline__ void write_grads(const RmsNormBackwardArgs& a, std::i
     const A g = v.dy[k], n = v.in[k] * scale;
     dr[k] = rstd * (g * w[k] - n * mean) + (a.grad_r ? v.gr[k] : A(0));
     dx[k] = dr[k] * m;
-    acc[k] = fma(g, n, acc[k]);
+    acc[k] = fma(double(g), double(n), acc[k]);
   }
   store_vec<T, N>(a.dx, off, dx);
   if (a.dresidual) store_vec<T, N>(a.dresidual, off, dr);
@@ -281,7 +283,7 @@ __device__ __forceinline__ void wait_for_primary() {
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                    acc_t<T>* partials) {
+                    double* partials) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const std::int64_t first = blockIdx.x * rows_per_block;
   const std::int64_t end = std::min(s.rows, first + rows_per_block);
   const Chunk<T, N> w = active ? weight_vec<T, N>(a.weight, c) : Chunk<T, N>{};
-  A acc[N] = {};
+  double acc[N] = {};
   Slice<T, N> cur{};
   if (active) cur = load_slice<T, N>(a, first, first * s.cols + c);
   for (std::int64_t row = first; row < end; ++row) {
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     if (active) write_grads<T, N>(a, row * s.cols + c, cur, w, scale, mean, acc);
     cur = next;
   }
-  if (partials && active) store_vec<A, N>(partials, blockIdx.x * s.cols + c, acc);
+  if (partials && active) store_vec<double, N>(partials, blockIdx.x * s.cols + c, acc);
 }
 
 // Rows wider than kBackwardThreads vectors: the same rows per block and the same dweight terms in
@@ -311,14 +313,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_streaming_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                              acc_t<T>* partials) {
+                              double* partials) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
   const std::int64_t start = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
   const std::int64_t first = blockIdx.x * rows_per_block;
   const std::int64_t end = std::min(s.rows, first + rows_per_block);
-  A* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
+  double* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
   for (std::int64_t row = first; row < end; ++row) {
     const std::int64_t base = row * s.cols;
     const A scale = static_cast<A>(a.input_scale) * A(a.rstd[row]);
@@ -328,15 +330,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     const A mean = block_sum(dot, scratch) / A(s.cols);
     for (std::int64_t c = start; c < s.cols; c += step) {
-      A acc[N] = {};
+      double acc[N] = {};
       if (partial && row > first) {
-        const Vec<A, N> p = load_vec<A, N>(partial, c);
+        const Vec<double, N> p = load_vec<double, N>(partial, c);
 #pragma unroll
         for (int k = 0; k < N; ++k) acc[k] = p.v[k];
       }
       write_grads<T, N>(a, base + c, load_slice<T, N>(a, row, base + c),
                         weight_vec<T, N>(a.weight, c), scale, mean, acc);
-      if (partial) store_vec<A, N>(partial, c, acc);
+      if (partial) store_vec<double, N>(partial, c, acc);
     }
   }
 }
@@ -346,9 +348,9 @@ __global__ void __launch_bounds__(kBackwardThreads)
 // function of the shape only.
 template <typename T>
 __global__ void __launch_bounds__(32 * kReduceLanes)
-    dweight_kernel(const acc_t<T>* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
+    dweight_kernel(const double* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
                    T* __restrict__ dweight) {
-  using A = acc_t<T>;
+  using A = double;
   wait_for_primary();
   constexpr int kBatch = 8;
   __shared__ A lanes[kReduceLanes][32];
@@ -407,8 +409,8 @@ Plan plan(std::int64_t cols, int per, int max_threads, std::initializer_list<con
 
 // Rows per backward block. dweight's bits depend on this grouping, so it depends on the shape
 // only: about 2^20 / H blocks (at H = 4096, 256 blocks of 512 threads fill an H100/H200), at
-// least 256 and at most 1024 so that the partial rows (written and read once, 8 bytes per element)
-// stay a few percent of the traffic.
+// least 256 and at most 1024 so that the partial rows (double, written and read once: 16 bytes per
+// element) stay a few percent of the traffic.
 std::int64_t rows_per_block(const RmsNormShape& s) {
   const std::int64_t blocks = std::clamp<std::int64_t>(
       (std::int64_t{1} << 20) / std::max<std::int64_t>(s.cols, 1), 256, 1024);
@@ -449,14 +451,13 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
   DeviceGuard guard(stream.device.index);
   dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
-    using A = acc_t<T>;
     const std::int64_t per_block = rows_per_block(s), blocks = (s.rows + per_block - 1) / per_block;
     // Scratch for dweight's partial rows, stream-ordered like the kernels that use it.
     Tensor partials;
     if (a.dweight && blocks > 0 && s.cols > 0)
-      partials = Tensor({blocks, s.cols}, dtype_of<A>(),
+      partials = Tensor({blocks, s.cols}, DType::F64,
                         Device{DeviceType::CUDA, stream.device.index}, stream);
-    A* p = partials.defined() ? partials.data_ptr<A>() : nullptr;
+    double* p = partials.defined() ? partials.data_ptr<double>() : nullptr;
     if (blocks > 0) {
       const Plan l = plan<T>(s.cols, 1, kBackwardThreads,
                              {a.grad_y, a.grad_r, a.input, a.weight, a.dx, a.dresidual});
@@ -480,7 +481,7 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
       cudaFuncAttributes compiled{};
       check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
       config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
-      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const A*>(p), blocks, s.cols,
+      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const double*>(p), blocks, s.cols,
                                static_cast<T*>(a.dweight)),
             "rmsnorm_backward");
     }
