@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <random>
+#include <vector>
 
 #include "meshfuse/meshfuse.h"
 #include "ops/gemm/gemm_kernels.h"
@@ -514,6 +516,32 @@ TEST_P(LinearGradBias, AloneMatchesTheReference) {
     linear_backward(on(dy), on(x), on(w), {}, {}, got, stream);
     expect_gemm_close(back(got), expected, x.numel() / x.size(-1), "grad_bias");
   }
+}
+
+// grad_bias is the exact column sum rounded once to the dtype: within its unit roundoff u of the
+// exact sum (the reference on an f64 copy), whatever the row count. Values in [0.5, 1.5) so that
+// no cancellation hides the error of the sum; fp32 sums over 20000 rows in row order are ~50 u off.
+TEST_P(LinearGradBias, IsTheExactColumnSumRoundedOnce) {
+  constexpr std::int64_t rows = 20000, n = 33;
+  std::mt19937_64 rng(71);
+  std::uniform_real_distribution<double> uniform(0.5, 1.5);
+  Tensor wide({rows, n}, DType::F64), dy({rows, n}, dt);
+  for (std::int64_t i = 0; i < rows * n; ++i) wide.data_ptr<double>()[i] = uniform(rng);
+  copy(wide, dy);
+  copy(dy, wide);  // the values dy holds
+  const Tensor x = randn({rows, 4}, dt, 72), w = randn({n, 4}, dt, 73);
+  Tensor exact({n}, DType::F64), x64({rows, 4}, DType::F64), w64({n, 4}, DType::F64);
+  copy(x, x64);
+  copy(w, w64);
+  on_reference([&] { linear_backward(wide, x64, w64, {}, {}, exact); });
+  const Tensor got({n}, dt, target.device, stream);
+  linear_backward(on(dy), on(x), on(w), {}, {}, got, stream);
+  const double u = dt == DType::F64   ? 1e-13  // the reference's own double sum
+                   : dt == DType::F32 ? 0x1p-24
+                   : dt == DType::F16 ? 0x1p-11
+                                      : 0x1p-8;
+  const std::vector<double> g = test::values(back(got)), e = test::values(exact);
+  for (std::int64_t j = 0; j < n; ++j) ASSERT_LE(std::abs(g[j] - e[j]), u * std::abs(e[j])) << j;
 }
 
 INSTANTIATE_TEST_SUITE_P(, GemmBackends,

@@ -300,22 +300,24 @@ void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, co
   }
 }
 
+// In double for every dtype: the sum is exact to far below the output's rounding whatever the row
+// count (an fp32 sum in row order drifts further from it than PyTorch's cascade sum), and the pass
+// is bound by memory.
 template <typename T, bool kTransposed>
 void column_sum_t(std::int64_t rows, std::int64_t cols, const GemmMatrix& x, T* out) {
-  using A = acc_t<T>;
   constexpr std::int64_t kCols = 256;  // columns per thread task, summed as a vector
   const T* base = static_cast<const T*>(x.data);
   const std::int64_t rs = kTransposed ? 1 : x.ld, cs = kTransposed ? x.ld : 1;
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
     const std::int64_t w = std::min(kCols, cols - c0);
-    A acc[kCols] = {};
+    double acc[kCols] = {};
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* row = base + r * rs + c0 * cs;
 #pragma omp simd
-      for (std::int64_t j = 0; j < w; ++j) acc[j] += A(to_float(row[j * cs]));
+      for (std::int64_t j = 0; j < w; ++j) acc[j] += double(to_float(row[j * cs]));
     }
-    for (std::int64_t j = 0; j < w; ++j) out[c0 + j] = store_as<T>(acc[j]);
+    for (std::int64_t j = 0; j < w; ++j) out[c0 + j] = from_double<T>(acc[j]);
   }
 }
 

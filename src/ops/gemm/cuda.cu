@@ -74,13 +74,14 @@ void scale(const GemmProblem& p, const GemmMatrix& c, double s, const GemmMatrix
 // Column sums in two passes with a fixed order: block (x, y) sums columns [32x, 32x + 32) over
 // row block y, each of its 8 lanes every 8th row, the lanes in order; then one thread per column
 // adds the row blocks in order. Both layouts sum in this same order (transposed storage reads
-// with a stride, a rare layout for grad_out).
+// with a stride, a rare layout for grad_out). The sums are double, as on the cpu backend: exact
+// to far below the output's rounding, at no cost in a pass bound by memory.
 constexpr int kSumCols = 32, kSumLanes = 8;
 
 template <typename T>
 __global__ void column_partials_kernel(GemmMatrix x, std::int64_t rows, std::int64_t cols,
-                                       std::int64_t per_block, acc_t<T>* partials) {
-  using A = acc_t<T>;
+                                       std::int64_t per_block, double* partials) {
+  using A = double;
   __shared__ A lanes[kSumLanes][kSumCols];
   const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(kSumCols) + threadIdx.x;
   const std::int64_t r0 = blockIdx.y * per_block;
@@ -98,11 +99,11 @@ __global__ void column_partials_kernel(GemmMatrix x, std::int64_t rows, std::int
 }
 
 template <typename T>
-__global__ void column_total_kernel(const acc_t<T>* partials, std::int64_t blocks,
+__global__ void column_total_kernel(const double* partials, std::int64_t blocks,
                                     std::int64_t cols, T* out) {
   const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (j >= cols) return;
-  acc_t<T> sum = 0;
+  double sum = 0;
   for (std::int64_t b = 0; b < blocks; ++b) sum += partials[b * cols + j];
   out[j] = store<T>(sum);
 }
@@ -471,19 +472,18 @@ void column_sum(DType dtype, std::int64_t rows, std::int64_t cols, GemmMatrix x,
   DeviceGuard guard(stream.device.index);
   dispatch_float(dtype, "linear_backward", [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
-    using A = acc_t<T>;
     const std::int64_t blocks = column_sum_blocks(rows);
     // The partial rows: scratch on the stream, ordered with the kernels that use it.
     Tensor partials;
     if (blocks > 0) {
-      partials = Tensor({blocks, cols}, dtype_of<A>(),
+      partials = Tensor({blocks, cols}, DType::F64,
                         Device{DeviceType::CUDA, stream.device.index}, stream);
       const dim3 grid(ceil_div(cols, kSumCols), static_cast<unsigned>(blocks));
       column_partials_kernel<T><<<grid, dim3(kSumCols, kSumLanes), 0, native(stream)>>>(
-          x, rows, cols, (rows + blocks - 1) / blocks, partials.data_ptr<A>());
+          x, rows, cols, (rows + blocks - 1) / blocks, partials.data_ptr<double>());
     }
     column_total_kernel<T><<<ceil_div(cols, 256), 256, 0, native(stream)>>>(
-        blocks > 0 ? partials.data_ptr<A>() : nullptr, blocks, cols, static_cast<T*>(out));
+        blocks > 0 ? partials.data_ptr<double>() : nullptr, blocks, cols, static_cast<T*>(out));
   });
   check_launch("linear_backward");
 }
