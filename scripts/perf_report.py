@@ -7,7 +7,8 @@
 A stored run wraps a tool's JSON output with its metadata:
     {"machine", "command", "commit", "date", "kind", "results": <the tool's JSON>}
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
-torch_compare, recurrent_compare, flce_compare, comm_compare (the --json files of bench/*.py).
+torch_compare, recurrent_compare, flce_compare, comm_compare, numerics (the --json files of
+bench/*.py).
 Standard library only.
 """
 
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 KINDS = ("bench", "comm_bench", "torch_compare", "recurrent_compare", "flce_compare",
-         "comm_compare")
+         "comm_compare", "numerics")
 
 
 def guess_kind(results):
@@ -31,6 +32,8 @@ def guess_kind(results):
     if isinstance(results, dict):
         return "flce_compare" if "ratios" in results else None
     first = results[0] if results else {}
+    if "meshfuse_err" in first:
+        return "numerics"
     if "impl" in first:
         return "recurrent_compare" if "head_dim" in first else "torch_compare"
     if "torch" in first and "meshfuse" in first:
@@ -81,6 +84,10 @@ def pct(v):
 
 def tflops(v):
     return f"{v:.3g} TFLOP/s" if v < 100 else f"{v:.0f} TFLOP/s"
+
+
+def sci(v):
+    return "-" if v is None else f"{v:.3e}"
 
 
 def ratio(v):
@@ -175,10 +182,29 @@ def comm_bench_section(results):
                   "algbw GB/s", "busbw GB/s"], rows)
 
 
+def numerics_section(results):
+    """bench/numerics.py --json: one row per op, direction, output and dtype."""
+    rows = []
+    for r in results:
+        op = r["op"] + (f" ({r['variant']})" if r["variant"] else "")
+        # The dtype meshfuse wrote where it is not the one under test (an f32 loss or gradient).
+        output = r["output"] + ("" if r["meshfuse_dtype"] == r["dtype"]
+                                else f" [{r['meshfuse_dtype']}]")
+        rows.append([op, r["direction"], output, r["dtype"], r["device"], sci(r["meshfuse_err"]),
+                     sci(r["torch_err"]), ratio(r["ratio"]), "worse" if r["worse"] else ""])
+    worse = sum(r["worse"] for r in results)
+    return ["Error of an output: `max |out - truth| / max(|truth|, 2^-10 max|truth|)` over its "
+            "elements, the truth computed in fp64 from the same inputs rounded to the dtype "
+            "([BENCHMARKING.md](BENCHMARKING.md#numerics)). Ratio: meshfuse's error over PyTorch "
+            "eager's; worse: meshfuse's is the larger (the goal is none).", ""] + table(
+        ["op", "direction", "output", "dtype", "device", "meshfuse error", "torch error", "ratio",
+         "mark"], rows) + ["", f"meshfuse's error is the larger on {worse} of {len(results)} rows."]
+
+
 SECTIONS = {"bench": bench_section, "comm_bench": comm_bench_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,
-            "comm_compare": comm_compare_section}
+            "comm_compare": comm_compare_section, "numerics": numerics_section}
 
 
 def load_runs():
