@@ -845,7 +845,7 @@ TEST(FusedLinearCrossEntropy, WorkspaceLogitsAreChunkRowsTimesVocabTimesFourByte
   EXPECT_EQ(ws.logits, 128 * 32000 * 4);
   EXPECT_EQ(ws.per_row, 512 * (8 + 4 + 8));  // + the per-row upstream of `none`
   EXPECT_EQ(ws.staging, 0);
-  EXPECT_EQ(ws.grad_bias, 32000 * 4);
+  EXPECT_EQ(ws.grad_bias, 32000 * 8);
   s.dtype = DType::F64;
   EXPECT_EQ(fused_linear_cross_entropy_workspace(s).logits, 128 * 32000 * 8);
   // Loss only: no gradient buffers.

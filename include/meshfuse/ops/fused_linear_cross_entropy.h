@@ -44,8 +44,9 @@
 //     against u |value| for one rounding: with the CUDA default at N = 16384 (8 chunks) about 3x
 //     the error of the unfused op. Pass an f32 grad_weight when that matters (gradient
 //     accumulation over micro-batches, many chunks).
-// grad_bias follows the same dtype rule, but its V sums are always accumulated in fp32 (f64) over
-// all rows and rounded once (V x 4 bytes of scratch, nothing to save there).
+// grad_bias follows the same dtype rule, but its V sums are always accumulated in double over all
+// rows and rounded once: the exact column sums of the logits' gradient as computed (V x 8 bytes of
+// scratch, nothing to save there).
 // The gradients are written, not added to: the caller's previous contents are not read.
 //
 // Scratch memory of the cpu backend (fused_linear_cross_entropy_workspace gives it exactly); it
@@ -55,7 +56,7 @@
 //   - bf16 / f16 only, fp32 staging for the fp32 GEMM: the chunk's x and grad_x rows
 //     (chunk x H x 4 each), a block of weight rows (at most 32 MiB, also the buffer of a block's
 //     grad_weight product for a 16-bit grad_weight) and the bias (V x 4);
-//   - with grad_bias: its accumulator, V x 4 bytes (8 for f64);
+//   - with grad_bias: its accumulator, V x 8 bytes;
 // plus the GEMM library's own scratch. The weight (in fp32 blocks for 16-bit types) is read twice
 // per chunk (logits, then grad_x): fewer, larger chunks are faster; smaller chunks use less memory.
 // The cuda backend runs the same chunks with cuBLASLt GEMMs that multiply the input dtype with

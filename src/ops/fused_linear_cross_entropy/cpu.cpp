@@ -72,10 +72,10 @@ void matmul(std::int64_t m, std::int64_t n, std::int64_t k, GemmMatrix a, GemmMa
   gemm_fixed_layout({dtype_of<A>(), 1, m, n, k, 1.0, c.data ? 1.0 : 0.0}, a, b, c, d, Stream{});
 }
 
-// acc[j] += sum over the rows of d (rows, cols), each column in row order: the same sums
-// whatever the chunking and thread count.
+// acc[j] += sum over the rows of d (rows, cols), each column in row order, in double (exact far
+// below the output's rounding): the same sums whatever the chunking and thread count.
 template <typename A>
-void add_column_sums(const A* d, std::int64_t rows, std::int64_t cols, A* acc) {
+void add_column_sums(const A* d, std::int64_t rows, std::int64_t cols, double* acc) {
   constexpr std::int64_t kCols = 256;  // columns per task, summed as a vector
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
@@ -83,7 +83,7 @@ void add_column_sums(const A* d, std::int64_t rows, std::int64_t cols, A* acc) {
     for (std::int64_t i = 0; i < rows; ++i) {
       const A* row = d + row_offset(i, cols) + c0;
 #pragma omp simd
-      for (std::int64_t j = 0; j < w; ++j) acc[c0 + j] += row[j];
+      for (std::int64_t j = 0; j < w; ++j) acc[c0 + j] += double(row[j]);
     }
   }
 }
@@ -105,7 +105,7 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   const auto x32 = scratch<A>(p.x_chunk), dx32 = scratch<A>(p.grad_x_chunk),
              w32 = scratch<A>(p.weight_block), b32 = scratch<A>(p.bias);
   std::vector<double> row_loss(static_cast<std::size_t>(p.row_loss)), row_grad;
-  std::vector<A> dbias(static_cast<std::size_t>(p.grad_bias), A(0));
+  std::vector<double> dbias(static_cast<std::size_t>(p.grad_bias), 0.0);
   const CrossEntropyUpstream up = grads
                                       ? read_upstream(ce, a.grad_loss, count, o.reduction, row_grad)
                                       : CrossEntropyUpstream{0.0, nullptr};
@@ -162,12 +162,11 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   if (a.grad_weight && n == 0)  // all-zero bits are +0 in every float dtype
     std::memset(a.grad_weight, 0,
                 static_cast<std::size_t>(v * h) * element_size(a.grad_weight_dtype));
-  if (a.grad_bias) {
-    if (a.grad_bias_dtype == dtype_of<A>())
-      std::copy(dbias.begin(), dbias.end(), static_cast<A*>(a.grad_bias));
-    else
-      convert(dbias.data(), v, static_cast<T*>(a.grad_bias));
-  }
+  if (a.grad_bias)
+    dispatch_float(a.grad_bias_dtype, kFusedLinearCrossEntropy, [&](auto tag) {
+      using B = decltype(tag);
+      for (std::int64_t j = 0; j < v; ++j) static_cast<B*>(a.grad_bias)[j] = from_double<B>(dbias[j]);
+    });
   store_loss(ce, row_loss, count, o.reduction, a.loss);
 }
 

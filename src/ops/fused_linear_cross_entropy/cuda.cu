@@ -23,9 +23,8 @@
 // element and chunk, and V x H x 4 bytes of memory.
 //
 // Memory (all on the caller's stream, released when the call returns): the chunk's logits,
-// min(chunk_rows, N) x V x sizeof(A); V x 4 each for a 16-bit bias in fp32 (the epilogue adds it
-// to fp32 logits) and for a 16-bit grad_bias's fp32 accumulator (f32 / f64 accumulate in
-// grad_bias); N x (4 + 8 + 8) for lse, row losses and upstream (f64: 8 + 8 + 8); plus cuBLASLt's
+// min(chunk_rows, N) x V x sizeof(A); V x 4 for a 16-bit bias in fp32 (the epilogue adds it to
+// fp32 logits); V x 8 for grad_bias's double accumulator; N x (4 + 8 + 8) for lse, row losses and upstream (f64: 8 + 8 + 8); plus cuBLASLt's
 // workspace (<= 32 MiB).
 //
 // Determinism: a fixed sequence of kernels with fixed shapes per chunk_rows; cuBLASLt's choice is
@@ -44,13 +43,14 @@ namespace {
 
 constexpr const char* kOp = "fused_linear_cross_entropy";
 
-// acc[j] += sum over the rows of d (rows, cols), each column in row order; one thread per column
-// (adjacent threads read adjacent columns).
+// acc[j] += sum over the rows of d (rows, cols), each column in row order, in double (as the cpu
+// backend); one thread per column (adjacent threads read adjacent columns).
 template <typename A>
-__global__ void add_column_sums_kernel(const A* d, std::int64_t rows, std::int64_t cols, A* acc) {
+__global__ void add_column_sums_kernel(const A* d, std::int64_t rows, std::int64_t cols,
+                                       double* acc) {
   const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (j >= cols) return;
-  A sum = acc[j];
+  double sum = acc[j];
   for (std::int64_t i = 0; i < rows; ++i) sum += d[i * cols + j];
   acc[j] = sum;
 }
@@ -138,16 +138,16 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   const CrossEntropyUpstream up =
       grads ? read_upstream(ce, a.grad_loss, count, o.reduction, row_grad, stream)
             : CrossEntropyUpstream{0.0, nullptr};
-  Tensor bias32, db32;
+  Tensor bias32;
   const void* bias = a.bias;
   if (kNarrow && a.bias) {
     bias32 = scratch(at, {v}, stream);
     copy(TensorView(const_cast<void*>(a.bias), dt, {v}, stream.device), bias32, stream);
     bias = bias32.view().data();
   }
-  A* db = static_cast<A*>(a.grad_bias);  // grad_bias's accumulator
-  if (a.grad_bias && a.grad_bias_dtype != at) db = (db32 = scratch(at, {v}, stream)).data_ptr<A>();
-  if (a.grad_bias) zero(db, v * static_cast<std::int64_t>(sizeof(A)), stream);
+  const Tensor db64 = a.grad_bias ? scratch(DType::F64, {v}, stream) : Tensor();  // accumulator
+  double* const db = db64.defined() ? db64.data_ptr<double>() : nullptr;
+  if (db) zero(db, v * std::int64_t{sizeof(double)}, stream);
   if (a.grad_weight && n == 0)
     zero(a.grad_weight, v * h * static_cast<std::int64_t>(element_size(a.grad_weight_dtype)),
          stream);
@@ -186,7 +186,7 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
              row_major(a.grad_weight, h), r0 > 0, nullptr, stream);
   }
 
-  if (db32.defined()) copy(db32, TensorView(a.grad_bias, dt, {v}, stream.device), stream);
+  if (db) copy(db64, TensorView(a.grad_bias, a.grad_bias_dtype, {v}, stream.device), stream);
   store_loss(ce, row_loss.defined() ? row_loss.data_ptr<double>() : nullptr, count, o.reduction,
              a.loss, stream);
 }

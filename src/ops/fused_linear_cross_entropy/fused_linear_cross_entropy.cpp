@@ -126,7 +126,7 @@ FusedLinearCrossEntropyWorkspace fused_linear_cross_entropy_workspace(
   const detail::cpu::FusedLinearCrossEntropyPlan p = detail::cpu::plan(s);
   const std::int64_t a = s.dtype == DType::F64 ? 8 : 4;  // the compute type's size
   return {p.logits * a, p.lse * a + (p.row_loss + p.row_grad) * 8,
-          (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_bias * a};
+          (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_bias * 8};
 }
 
 }  // namespace meshfuse
