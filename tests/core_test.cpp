@@ -67,10 +67,18 @@ TEST(DType, FromDoubleRoundsOnceToBf16) {
 
 TEST(DType, NamesRoundTrip) {
   for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
-                  DType::U8, DType::Bool})
+                  DType::U8, DType::U32, DType::Bool})
     EXPECT_EQ(parse_dtype(to_string(d)), d);
   EXPECT_EQ(parse_dtype("bfloat16"), DType::BF16);
   EXPECT_FALSE(parse_dtype("f8").has_value());
+}
+
+TEST(DType, U32IsFourBytesNamedU32OrUint32) {
+  EXPECT_EQ(element_size(DType::U32), 4u);
+  EXPECT_EQ(to_string(DType::U32), "u32");
+  EXPECT_EQ(parse_dtype("u32"), DType::U32);
+  EXPECT_EQ(parse_dtype("uint32"), DType::U32);
+  static_assert(dtype_of<std::uint32_t>() == DType::U32);
 }
 
 TEST(Device, ParsesAndPrints) {
@@ -210,6 +218,25 @@ TEST_P(CoreOnDevices, CopiesConvertDtypesAndStridesLikeTheHost) {
   Tensor dst = Tensor::zeros({65, 33}, DType::F32, device, stream);
   copy(a, dst.view().transpose(0, 1), stream);
   EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(dst, stream).view().transpose(0, 1), a));
+}
+
+// cu_seqlens of u32 are read through this conversion: values past 2^31 must stay positive.
+TEST_P(CoreOnDevices, U32ConvertsToI64AndBackAsUnsigned) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  Tensor u32({3}, DType::U32);
+  const std::uint32_t values[3] = {7, 0x80000000u, 0xffffffffu};
+  std::copy(values, values + 3, u32.data_ptr<std::uint32_t>());
+  Tensor i64({3}, DType::I64, target.device, stream);
+  copy(test::on(u32, target.device, stream), i64, stream);
+  const Tensor back = test::to_cpu(i64, stream);
+  EXPECT_EQ(
+      std::vector<std::int64_t>(back.data_ptr<std::int64_t>(), back.data_ptr<std::int64_t>() + 3),
+      (std::vector<std::int64_t>{7, std::int64_t{1} << 31, (std::int64_t{1} << 32) - 1}));
+  Tensor round_trip({3}, DType::U32, target.device, stream);
+  copy(i64, round_trip, stream);
+  EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(round_trip, stream), u32));
 }
 
 TEST_P(CoreOnDevices, BackendFollowsTheDeviceAndForcingAnotherIsAnError) {

@@ -599,8 +599,12 @@ TEST(CudaCrossEntropy, RowsPastElement2To31AreAddressedIn64Bits) {
 TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   const Tensor logits = randn({4, 8}, DType::F32, 15), labels = Tensor::zeros({4}, DType::I64);
   Tensor loss({}, DType::F32), lse({4}, DType::F32);
-  test::expect_error([&] { cross_entropy(logits, Tensor::zeros({4}, DType::F32), loss, lse); },
-                     ErrorCode::DTypeMismatch, {"cross_entropy", "'labels'", "i32 or i64", "f32"});
+  // u32 is for cu_seqlens only: labels stay i32 or i64.
+  for (DType bad : {DType::F32, DType::U32})
+    test::expect_error(
+        [&] { cross_entropy(logits, Tensor::zeros({4}, bad), loss, lse); },
+        ErrorCode::DTypeMismatch,
+        {"cross_entropy", "'labels' must be i32 or i64, got " + std::string(to_string(bad))});
   test::expect_error([&] { cross_entropy(logits, Tensor::zeros({5}, DType::I64), loss, lse); },
                      ErrorCode::ShapeMismatch, {"cross_entropy", "'labels'", "[4]", "[5]"});
   test::expect_error(

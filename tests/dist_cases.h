@@ -213,6 +213,19 @@ inline void check_send_recv(Communicator& c, DType dtype) {
   EXPECT_EQ(values_of(got), values(prev, 9)) << where(c, dtype, "send/recv");
 }
 
+// u32 reduces as unsigned: rank 0's 3e9 (past 2^31, negative as an i32) is the maximum, and the
+// sum stays exact.
+inline void check_u32_reductions(Communicator& c) {
+  const double big = 3'000'000'000.0;
+  Tensor sum = tensor_of({c.rank() == 0 ? big : 1.0}, DType::U32, {1});
+  Tensor max = Tensor::copy_of(sum);
+  c.all_reduce(sum).wait();
+  c.all_reduce(max, ReduceOp::Max).wait();
+  EXPECT_EQ(values_of(sum), std::vector<double>{big + c.size() - 1})
+      << where(c, DType::U32, "all_reduce(sum)");
+  EXPECT_EQ(values_of(max), std::vector<double>{big}) << where(c, DType::U32, "all_reduce(max)");
+}
+
 // Every collective, dtype and shard kind.
 inline void check_every_collective(Communicator& c) {
   for (DType dtype : kDTypes) {
@@ -231,6 +244,7 @@ inline void check_every_collective(Communicator& c) {
     check_scatter(c, dtype);
     check_send_recv(c, dtype);
   }
+  check_u32_reductions(c);
   c.barrier().wait();
 }
 

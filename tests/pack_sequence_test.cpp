@@ -23,8 +23,10 @@ using test::values;
 const Target kOracle{KernelBackend::Reference, Device{}};
 
 // pack_sequence and unpack_sequence copy bytes: every dtype.
-const std::vector<DType> kAllDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16,
-                                       DType::I32, DType::I64, DType::U8,  DType::Bool};
+const std::vector<DType> kAllDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32,
+                                       DType::I64, DType::U8,  DType::U32, DType::Bool};
+// The dtypes cu_seqlens may have.
+const std::vector<DType> kOffsetDTypes = {DType::I32, DType::U32, DType::I64};
 
 // Integers in [0, 100) (0 or 1 for bool), exact in every dtype.
 Tensor make_values(Shape shape, DType dtype, std::uint64_t seed) {
@@ -34,7 +36,7 @@ Tensor make_values(Shape shape, DType dtype, std::uint64_t seed) {
   return t;
 }
 
-// cu_seqlens of `dtype` (i32 or i64) holding `cu`, on the CPU.
+// cu_seqlens of `dtype` (one of kOffsetDTypes) holding `cu`, on the CPU.
 Tensor offsets(DType dtype, const std::vector<std::int64_t>& cu) {
   Tensor i64({static_cast<std::int64_t>(cu.size())}, DType::I64), t(i64.shape(), dtype);
   std::copy(cu.begin(), cu.end(), i64.data_ptr<std::int64_t>());
@@ -74,7 +76,7 @@ class PackSequenceBackends : public ::testing::TestWithParam<test::OpCase> {};
 // Lengths 5, 0, 9 (= S), 1, 0, 7 in rows of 3 x 5 elements (1 to 8 bytes each: an odd number of
 // bytes for 1-byte dtypes, every cuda unit width below 16 bytes), and rows of 1024 elements
 // (16-byte cuda units) whose 1 MiB parts of the cpu backend end inside sequences (the parts count
-// bytes, whatever the dtype); both padding sides, both offset dtypes.
+// bytes, whatever the dtype); both padding sides, every offset dtype against the oracle's i32.
 TEST_P(PackSequenceBackends, MatchesTheReferenceAndPackUndoesUnpack) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
@@ -92,11 +94,12 @@ TEST_P(PackSequenceBackends, MatchesTheReferenceAndPackUndoesUnpack) {
     Shape shape = {batch, c.seq_len};
     shape.insert(shape.end(), c.rows.begin(), c.rows.end());
     const Tensor x = make_values(shape, dtype, 1), on_x = on(x, d, stream);
-    for (PaddingSide side : {PaddingSide::Left, PaddingSide::Right})
-      for (DType index : {DType::I32, DType::I64}) {
-        const Tensor cu = offsets(index, c.cu), on_cu = on(cu, d, stream);
-        const Tensor p_ref = packed(kOracle, {}, x, cu, tokens, side);
-        const Tensor u_ref = unpacked(kOracle, {}, p_ref, cu, c.seq_len, side);
+    const Tensor cu32 = offsets(DType::I32, c.cu);
+    for (PaddingSide side : {PaddingSide::Left, PaddingSide::Right}) {
+      const Tensor p_ref = packed(kOracle, {}, x, cu32, tokens, side);
+      const Tensor u_ref = unpacked(kOracle, {}, p_ref, cu32, c.seq_len, side);
+      for (DType index : kOffsetDTypes) {
+        const Tensor on_cu = on(offsets(index, c.cu), d, stream);
         const Tensor p = packed(target, stream, on_x, on_cu, tokens, side);
         const Tensor u = unpacked(target, stream, p, on_cu, c.seq_len, side);
         const std::string what =
@@ -108,6 +111,7 @@ TEST_P(PackSequenceBackends, MatchesTheReferenceAndPackUndoesUnpack) {
             to_cpu(packed(target, stream, u, on_cu, tokens, side), stream), p_ref))
             << what << " pack(unpack(p))";
       }
+    }
   }
 }
 
@@ -127,7 +131,7 @@ TEST_P(PackSequenceTargets, MatchesTorchMaskingOnKnownValuesForBothPaddingSides)
   Tensor host_x({3, 4, 2}, DType::F32);
   for (std::int64_t i = 0; i < 24; ++i) host_x.data_ptr<float>()[i] = static_cast<float>(i);
   const Tensor x = on(host_x, target.device, stream);
-  for (DType index : {DType::I32, DType::I64}) {
+  for (DType index : kOffsetDTypes) {
     const Tensor cu = on(offsets(index, {0, 2, 2, 5}), target.device, stream);
     EXPECT_EQ(values(to_cpu(packed(target, stream, x, cu, 5, PaddingSide::Right), stream)),
               (std::vector<double>{0, 1, 2, 3, 16, 17, 18, 19, 20, 21}));
@@ -143,7 +147,7 @@ TEST_P(PackSequenceTargets, UnpackMatchesTorchIndexAssignmentAndZeroFillsThePadd
   Tensor host_y({5, 2}, DType::F32);
   for (std::int64_t i = 0; i < 10; ++i) host_y.data_ptr<float>()[i] = static_cast<float>(100 + i);
   const Tensor y = on(host_y, target.device, stream);
-  for (DType index : {DType::I32, DType::I64}) {
+  for (DType index : kOffsetDTypes) {
     const Tensor cu = on(offsets(index, {0, 2, 2, 5}), target.device, stream);
     EXPECT_EQ(values(to_cpu(unpacked(target, stream, y, cu, 4, PaddingSide::Right), stream)),
               (std::vector<double>{100, 101, 102, 103, 0,   0,   0,   0,   0,   0,   0, 0,
@@ -274,13 +278,21 @@ TEST_P(PackSequenceTargets, BadCuSeqlensIsAnErrorNamingTheOffsetAndNothingIsWrit
       {{0, 1, 2, 4}, {"cu_seqlens[3] (the last) must equal T = 5", "'out'", "got 4"}},
       {{0, 0, 5, 5}, {"sequence 1 has 5 tokens", "padded length S = 4"}}};
   for (const Bad& b : bad)
-    for (DType index : {DType::I32, DType::I64}) {
+    for (DType index : kOffsetDTypes) {
       const Tensor cu = on(offsets(index, b.cu), d, stream);
       const Tensor out = sevens({5, 2}, DType::F32, d, stream);
       test::expect_error([&] { pack_sequence(x, cu, out, PaddingSide::Left, stream); },
                          ErrorCode::InvalidArgument, b.needles);
       for (double v : values(to_cpu(out, stream))) ASSERT_EQ(v, 7.0);
     }
+  // A u32 offset past 2^31 is read as unsigned: a sequence too long, not a decreasing offset.
+  const Tensor past_int32 = on(offsets(DType::U32, {0, 1, 2, 3'000'000'000}), d, stream);
+  test::expect_error(
+      [&] {
+        pack_sequence(x, past_int32, sevens({5, 2}, DType::F32, d, stream), PaddingSide::Left,
+                      stream);
+      },
+      ErrorCode::InvalidArgument, {"pack_sequence", "sequence 2 has 2999999998 tokens"});
   const Tensor padded = sevens({3, 4, 2}, DType::F32, d, stream);
   test::expect_error(
       [&] {
@@ -368,7 +380,7 @@ TEST(PackSequence, BadShapesAndDTypesAreErrorsNamingTheArgument) {
       [&] {
         pack_sequence(x, from({4}, DType::F32, {0, 1, 2, 3}), out);
       },
-      ErrorCode::DTypeMismatch, {"pack_sequence", "'cu_seqlens'", "i32 or i64"});
+      ErrorCode::DTypeMismatch, {"pack_sequence", "'cu_seqlens'", "i32 or u32 or i64, got f32"});
   test::expect_error(
       [&] {
         pack_sequence(x, offsets(DType::I64, {0, 1, 3}), out);

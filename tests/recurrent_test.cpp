@@ -342,7 +342,7 @@ TEST_P(RecurrentBackends, MatchesTheReferenceOnPackedInputWithEmptyAndLengthOneS
   // lengths 3, 0, 1, 5, 0, 7 (cuda's second group of 8 is not reached; the last sequence is the
   // longest)
   const std::vector<std::int64_t> cu = {0, 3, 3, 4, 9, 9, 16};
-  for (DType index : {DType::I32, DType::I64})
+  for (DType index : {DType::I32, DType::U32, DType::I64})
     for (std::int64_t h : {64, 7})
       expect_matches_reference(
           random_problem(is_gru, dt, {16}, 2, h, 20 + h, cu_seqlens(cu, index)),
@@ -557,14 +557,24 @@ TEST_P(RecurrentBackends, PackedForwardIsBitwiseEachSequenceRunAlone) {
   }
 }
 
-TEST_P(RecurrentBackends, Int32AndInt64CuSeqlensAgree) {
+TEST_P(RecurrentBackends, CuSeqlensOfEveryIndexDTypeGiveBitwiseTheSameResults) {
   const Problem p = random_problem(is_gru, dt, {6}, 2, 3, 160, cu_seqlens({0, 2, 6}));
-  const auto output = [&](DType index) {
+  const Tensor dy = randn(p.output_shape(), dt, 161), dhn = randn(p.state.shape(), dt, 162);
+  const auto run = [&](DType index) {
     Problem q = on(p);
     q.cu = q.own(on(cu_seqlens({0, 2, 6}, index)));
-    return to_cpu(forward(q, stream).output, stream);
+    const Forward f = forward(q, stream);
+    return std::pair(to_host(f, stream),
+                     to_host(backward(q, f.output, on(dy), on(dhn), std::nullopt, stream), stream));
   };
-  EXPECT_TRUE(testing::bitwise_equal(output(DType::I32), output(DType::I64)));
+  const auto [forward32, grads32] = run(DType::I32);
+  for (DType index : {DType::U32, DType::I64}) {
+    const auto [f, g] = run(index);
+    const std::string what = std::string(to_string(index)) + " against i32";
+    expect_bitwise(f.output, forward32.output, what + ": output");
+    expect_bitwise(f.final_state, forward32.final_state, what + ": final_state");
+    expect_grads_bitwise(g, grads32, what);
+  }
 }
 
 // B x N = 1200 pairs: the cpu backend sums the weight gradients of 2 sequences per partial.
@@ -1066,7 +1076,14 @@ TEST(Recurrent, BadCuSeqlensAreClearErrors) {
       },
       ErrorCode::InvalidArgument, {"rnn", "max_seqlen = 2", "longest sequence (3 rows)"});
   test::expect_error([&] { run(Tensor({3}, DType::F32)); }, ErrorCode::DTypeMismatch,
-                     {"rnn", "'cu_seqlens'", "i32 or i64", "f32"});
+                     {"rnn", "'cu_seqlens'", "i32 or u32 or i64, got f32"});
+  // A u32 offset past 2^31 is read as unsigned: a wrong end, not a decreasing offset.
+  test::expect_error(
+      [&] {
+        run(cu_seqlens({0, 2, 3'000'000'000}, DType::U32));
+      },
+      ErrorCode::InvalidArgument,
+      {"rnn", "must end at the number of rows T = 5", "cu_seqlens[2] = 3000000000"});
   Tensor y({5, 1, 3}, DType::F32);
   test::expect_error([&] { rnn(p.inputs[0], p.weights[0], {}, y, {}, Tensor({0}, DType::I64)); },
                      ErrorCode::InvalidArgument, {"rnn", "'cu_seqlens'", "B+1"});

@@ -347,9 +347,9 @@ def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None
         max_seqlen=None):
     """Multi-head RNN, per head n: ``h_t = tanh(h_{t-1} @ weight[n] + input_t)``.
 
-    input (B, S, N, H), or packed (T, N, H) with cu_seqlens (B+1,) int32/int64; weight (N, H, H);
-    input_state (B, N, H) or None (zeros). Inputs and weights may have fewer heads than N when
-    their count divides N (broadcast). gradient_clipping = c clamps the state's gradient to
+    input (B, S, N, H), or packed (T, N, H) with cu_seqlens (B+1,) int32/uint32/int64; weight
+    (N, H, H); input_state (B, N, H) or None (zeros). Inputs and weights may have fewer heads than
+    N when their count divides N (broadcast). gradient_clipping = c clamps the state's gradient to
     [-c, c] at every step of the backward. Returns (output like input with N heads,
     final_state (B, N, H))."""
     return _Rnn.apply(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen)
@@ -459,7 +459,7 @@ class _UnpackSequence(torch.autograd.Function):
 
 def pack_sequence(x, cu_seqlens, padding_side="left"):
     """(B, S, ...) -> (T, ...): the tokens of each padded row, sequence after sequence, as
-    cu_seqlens (B+1,) int32/int64 gives them ('left': the tokens sit at the end of each row).
+    cu_seqlens (B+1,) int32/uint32/int64 gives them ('left': the tokens sit at the end of each row).
     Any dtype; the backward is unpack_sequence."""
     return _PackSequence.apply(x, cu_seqlens, padding_side)
 

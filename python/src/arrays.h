@@ -27,6 +27,7 @@ inline DType to_dtype(nb::dlpack::dtype t) {
     if (code == Code::Int && t.bits == 32) return DType::I32;
     if (code == Code::Int && t.bits == 64) return DType::I64;
     if (code == Code::UInt && t.bits == 8) return DType::U8;
+    if (code == Code::UInt && t.bits == 32) return DType::U32;
     if (code == Code::Bool) return DType::Bool;
   }
   throw Error(ErrorCode::DTypeMismatch, "meshfuse: unsupported array dtype (DLPack code " +

@@ -59,6 +59,22 @@ def test_bad_input_raises_meshfuse_error_naming_op_and_argument():
                                np.empty(2, np.float32))
 
 
+def test_uint32_arrays_pass_both_ways_and_serve_as_cu_seqlens_like_int32():
+    # uint32 (DLPack kDLUInt, 32 bits) as input, output and cu_seqlens; values past 2^31 keep
+    # their bits.
+    x = np.array([[2**31, 2, 3], [2**32 - 1, 5, 6]], np.uint32)[..., None]  # (B, S, 1)
+    for index_dtype in (np.int32, np.uint32):
+        cu = np.array([0, 2, 3], index_dtype)
+        packed = np.empty((3, 1), np.uint32)
+        meshfuse.pack_sequence(x, cu, packed, padding_side="right")
+        np.testing.assert_array_equal(packed[:, 0], [2**31, 2, 2**32 - 1])
+        padded = np.full_like(x, 7)
+        meshfuse.unpack_sequence(packed, cu, padded, padding_side="right")
+        np.testing.assert_array_equal(padded[..., 0], [[2**31, 2, 0], [2**32 - 1, 0, 0]])
+    with pytest.raises(meshfuse.Error, match=r"softmax: 'x' must be .*, got u32"):
+        meshfuse.softmax(x[..., 0], np.empty_like(x[..., 0]))
+
+
 def test_forced_backend_nests_restores_and_rejects_unknown_names():
     assert meshfuse.forced_kernel_backend() is None
     with meshfuse.force_kernel_backend("reference"):

@@ -105,8 +105,9 @@ def test_padded_input_matches_a_per_step_torch_loop(gru):
 
 
 @pytest.mark.parametrize("gru", [False, True], ids=["rnn", "gru"])
-def test_packed_input_with_empty_sequences_matches_the_loop(gru):
-    cu = torch.tensor([0, 3, 3, 4, 8], dtype=torch.int32)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.uint32], ids=["int32", "uint32"])
+def test_packed_input_with_empty_sequences_matches_the_loop(gru, index_dtype):
+    cu = torch.tensor([0, 3, 3, 4, 8]).to(index_dtype)
     _check(gru, *_problem(gru, (8,), 4, 2, 5, seed=2), cu_seqlens=cu)
 
 

@@ -29,7 +29,7 @@ def test_pack_and_unpack_match_torch_masking(device, padding_side, dtype):
     b, s = len(lengths), 5
     x = torch.randint(0, 100, (b, s, 3, 2)).to(dtype).to(device)
     mask = _mask(lengths, s, padding_side).to(device)
-    for index_dtype in (torch.int32, torch.int64):
+    for index_dtype in (torch.int32, torch.uint32, torch.int64):
         cu = _offsets(lengths, index_dtype).to(device)
         packed = torch.empty((int(lengths.sum()), 3, 2), dtype=dtype, device=device)
         meshfuse.pack_sequence(x, cu, packed, padding_side=padding_side)
@@ -60,6 +60,20 @@ def test_pack_sequence_autograd_is_unpack_and_back(device):
     grad_padded = torch.randn_like(padded)
     (ours,) = torch.autograd.grad(padded, y, grad_padded)
     torch.testing.assert_close(ours, grad_padded[mask], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uint32_tensors_pass_both_ways_and_serve_as_cu_seqlens(device):
+    # torch.uint32 through DLPack as data (values past 2^31 keep their bits) and as cu_seqlens,
+    # through the adapter and the raw binding. torch has few uint32 kernels: compare as int64.
+    x = torch.tensor([[2**31, 2, 3], [2**32 - 1, 5, 6]]).to(torch.uint32)[..., None].to(device)
+    cu = torch.tensor([0, 2, 3]).to(torch.uint32).to(device)
+    packed = mt.pack_sequence(x, cu, padding_side="right")
+    assert packed.dtype == torch.uint32
+    assert packed.to(torch.int64).flatten().tolist() == [2**31, 2, 2**32 - 1]
+    padded = torch.empty_like(x)
+    meshfuse.unpack_sequence(packed, cu, padded, padding_side="right")
+    assert padded.to(torch.int64).squeeze(-1).tolist() == [[2**31, 2, 0], [2**32 - 1, 0, 0]]
 
 
 @pytest.mark.parametrize("device", DEVICES)

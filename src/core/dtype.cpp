@@ -13,6 +13,7 @@ std::size_t element_size(DType dtype) {
       return 8;
     case DType::F32:
     case DType::I32:
+    case DType::U32:
       return 4;
     case DType::F16:
     case DType::BF16:
@@ -33,6 +34,7 @@ std::string_view to_string(DType dtype) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::U8: return "u8";
+    case DType::U32: return "u32";
     case DType::Bool: return "bool";
   }
   return "unknown";
@@ -49,7 +51,8 @@ std::optional<DType> parse_dtype(std::string_view name) {
       {"f16", DType::F16},     {"float16", DType::F16}, {"half", DType::F16},
       {"bf16", DType::BF16},   {"bfloat16", DType::BF16}, {"i32", DType::I32},
       {"int32", DType::I32},   {"i64", DType::I64},     {"int64", DType::I64},
-      {"u8", DType::U8},       {"uint8", DType::U8},    {"bool", DType::Bool},
+      {"u8", DType::U8},       {"uint8", DType::U8},    {"u32", DType::U32},
+      {"uint32", DType::U32},  {"bool", DType::Bool},
   };
   for (const Alias& a : kAliases)
     if (a.name == name) return a.dtype;

@@ -87,6 +87,7 @@ LoadFn loader(DType d) {
     case DType::I32: return load<std::int32_t>;
     case DType::I64: return load<std::int64_t>;
     case DType::U8: return load<std::uint8_t>;
+    case DType::U32: return load<std::uint32_t>;
     case DType::Bool: return load<bool>;
   }
   return nullptr;
@@ -101,6 +102,7 @@ StoreFn storer(DType d) {
     case DType::I32: return store<std::int32_t>;
     case DType::I64: return store<std::int64_t>;
     case DType::U8: return store<std::uint8_t>;
+    case DType::U32: return store<std::uint32_t>;
     case DType::Bool: return store<bool>;
   }
   return nullptr;

@@ -42,7 +42,7 @@ void check_mpi(int rc, const char* what) {
 }
 
 constexpr DType kDTypes[] = {DType::F32, DType::F64, DType::F16, DType::BF16,
-                             DType::I32, DType::I64, DType::U8,  DType::Bool};
+                             DType::I32, DType::I64, DType::U8,  DType::U32, DType::Bool};
 constexpr ReduceOp kSteps[] = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max};
 
 // MPI_Init_thread (unless the program did it), one datatype per dtype, one MPI_Op per reduction.

@@ -111,6 +111,8 @@ ncclDataType_t nccl_type(DType dtype) {
       return ncclInt32;
     case DType::I64:
       return ncclInt64;
+    case DType::U32:
+      return ncclUint32;
     case DType::U8:
     case DType::Bool:
       return ncclUint8;  // Bool only moves (reductions reject it before here)

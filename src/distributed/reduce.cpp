@@ -29,6 +29,8 @@ void dispatch_reducible(DType dtype, F&& f) {
       return f(std::int64_t{});
     case DType::U8:
       return f(std::uint8_t{});
+    case DType::U32:
+      return f(std::uint32_t{});
     case DType::Bool:
       break;
   }

@@ -156,6 +156,13 @@ decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
   }
 }
 
+// Calls f(T{}) with T the element type of a cu_seqlens dtype: int32_t, uint32_t or int64_t.
+template <typename F>
+decltype(auto) dispatch_offsets(DType dtype, std::string_view op, F&& f) {
+  if (dtype == DType::U32) return f(std::uint32_t{});
+  return dispatch_index(dtype, op, f);
+}
+
 // `shape` with its last size replaced by `last`.
 inline Shape with_last(Shape shape, std::int64_t last) {
   shape.back() = last;

@@ -11,11 +11,11 @@
 
 namespace meshfuse {
 
-enum class DType { F32, F64, F16, BF16, I32, I64, U8, Bool };
+enum class DType { F32, F64, F16, BF16, I32, I64, U8, U32, Bool };
 
 // Size of one element in bytes.
 std::size_t element_size(DType dtype);
-// "f32", "f64", "f16", "bf16", "i32", "i64", "u8", "bool".
+// "f32", "f64", "f16", "bf16", "i32", "i64", "u8", "u32", "bool".
 std::string_view to_string(DType dtype);
 // Inverse of to_string; also accepts the PyTorch names "float32", "bfloat16", "float16", ...
 std::optional<DType> parse_dtype(std::string_view name);
@@ -109,6 +109,8 @@ template <>
 constexpr DType dtype_of<std::int64_t>() { return DType::I64; }
 template <>
 constexpr DType dtype_of<std::uint8_t>() { return DType::U8; }
+template <>
+constexpr DType dtype_of<std::uint32_t>() { return DType::U32; }
 template <>
 constexpr DType dtype_of<bool>() { return DType::Bool; }
 

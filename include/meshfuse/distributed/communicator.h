@@ -33,7 +33,7 @@
 // also a short one given to Work::wait(timeout): to poll, use Work::is_completed().
 //
 // Tensors: contiguous (InvalidArgument otherwise); one dtype per operation (any DType moves;
-// reductions take f32, f64, f16, bf16, i32, i64, u8, and Avg only floating types); all tensors
+// reductions take f32, f64, f16, bf16, i32, i64, u8, u32, and Avg only floating types); all tensors
 // of an operation on one device, and the stream on that device too (DeviceMismatch otherwise: the
 // default Stream{} is the CPU's, CUDA tensors take Stream{device} or a CudaStream of their device).
 // 16-bit reductions are computed in fp32 where the backend lets us

@@ -2,10 +2,10 @@
 // form (T, ...) that holds only their tokens, back to back (the varlen layout of FlashAttention
 // and of the seed library's recurrent ops).
 //
-// cu_seqlens (B+1,) int32 or int64 gives the offsets: sequence b is packed rows
-// [cu_seqlens[b], cu_seqlens[b+1]), of length L_b = cu_seqlens[b+1] - cu_seqlens[b]. It must
-// start at 0, be non-decreasing (empty sequences, repeated offsets, are allowed), end at T, and
-// every L_b must be <= S. Token i of sequence b (0 <= i < L_b) sits in padded row b at
+// cu_seqlens (B+1,) int32, uint32 (the seed library's) or int64 gives the offsets: sequence b is
+// packed rows [cu_seqlens[b], cu_seqlens[b+1]), of length L_b = cu_seqlens[b+1] - cu_seqlens[b].
+// It must start at 0, be non-decreasing (empty sequences, repeated offsets, are allowed), end at
+// T, and every L_b must be <= S. Token i of sequence b (0 <= i < L_b) sits in padded row b at
 //   Right padding: position i             (valid tokens first, padding after)
 //   Left padding:  position S - L_b + i   (padding first, the valid tokens at the end of the row)
 //
@@ -21,7 +21,7 @@
 // shape gives T (pack) or B and S (unpack). cu_seqlens is read on the host to check it: when it
 // lives on a GPU that is a small device-to-host copy that waits for the stream.
 //
-// Errors: DTypeMismatch (out's dtype differs from x's; cu_seqlens not i32/i64), ShapeMismatch
+// Errors: DTypeMismatch (out's dtype differs from x's; cu_seqlens not i32/u32/i64), ShapeMismatch
 // (shapes that do not follow the above, cu_seqlens not (B+1,)), InvalidArgument (x of too low a
 // rank; cu_seqlens that does not start at 0, decreases, does not end at T or holds a sequence
 // longer than S; out not contiguous), DeviceMismatch, Unsupported / BackendUnavailable (see

@@ -13,7 +13,7 @@
 //
 // Shapes (B sequences, N heads of size H):
 //   padded: input (B, S, Nx, H), output (B, S, N, H); every sequence has length S.
-//   packed: input (T, Nx, H), output (T, N, H), cu_seqlens (B+1,) i32 or i64 with
+//   packed: input (T, Nx, H), output (T, N, H), cu_seqlens (B+1,) i32, u32 or i64 with
 //           cu_seqlens[0] = 0, non-decreasing, cu_seqlens[B] = T; sequence b is rows
 //           [cu_seqlens[b], cu_seqlens[b+1]). Empty sequences (repeated offsets) are allowed.
 //   weight (Nw, H, H); input_state, final_state (B, N, H).
@@ -46,7 +46,7 @@
 // h.register_hook(lambda g: g.clamp(-c, c)) on every new state h of a per-step loop. NaN stays
 // NaN.
 //
-// Errors: DTypeMismatch (dtypes differ, not floating, cu_seqlens not i32/i64), ShapeMismatch (a
+// Errors: DTypeMismatch (dtypes differ, not floating, cu_seqlens not i32/u32/i64), ShapeMismatch (a
 // shape that does not follow the above, a head count that does not divide N), InvalidArgument
 // (the input's rank not 4 without / 3 with cu_seqlens; cu_seqlens that does not start at 0,
 // decreases or does not end at T; max_seqlen smaller than a sequence, or given for padded input;

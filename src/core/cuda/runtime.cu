@@ -63,6 +63,7 @@ __device__ double load_any(const char* p, DType d) {
     case DType::I32: return *reinterpret_cast<const std::int32_t*>(p);
     case DType::I64: return static_cast<double>(*reinterpret_cast<const std::int64_t*>(p));
     case DType::U8: return *reinterpret_cast<const std::uint8_t*>(p);
+    case DType::U32: return *reinterpret_cast<const std::uint32_t*>(p);
     case DType::Bool: return *reinterpret_cast<const bool*>(p) ? 1.0 : 0.0;
   }
   return 0;
@@ -78,6 +79,7 @@ __device__ void store_any(char* p, DType d, double v) {
     case DType::I32: *reinterpret_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v); break;
     case DType::I64: *reinterpret_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v); break;
     case DType::U8: *reinterpret_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v); break;
+    case DType::U32: *reinterpret_cast<std::uint32_t*>(p) = static_cast<std::uint32_t>(v); break;
     case DType::Bool: *reinterpret_cast<bool*>(p) = v != 0.0; break;
   }
 }

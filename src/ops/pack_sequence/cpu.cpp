@@ -30,7 +30,7 @@ void pack_sequence(const PackShape& s, const void* x, void* out, const Stream&) 
   const auto* src = static_cast<const char*>(x);
   auto* dst = static_cast<char*>(out);
   const std::int64_t rb = s.row_bytes;
-  dispatch_index(s.index_dtype, "pack_sequence", [&](auto tag) {
+  dispatch_offsets(s.index_dtype, "pack_sequence", [&](auto tag) {
     const auto* cu = static_cast<const decltype(tag)*>(s.cu_seqlens);
     for_row_ranges(s.tokens, rb, [&](std::int64_t begin, std::int64_t end) {
       // The sequence holding packed row `begin` (empty sequences before it are skipped), then
@@ -51,7 +51,7 @@ void unpack_sequence(const PackShape& s, const void* x, void* out, const Stream&
   const auto* src = static_cast<const char*>(x);
   auto* dst = static_cast<char*>(out);
   const std::int64_t rb = s.row_bytes;
-  dispatch_index(s.index_dtype, "unpack_sequence", [&](auto tag) {
+  dispatch_offsets(s.index_dtype, "unpack_sequence", [&](auto tag) {
     const auto* cu = static_cast<const decltype(tag)*>(s.cu_seqlens);
     for_row_ranges(s.batch * s.seq_len, rb, [&](std::int64_t begin, std::int64_t end) {
       // Each padded row b within [begin, end): padding, its tokens [first, first + len), padding.

@@ -80,7 +80,7 @@ void run(const PackShape& s, const void* x, void* out, const Stream& stream, con
   const std::int64_t rows = kUnpack ? s.batch * s.seq_len : s.tokens;
   if (rows == 0 || s.row_bytes == 0) return;
   DeviceGuard guard(stream.device.index);
-  dispatch_index(s.index_dtype, op, [&](auto index_tag) {
+  dispatch_offsets(s.index_dtype, op, [&](auto index_tag) {
     using I = decltype(index_tag);
     with_unit(s.row_bytes, x, out, [&](auto unit_tag) {
       using U = decltype(unit_tag);

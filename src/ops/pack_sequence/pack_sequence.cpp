@@ -9,7 +9,7 @@ namespace {
 
 // A copy moves any element type.
 const std::vector<DType> kAllDTypes = {DType::F32, DType::F64, DType::F16, DType::BF16,
-                                       DType::I32, DType::I64, DType::U8,  DType::Bool};
+                                       DType::I32, DType::I64, DType::U8,  DType::U32, DType::Bool};
 
 const auto kPack = MESHFUSE_KERNEL_TABLE("pack_sequence", kAllDTypes, pack_sequence);
 const auto kUnpack = MESHFUSE_KERNEL_TABLE("unpack_sequence", kAllDTypes, unpack_sequence);
@@ -22,7 +22,7 @@ Shape with_trailing(Shape head, const TensorView& t, std::int64_t d) {
 
 void check_cu_seqlens_tensor(std::string_view op, const TensorView& cu, std::int64_t batch) {
   detail::check_defined(op, "cu_seqlens", cu);
-  detail::check_dtype(op, "cu_seqlens", cu, {DType::I32, DType::I64});
+  detail::check_dtype(op, "cu_seqlens", cu, {DType::I32, DType::U32, DType::I64});
   detail::check_shape(op, "cu_seqlens", cu, {batch + 1});
 }
 

@@ -16,8 +16,8 @@ struct PackShape {
   std::int64_t tokens;     // T
   std::int64_t row_bytes;  // one token: the product of the trailing dims times the element size
   PaddingSide side;
-  // (B+1,) offsets of index_dtype (i32 or i64), contiguous, on the kernel's device; checked by the
-  // front-end (start at 0, non-decreasing, end at T, every length <= S).
+  // (B+1,) offsets of index_dtype (i32, u32 or i64), contiguous, on the kernel's device; checked by
+  // the front-end (start at 0, non-decreasing, end at T, every length <= S).
   const void* cu_seqlens;
   DType index_dtype;
 };

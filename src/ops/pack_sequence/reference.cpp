@@ -10,7 +10,7 @@ namespace {
 // Calls copy(padded row, packed row) for every token of every sequence.
 template <typename F>
 void for_each_token(const PackShape& s, std::string_view op, F&& copy) {
-  dispatch_index(s.index_dtype, op, [&](auto tag) {
+  dispatch_offsets(s.index_dtype, op, [&](auto tag) {
     const auto* cu = static_cast<const decltype(tag)*>(s.cu_seqlens);
     for (std::int64_t b = 0; b < s.batch; ++b) {
       const std::int64_t len = cu[b + 1] - cu[b];

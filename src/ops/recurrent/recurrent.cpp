@@ -65,7 +65,7 @@ Rows read_rows(std::string_view op, std::string_view name, const TensorView& t,
     rows.head_dim = t.size(3);
     return rows;
   }
-  detail::check_dtype(op, "cu_seqlens", cu_seqlens, {DType::I32, DType::I64});
+  detail::check_dtype(op, "cu_seqlens", cu_seqlens, {DType::I32, DType::U32, DType::I64});
   detail::check_rank(op, "cu_seqlens", cu_seqlens, 1);
   MESHFUSE_CHECK(cu_seqlens.size(0) >= 1, ErrorCode::InvalidArgument,
                  "{}: 'cu_seqlens' must hold B+1 offsets (at least one), got an empty tensor", op);
