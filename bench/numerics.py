@@ -5,7 +5,7 @@ For each dtype under test (f32, bf16, f16), on one device, on the same inputs:
   inputs    drawn in fp64 on the host with a fixed seed, the same on every device (standard
             normal; the weights of linear, the LM head and the recurrences N(0, 1/K) so that
             their products stay O(1); labels uniform in [0, V)), then rounded to the dtype;
-  truth     the op in fp64 on the CPU from those rounded inputs, as PyTorch writes it (torch
+  truth     the op in fp64 on the device from those rounded inputs, as PyTorch writes it (torch
             float64: F.rms_norm, F.cross_entropy, torch.matmul, ...; rnn and gru: the per-step
             loop of bench/recurrent_compare.py, the math of include/meshfuse/ops/recurrent.h);
   meshfuse  its kernels on the device, each output in the dtype, or in the dtype meshfuse is
@@ -53,7 +53,7 @@ HEAD_DIM = 128  # of bmm's attention scores
 BATCH, HEADS, STATE = 4, 8, 64  # rnn and gru: B sequences, N heads of H (--seq-len steps)
 # Shapes: option -> (what it sets, default on the CPU, default on CUDA). The CPU run takes a few
 # minutes on 2 cores; its GEMM-bound ops run on few rows because PyTorch's f16 matmul on a CPU
-# without AVX512-FP16 runs at ~0.2 GFLOP/s. The truth is computed on the host in either case.
+# without AVX512-FP16 runs at ~0.2 GFLOP/s.
 SIZES = {"tokens": ("rows of rmsnorm, fused_residual_add_rmsnorm and swiglu", 2048, 16384),
          "hidden": ("H: their width, K and N of gemm and linear, the LM head's H", 4096, 4096),
          "vocab": ("V of softmax, cross_entropy and fused_linear_cross_entropy", 32768, 128256),
@@ -261,7 +261,9 @@ def evaluate(case, seed, dtype, device):
     """[(direction, output, meshfuse's, PyTorch's, truth)] of one case in one dtype."""
     gen = torch.Generator().manual_seed(seed)
     inputs = convert(case.inputs(gen), dtype)
-    truth, truth_backward = differentiate(case.reference, convert(inputs, torch.float64))
+    # The truth on the device too: fp64 there is as exact as on the host, and a GPU's fp64 GEMMs
+    # take seconds where the host's take minutes.
+    truth, truth_backward = differentiate(case.reference, convert(inputs, torch.float64, device))
     # Upstream gradients in the dtype, like the inputs: 1 for a scalar loss, as in training.
     upstream = [torch.ones((), dtype=dtype) if o.dim() == 0 else normal(gen, *o.shape).to(dtype)
                 for o in truth] if case.backward else []
@@ -274,7 +276,7 @@ def evaluate(case, seed, dtype, device):
         names = ["grad_" + k for k, v in inputs.items() if v.is_floating_point()]
         rows += [("backward", *row) for row in zip(
             names, our_grads, their_backward(upstream_on_device),
-            truth_backward([u.double() for u in upstream]))]
+            truth_backward([u.double().to(device) for u in upstream]))]
     return rows
 
 

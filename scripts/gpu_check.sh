@@ -5,6 +5,7 @@
 #   sanitize  the CUDA tests under compute-sanitizer memcheck and racecheck
 #   bench     `meshfuse bench --device cuda` at llama-3.1-8b, 16384 tokens, bf16
 #   compare   bench/torch_compare.py: meshfuse vs PyTorch eager and torch.compile (needs torch)
+#   numerics  bench/numerics.py: meshfuse's and PyTorch's error against fp64 (needs torch)
 # Installs nothing (GPU machines are often offline): it needs what scripts/setup.sh installs,
 # plus nvcc; run scripts/setup.sh first where the package registries are reachable.
 set -euo pipefail
@@ -13,7 +14,7 @@ out=${OUT:-$root/gpu-results}
 build=${MESHFUSE_GPU_BUILD:-$root/build-gpu}
 mkdir -p "$out"
 steps=("$@")
-((${#steps[@]})) || steps=(test sanitize bench compare)
+((${#steps[@]})) || steps=(test sanitize bench compare numerics)
 
 "$root/scripts/build.sh" "$build" -DMESHFUSE_CUDA=ON -DMESHFUSE_BUILD_BENCH=OFF
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
@@ -77,7 +78,12 @@ for step in "${steps[@]}"; do
       PYTHONPATH="$build/python" python3 "$root/bench/torch_compare.py" --device cuda \
         --tokens 16384 --compile --seconds 2 --json "$out/torch_compare.json" 2>&1 \
         | tee "$out/torch_compare.txt" || status=1 ;;
-    *) echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare)" >&2; exit 2 ;;
+    numerics)
+      PYTHONPATH="$build/python" python3 "$root/bench/numerics.py" --device cuda --loss-dtype f32 \
+        --json "$out/numerics-cuda.json" 2>&1 | tee "$out/numerics-cuda.txt" || status=1 ;;
+    *)
+      echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare, numerics)" >&2
+      exit 2 ;;
   esac
 done
 exit $status

@@ -6,6 +6,9 @@
 // a pass of its own). The loops are bound by vector arithmetic as much as by memory, hence the
 // multiplier's multiply only where it is not 1. A software pipeline (y of row i - 1 written in the
 // loop that reads row i) measured slower. Figures: docs/kernels/rmsnorm.md.
+// The row sums (of r^2 in the forward, of dy * w * n in the backward) are double: each term is
+// exact or nearly so in it, so rstd and the backward's mean are rounded once, and the kernels are
+// bound by memory (the wider adds cost little).
 // dweight: each fixed block of rows sums into its own partial row; the partials are then added in
 // block order, so the result does not depend on the thread count either. The partials are double:
 // each term dy * n is exact in it and the sums over rows lose nothing that shows in the output, so
@@ -70,27 +73,27 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       const auto value = [&](std::int64_t c) {
         return residual_add<kResidual, kScale>(x, res, c, m);
       };
-      A sum_sq = 0;
+      double sum_sq = 0;
       if constexpr (kResidual) {
         // r is written in the statistics pass: the pass then moves data too.
         stream_out_blocks(
             static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
             [&](std::int64_t c0, std::int64_t len, A* buf) {
               const T *xb = x + c0, *rb = res + c0;  // locals, or GCC does not vectorise
-              A part = 0;
+              double part = 0;
 #pragma omp simd reduction(+ : part)
               for (std::int64_t i = 0; i < len; ++i) {
                 buf[i] = residual_add<kResidual, kScale>(xb, rb, i, m);
-                part += buf[i] * buf[i];
+                part += double(buf[i]) * double(buf[i]);
               }
               sum_sq += part;
             },
             {in(a.residual, next)}, PrefetchTo::L2);
       } else {
 #pragma omp simd reduction(+ : sum_sq)
-        for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += value(c) * value(c);
+        for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += double(value(c)) * double(value(c));
       }
-      const A rstd = A(1) / std::sqrt(sum_sq / A(s.cols) + eps);
+      const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + double(eps)));
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
       stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
@@ -115,15 +118,15 @@ void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* 
   const A rstd = a.rstd[row];
   const A scale = static_cast<A>(a.input_scale) * rstd;  // n = in * scale
   const A m = static_cast<A>(a.multiplier);
-  A dot = 0;
+  double dot = 0;
 #pragma omp simd reduction(+ : dot)
   for (std::int64_t c = 0; c < s.cols; ++c) {
     const A g = to_float(dy[c]);
     const A n = A(to_float(in[c])) * scale;
-    dot += g * w[c] * n;
+    dot += double(g) * double(w[c]) * double(n);
     if constexpr (kDweight) dw_partial[c] += double(g) * double(n);
   }
-  const A mean = dot / A(s.cols);
+  const A mean = A(dot / double(s.cols));
   const auto dr = [&](std::int64_t c) {
     const A n = A(to_float(in[c])) * scale;
     A d = rstd * (A(to_float(dy[c])) * w[c] - n * mean);

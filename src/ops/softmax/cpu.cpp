@@ -60,9 +60,12 @@ void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, 
       for (std::int64_t r = 0; r < s.rows; ++r) {
         const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);
         const T* yr = static_cast<const T*>(y) + row_offset(r, s.cols);
-        A dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t c = 0; c < s.cols; ++c) dot += A(to_float(dyr[c])) * A(to_float(yr[c]));
+        // In double: each product exact, the sum rounded once (this pass is bound by memory).
+        double dot_sum = 0;
+#pragma omp simd reduction(+ : dot_sum)
+        for (std::int64_t c = 0; c < s.cols; ++c)
+          dot_sum += double(to_float(dyr[c])) * double(to_float(yr[c]));
+        const A dot = A(dot_sum);
         const std::int64_t next = row_offset(r + 1 < s.rows ? r + 1 : r, s.cols);
         stream_out(
             static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
