@@ -12,9 +12,11 @@
 // Each thread sums dy * n for its columns in registers and writes the block's partial row once; a
 // second kernel, launched as a programmatic dependent, adds the partial rows in a fixed order. No
 // float atomics, and dweight's bits depend on the shape only (not on the vector width or the
-// device). The sums are double (each term exact, rounded once at the end, as the cpu backend):
-// fp32 sums over a block's rows drift further from the exact sum than PyTorch's, and a double add
-// per element is free in a kernel bound by memory.
+// device). A thread's sums over its block's rows are double (each term exact), so a partial row is
+// its exact sum rounded once to fp32, and the partial rows are added in double: dweight is within
+// about one fp32 rounding of the exact sum (fp32 sums over a block's rows drifted further from it
+// than PyTorch's). fp32 partial rows keep the traffic of the fp32 version (double ones measured
+// 6% slower at bf16 16384 x 4096).
 //
 // Rows too wide for registers take the "streaming" kernels, which read the row again after the
 // reduction (from L2). Widths that are not a multiple of the vector, or rows that are not 16-byte
@@ -279,11 +281,11 @@ __device__ __forceinline__ void wait_for_primary() {
 }
 
 // Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block) and, when partials is not
-// null, writes their sum of dy * n to partials row b.
+// null, writes their sum of dy * n (rounded once to fp32) to partials row b.
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                    double* partials) {
+                    float* partials) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
@@ -304,23 +306,25 @@ __global__ void __launch_bounds__(kBackwardThreads)
     if (active) write_grads<T, N>(a, row * s.cols + c, cur, w, scale, mean, acc);
     cur = next;
   }
-  if (partials && active) store_vec<double, N>(partials, blockIdx.x * s.cols + c, acc);
+  if (partials && active) store_vec<float, N>(partials, blockIdx.x * s.cols + c, acc);
 }
 
 // Rows wider than kBackwardThreads vectors: the same rows per block and the same dweight terms in
-// the same order (so the same bits), with the row read again after the reduction and the partial
-// sums kept in the partials row itself.
+// the same order (so the same bits), with the row read again after the reduction and the running
+// sums kept in memory, in the block's row of `running` (double), until the last row writes them
+// to its partials row.
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_streaming_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                              double* partials) {
+                              float* partials, double* running) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
   const std::int64_t start = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
   const std::int64_t first = blockIdx.x * rows_per_block;
   const std::int64_t end = std::min(s.rows, first + rows_per_block);
-  double* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
+  float* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
+  double* sums = partials ? running + blockIdx.x * s.cols : nullptr;
   for (std::int64_t row = first; row < end; ++row) {
     const std::int64_t base = row * s.cols;
     const A scale = static_cast<A>(a.input_scale) * A(a.rstd[row]);
@@ -332,23 +336,24 @@ __global__ void __launch_bounds__(kBackwardThreads)
     for (std::int64_t c = start; c < s.cols; c += step) {
       double acc[N] = {};
       if (partial && row > first) {
-        const Vec<double, N> p = load_vec<double, N>(partial, c);
+        const Vec<double, N> p = load_vec<double, N>(sums, c);
 #pragma unroll
         for (int k = 0; k < N; ++k) acc[k] = p.v[k];
       }
       write_grads<T, N>(a, base + c, load_slice<T, N>(a, row, base + c),
                         weight_vec<T, N>(a.weight, c), scale, mean, acc);
-      if (partial) store_vec<double, N>(partial, c, acc);
+      if (partial && row + 1 < end) store_vec<double, N>(sums, c, acc);
+      if (partial && row + 1 == end) store_vec<float, N>(partial, c, acc);
     }
   }
 }
 
-// dweight[c] = sum over b of partials[b][c]: lane y of a block adds the rows b = y (mod
-// kReduceLanes) in order (8 loads in flight at a time), then lane 0 adds the lanes in order. A
-// function of the shape only.
+// dweight[c] = sum over b of partials[b][c], in double: lane y of a block adds the rows
+// b = y (mod kReduceLanes) in order (8 loads in flight at a time), then lane 0 adds the lanes in
+// order. A function of the shape only.
 template <typename T>
 __global__ void __launch_bounds__(32 * kReduceLanes)
-    dweight_kernel(const double* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
+    dweight_kernel(const float* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
                    T* __restrict__ dweight) {
   using A = double;
   wait_for_primary();
@@ -409,8 +414,8 @@ Plan plan(std::int64_t cols, int per, int max_threads, std::initializer_list<con
 
 // Rows per backward block. dweight's bits depend on this grouping, so it depends on the shape
 // only: about 2^20 / H blocks (at H = 4096, 256 blocks of 512 threads fill an H100/H200), at
-// least 256 and at most 1024 so that the partial rows (double, written and read once: 16 bytes per
-// element) stay a few percent of the traffic.
+// least 256 and at most 1024 so that the partial rows (written and read once: 8 bytes per element)
+// stay a few percent of the traffic.
 std::int64_t rows_per_block(const RmsNormShape& s) {
   const std::int64_t blocks = std::clamp<std::int64_t>(
       (std::int64_t{1} << 20) / std::max<std::int64_t>(s.cols, 1), 256, 1024);
@@ -452,19 +457,27 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
   dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
     const std::int64_t per_block = rows_per_block(s), blocks = (s.rows + per_block - 1) / per_block;
-    // Scratch for dweight's partial rows, stream-ordered like the kernels that use it.
-    Tensor partials;
-    if (a.dweight && blocks > 0 && s.cols > 0)
-      partials = Tensor({blocks, s.cols}, DType::F64,
-                        Device{DeviceType::CUDA, stream.device.index}, stream);
-    double* p = partials.defined() ? partials.data_ptr<double>() : nullptr;
+    const Plan l = plan<T>(s.cols, 1, kBackwardThreads,
+                           {a.grad_y, a.grad_r, a.input, a.weight, a.dx, a.dresidual});
+    // Scratch for dweight's partial rows (and the streaming kernel's running sums), stream-ordered
+    // like the kernels that use it.
+    const bool partial_rows = a.dweight && blocks > 0 && s.cols > 0;
+    const Device device{DeviceType::CUDA, stream.device.index};
+    const Tensor partials = partial_rows ? Tensor({blocks, s.cols}, DType::F32, device, stream)
+                                         : Tensor();
+    const Tensor running = partial_rows && !l.resident
+                               ? Tensor({blocks, s.cols}, DType::F64, device, stream)
+                               : Tensor();
+    float* p = partial_rows ? partials.data_ptr<float>() : nullptr;
     if (blocks > 0) {
-      const Plan l = plan<T>(s.cols, 1, kBackwardThreads,
-                             {a.grad_y, a.grad_r, a.input, a.weight, a.dx, a.dresidual});
       with_width<T>(l.width, [&](auto width) {
         constexpr int N = decltype(width)::value;
-        const auto kernel = l.resident ? backward_kernel<T, N> : backward_streaming_kernel<T, N>;
-        kernel<<<static_cast<unsigned>(blocks), l.threads, 0, native(stream)>>>(s, a, per_block, p);
+        const unsigned grid = static_cast<unsigned>(blocks);
+        if (l.resident)
+          backward_kernel<T, N><<<grid, l.threads, 0, native(stream)>>>(s, a, per_block, p);
+        else
+          backward_streaming_kernel<T, N><<<grid, l.threads, 0, native(stream)>>>(
+              s, a, per_block, p, running.defined() ? running.data_ptr<double>() : nullptr);
       });
     }
     if (a.dweight && s.cols > 0) {
@@ -481,8 +494,8 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
       cudaFuncAttributes compiled{};
       check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
       config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
-      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const double*>(p), blocks, s.cols,
-                               static_cast<T*>(a.dweight)),
+      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const float*>(p), blocks,
+                               s.cols, static_cast<T*>(a.dweight)),
             "rmsnorm_backward");
     }
   });
