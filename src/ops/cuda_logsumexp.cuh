@@ -1,8 +1,7 @@
 // The cuda backend's row log-sum-exp, shared by softmax and cross_entropy (internal).
 //
-// Values are v = x * m, against a shift (the running max): each exp is of fma(x, m, -shift),
-// rounded once as PyTorch's x - max is, and the library's exp; 16-bit rows take one fma and one
-// ex2 instruction instead (exp_of). Statistics combine in a fixed order (thread, then a warp butterfly,
+// Values are handled in base 2: u = x * m * log2(e), so that each exp is one ex2 instruction
+// (lse = ln2 * log2 sum 2^u). Statistics combine in a fixed order (thread, then a warp butterfly,
 // then the warps in index order), so the same inputs give bitwise the same results.
 #pragma once
 
@@ -15,85 +14,50 @@
 
 namespace meshfuse::detail::cuda {
 
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
 // Threads of a row block, and 16-byte vectors each thread loads per step of a streamed row.
 constexpr int kMaxThreads = 512;
 constexpr int kU = 4;
 
 // Row blocks per SM that a kernel's registers are sized for (__launch_bounds__): 3 for kernels
 // that hold rows in shared memory, 2 for those that stream them through registers (enough loads
-// in flight either way); f64 (not a bandwidth target, and its exp is a long function) gets the
+// in flight either way); f64 (not a bandwidth target, and its exp2 is a long function) gets the
 // registers of one.
 template <typename T, int kBlocks>
 constexpr int kMinBlocks = sizeof(T) == 8 ? 1 : kBlocks;
 
-// e^x to the accuracy of the accumulation type: expf (within 2 ulp) or exp.
-__device__ __forceinline__ float exact_exp(float x) { return expf(x); }
-__device__ __forceinline__ double exact_exp(double x) { return exp(x); }
-
-// A logits multiplier m, and m * log2(e) for the base-2 exps of 16-bit rows: both computed on
-// the host, so that they are kernel parameters (a register more in the loops spilled).
-template <typename A>
-struct Multiplier {
-  A m, m_log2e;
-};
-
-template <typename A>
-Multiplier<A> multiplier_of(double m) {
-  return {static_cast<A>(m), static_cast<A>(m * 1.4426950408889634074)};
+// 2^x. Float: the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither
+// a sum of exps nor a probability rounded to the output type notices.
+__device__ __forceinline__ float exp2a(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
-
-// A shift of the exponents, with shift * log2(e) for 16-bit rows: made once per row (or step),
-// before the loop over its values.
-template <typename A>
-struct Shift {
-  A v, v_log2e;
-};
-
-template <typename A>
-__device__ __forceinline__ Shift<A> shift_by(A v) {
-  return {v, v * static_cast<A>(1.4426950408889634074)};
-}
-
-// e^(x * m - shift) for a value x of a row of T. f32 and f64 rows: exact_exp of the exponent
-// rounded once (an fma), as close to the exact value as PyTorch's exp of x - max (the base-2 form
-// below measured 1.3x to 2.7x PyTorch's error against fp64 on f32 softmax and cross-entropy).
-// 16-bit rows: one fma in base 2 and the ex2.approx instruction, about 2 ulp plus the roundings of
-// the base-2 factors (2^-24 relative each, times the exponent): far below a 16-bit output's
-// rounding. Results below 2^-126 flush to 0, which neither a sum of exps nor a rounded
-// probability notices.
-template <typename T, typename A>
-__device__ __forceinline__ A exp_of(A x, Multiplier<A> m, Shift<A> shift) {
-  if constexpr (sizeof(T) == 2) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fma(x, m.m_log2e, -shift.v_log2e)));
-    return y;
-  } else {
-    return exact_exp(fma(x, m.m, -shift.v));
-  }
-}
+__device__ __forceinline__ double exp2a(double x) { return exp2(x); }
 
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
   return -std::numeric_limits<A>::infinity();
 }
 
-// The shift that keeps e^(v - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted by
-// 0, so that its -inf values give 0 (not e^(-inf + inf) = NaN) and its NaNs stay NaN.
+// The shift that keeps 2^(u - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted by
+// 0, so that its -inf values give 0 (not 2^(-inf + inf) = NaN) and its NaNs stay NaN.
 template <typename A>
 __device__ __forceinline__ A shift(A max) {
   return max == neg_inf<A>() ? A(0) : max;
 }
 
-// The factor that moves a sum of e^(v - shift(from)) onto shift(to), to >= from. A sum whose max
-// is -inf is 0 or NaN and stays as it is; to = +inf > from gives 0. A row's max changes rarely:
-// the exact exp costs little here.
+// The factor that moves a sum of 2^(u - shift(from)) onto shift(to), to >= from. A sum whose max
+// is -inf is 0 or NaN and stays as it is; to = +inf > from gives 0.
 template <typename A>
 __device__ __forceinline__ A rescale(A from, A to) {
-  return from == to || from == neg_inf<A>() ? A(1) : exact_exp(from - to);
+  return from == to || from == neg_inf<A>() ? A(1) : exp2a(from - to);
 }
 
-// Of a set of values v = x * m and their inputs x: max v, sum e^(v - shift(max)), sum x.
-// A NaN never wins the max (fmax skips it) but makes the sum NaN; so does +inf (e^(inf - inf)).
+// Of a set of values u (base 2) and their inputs x: max u, sum 2^(u - shift(max)), sum x.
+// A NaN never wins the max (fmax skips it) but makes the sum NaN; so does +inf (2^(inf - inf)).
 template <typename A>
 struct RowStats {
   A max;
@@ -112,10 +76,10 @@ __device__ __forceinline__ RowStats<A> combine(const RowStats<A>& a, const RowSt
   return {max, a.sum * rescale(a.max, max) + b.sum * rescale(b.max, max), a.sum_x + b.sum_x};
 }
 
-// log sum_j exp(v_j): -inf when every value is -inf.
+// log sum_j exp(v_j) in natural units (v = u * ln2): -inf when every value is -inf.
 template <typename A>
 __device__ __forceinline__ A natural_lse(const RowStats<A>& s) {
-  return shift(s.max) + log(s.sum);
+  return (shift(s.max) + log2(s.sum)) * A(kLn2);
 }
 
 // __shfl_xor_sync / __shfl_sync of any trivially copyable value, 4 bytes at a time.
@@ -200,11 +164,10 @@ __device__ __forceinline__ void stream_row(const V* row, std::int64_t nv, Step&&
   }
 }
 
-// This thread's part of a row of nv vectors of W elements (stream_row) scaled by m, one rescale
-// per step. With kSumX, also sum x.
+// This thread's part of a row of nv vectors of W elements (stream_row), one rescale per step.
+// With kSumX, also sum x.
 template <typename T, int W, bool kSumX>
-__device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv,
-                                               Multiplier<acc_t<T>> m) {
+__device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, acc_t<T> scale) {
   using A = acc_t<T>;
   using V = Chunk<T, W>;
   const std::int64_t stride = blockDim.x;
@@ -215,20 +178,20 @@ __device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv,
     for (int k = 0; k < kU; ++k)
       if (base + k * stride < nv)
 #pragma unroll
-        for (int i = 0; i < W; ++i) step_max = fmax(step_max, v[k][i] * m.m);
+        for (int i = 0; i < W; ++i) step_max = fmax(step_max, v[k][i] * scale);
 #pragma unroll
     for (int k = 0; k < kU; ++k) reconvert_after(v[k]);
     const A max = fmax(st.max, step_max);
     st.sum *= rescale(st.max, max);
     st.max = max;
-    const Shift<A> sh = shift_by(shift(max));
+    const A sh = shift(max);
 #pragma unroll
     for (int k = 0; k < kU; ++k)
       if (base + k * stride < nv)
 #pragma unroll
         for (int i = 0; i < W; ++i) {
           const A x = v[k][i];
-          st.sum += exp_of<T>(x, m, sh);
+          st.sum += exp2a(x * scale - sh);
           if constexpr (kSumX) st.sum_x += x;
         }
   });

@@ -39,18 +39,18 @@ struct Labels {
   }
 };
 
-// The options in the kernels' types.
+// The options in the kernels' types; ml = m * log2(e) takes a logit into base 2.
 template <typename A>
 struct Coefficients {
-  Multiplier<A> m;
+  A m, ml;
   double eps, z;
   std::int64_t ignore_index;
 };
 
 template <typename A>
 Coefficients<A> coefficients(const CrossEntropyOptions& o) {
-  return {multiplier_of<A>(o.logits_multiplier), o.label_smoothing, o.z_loss_scale,
-          o.ignore_index};
+  return {static_cast<A>(o.logits_multiplier), static_cast<A>(o.logits_multiplier * kLog2e),
+          o.label_smoothing, o.z_loss_scale, o.ignore_index};
 }
 
 // The verdict of check_kernel: bad != 0 when some label is neither in [0, vocab) nor
@@ -130,12 +130,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     A label_logit = 0;
     if (threadIdx.x == 0)
       label_logit = y >= 0 && y < vocab ? load(x[y]) : std::numeric_limits<A>::quiet_NaN();
-    const RowStats<A> st = block_stats(thread_row_stats<T, W, kSumX>(x, vocab / W, c.m));
+    const RowStats<A> st = block_stats(thread_row_stats<T, W, kSumX>(x, vocab / W, c.ml));
     if (threadIdx.x == 0 && !(status && status->bad)) {
       const A l = natural_lse(st);
-      const double nll = double(l) - double(label_logit * c.m.m);
+      const double nll = double(l) - double(label_logit * c.m);
       double loss = (1 - c.eps) * nll;
-      if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m.m) / double(vocab));
+      if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m) / double(vocab));
       if (c.z != 0) loss += c.z * double(l) * double(l);
       lse[g] = l;
       row_loss[g] = loss;
@@ -172,10 +172,10 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     }
     // dx_j = cg * (p_j * p_scale - eps / V - [j == y] (1 - eps)), with the factors folded.
     const A l = lse[g];
-    const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m.m;
+    const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m;
     const A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1));
     const A offset = cg * smooth, label_offset = cg * (smooth + hit);
-    const Shift<A> sh = shift_by(l);
+    const A shift2 = l * A(kLog2e);
     // The label's place in the part's vectors.
     const std::int64_t y_part = y - part.begin * W;
     stream_row(x, nv, [&](const V(&v)[kU], std::int64_t base) {
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
 #pragma unroll
           for (int e = 0; e < W; ++e)
             out[e] =
-                exp_of<T>(A(v[k][e]), c.m, sh) * p_factor - (e == label_at ? label_offset : offset);
+                exp2a(v[k][e] * c.ml - shift2) * p_factor - (e == label_at ? label_offset : offset);
           dx[j] = V::from(out);
         }
       }

@@ -77,7 +77,7 @@ __device__ __forceinline__ void cluster_wait(int cluster) {
 #endif
 }
 
-// The largest v = x * scale over this thread's vectors of a part. 16-bit pairs with a finite
+// The largest u = x * scale over this thread's vectors of a part. 16-bit pairs with a finite
 // scale > 0 take their maximum packed (one max.bf16x2 / max.f16x2 per pair, no conversion) and
 // are scaled once: the same value, since rounding x * scale is monotonic in x, and NaNs are
 // skipped either way.
@@ -117,7 +117,7 @@ __device__ __forceinline__ acc_t<T> thread_max(const V* xs, int count, acc_t<T> 
 template <typename T>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
     forward_resident_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t rows,
-                            std::int64_t cols, int cluster, Multiplier<acc_t<T>> scale) {
+                            std::int64_t cols, int cluster, acc_t<T> scale) {
   using A = acc_t<T>;
   constexpr int W = kVec16<T>;
   using V = Chunk<T, W>;
@@ -136,26 +136,26 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
     fetch_wait();
     // The block's max first, then one exp per value against it: the part is at hand, and only
     // the cluster's few block sums need rescaling.
-    const A max = block_allreduce(thread_max<T>(xs, part.count, scale.m), neg_inf<A>(), max_fn);
-    const Shift<A> sh = shift_by(shift(max));
+    const A max = block_allreduce(thread_max<T>(xs, part.count, scale), neg_inf<A>(), max_fn);
+    const A sh = shift(max);
     A sum = 0;
 #pragma unroll 4
     for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
       const V v = xs[j];
 #pragma unroll
-      for (int i = 0; i < W; ++i) sum += exp_of<T>(A(v[i]), scale, sh);
+      for (int i = 0; i < W; ++i) sum += exp2a(v[i] * scale - sh);
     }
     const RowStats<A> st =
         cluster_allreduce(RowStats<A>{max, block_allreduce(sum, A(0), plus), A(0)}, cluster,
                           [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
-    // A row entirely -inf has max -inf: e^(-inf + inf) = NaN, as PyTorch.
+    // A row entirely -inf has max -inf: 2^(-inf + inf) = NaN, as PyTorch.
     V* yr = reinterpret_cast<V*>(y + row * cols) + part.begin;
-    // 16-bit outputs divide in the exponent, e^(v - (max + log sum)): one multiply less per
-    // value. Rounding max + log sum adds up to half an ulp of it to the exponent: a relative
-    // error of 2^-24 |max + log sum|, far below a 16-bit half ulp for logits of the usual sizes
-    // (|v| < 2^8: under 2^-16). f32 keeps the multiply by 1 / sum.
+    // 16-bit outputs divide in the exponent, 2^(u - (max + log2 sum)): one multiply less per
+    // value. Rounding max + log2 sum adds up to half an ulp of it to the exponent, as rounding u
+    // itself does: a relative error of 2^-24 |max + log2 sum| ln 2, far below a 16-bit half ulp
+    // for logits of the usual sizes (|u| < 2^8: under 2^-16). f32 keeps the multiply by 1 / sum.
     const bool in_exponent = sizeof(T) == 2;
-    const Shift<A> offset = shift_by(in_exponent ? st.max + log(st.sum) : st.max);
+    const A offset = in_exponent ? st.max + log2(st.sum) : st.max;
     const A inv = in_exponent ? A(1) : A(1) / st.sum;
     const V* next = row + step < rows ? part_of(row + step) : nullptr;
 #pragma unroll 4
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
       A out[W];
 #pragma unroll
       for (int i = 0; i < W; ++i) {
-        out[i] = exp_of<T>(A(v[i]), scale, offset);
+        out[i] = exp2a(v[i] * scale - offset);
         if (!in_exponent) out[i] *= inv;
       }
       yr[j] = V::from(out);
@@ -261,14 +261,13 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_streamed_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t rows,
-                            std::int64_t cols, Multiplier<acc_t<T>> scale) {
+                            std::int64_t cols, acc_t<T> scale) {
   using A = acc_t<T>;
   using V = Chunk<T, W>;
   const std::int64_t nv = cols / W, stride = blockDim.x;
   for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const RowStats<A> st = block_stats(thread_row_stats<T, W, false>(x + row * cols, nv, scale));
     const A inv = A(1) / st.sum;
-    const Shift<A> sh = shift_by(st.max);
     V* yr = reinterpret_cast<V*>(y + row * cols);
     stream_row(reinterpret_cast<const V*>(x + row * cols), nv,
                [&](const V(&v)[kU], std::int64_t base) {
@@ -277,8 +276,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
                    if (base + k * stride < nv) {
                      A out[W];
 #pragma unroll
-                     for (int i = 0; i < W; ++i)
-                       out[i] = exp_of<T>(A(v[k][i]), scale, sh) * inv;
+                     for (int i = 0; i < W; ++i) out[i] = exp2a(v[k][i] * scale - st.max) * inv;
                      yr[base + k * stride] = V::from(out);
                    }
                });
@@ -443,7 +441,7 @@ std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
 template <typename T>
 void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const Stream& stream) {
   using A = acc_t<T>;
-  const Multiplier<A> scale = multiplier_of<A>(multiplier);
+  const A scale = static_cast<A>(multiplier * kLog2e);
   const int w = vector_width<T>(s.cols, {x, y});
   if (w > 1) {
     const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
