@@ -13,10 +13,10 @@
 // second kernel, launched as a programmatic dependent, adds the partial rows in a fixed order. No
 // float atomics, and dweight's bits depend on the shape only (not on the vector width or the
 // device). A thread's sums over its block's rows are double (each term exact), so a partial row is
-// its exact sum rounded once to fp32, and the partial rows are added in double: dweight is within
-// about one fp32 rounding of the exact sum (fp32 sums over a block's rows drifted further from it
-// than PyTorch's). fp32 partial rows keep the traffic of the fp32 version (double ones measured
-// 6% slower at bf16 16384 x 4096).
+// its exact sum rounded once to the accumulation type (fp32; f64 for f64), and the partial rows
+// are added in double: dweight is within about one fp32 rounding of the exact sum (fp32 sums over
+// a block's rows drifted further from it than PyTorch's). fp32 partial rows keep the traffic of
+// the fp32 version (double ones measured 6% slower at bf16 16384 x 4096).
 //
 // Rows too wide for registers take the "streaming" kernels, which read the row again after the
 // reduction (from L2). Widths that are not a multiple of the vector, or rows that are not 16-byte
@@ -281,11 +281,11 @@ __device__ __forceinline__ void wait_for_primary() {
 }
 
 // Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block) and, when partials is not
-// null, writes their sum of dy * n (rounded once to fp32) to partials row b.
+// null, writes their sum of dy * n (rounded once to A) to partials row b.
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                    float* partials) {
+                    acc_t<T>* partials) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     if (active) write_grads<T, N>(a, row * s.cols + c, cur, w, scale, mean, acc);
     cur = next;
   }
-  if (partials && active) store_vec<float, N>(partials, blockIdx.x * s.cols + c, acc);
+  if (partials && active) store_vec<A, N>(partials, blockIdx.x * s.cols + c, acc);
 }
 
 // Rows wider than kBackwardThreads vectors: the same rows per block and the same dweight terms in
@@ -316,14 +316,14 @@ __global__ void __launch_bounds__(kBackwardThreads)
 template <typename T, int N>
 __global__ void __launch_bounds__(kBackwardThreads)
     backward_streaming_kernel(RmsNormShape s, RmsNormBackwardArgs a, std::int64_t rows_per_block,
-                              float* partials, double* running) {
+                              acc_t<T>* partials, double* running) {
   using A = acc_t<T>;
   launch_dependents();
   __shared__ A scratch[32];
   const std::int64_t start = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
   const std::int64_t first = blockIdx.x * rows_per_block;
   const std::int64_t end = std::min(s.rows, first + rows_per_block);
-  float* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
+  A* partial = partials ? partials + blockIdx.x * s.cols : nullptr;
   double* sums = partials ? running + blockIdx.x * s.cols : nullptr;
   for (std::int64_t row = first; row < end; ++row) {
     const std::int64_t base = row * s.cols;
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
       write_grads<T, N>(a, base + c, load_slice<T, N>(a, row, base + c),
                         weight_vec<T, N>(a.weight, c), scale, mean, acc);
       if (partial && row + 1 < end) store_vec<double, N>(sums, c, acc);
-      if (partial && row + 1 == end) store_vec<float, N>(partial, c, acc);
+      if (partial && row + 1 == end) store_vec<A, N>(partial, c, acc);
     }
   }
 }
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
 // order. A function of the shape only.
 template <typename T>
 __global__ void __launch_bounds__(32 * kReduceLanes)
-    dweight_kernel(const float* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
+    dweight_kernel(const acc_t<T>* __restrict__ partials, std::int64_t blocks, std::int64_t cols,
                    T* __restrict__ dweight) {
   using A = double;
   wait_for_primary();
@@ -456,6 +456,7 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
   DeviceGuard guard(stream.device.index);
   dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = cuda_t<decltype(tag)>;
+    using A = acc_t<T>;
     const std::int64_t per_block = rows_per_block(s), blocks = (s.rows + per_block - 1) / per_block;
     const Plan l = plan<T>(s.cols, 1, kBackwardThreads,
                            {a.grad_y, a.grad_r, a.input, a.weight, a.dx, a.dresidual});
@@ -463,12 +464,12 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
     // like the kernels that use it.
     const bool partial_rows = a.dweight && blocks > 0 && s.cols > 0;
     const Device device{DeviceType::CUDA, stream.device.index};
-    const Tensor partials = partial_rows ? Tensor({blocks, s.cols}, DType::F32, device, stream)
-                                         : Tensor();
+    const Tensor partials =
+        partial_rows ? Tensor({blocks, s.cols}, dtype_of<A>(), device, stream) : Tensor();
     const Tensor running = partial_rows && !l.resident
                                ? Tensor({blocks, s.cols}, DType::F64, device, stream)
                                : Tensor();
-    float* p = partial_rows ? partials.data_ptr<float>() : nullptr;
+    A* p = partial_rows ? partials.data_ptr<A>() : nullptr;
     if (blocks > 0) {
       with_width<T>(l.width, [&](auto width) {
         constexpr int N = decltype(width)::value;
@@ -494,7 +495,7 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
       cudaFuncAttributes compiled{};
       check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
       config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
-      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const float*>(p), blocks,
+      check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const A*>(p), blocks,
                                s.cols, static_cast<T*>(a.dweight)),
             "rmsnorm_backward");
     }
