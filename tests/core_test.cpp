@@ -237,6 +237,14 @@ TEST_P(CoreOnDevices, U32ConvertsToI64AndBackAsUnsigned) {
   Tensor round_trip({3}, DType::U32, target.device, stream);
   copy(i64, round_trip, stream);
   EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(round_trip, stream), u32));
+  // Negative values wrap modulo 2^bits, on every device (PyTorch's -1 -> 255 for uint8).
+  const Tensor minus_one = test::on(test::full({1}, DType::I32, -1), target.device, stream);
+  Tensor as_u32({1}, DType::U32, target.device, stream),
+      as_u8({1}, DType::U8, target.device, stream);
+  copy(minus_one, as_u32, stream);
+  copy(minus_one, as_u8, stream);
+  EXPECT_EQ(test::to_cpu(as_u32, stream).data_ptr<std::uint32_t>()[0], 0xffffffffu);
+  EXPECT_EQ(test::to_cpu(as_u8, stream).data_ptr<std::uint8_t>()[0], 255u);
 }
 
 TEST_P(CoreOnDevices, BackendFollowsTheDeviceAndForcingAnotherIsAnError) {

@@ -227,6 +227,8 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
     asked for (then grad_loss, in the loss's dtype, is required). grad_weight and grad_bias are
     float32 for 16-bit inputs (one rounding at the end instead of one per chunk), else the
     inputs' dtype; the loss is in ``loss_dtype`` (the inputs' dtype by default)."""
+    if grad_bias and bias is None:
+        raise ValueError("fused_linear_cross_entropy: grad_bias=True needs a bias")
     wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     loss = torch.empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype,
                        device=x.device)
@@ -242,13 +244,16 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    # mean and sum: the gradients are computed with the loss (upstream 1) and scaled by the real
-    # upstream in backward (they are linear in it). none: the upstream is per row, so backward
-    # runs the op again with it (the logits are recomputed; nothing of size N x V is kept).
+    # mean and sum: the gradients are computed with the loss (upstream 1) and scaled in place by
+    # the real upstream in backward (they are linear in it), so backward runs once per forward.
+    # A 16-bit grad_x is then rounded twice (at upstream 1, and after the scaling) unless the
+    # upstream is a power of two. none: the upstream is per row, so backward runs the op again
+    # with it (the logits are recomputed; nothing of size N x V is kept).
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, options):
+    def forward(ctx, x, weight, bias, labels, options, grad_enabled):
         ctx.options = options
-        ctx.wants = ctx.needs_input_grad[:3]
+        # needs_input_grad says requires_grad even under torch.no_grad(): no gradients then.
+        ctx.wants = tuple(w and grad_enabled for w in ctx.needs_input_grad[:3])
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         eager = options["reduction"] != "none" and any(ctx.wants)
         one = (torch.ones((), dtype=options["loss_dtype"] or x.dtype, device=x.device)
@@ -266,10 +271,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             _, *grads = fused_linear_cross_entropy_forward(
                 x, weight, labels, bias, grad_loss.contiguous(), *ctx.wants, **ctx.options)
         else:
-            grads = [None if g is None else g * grad_loss for g in ctx.grads]
-        ctx.grads = None
+            if ctx.grads is None:
+                raise RuntimeError("fused_linear_cross_entropy: backward runs once per forward "
+                                   "for reduction mean and sum (the forward computed the "
+                                   "gradients)")
+            grads = [None if g is None else g.mul_(grad_loss) for g in ctx.grads]
+            ctx.grads = None
         grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return grads[0], grads[1], grads[2], None, None
+        return grads[0], grads[1], grads[2], None, None, None
 
 
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
@@ -281,7 +290,8 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
                    z_loss_scale=z_loss_scale, loss_dtype=loss_dtype, chunk_rows=chunk_rows)
-    return _FusedLinearCrossEntropy.apply(x, weight, bias, labels, options)
+    return _FusedLinearCrossEntropy.apply(x, weight, bias, labels, options,
+                                          torch.is_grad_enabled())
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------

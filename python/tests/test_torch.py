@@ -109,3 +109,19 @@ def test_fused_linear_cross_entropy_bf16_with_fp32_loss_and_only_some_gradients(
     (3 * F.cross_entropy(F.linear(xd, w.double()), labels)).backward()
     assert x.grad.dtype == torch.bfloat16
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=2e-2, atol=1e-4)
+
+
+def test_fused_linear_cross_entropy_under_no_grad_computes_no_gradients_and_backward_runs_once():
+    x, w = _leaf(6, 8, seed=22), _leaf(10, 8, seed=23)
+    labels = torch.tensor([1, 2, 3, 4, 5, 6])
+    with torch.no_grad():
+        loss = mt.fused_linear_cross_entropy(x, w, labels)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, w), labels).detach())
+    loss = mt.fused_linear_cross_entropy(x, w, labels, reduction="sum")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward runs once per forward"):
+        loss.backward()
+    with pytest.raises(ValueError, match="grad_bias=True needs a bias"):
+        mt.fused_linear_cross_entropy_forward(x, w, labels, grad_loss=torch.ones(()),
+                                              grad_bias=True)

@@ -71,6 +71,8 @@ void store(void* p, double v) {
     *static_cast<T*>(p) = from_double<T>(v);  // rounded once, also from f64
   else if constexpr (std::is_same_v<T, bool>)
     *static_cast<bool*>(p) = v != 0.0;
+  else if constexpr (std::is_unsigned_v<T>)  // modulo 2^bits, as PyTorch: -1 -> 255 in u8
+    *static_cast<T*>(p) = static_cast<T>(static_cast<std::int64_t>(v));
   else
     *static_cast<T*>(p) = static_cast<T>(v);
 }

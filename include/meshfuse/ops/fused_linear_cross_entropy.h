@@ -66,7 +66,7 @@
 // fp32 x bf16 product). Its scratch memory, all allocated on the call's stream (the device's
 // stream-ordered pool: device_memory_stats in memory.h measures it): the same chunk of logits
 // (min(chunk_rows, N) x V x 4 bytes, 8 for f64); besides that only N x 20 bytes of per-row
-// statistics (f64: 24), V x 4 bytes each for a 16-bit bias in fp32 and a 16-bit grad_bias's fp32
+// statistics (f64: 24), V x 4 bytes for a 16-bit bias in fp32, V x 8 for grad_bias's double
 // accumulator, and cuBLASLt's workspace (at most 32 MiB); no staging of x or the weight. At
 // N = 16384, V = 128256, H = 4096 in bf16 with the default 2048-row chunks that is ~1.09 GB,
 // 13% of the 8.4 GB of the unfused bf16 logits and their gradient. The reference backend ignores

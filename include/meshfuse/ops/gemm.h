@@ -23,8 +23,9 @@
 // 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. alpha and
 // beta * C meet the accumulated product once (D = alpha * sum + beta * C in the accumulator's type,
 // then one rounding to D's dtype), as in cuBLAS and torch: never inside the sums. The
-// `reference` backend accumulates in double. Results are deterministic for a fixed thread count
-// (cpu) or GPU model (cuda).
+// `reference` backend accumulates in double. linear's grad_bias (a column sum, ours on both
+// backends) is summed in double and rounded once. Results are deterministic for a fixed thread
+// count (cpu) or GPU model (cuda).
 // The cpu backend runs f32, bf16 and f16 on oneDNN's sgemm with both operands row-major f32 (16-bit
 // ones widened, in blocks of bounded size), and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp
 // measures why these libraries, src/ops/gemm/cpu.cpp why one layout.

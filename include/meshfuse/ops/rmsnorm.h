@@ -18,9 +18,10 @@
 //
 // Dtypes: x, residual, weight, y, r and the gradients share one dtype: f32, f64, bf16 or f16.
 // 16-bit types are computed in fp32 and rounded once; rstd is always f32 of shape (rows,). y is
-// computed from the unrounded r; the backward reads the stored (rounded) r. dweight is reduced in
-// fp32 (f64 for f64) over fixed row blocks combined in a fixed order, so it is bitwise the same run
-// to run whatever the thread count. Outputs are caller-allocated and contiguous; optional arguments
+// computed from the unrounded r; the backward reads the stored (rounded) r. dweight is summed in
+// double over fixed row blocks combined in a fixed order (cpu: exact terms, one rounding; cuda:
+// each block's sum rounded once to fp32, f64 for f64, then the blocks in double), so it is within
+// about one rounding of the exact sum and bitwise the same run to run whatever the thread count. Outputs are caller-allocated and contiguous; optional arguments
 // are undefined TensorViews. Errors: DTypeMismatch (dtypes differ or not floating; rstd not f32),
 // ShapeMismatch (weight not (H,), residual / r / gradients not x's shape, rstd not (rows,)),
 // InvalidArgument (0-d x, eps < 0 or NaN, an output not contiguous, an optional output given

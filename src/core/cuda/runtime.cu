@@ -78,8 +78,14 @@ __device__ void store_any(char* p, DType d, double v) {
     case DType::BF16: *reinterpret_cast<__nv_bfloat16*>(p) = __double2bfloat16(v); break;
     case DType::I32: *reinterpret_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v); break;
     case DType::I64: *reinterpret_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v); break;
-    case DType::U8: *reinterpret_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v); break;
-    case DType::U32: *reinterpret_cast<std::uint32_t*>(p) = static_cast<std::uint32_t>(v); break;
+    // Unsigned types modulo 2^bits, as the host conversion.
+    case DType::U8:
+      *reinterpret_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(static_cast<std::int64_t>(v));
+      break;
+    case DType::U32:
+      *reinterpret_cast<std::uint32_t*>(p) =
+          static_cast<std::uint32_t>(static_cast<std::int64_t>(v));
+      break;
     case DType::Bool: *reinterpret_cast<bool*>(p) = v != 0.0; break;
   }
 }

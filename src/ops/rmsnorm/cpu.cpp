@@ -56,7 +56,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   using A = acc_t<T>;
   const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
   const A* w = weight.data();
-  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+  const A m = static_cast<A>(a.multiplier);
   const bool stream =
       stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.y,
                         s.rows * s.cols * std::int64_t{sizeof(T)});
@@ -93,7 +93,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
 #pragma omp simd reduction(+ : sum_sq)
         for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += double(value(c)) * double(value(c));
       }
-      const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + double(eps)));
+      const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + a.eps));
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
       stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
