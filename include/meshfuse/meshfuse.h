@@ -10,6 +10,7 @@
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 #include "meshfuse/distributed/communicator.h"
+#include "meshfuse/exec/program.h"
 #include "meshfuse/ops/continuous_count.h"
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/fused_linear_cross_entropy.h"
