@@ -10,6 +10,8 @@
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 #include "meshfuse/distributed/communicator.h"
+#include "meshfuse/distributed/device_mesh.h"
+#include "meshfuse/exec/placement.h"
 #include "meshfuse/exec/program.h"
 #include "meshfuse/ops/continuous_count.h"
 #include "meshfuse/ops/cross_entropy.h"
