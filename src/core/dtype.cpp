@@ -59,6 +59,8 @@ std::optional<DType> parse_dtype(std::string_view name) {
   return std::nullopt;
 }
 
+bool is_sixteen_bit(DType dtype) { return dtype == DType::BF16 || dtype == DType::F16; }
+
 bool is_floating_point(DType dtype) {
   return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
 }

@@ -7,16 +7,15 @@
 #include <algorithm>
 
 #include "meshfuse/core/error.h"
+#include "ops/common.h"
 
 namespace meshfuse {
 namespace {
 
-bool is_sixteen_bit(DType d) { return d == DType::BF16 || d == DType::F16; }
+using detail::with_last;
 
-Shape with_last(Shape shape, std::int64_t last) {
-  shape.back() = last;
-  return shape;
-}
+// OpCheck's upper bound on an operand's rank when any rank will do.
+constexpr std::int64_t kAnyRank = std::int64_t{1} << 30;
 
 ProgramOp op_of(OpType type, std::vector<Value> inputs) {
   ProgramOp op;
@@ -26,9 +25,9 @@ ProgramOp op_of(OpType type, std::vector<Value> inputs) {
 }
 
 std::string rank_text(std::int64_t lo, std::int64_t hi) {
-  return lo == hi  ? fmt::format("{}", lo)
-         : hi > 64 ? fmt::format("at least {}", lo)
-                   : fmt::format("{} to {}", lo, hi);
+  return lo == hi         ? fmt::format("{}", lo)
+         : hi == kAnyRank ? fmt::format("at least {}", lo)
+                          : fmt::format("{} to {}", lo, hi);
 }
 
 // The checks of one builder call. Each error names the op, the argument and the value; none
@@ -38,7 +37,7 @@ class OpCheck {
   OpCheck(const Program& p, std::string_view op) : p_(p), op_(op) {}
 
   // A value of this program (undefined is allowed when `optional`) with `lo` to `hi` dimensions.
-  void operand(std::string_view arg, Value v, std::int64_t lo = 0, std::int64_t hi = 1 << 30,
+  void operand(std::string_view arg, Value v, std::int64_t lo = 0, std::int64_t hi = kAnyRank,
                bool optional = false) {
     if (optional && !v.defined()) return;
     MESHFUSE_CHECK(p_.contains(v), ErrorCode::InvalidArgument,
@@ -51,7 +50,7 @@ class OpCheck {
   }
 
   // A floating operand (optional ones when defined) of the dtype of the first one, which sets it.
-  void floating(std::string_view arg, Value v, std::int64_t lo = 0, std::int64_t hi = 1 << 30,
+  void floating(std::string_view arg, Value v, std::int64_t lo = 0, std::int64_t hi = kAnyRank,
                 bool optional = false) {
     operand(arg, v, lo, hi, optional);
     if (optional && !v.defined()) return;

@@ -26,7 +26,7 @@ void check_same_dtype(std::string_view op, std::string_view name, const TensorVi
 
 void check_same_or_f32(std::string_view op, std::string_view name, const TensorView& t,
                        DType expected, std::string_view expected_from) {
-  const bool sixteen_bit = expected == DType::BF16 || expected == DType::F16;
+  const bool sixteen_bit = is_sixteen_bit(expected);
   MESHFUSE_CHECK(t.dtype() == expected || (sixteen_bit && t.dtype() == DType::F32),
                  ErrorCode::DTypeMismatch, "{}: '{}' must have the dtype of '{}' ({}){}, got {}",
                  op, name, expected_from, to_string(expected), sixteen_bit ? " or f32" : "",

@@ -20,6 +20,8 @@ std::string_view to_string(DType dtype);
 // Inverse of to_string; also accepts the PyTorch names "float32", "bfloat16", "float16", ...
 std::optional<DType> parse_dtype(std::string_view name);
 bool is_floating_point(DType dtype);
+// bf16 or f16: the storage-only floats, computed in f32.
+bool is_sixteen_bit(DType dtype);
 
 // Storage-only 16-bit floats: arithmetic happens in float after to_float().
 struct bfloat16 {

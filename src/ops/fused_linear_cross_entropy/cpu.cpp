@@ -174,7 +174,7 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
 
 FusedLinearCrossEntropyPlan plan(const FusedLinearCrossEntropyShape& s,
                                  std::int64_t weight_block_floats) {
-  const bool widen = s.dtype == DType::BF16 || s.dtype == DType::F16;
+  const bool widen = is_sixteen_bit(s.dtype);
   const bool grads = s.grad_x || s.grad_weight || s.grad_bias;
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const std::int64_t chunk = std::min(s.chunk_rows, n);
