@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "dist_cases.h"
+#include "executor_cases.h"
 #include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::test {
@@ -32,6 +33,31 @@ TEST(DistProcess, SplitAndNewGroupFormSubTeamsThatCommunicate) { dist::check_sub
 TEST(DistProcess, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
   if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";
   dist::check_mismatch(*world);
+}
+
+TEST(ExecutorProcess, EveryTransitionOfOneMeshDimensionGivesTheParts) {
+  exec::check_every_transition(world);
+}
+
+TEST(ExecutorProcess, TensorAndSequenceParallelMlpBlockMatchesOneDevice) {
+  exec::check_mlp_block(world);
+}
+
+TEST(ExecutorProcess, MlpBlockOnATwoByTwoMeshMatchesOneDevice) {
+  exec::check_mlp_block_on_a_2d_mesh(world);
+}
+
+TEST(ExecutorProcess, HeadWithVocabularySplitLogitsMatchesOneDevice) { exec::check_head(world); }
+
+TEST(ExecutorProcess, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
+  exec::check_mlp_block_backward(world);
+}
+
+TEST(ExecutorProcess, HeadBackwardMatchesOneDevice) { exec::check_head_backward(world); }
+
+TEST(ExecutorProcess, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
+  if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";
+  exec::check_errors(world);
 }
 
 TEST(DistProcess, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {

@@ -74,14 +74,14 @@ TEST(Program, PrintsEveryInputOpWithItsOptionsAndOutput) {
             "%1 'w' [16, 8] f32\n"
             "%2 'labels' [4] i32\n"
             "%3 [4, 16] f32 = linear(%0, %1, none)\n"
-            "%4 [4, 16] f32 = rmsnorm(%3, none, eps=1e-05)\n"
-            "%5 [4, 16] f32, %6 [4, 16] f32 = fused_residual_add_rmsnorm(%4, %4, none, eps=1e-06, "
-            "multiplier=0.5)\n"
-            "%7 [4, 16] f32 = softmax(%5, logits_multiplier=2)\n"
-            "%8 [4] f32 = cross_entropy(%7, %2, reduction=none, ignore_index=-100, "
-            "label_smoothing=0.1)\n"
-            "output %8\n"
-            "output %6\n");
+            "%4 [4, 16] f32, %5 [4] f32 = rmsnorm(%3, none, eps=1e-05)\n"
+            "%6 [4, 16] f32, %7 [4, 16] f32, %8 [4] f32 = fused_residual_add_rmsnorm(%4, %4, "
+            "none, eps=1e-06, multiplier=0.5)\n"
+            "%9 [4, 16] f32 = softmax(%6, logits_multiplier=2)\n"
+            "%10 [4] f32, %11 [4] f32 = cross_entropy(%9, %2, reduction=none, "
+            "ignore_index=-100, label_smoothing=0.1)\n"
+            "output %10\n"
+            "output %7\n");
 }
 
 TEST(Program, MatmulTakesMatricesOrBatchesAndSwigluPackedHalvesTheWidth) {

@@ -132,6 +132,7 @@ struct CommState {
   std::map<CommunicatorBackend, std::shared_ptr<CommImpl>> impls;
   std::uint64_t seq = 0;
   int splits = 0;
+  int respecs = 0;  // with_backends() calls, naming the teams they make
   int boots = 0;
   std::shared_ptr<Health> health = std::make_shared<Health>();
 

@@ -194,4 +194,16 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   return state_->split(member ? 0 : -1, member ? static_cast<int>(it - ranks.begin()) : 0, &ranks);
 }
 
+std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spec) {
+  state_->health->check(state_->name);
+  for (const auto& [device, backend] : spec.backends)
+    MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
+                   "communicator {}: with_backends: this build has no {} backend", state_->name,
+                   to_string(backend));
+  auto c = state_->child(state_->team, state_->rank,
+                         fmt::format("{}.b{}", state_->name, state_->respecs++));
+  c->spec = spec;
+  return CommState::make(std::move(c));
+}
+
 }  // namespace meshfuse

@@ -14,6 +14,15 @@ namespace {
 
 using detail::with_last;
 
+// The shape of a per-row statistic (rmsnorm's rstd) of a tensor of `shape`: its leading dims.
+Shape rows_of(Shape shape) {
+  shape.pop_back();
+  return shape;
+}
+
+// cross_entropy's lse: f32, f64 for f64 logits.
+DType lse_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+
 // OpCheck's upper bound on an operand's rank when any rank will do.
 constexpr std::int64_t kAnyRank = std::int64_t{1} << 30;
 
@@ -128,6 +137,22 @@ std::string_view to_string(OpType type) {
       return "cross_entropy";
     case OpType::FusedLinearCrossEntropy:
       return "fused_linear_cross_entropy";
+    case OpType::LinearBackward:
+      return "linear_backward";
+    case OpType::MatmulBackward:
+      return "matmul_backward";
+    case OpType::RmsNormBackward:
+      return "rmsnorm_backward";
+    case OpType::FusedResidualAddRmsNormBackward:
+      return "fused_residual_add_rmsnorm_backward";
+    case OpType::SwigluBackward:
+      return "swiglu_backward";
+    case OpType::SwigluPackedBackward:
+      return "swiglu_packed_backward";
+    case OpType::SoftmaxBackward:
+      return "softmax_backward";
+    case OpType::CrossEntropyBackward:
+      return "cross_entropy_backward";
   }
   return "?";
 }
@@ -219,7 +244,8 @@ Value Program::rmsnorm(Value x, Value weight, double eps) {
                  eps);
   ProgramOp op = op_of(OpType::RmsNorm, {x, weight});
   op.eps = eps;
-  return define(std::move(op), {{c.shape_of(x), c.dtype()}}).outputs[0];
+  return define(std::move(op), {{c.shape_of(x), c.dtype()}, {rows_of(c.shape_of(x)), DType::F32}})
+      .outputs[0];
 }
 
 std::pair<Value, Value> Program::fused_residual_add_rmsnorm(Value x, Value residual, Value weight,
@@ -235,8 +261,9 @@ std::pair<Value, Value> Program::fused_residual_add_rmsnorm(Value x, Value resid
   ProgramOp op = op_of(OpType::FusedResidualAddRmsNorm, {x, residual, weight});
   op.eps = eps;
   op.multiplier = multiplier;
-  const ProgramOp& d =
-      define(std::move(op), {{c.shape_of(x), c.dtype()}, {c.shape_of(x), c.dtype()}});
+  const ProgramOp& d = define(std::move(op), {{c.shape_of(x), c.dtype()},
+                                              {c.shape_of(x), c.dtype()},
+                                              {rows_of(c.shape_of(x)), DType::F32}});
   return {d.outputs[0], d.outputs[1]};
 }
 
@@ -290,7 +317,8 @@ Value Program::cross_entropy(Value logits, Value labels, const CrossEntropyOptio
   check_loss_options("cross_entropy", options);
   ProgramOp op = op_of(OpType::CrossEntropy, {logits, labels});
   op.loss = options;
-  return define(std::move(op), {{loss_shape(rows, options.reduction), c.loss_dtype(loss_dtype)}})
+  return define(std::move(op), {{loss_shape(rows, options.reduction), c.loss_dtype(loss_dtype)},
+                                {{rows}, lse_dtype(c.dtype())}})
       .outputs[0];
 }
 
@@ -306,18 +334,72 @@ Value Program::fused_linear_cross_entropy(Value x, Value weight, Value bias, Val
   c.shape("bias", bias, {vocab}, "(V) with V the rows of 'weight'");
   c.labels("labels", labels, rows);
   check_loss_options("fused_linear_cross_entropy", options);
-  ProgramOp op = op_of(OpType::FusedLinearCrossEntropy, {x, weight, bias, labels});
+  ProgramOp op = op_of(OpType::FusedLinearCrossEntropy, {x, weight, bias, labels, Value{}});
   op.loss = options;
   return define(std::move(op), {{loss_shape(rows, options.reduction), c.loss_dtype(loss_dtype)}})
       .outputs[0];
 }
 
-void Program::add_output(Value v) {
+void Program::set_mesh(DeviceMesh mesh) {
+  const auto check = [&](const std::vector<Placement>& pl, std::string_view what) {
+    MESHFUSE_CHECK(pl.empty() || static_cast<std::int64_t>(pl.size()) == mesh.ndim(),
+                   ErrorCode::InvalidArgument,
+                   "Program.set_mesh: {} has {} placements, {} has {} dimensions", what, pl.size(),
+                   mesh.to_string(), mesh.ndim());
+  };
+  for (std::size_t id = 0; id < placements_.size(); ++id)
+    check(placements_[id], describe(Value{static_cast<std::int64_t>(id)}));
+  for (std::size_t i = 0; i < outputs_.size(); ++i)
+    check(output_placements_[i], fmt::format("output %{}", outputs_[i].id));
+  mesh_ = std::move(mesh);
+}
+
+// Placements of v, one per mesh dimension, with Shard dims made non-negative.
+std::vector<Placement> Program::checked_placements(std::string_view op, Value v,
+                                                   std::vector<Placement> placements) const {
+  MESHFUSE_CHECK(mesh_.has_value(), ErrorCode::InvalidArgument,
+                 "Program.{}: {}: the program has no mesh (call set_mesh first)", op, describe(v));
+  MESHFUSE_CHECK(static_cast<std::int64_t>(placements.size()) == mesh_->ndim(),
+                 ErrorCode::InvalidArgument,
+                 "Program.{}: {}: want one placement per dimension of {}, got {}", op, describe(v),
+                 mesh_->to_string(), placements.size());
+  const auto r = static_cast<std::int64_t>(info(v).shape.size());
+  for (Placement& pl : placements)
+    if (auto* s = std::get_if<Shard>(&pl)) {
+      MESHFUSE_CHECK(s->dim >= -r && s->dim < r, ErrorCode::InvalidArgument,
+                     "Program.{}: {} has no dimension {} to shard", op, describe(v), s->dim);
+      if (s->dim < 0) s->dim += r;
+    }
+  return placements;
+}
+
+void Program::set_placements(Value v, std::vector<Placement> placements) {
+  OpCheck(*this, "set_placements").operand("v", v);
+  MESHFUSE_CHECK(std::find(inputs_.begin(), inputs_.end(), v) != inputs_.end(),
+                 ErrorCode::InvalidArgument,
+                 "Program.set_placements: {} is not an input (an output's placements are "
+                 "given to add_output)",
+                 describe(v));
+  placements = checked_placements("set_placements", v, std::move(placements));
+  placements_.resize(values_.size());
+  placements_[static_cast<std::size_t>(v.id)] = std::move(placements);
+}
+
+const std::vector<Placement>& Program::placements(Value v) const {
+  static const std::vector<Placement> none;
+  info(v);
+  const auto id = static_cast<std::size_t>(v.id);
+  return id < placements_.size() ? placements_[id] : none;
+}
+
+void Program::add_output(Value v, std::vector<Placement> placements) {
   OpCheck(*this, "add_output").operand("v", v);
   MESHFUSE_CHECK(std::find(outputs_.begin(), outputs_.end(), v) == outputs_.end(),
                  ErrorCode::InvalidArgument, "Program.add_output: {} is already an output",
                  describe(v));
+  if (!placements.empty()) placements = checked_placements("add_output", v, std::move(placements));
   outputs_.push_back(v);
+  output_placements_.push_back(std::move(placements));
 }
 
 namespace {
@@ -337,12 +419,16 @@ std::vector<std::string> options_text(const ProgramOp& op) {
     case OpType::RmsNorm:
       return {fmt::format("eps={}", op.eps)};
     case OpType::FusedResidualAddRmsNorm:
+    case OpType::FusedResidualAddRmsNormBackward:
       return {fmt::format("eps={}", op.eps), fmt::format("multiplier={}", op.multiplier)};
     case OpType::SwigluPacked:
+    case OpType::SwigluPackedBackward:
       return {op.layout == SwigluLayout::Halves ? "layout=halves" : "layout=interleaved"};
     case OpType::Softmax:
+    case OpType::SoftmaxBackward:
       return {fmt::format("logits_multiplier={}", op.multiplier)};
     case OpType::CrossEntropy:
+    case OpType::CrossEntropyBackward:
     case OpType::FusedLinearCrossEntropy:
       return loss(op.loss);
     default:
@@ -353,8 +439,15 @@ std::vector<std::string> options_text(const ProgramOp& op) {
 }  // namespace
 
 std::string Program::to_string() const {
+  const auto placed = [&](const std::vector<Placement>& pl) {
+    if (pl.empty()) return std::string();
+    std::vector<std::string> names;
+    for (const Placement& p : pl) names.push_back(meshfuse::to_string(p));
+    return fmt::format(" [{}]", fmt::join(names, ", "));
+  };
   std::string text;
-  for (Value in : inputs_) text += fmt::format("{}\n", describe(in));
+  if (mesh_) text += fmt::format("mesh {}\n", mesh_->to_string());
+  for (Value in : inputs_) text += fmt::format("{}{}\n", describe(in), placed(placements(in)));
   for (const ProgramOp& op : ops_) {
     std::vector<std::string> results, args;
     for (Value out : op.outputs) results.push_back(describe(out));
@@ -363,7 +456,8 @@ std::string Program::to_string() const {
     text += fmt::format("{} = {}({})\n", fmt::join(results, ", "), meshfuse::to_string(op.type),
                         fmt::join(args, ", "));
   }
-  for (Value out : outputs_) text += fmt::format("output %{}\n", out.id);
+  for (std::size_t i = 0; i < outputs_.size(); ++i)
+    text += fmt::format("output %{}{}\n", outputs_[i].id, placed(output_placements_[i]));
   return text;
 }
 

@@ -240,6 +240,12 @@ class Communicator {
   // dimension of a DeviceMesh. Every rank of this team calls it with the same list (checked);
   // non-members get nullptr.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks);
+  // The same team on the backends of `spec` (e.g. an executor's plan on gloo in a job whose world
+  // was made with the default spec). Not collective: its backends are set up on first use, as any
+  // team's, and one that needs what the job lacks (a store, mpirun, a LocalWorld) fails then,
+  // saying so. Every rank makes the same calls in the same order. Error(BackendUnavailable) for a
+  // backend this build lacks.
+  std::shared_ptr<Communicator> with_backends(const BackendSpec& spec);
 
   // In place: tensor = op over the ranks' tensors (same numel and dtype on every rank).
   Work all_reduce(const TensorView& tensor, ReduceOp op = ReduceOp::Sum, const Stream& stream = {});

@@ -24,9 +24,20 @@
 //                                                               -> loss
 // loss: () for mean and sum, (N,) for none; in the logits' (x's) dtype, or f32 for 16-bit ones
 // when loss_dtype says so. Every floating operand of an op shares one dtype (f32, f64, bf16, f16).
+// Three ops also define the statistic their backward reads, as a last result the builder does not
+// return: rmsnorm and fused_residual_add_rmsnorm rstd (f32, x's leading dims), cross_entropy lse
+// (f32, f64 for f64 logits; (N,)). fused_linear_cross_entropy's operands end with its upstream
+// gradient, undefined unless grad() asks the op for its gradients (then also results).
+//
+// Multi-device: set_mesh() puts the program on a DeviceMesh, set_placements() says how an input
+// lies on it (default: Replicate on every mesh dimension), and add_output() how an output is
+// wanted (default: as propagated, with Partial made Replicate). Shapes stay global; the lowering
+// (exec/lowering.h) derives each rank's part.
 //
 // Errors: InvalidArgument (a Value not of this program, an empty or repeated input name, a bad
-// rank or option, an output added twice), ShapeMismatch, DTypeMismatch.
+// rank or option, an output added twice, placements of a value that is not an input, or without
+// a mesh, or not one per mesh dimension, or a Shard outside the tensor), ShapeMismatch,
+// DTypeMismatch.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +49,8 @@
 
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/tensor.h"
+#include "meshfuse/distributed/device_mesh.h"
+#include "meshfuse/exec/placement.h"
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/swiglu.h"
 
@@ -62,6 +75,15 @@ enum class OpType {
   Softmax,
   CrossEntropy,
   FusedLinearCrossEntropy,
+  // The backward ops that grad() (autodiff.h) adds; each runs the op's backward kernel.
+  LinearBackward,
+  MatmulBackward,
+  RmsNormBackward,
+  FusedResidualAddRmsNormBackward,
+  SwigluBackward,
+  SwigluPackedBackward,
+  SoftmaxBackward,
+  CrossEntropyBackward,
 };
 
 // "linear", "matmul", ..., as the builder's methods are named.
@@ -88,6 +110,10 @@ struct ProgramOp {
   CrossEntropyOptions loss;                    // cross_entropy, fused_linear_cross_entropy
 };
 
+class Program;
+// Reverse mode over a Program (exec/autodiff.h).
+Program grad(const Program& program, Value loss, const std::vector<Value>& wrt);
+
 class Program {
  public:
   // An input of the program, bound by `name` when the program runs.
@@ -111,8 +137,21 @@ class Program {
                                    std::optional<DType> loss_dtype = std::nullopt);
 
   // Marks a value as an output of the program (each once), in the order the executor returns
-  // them.
-  void add_output(Value v);
+  // them; on a mesh, `placements` (one per mesh dimension) says how it is wanted.
+  void add_output(Value v, std::vector<Placement> placements = {});
+
+  // The mesh the program runs on; placements set before stay and are checked against it.
+  void set_mesh(DeviceMesh mesh);
+  const std::optional<DeviceMesh>& mesh() const { return mesh_; }
+  // How input `v` lies on the mesh: one placement per mesh dimension (needs set_mesh first).
+  // Setting again replaces.
+  void set_placements(Value v, std::vector<Placement> placements);
+  // The placements set for input v; empty when none were.
+  const std::vector<Placement>& placements(Value v) const;
+  // The placements each output was added with (empty: as propagated), in outputs() order.
+  const std::vector<std::vector<Placement>>& output_placements() const {
+    return output_placements_;
+  }
 
   // Whether v is one of this program's values.
   bool contains(Value v) const;
@@ -131,15 +170,24 @@ class Program {
   //   %2 [4, 16] f32 = linear(%0, %1, none)
   //   %3 [4, 16] f32 = rmsnorm(%2, none, eps=1e-05)
   //   output %3
+  // and, on a mesh, a first line "mesh DeviceMesh([4], ranks [0, 1, 2, 3])" and each set
+  // placement after its value ("%0 'x' [4, 8] f32 [Shard(0)]", "output %3 [Replicate()]").
   std::string to_string() const;
 
  private:
+  friend Program grad(const Program& program, Value loss, const std::vector<Value>& wrt);
+
+  std::vector<Placement> checked_placements(std::string_view op, Value v,
+                                            std::vector<Placement> placements) const;
   // Appends `op` with a new value per result (shape, dtype), which become op.outputs.
   const ProgramOp& define(ProgramOp op, const std::vector<std::pair<Shape, DType>>& results);
 
   std::vector<ValueInfo> values_;
   std::vector<ProgramOp> ops_;
   std::vector<Value> inputs_, outputs_;
+  std::optional<DeviceMesh> mesh_;
+  std::vector<std::vector<Placement>> placements_;  // inputs' by value id; empty: not set
+  std::vector<std::vector<Placement>> output_placements_;
 };
 
 }  // namespace meshfuse

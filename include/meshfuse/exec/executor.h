@@ -1,0 +1,93 @@
+// MultiDeviceExecutor: runs a Program (program.h) on the ranks of its DeviceMesh, each rank with
+// its local parts of the inputs, through the Plan that lowering.h makes for it (nvFuser's
+// MultiDeviceExecutor; DTensor's redistributions).
+//
+// Every rank of the communicator's team builds an executor of the same program and calls run()
+// the same number of times; the mesh's ranks are the team's ranks (a mesh over a subset, or a
+// rank the mesh lacks, is InvalidArgument). Ranks that run different programs meet in different
+// collectives, which the communicator's metadata check turns into an error on every rank (with
+// checks on, the default), not a hang.
+//
+// Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
+// program and its shapes are fixed, so those are what can change between runs. set_params() with
+// another backend lowers again; the communications then run on a communicator of the same team
+// with that backend (Communicator::with_backends), set up on first use. Teams along mesh
+// dimensions come from Communicator::split, made at the first run of each backend.
+//
+// run() allocates every intermediate on the inputs' device (CUDA work on `stream`), frees them
+// before it returns, and keeps no state between runs; communications complete before the compute
+// that needs them (the overlap of the two is for the plan's later versions). Results are bitwise
+// the same run to run for the same inputs, ranks and backend.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "meshfuse/core/stream.h"
+#include "meshfuse/core/tensor.h"
+#include "meshfuse/distributed/communicator.h"
+#include "meshfuse/exec/lowering.h"
+#include "meshfuse/exec/program.h"
+
+namespace meshfuse {
+
+struct MultiDeviceExecutorParams {
+  LoweringParams lowering;
+  friend bool operator==(const MultiDeviceExecutorParams&,
+                         const MultiDeviceExecutorParams&) = default;
+};
+
+class MultiDeviceExecutor {
+ public:
+  // InvalidArgument when the program's mesh (a one-rank mesh of the team's rank when it has none)
+  // is not laid over exactly the communicator's team ranks 0 .. size - 1.
+  MultiDeviceExecutor(Program program, std::shared_ptr<Communicator> communicator,
+                      MultiDeviceExecutorParams params = {});
+
+  // inputs: this rank's parts of the program's inputs, in Program::inputs() order, each the shape
+  // of its placement's part (plan().values[plan().inputs[i]].shape) and the program's dtype, all on
+  // one device (any strides). Returns this rank's parts of the outputs, in Program::outputs()
+  // order, as their placements say. Errors: InvalidArgument (a wrong count of inputs),
+  // ShapeMismatch / DTypeMismatch / DeviceMismatch naming the input, and those of the ops and
+  // communicators.
+  std::vector<Tensor> run(const std::vector<TensorView>& inputs, const Stream& stream = {});
+
+  // The plan run() uses for inputs on a device of `type` (lowered now if not yet).
+  const Plan& plan(DeviceType type = DeviceType::CPU);
+  std::size_t cached_plans() const { return plans_.size(); }
+
+  const Program& program() const { return program_; }
+  const MultiDeviceExecutorParams& params() const { return params_; }
+  void set_params(MultiDeviceExecutorParams params) { params_ = std::move(params); }
+
+ private:
+  CommunicatorBackend backend_for(DeviceType type) const;
+  // The communicator of each mesh dimension on `backend`.
+  const std::vector<std::shared_ptr<Communicator>>& teams(CommunicatorBackend backend,
+                                                          DeviceType type);
+
+  Program program_;
+  std::shared_ptr<Communicator> communicator_;
+  MultiDeviceExecutorParams params_;
+  DeviceMesh mesh_;
+  std::map<std::pair<CommunicatorBackend, DeviceType>, Plan> plans_;
+  std::map<CommunicatorBackend, std::vector<std::shared_ptr<Communicator>>> teams_;
+};
+
+// `rank`'s part of a whole tensor placed on `mesh` as `placements` say (a contiguous copy on the
+// tensor's device). InvalidArgument: a rank outside the mesh, placements not one per mesh
+// dimension, a Shard outside the tensor, a Partial (a whole tensor has no terms to split).
+Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
+                    const std::vector<Placement>& placements, int rank, const Stream& stream = {});
+
+// The whole tensor of global `shape` from every rank's `local` part placed as `placements` say:
+// gathered (and Partial terms reduced) on every rank of `communicator`'s team, which `mesh` must
+// be laid over. Collective: every rank calls it.
+Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMesh& mesh,
+                     const std::vector<Placement>& placements,
+                     std::shared_ptr<Communicator> communicator, const Stream& stream = {});
+
+}  // namespace meshfuse

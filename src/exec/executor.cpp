@@ -1,0 +1,310 @@
+// MultiDeviceExecutor: plan cache, the teams of the mesh dimensions, and the interpreter of a
+// Plan's steps.
+#include "meshfuse/exec/executor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "exec/interpret.h"
+#include "meshfuse/core/error.h"
+
+namespace meshfuse {
+namespace {
+
+// The view with dims 0 and d swapped: a collective moves rows of dim 0, so another dim is moved
+// there (a contiguous copy) and back.
+Tensor dim_first(const TensorView& t, std::int64_t d, const Stream& stream) {
+  return Tensor::copy_of(t.transpose(0, d), stream);
+}
+
+Shape swapped(Shape shape, std::int64_t d) {
+  std::swap(shape[0], shape[static_cast<std::size_t>(d)]);
+  return shape;
+}
+
+std::int64_t sum(const std::vector<std::int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), std::int64_t{0});
+}
+
+// Runs a Plan's steps on one rank.
+class Interpreter {
+ public:
+  Interpreter(const Plan& plan, const std::vector<std::shared_ptr<Communicator>>& teams,
+              Device device, const Stream& stream)
+      : plan_(plan),
+        teams_(teams),
+        device_(device),
+        stream_(stream),
+        views_(plan.values.size()),
+        owned_(plan.values.size()),
+        last_use_(plan.values.size(), -1) {
+    const auto uses = [&](std::int64_t id, std::int64_t step) {
+      auto& u = last_use_[static_cast<std::size_t>(id)];
+      u = std::max(u, step);
+    };
+    for (std::size_t s = 0; s < plan.steps.size(); ++s) {
+      const auto step = static_cast<std::int64_t>(s);
+      if (const auto* c = std::get_if<Compute>(&plan.steps[s])) {
+        for (Value in : c->op.inputs)
+          if (in.defined()) uses(in.id, step);
+      } else if (const auto* c = std::get_if<Communication>(&plan.steps[s])) {
+        uses(c->input, step);
+      } else {
+        uses(std::get<Slice>(plan.steps[s]).input, step);
+      }
+    }
+    for (std::int64_t out : plan.outputs) uses(out, static_cast<std::int64_t>(plan.steps.size()));
+  }
+
+  std::vector<Tensor> run(const std::vector<TensorView>& inputs) {
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      views_[static_cast<std::size_t>(plan_.inputs[i])] = inputs[i];
+    for (std::size_t s = 0; s < plan_.steps.size(); ++s) {
+      std::visit([&](const auto& step) { run_step(step); }, plan_.steps[s]);
+      release_after(static_cast<std::int64_t>(s));
+    }
+    std::vector<Tensor> outputs;
+    for (std::int64_t out : plan_.outputs) {
+      const auto o = static_cast<std::size_t>(out);
+      // An input returned as it came is copied: outputs never alias the caller's tensors.
+      outputs.push_back(owned_[o].defined() ? owned_[o] : Tensor::copy_of(views_[o], stream_));
+    }
+    return outputs;
+  }
+
+ private:
+  const TensorView& view(std::int64_t id) const { return views_[static_cast<std::size_t>(id)]; }
+
+  const TensorView& allocate(std::int64_t id) {
+    const PlanValue& v = plan_.values[static_cast<std::size_t>(id)];
+    Tensor& t = owned_[static_cast<std::size_t>(id)];
+    t = Tensor(v.shape, v.dtype, device_, stream_);
+    return views_[static_cast<std::size_t>(id)] = t.view();
+  }
+
+  void release_after(std::int64_t step) {
+    for (std::size_t id = 0; id < owned_.size(); ++id)
+      if (owned_[id].defined() && last_use_[id] <= step) {
+        owned_[id] = Tensor();
+        views_[id] = TensorView();
+      }
+  }
+
+  void run_step(const Compute& c) {
+    std::vector<TensorView> in, out;
+    for (Value v : c.op.inputs) in.push_back(v.defined() ? view(v.id) : TensorView());
+    for (Value v : c.op.outputs) out.push_back(allocate(v.id));
+    detail::run_op(c.op, in, out, stream_);
+  }
+
+  void run_step(const Slice& s) {
+    copy(view(s.input).narrow(s.dim, s.offset, s.size), allocate(s.output), stream_);
+  }
+
+  void run_step(const Communication& c) {
+    Communicator& team = *teams_[static_cast<std::size_t>(c.mesh_dim)];
+    const TensorView& in = view(c.input);
+    const TensorView& out = allocate(c.output);
+    switch (c.type) {
+      case CommOp::AllReduce:
+        copy(in, out, stream_);
+        team.all_reduce(out, *c.reduction, stream_).wait();
+        return;
+      case CommOp::AllGather:
+        if (c.gather_dim == 0 && in.is_contiguous()) {
+          team.all_gather(in, out, c.sizes, stream_).wait();
+        } else {
+          const Tensor moved = dim_first(in, c.gather_dim, stream_);
+          const Tensor gathered(swapped(out.shape(), c.gather_dim), out.dtype(), device_, stream_);
+          team.all_gather(moved, gathered, c.sizes, stream_).wait();
+          copy(gathered.view().transpose(0, c.gather_dim), out, stream_);
+        }
+        return;
+      case CommOp::ReduceScatter:
+        if (c.scatter_dim == 0 && in.is_contiguous()) {
+          team.reduce_scatter(in, out, c.sizes, *c.reduction, stream_).wait();
+        } else {
+          const Tensor moved = dim_first(in, c.scatter_dim, stream_);
+          const Tensor part(swapped(out.shape(), c.scatter_dim), out.dtype(), device_, stream_);
+          team.reduce_scatter(moved, part, c.sizes, *c.reduction, stream_).wait();
+          copy(part.view().transpose(0, c.scatter_dim), out, stream_);
+        }
+        return;
+      case CommOp::AllToAll:
+        all_to_all(team, c, in, out);
+        return;
+      default:
+        fail(ErrorCode::Internal, "MultiDeviceExecutor: no step runs {}", c.to_string());
+    }
+  }
+
+  // Shard(i) -> Shard(j): the scattered dim j goes first, so that member s's rows are one block;
+  // what comes back from member r is its part along i, which lands at r's offset along i. The
+  // blocks differ in shape along i, so the exchange runs on flat buffers.
+  void all_to_all(Communicator& team, const Communication& c, const TensorView& in,
+                  const TensorView& out) {
+    const std::int64_t i = c.gather_dim, j = c.scatter_dim;
+    const Tensor moved = dim_first(in, j, stream_);
+    const std::int64_t per_row_in = in.size(j) == 0 ? 0 : in.numel() / in.size(j);
+    const std::int64_t mine = out.size(j);
+    std::vector<std::int64_t> send, receive;
+    for (std::int64_t rows : c.sizes) send.push_back(rows * per_row_in);
+    const std::int64_t others =
+        mine == 0 || out.size(i) == 0 ? 0 : out.numel() / (mine * out.size(i));
+    for (std::int64_t rows : c.gather_sizes) receive.push_back(mine * rows * others);
+    const Tensor received({sum(receive)}, out.dtype(), device_, stream_);
+    team.all_to_all(moved.view().reshape({moved.numel()}), received, send, receive, stream_).wait();
+    // In the dim-j-first layout, dim i sits where dim 0 was swapped to (j) when i is 0.
+    const std::int64_t i_moved = i == 0 ? j : i;
+    const TensorView out_moved = out.transpose(0, j);
+    std::int64_t element = 0, offset = 0;
+    for (std::size_t r = 0; r < c.gather_sizes.size(); ++r) {
+      Shape block = out_moved.shape();
+      block[static_cast<std::size_t>(i_moved)] = c.gather_sizes[r];
+      const std::int64_t n = shape_numel(block);
+      copy(received.view().narrow(0, element, n).reshape(block),
+           out_moved.narrow(i_moved, offset, c.gather_sizes[r]), stream_);
+      element += n;
+      offset += c.gather_sizes[r];
+    }
+  }
+
+  const Plan& plan_;
+  const std::vector<std::shared_ptr<Communicator>>& teams_;
+  Device device_;
+  Stream stream_;
+  std::vector<TensorView> views_;
+  std::vector<Tensor> owned_;
+  std::vector<std::int64_t> last_use_;  // the last step that reads each value
+};
+
+bool has_communication(const Plan& plan) {
+  return std::any_of(plan.steps.begin(), plan.steps.end(),
+                     [](const PlanStep& s) { return std::holds_alternative<Communication>(s); });
+}
+
+}  // namespace
+
+MultiDeviceExecutor::MultiDeviceExecutor(Program program,
+                                         std::shared_ptr<Communicator> communicator,
+                                         MultiDeviceExecutorParams params)
+    : program_(std::move(program)),
+      communicator_(std::move(communicator)),
+      params_(std::move(params)),
+      mesh_(program_.mesh().value_or(DeviceMesh(std::vector<int>{communicator_->rank()}))) {
+  if (!program_.mesh()) return;
+  std::vector<int> ranks = mesh_.ranks();
+  std::sort(ranks.begin(), ranks.end());
+  std::vector<int> team(static_cast<std::size_t>(communicator_->size()));
+  std::iota(team.begin(), team.end(), 0);
+  MESHFUSE_CHECK(ranks == team, ErrorCode::InvalidArgument,
+                 "MultiDeviceExecutor: the program's {} must be laid over the communicator's "
+                 "ranks 0 .. {}, each once (rank {} of {})",
+                 mesh_.to_string(), communicator_->size() - 1, communicator_->rank(),
+                 communicator_->size());
+}
+
+CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {
+  if (params_.lowering.communicator_backend) return *params_.lowering.communicator_backend;
+  return communicator_->backend(type);
+}
+
+const Plan& MultiDeviceExecutor::plan(DeviceType type) {
+  const CommunicatorBackend backend = backend_for(type);
+  auto it = plans_.find({backend, type});
+  if (it == plans_.end())
+    it = plans_.emplace(std::pair(backend, type), lower(program_, communicator_->rank(), backend))
+             .first;
+  return it->second;
+}
+
+const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
+    CommunicatorBackend backend, DeviceType type) {
+  auto it = teams_.find(backend);
+  if (it != teams_.end()) return it->second;
+  const auto& spec = communicator_->spec().backends;
+  const auto served = spec.find(type);
+  std::shared_ptr<Communicator> world =
+      served != spec.end() && served->second == backend
+          ? communicator_
+          : communicator_->with_backends(BackendSpec{{{type, backend}}});
+  std::vector<std::shared_ptr<Communicator>> teams;
+  const int rank = world->rank();
+  const std::vector<std::int64_t> at = mesh_.coordinates(rank);
+  for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
+    std::vector<int> in_order(static_cast<std::size_t>(world->size()));
+    std::iota(in_order.begin(), in_order.end(), 0);
+    if (mesh_.ndim() == 1 && mesh_.ranks() == in_order) {
+      teams.push_back(world);
+      continue;
+    }
+    // The team of m: the ranks that share every other coordinate, ordered along m.
+    std::int64_t color = 0;
+    for (std::int64_t d = 0; d < mesh_.ndim(); ++d)
+      if (d != m)
+        color =
+            color * mesh_.shape()[static_cast<std::size_t>(d)] + at[static_cast<std::size_t>(d)];
+    teams.push_back(
+        world->split(static_cast<int>(color), static_cast<int>(at[static_cast<std::size_t>(m)])));
+  }
+  return teams_.emplace(backend, std::move(teams)).first->second;
+}
+
+std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inputs,
+                                             const Stream& stream) {
+  const std::vector<Value>& declared = program_.inputs();
+  MESHFUSE_CHECK(inputs.size() == declared.size(), ErrorCode::InvalidArgument,
+                 "MultiDeviceExecutor.run: {} inputs given, the program takes {}", inputs.size(),
+                 declared.size());
+  const Device device = inputs.empty() ? stream.device : inputs[0].device();
+  const Plan& plan = this->plan(device.type);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const TensorView& t = inputs[i];
+    const PlanValue& want = plan.values[static_cast<std::size_t>(plan.inputs[i])];
+    const auto named = [&] {
+      return fmt::format("MultiDeviceExecutor.run: input {} on rank {}",
+                         program_.describe(declared[i]), communicator_->rank());
+    };
+    MESHFUSE_CHECK(t.defined(), ErrorCode::InvalidArgument, "{}: undefined", named());
+    MESHFUSE_CHECK(t.device() == device, ErrorCode::DeviceMismatch,
+                   "{}: on {}, the first input on {}", named(), t.device().str(), device.str());
+    MESHFUSE_CHECK(t.dtype() == want.dtype, ErrorCode::DTypeMismatch, "{}: must be {}, got {}",
+                   named(), to_string(want.dtype), to_string(t.dtype()));
+    MESHFUSE_CHECK(t.shape() == want.shape, ErrorCode::ShapeMismatch,
+                   "{}: this rank's part must be {} (placements as the plan says), got {}", named(),
+                   shape_str(want.shape), shape_str(t.shape()));
+  }
+  static const std::vector<std::shared_ptr<Communicator>> kNone;
+  const auto& teams = has_communication(plan) ? this->teams(plan.backend, device.type) : kNone;
+  return Interpreter(plan, teams, device, stream).run(inputs);
+}
+
+Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
+                    const std::vector<Placement>& placements, int rank, const Stream& stream) {
+  for (const Placement& p : placements)
+    MESHFUSE_CHECK(!std::holds_alternative<Partial>(p), ErrorCode::InvalidArgument,
+                   "shard_tensor: a whole tensor cannot be placed as {}", to_string(p));
+  const LocalPart part = local_part(tensor.shape(), mesh, placements, rank);
+  TensorView v = tensor;
+  for (std::int64_t d = 0; d < v.dim(); ++d) {
+    const auto di = static_cast<std::size_t>(d);
+    v = v.narrow(d, part.offsets[di], part.shape[di]);
+  }
+  return Tensor::copy_of(v, stream);
+}
+
+Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMesh& mesh,
+                     const std::vector<Placement>& placements,
+                     std::shared_ptr<Communicator> communicator, const Stream& stream) {
+  // The identity program, its output wanted whole.
+  Program p;
+  const Value v = p.define_tensor("tensor", shape, local.dtype());
+  p.set_mesh(mesh);
+  p.set_placements(v, placements);
+  p.add_output(v, std::vector<Placement>(placements.size(), Replicate{}));
+  return MultiDeviceExecutor(std::move(p), std::move(communicator)).run({local}, stream)[0];
+}
+
+}  // namespace meshfuse

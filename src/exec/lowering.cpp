@@ -1,0 +1,295 @@
+// Lowering: propagation of placements through the ops by the cheapest strategy, and the
+// redistributions between them (see the header).
+#include "meshfuse/exec/lowering.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+#include "meshfuse/core/error.h"
+#include "meshfuse/exec/sharding.h"
+
+namespace meshfuse {
+namespace {
+
+constexpr double kNoRule = std::numeric_limits<double>::infinity();
+
+template <typename T>
+bool is(const Placement& p) {
+  return std::holds_alternative<T>(p);
+}
+
+std::int64_t shard_dim(const Placement& p) { return std::get<Shard>(p).dim; }
+
+// Bytes moved per rank, roughly, to bring a tensor of `bytes` from `from` to `to` along one mesh
+// dimension: what the strategy choice minimises.
+double transition_cost(const Placement& from, const Placement& to, double bytes) {
+  if (from == to) return 0;
+  if (is<Partial>(to)) return kNoRule;
+  if (is<Replicate>(to)) return is<Partial>(from) ? 2 * bytes : bytes;  // all_reduce, all_gather
+  return is<Replicate>(from) ? 0 : bytes;  // a local slice; reduce_scatter or all_to_all
+}
+
+std::string placements_text(const std::vector<Placement>& placements) {
+  std::vector<std::string> names;
+  for (const Placement& p : placements) names.push_back(to_string(p));
+  return fmt::format("[{}]", fmt::join(names, ", "));
+}
+
+std::string sizes_text(const std::vector<std::int64_t>& sizes) {
+  return fmt::format("[{}]", fmt::join(sizes, " "));
+}
+
+class Lowering {
+ public:
+  Lowering(const Program& p, int rank, CommunicatorBackend backend)
+      : p_(p), mesh_(p.mesh().value_or(DeviceMesh(std::vector<int>{rank}))) {
+    MESHFUSE_CHECK(mesh_.contains(rank), ErrorCode::InvalidArgument, "lower: rank {} is outside {}",
+                   rank, mesh_.to_string());
+    plan_.rank = rank;
+    plan_.mesh = mesh_;
+    plan_.backend = backend;
+    home_.assign(p.values().size(), -1);
+  }
+
+  Plan run() {
+    for (Value in : p_.inputs()) {
+      std::vector<Placement> pl = p_.placements(in);
+      if (pl.empty()) pl.assign(static_cast<std::size_t>(mesh_.ndim()), Replicate{});
+      home_[static_cast<std::size_t>(in.id)] = add_value(in, pl);
+      plan_.inputs.push_back(home_[static_cast<std::size_t>(in.id)]);
+    }
+    for (const ProgramOp& op : p_.ops()) lower_op(op);
+    for (std::size_t i = 0; i < p_.outputs().size(); ++i) {
+      const std::int64_t at = home_[static_cast<std::size_t>(p_.outputs()[i].id)];
+      std::vector<Placement> want = p_.output_placements()[i];
+      if (want.empty()) {
+        want = plan_.values[static_cast<std::size_t>(at)].placements;
+        for (Placement& pl : want)
+          if (is<Partial>(pl)) pl = Replicate{};
+      }
+      plan_.outputs.push_back(redistribute(at, want, "output"));
+    }
+    return std::move(plan_);
+  }
+
+ private:
+  std::int64_t add_value(Value global, std::vector<Placement> placements) {
+    const ValueInfo& info = p_.info(global);
+    Shape local = local_part(info.shape, mesh_, placements, plan_.rank).shape;
+    const auto id = static_cast<std::int64_t>(plan_.values.size());
+    known_[{global.id, placements_text(placements)}] = id;
+    plan_.values.push_back({global, std::move(placements), std::move(local), info.dtype});
+    return id;
+  }
+
+  const PlanValue& value(std::int64_t id) const {
+    return plan_.values[static_cast<std::size_t>(id)];
+  }
+
+  // Each team member's extent along `dim` of the value placed as `placements`.
+  std::vector<std::int64_t> extents(const PlanValue& v, const std::vector<Placement>& placements,
+                                    std::int64_t mesh_dim, std::int64_t dim) const {
+    std::vector<std::int64_t> sizes;
+    for (int member : mesh_.team(mesh_dim, plan_.rank))
+      sizes.push_back(local_part(p_.info(v.global).shape, mesh_, placements, member)
+                          .shape[static_cast<std::size_t>(dim)]);
+    return sizes;
+  }
+
+  // Plan value `id` as `want` says, reusing an earlier redistribution of the same value.
+  std::int64_t redistribute(std::int64_t id, const std::vector<Placement>& want,
+                            std::string_view why) {
+    const Value global = value(id).global;
+    if (auto it = known_.find({global.id, placements_text(want)}); it != known_.end())
+      return it->second;
+    std::vector<Placement> now = value(id).placements;
+    for (std::int64_t m = mesh_.ndim() - 1; m >= 0; --m) {
+      const auto mi = static_cast<std::size_t>(m);
+      if (now[mi] == want[mi] || (is<Replicate>(now[mi]) && is<Shard>(want[mi]))) continue;
+      MESHFUSE_CHECK(!is<Partial>(want[mi]), ErrorCode::InvalidArgument,
+                     "lower: {}: {} lies as {} and cannot become {} (no rule makes a Partial "
+                     "from a {} on mesh dimension {})",
+                     why, p_.describe(global), placements_text(now), placements_text(want),
+                     to_string(now[mi]), m);
+      std::vector<Placement> next = now;
+      next[mi] = want[mi];
+      id = communicate(id, next, m);
+      now = next;
+    }
+    for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
+      const auto mi = static_cast<std::size_t>(m);
+      if (now[mi] == want[mi]) continue;
+      std::vector<Placement> next = now;
+      next[mi] = want[mi];
+      const std::int64_t dim = shard_dim(want[mi]);
+      const LocalPart before = local_part(p_.info(global).shape, mesh_, now, plan_.rank);
+      const LocalPart after = local_part(p_.info(global).shape, mesh_, next, plan_.rank);
+      const auto di = static_cast<std::size_t>(dim);
+      const std::int64_t out = add_value(global, next);
+      plan_.steps.push_back(
+          Slice{m, dim, after.offsets[di] - before.offsets[di], after.shape[di], id, out});
+      id = out;
+      now = next;
+    }
+    return id;
+  }
+
+  // One transition along mesh dimension m (not Replicate -> Shard: that is a Slice).
+  std::int64_t communicate(std::int64_t id, const std::vector<Placement>& next, std::int64_t m) {
+    const PlanValue& v = value(id);
+    const Placement& from = v.placements[static_cast<std::size_t>(m)];
+    const Placement& to = next[static_cast<std::size_t>(m)];
+    Communication c;
+    c.mesh_dim = m;
+    c.team = mesh_.team(m, plan_.rank);
+    c.backend = plan_.backend;
+    c.input = id;
+    if (is<Partial>(from)) {
+      c.reduction = std::get<Partial>(from).op;
+      if (is<Replicate>(to)) {
+        c.type = CommOp::AllReduce;
+      } else {
+        c.type = CommOp::ReduceScatter;
+        c.scatter_dim = shard_dim(to);
+        c.sizes = extents(v, next, m, c.scatter_dim);
+      }
+    } else if (is<Replicate>(to)) {
+      c.type = CommOp::AllGather;
+      c.gather_dim = shard_dim(from);
+      c.sizes = extents(v, v.placements, m, c.gather_dim);
+    } else {
+      c.type = CommOp::AllToAll;
+      c.gather_dim = shard_dim(from);
+      c.scatter_dim = shard_dim(to);
+      c.gather_sizes = extents(v, v.placements, m, c.gather_dim);
+      c.sizes = extents(v, next, m, c.scatter_dim);
+    }
+    const Value global = v.global;  // add_value may move v
+    c.output = add_value(global, next);
+    const std::int64_t out = c.output;
+    plan_.steps.push_back(std::move(c));
+    return out;
+  }
+
+  void lower_op(const ProgramOp& op) {
+    const std::vector<ShardingStrategy> strategies = sharding_strategies(p_, op);
+    // The strategy of each mesh dimension.
+    std::vector<const ShardingStrategy*> chosen;
+    for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
+      const auto mi = static_cast<std::size_t>(m);
+      const ShardingStrategy* best = nullptr;
+      double best_cost = kNoRule;
+      for (const ShardingStrategy& s : strategies) {
+        double cost = 0;
+        for (std::size_t i = 0; i < op.inputs.size(); ++i) {
+          if (!op.inputs[i].defined()) continue;
+          const PlanValue& v = value(home_[static_cast<std::size_t>(op.inputs[i].id)]);
+          const ValueInfo& info = p_.info(op.inputs[i]);
+          const double bytes = static_cast<double>(shape_numel(info.shape)) *
+                               static_cast<double>(element_size(info.dtype));
+          cost += transition_cost(v.placements[mi], s.inputs[i], bytes);
+        }
+        if (cost < best_cost) best = &s, best_cost = cost;
+      }
+      if (!best) {
+        std::vector<std::string> operands;
+        for (Value in : op.inputs)
+          if (in.defined())
+            operands.push_back(fmt::format(
+                "{} as {}", p_.describe(in),
+                to_string(value(home_[static_cast<std::size_t>(in.id)]).placements[mi])));
+        fail(ErrorCode::InvalidArgument,
+             "lower: {} (defining %{}) has no sharding rule for its operands as they lie on "
+             "mesh dimension {}: {}",
+             to_string(op.type), op.outputs[0].id, m, fmt::join(operands, ", "));
+      }
+      chosen.push_back(best);
+    }
+    ProgramOp local = op;
+    for (std::size_t i = 0; i < op.inputs.size(); ++i) {
+      if (!op.inputs[i].defined()) continue;
+      std::vector<Placement> want;
+      for (const ShardingStrategy* s : chosen) want.push_back(s->inputs[i]);
+      local.inputs[i].id = redistribute(home_[static_cast<std::size_t>(op.inputs[i].id)], want,
+                                        fmt::format("operand {} of {}", i, to_string(op.type)));
+    }
+    for (std::size_t j = 0; j < op.outputs.size(); ++j) {
+      std::vector<Placement> placed;
+      for (const ShardingStrategy* s : chosen) placed.push_back(s->outputs[j]);
+      local.outputs[j].id = add_value(op.outputs[j], std::move(placed));
+      home_[static_cast<std::size_t>(op.outputs[j].id)] = local.outputs[j].id;
+    }
+    plan_.steps.push_back(Compute{std::move(local)});
+  }
+
+  const Program& p_;
+  DeviceMesh mesh_;
+  Plan plan_;
+  std::vector<std::int64_t> home_;  // program value id -> plan value as defined
+  std::map<std::pair<std::int64_t, std::string>, std::int64_t> known_;
+};
+
+}  // namespace
+
+std::string Communication::to_string() const {
+  std::string what;
+  switch (type) {
+    case CommOp::AllGather:
+      what = fmt::format("all_gather(dim {})", gather_dim);
+      break;
+    case CommOp::AllReduce:
+      what = fmt::format("all_reduce({})", meshfuse::to_string(*reduction));
+      break;
+    case CommOp::ReduceScatter:
+      what =
+          fmt::format("reduce_scatter({}, dim {})", meshfuse::to_string(*reduction), scatter_dim);
+      break;
+    default:
+      what = fmt::format("{}(gather dim {}, scatter dim {})", meshfuse::to_string(type), gather_dim,
+                         scatter_dim);
+      break;
+  }
+  std::string text = fmt::format("{} on {}, mesh dim {}, team [{}]", what,
+                                 meshfuse::to_string(backend), mesh_dim, fmt::join(team, " "));
+  if (!sizes.empty()) text += fmt::format(", sizes {}", sizes_text(sizes));
+  if (!gather_sizes.empty()) text += fmt::format(", gather sizes {}", sizes_text(gather_sizes));
+  return text;
+}
+
+std::string Plan::to_string() const {
+  const auto describe = [&](std::int64_t id) {
+    const PlanValue& v = values[static_cast<std::size_t>(id)];
+    return fmt::format("${} %{} {} {} {}", id, v.global.id, placements_text(v.placements),
+                       shape_str(v.shape), meshfuse::to_string(v.dtype));
+  };
+  std::string text = fmt::format("plan of rank {} on {}, communications on {}\n", rank,
+                                 mesh.to_string(), meshfuse::to_string(backend));
+  for (std::int64_t in : inputs) text += fmt::format("{} = input\n", describe(in));
+  for (const PlanStep& step : steps) {
+    if (const auto* c = std::get_if<Compute>(&step)) {
+      std::vector<std::string> results, args;
+      for (Value out : c->op.outputs) results.push_back(describe(out.id));
+      for (Value in : c->op.inputs)
+        args.push_back(in.defined() ? fmt::format("${}", in.id) : "none");
+      text += fmt::format("{} = {}({})\n", fmt::join(results, ", "),
+                          meshfuse::to_string(c->op.type), fmt::join(args, ", "));
+    } else if (const auto* c = std::get_if<Communication>(&step)) {
+      text += fmt::format("{} = {} (${})\n", describe(c->output), c->to_string(), c->input);
+    } else {
+      const auto& s = std::get<Slice>(step);
+      text += fmt::format("{} = slice(dim {}, {}:{}) on mesh dim {} (${})\n", describe(s.output),
+                          s.dim, s.offset, s.offset + s.size, s.mesh_dim, s.input);
+    }
+  }
+  for (std::int64_t out : outputs) text += fmt::format("output {}\n", describe(out));
+  return text;
+}
+
+Plan lower(const Program& program, int rank, CommunicatorBackend backend) {
+  return Lowering(program, rank, backend).run();
+}
+
+}  // namespace meshfuse

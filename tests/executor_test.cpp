@@ -1,0 +1,122 @@
+// MultiDeviceExecutor on the local backend (4 ranks as threads) and what needs no team: lowering
+// without a mesh, the plan cache, shard_tensor. The same cases run on gloo and mpi processes in
+// dist_process_main.cpp.
+#include "meshfuse/exec/executor.h"
+
+#include <gtest/gtest.h>
+
+#include <exception>
+#include <thread>
+
+#include "executor_cases.h"
+#include "meshfuse/ops/rmsnorm.h"
+#include "test_util.h"
+
+namespace meshfuse::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+// fn on 4 ranks as threads of a LocalWorld; a failing rank stops the others in seconds.
+void on_four_ranks(const std::function<void(const std::shared_ptr<Communicator>&)>& fn) {
+  CommOptions options;
+  options.timeout = 20s;
+  LocalWorld world(4, options);
+  std::vector<std::exception_ptr> errors(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(world.communicator(r));
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+TEST(ExecutorLocal, EveryTransitionOfOneMeshDimensionGivesTheParts) {
+  on_four_ranks(exec::check_every_transition);
+}
+
+TEST(ExecutorLocal, TensorAndSequenceParallelMlpBlockMatchesOneDevice) {
+  on_four_ranks(exec::check_mlp_block);
+}
+
+TEST(ExecutorLocal, MlpBlockOnATwoByTwoMeshMatchesOneDevice) {
+  on_four_ranks(exec::check_mlp_block_on_a_2d_mesh);
+}
+
+TEST(ExecutorLocal, HeadWithVocabularySplitLogitsMatchesOneDevice) {
+  on_four_ranks(exec::check_head);
+}
+
+TEST(ExecutorLocal, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
+  on_four_ranks(exec::check_mlp_block_backward);
+}
+
+TEST(ExecutorLocal, HeadBackwardMatchesOneDevice) { on_four_ranks(exec::check_head_backward); }
+
+TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
+  on_four_ranks(exec::check_errors);
+}
+
+TEST(Executor, AProgramWithoutAMeshRunsWholeOnOneRank) {
+  Program p;
+  const Value x = p.define_tensor("x", {3, 8}, DType::F32);
+  const Value w = p.define_tensor("w", {8}, DType::F32);
+  p.add_output(p.rmsnorm(x, w, 1e-6));
+  const Plan plan = lower(p, 0, CommunicatorBackend::Local);
+  ASSERT_EQ(plan.steps.size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<Compute>(plan.steps[0]));
+  const Tensor xs = randn({3, 8}, DType::F32, 1), ws = randn({8}, DType::F32, 2);
+  Tensor expected({3, 8}, DType::F32);
+  rmsnorm(xs, ws, expected, {}, 1e-6);
+  LocalWorld world(1);
+  MultiDeviceExecutor executor(p, world.communicator(0));
+  const std::vector<Tensor> out = executor.run({xs, ws});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(values(out[0]), values(expected));
+}
+
+TEST(Executor, PlansAreCachedPerBackendAndEachCommunicationNamesIt) {
+  LocalWorld world(4);
+  Program p;
+  const Value x = p.define_tensor("x", {10, 4}, DType::F32);
+  p.set_mesh(DeviceMesh::of_shape({4}));
+  p.set_placements(x, {Shard{0}});
+  p.add_output(x, {Replicate{}});
+  MultiDeviceExecutor executor(p, world.communicator(2));
+  EXPECT_EQ(executor.plan().backend, CommunicatorBackend::Local);
+  EXPECT_EQ(executor.cached_plans(), 1u);
+  executor.set_params({LoweringParams{CommunicatorBackend::Gloo}});
+  const Plan& gloo = executor.plan();
+  EXPECT_EQ(executor.cached_plans(), 2u);
+  ASSERT_EQ(gloo.steps.size(), 1u);
+  const auto& c = std::get<Communication>(gloo.steps[0]);
+  EXPECT_EQ(c.backend, CommunicatorBackend::Gloo);
+  EXPECT_EQ(c.to_string(),
+            "all_gather(dim 0) on gloo, mesh dim 0, team [0 1 2 3], sizes [3 3 2 2]");
+  EXPECT_NE(gloo.to_string().find("$1 %0 [Replicate()] [10, 4] f32 = all_gather(dim 0) on gloo"),
+            std::string::npos)
+      << gloo.to_string();
+  executor.set_params({});
+  EXPECT_EQ(executor.plan().backend, CommunicatorBackend::Local);
+  EXPECT_EQ(executor.cached_plans(), 2u);
+}
+
+TEST(Executor, ShardTensorCopiesTheRanksPartAndRefusesPartial) {
+  const Tensor t = from({5, 2}, DType::F32, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  const DeviceMesh mesh = DeviceMesh::of_shape({2});
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Shard{0}}, 1)), (std::vector<double>{6, 7, 8, 9}));
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Shard{1}}, 1)), (std::vector<double>{1, 3, 5, 7, 9}));
+  expect_error([&] { shard_tensor(t, mesh, {Partial{}}, 0); }, ErrorCode::InvalidArgument,
+               {"shard_tensor", "Partial"});
+  expect_error([&] { shard_tensor(t, mesh, {Shard{0}}, 2); }, ErrorCode::InvalidArgument,
+               {"rank 2"});
+}
+
+}  // namespace
+}  // namespace meshfuse::test
