@@ -19,6 +19,7 @@
 #include "meshfuse/exec/sharding.h"
 #include "meshfuse/ops/continuous_count.h"
 #include "meshfuse/ops/cross_entropy.h"
+#include "meshfuse/ops/elementwise.h"
 #include "meshfuse/ops/fused_linear_cross_entropy.h"
 #include "meshfuse/ops/gemm.h"
 #include "meshfuse/ops/pack_sequence.h"

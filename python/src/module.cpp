@@ -180,6 +180,15 @@ void bind_ops(nb::module_& m) {
                            stream_on(device_of(grad_out), stream));
   }, "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release);
 
+  m.def("add", [](In a, In b, Out out, double alpha, std::uintptr_t stream) {
+    add(view(a), view(b), view(out), alpha, stream_on(device_of(a), stream));
+  }, "a"_a, "b"_a, "out"_a, "alpha"_a = 1.0, "stream"_a = 0, release,
+     "out = a + alpha * b (torch.add); out may be a or b itself (in place).");
+  m.def("mul", [](In a, double scalar, Out out, std::uintptr_t stream) {
+    mul(view(a), scalar, view(out), stream_on(device_of(a), stream));
+  }, "a"_a, "scalar"_a, "out"_a, "stream"_a = 0, release,
+     "out = a * scalar (torch.mul); out may be a itself (in place).");
+
   m.def("rmsnorm", [](In x, OptIn weight, Out y, OptOut rstd, double eps,
                       std::uintptr_t stream) {
     rmsnorm(view(x), view(weight), view(y), view(rstd), eps, stream_on(device_of(x), stream));

@@ -20,6 +20,52 @@ def test_swiglu_matches_numpy_and_accepts_a_transposed_input():
     np.testing.assert_array_equal(out_t, out.T)
 
 
+def test_add_and_mul_match_numpy_in_place_and_on_a_transposed_input():
+    a, b = randn(6, 40, seed=30), randn(40, 6, seed=31).T
+    out = np.empty_like(a)
+    meshfuse.add(a, b, out, alpha=-2.0)  # -2 * b is exact: one rounding, as NumPy's
+    np.testing.assert_array_equal(out, a - 2 * b)
+    meshfuse.mul(a, 0.5, out)
+    np.testing.assert_array_equal(out, a * np.float32(0.5))
+    acc = a.copy()
+    meshfuse.add(acc, b, acc)  # in place: gradient accumulation
+    np.testing.assert_array_equal(acc, a + b)
+    x = randn(20, seed=32)
+    with pytest.raises(meshfuse.Error, match=r"add: output 'out'.*overlaps input 'a'"):
+        meshfuse.add(x[1:17], x[1:17], x[:16])
+    with pytest.raises(meshfuse.Error, match=r"mul: 'out' must have shape \[6, 40\], got \[40, "):
+        meshfuse.mul(a, 2.0, np.empty((40, 6), np.float32))
+
+
+def test_add_and_mul_equal_torch_bitwise_on_the_cpu():
+    # What elementwise.h claims against torch's CPU kernels: f32 and f64 add (an fma, alpha 0.1
+    # too) and every mul bitwise, on contiguous, transposed and in-place operands; 16-bit add
+    # bitwise for alpha * b exact, and otherwise torch's fp32 add rounded once to the dtype.
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(40)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        sixteen = dtype in (torch.bfloat16, torch.float16)
+        a = torch.randn(33, 70, generator=g).to(dtype)
+        for b in (torch.randn(33, 70, generator=g).to(dtype),
+                  torch.randn(70, 33, generator=g).to(dtype).T):
+            for alpha in (1.0, -2.0, 0.5, 0.1):
+                out = torch.empty_like(a)
+                meshfuse.add(a, b, out, alpha=alpha)
+                if sixteen and alpha == 0.1:
+                    expected = torch.add(a.float(), b.float(), alpha=alpha).to(dtype)
+                else:
+                    expected = torch.add(a, b, alpha=alpha)
+                assert torch.equal(out, expected), (dtype, alpha, b.stride())
+            acc = a.clone()
+            meshfuse.add(acc, b, acc, alpha=0.1 if not sixteen else 1.0)
+            assert torch.equal(acc, a.add(b, alpha=0.1 if not sixteen else 1.0)), dtype
+            for x in (a, b):
+                for scalar in (0.1, 1 / 3, -4.0):
+                    out = torch.empty_like(a)
+                    meshfuse.mul(x, scalar, out)
+                    assert torch.equal(out, torch.mul(x, scalar)), (dtype, scalar, x.stride())
+
+
 def test_rmsnorm_matches_numpy_and_returns_rstd():
     x, w = randn(5, 33, dtype=np.float64, seed=3), randn(33, dtype=np.float64, seed=4)
     y, rstd = np.empty_like(x), np.empty(5, np.float32)
