@@ -1,8 +1,8 @@
 // CUDA cross-entropy. The forward streams a row's logits once with one block per row (online
 // log-sum-exp in fp32; the sum of the logits only with label smoothing, as its add per logit costs
-// memory rate; the label's logit loaded at the start), writes lse and the row's loss in double to
-// a scratch buffer, and a single block sums those in a fixed order for mean and sum. The backward
-// reads a row once and writes its gradient, each row split over two independent blocks
+// memory rate; the label's logit loaded at the start), writes lse (lse_t) and the row's loss in
+// double to a scratch buffer, and a single block sums those in a fixed order for mean and sum. The
+// backward reads a row once and writes its gradient, each row split over two independent blocks
 // (kBackwardSplit). Both splits were the fastest measured (docs/kernels/cross_entropy.md).
 //
 // Labels: a bad label must raise the op's error (naming the row and the value) with nothing
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(1024)
 template <typename T, int W, bool kSumX>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
-                        std::int64_t vocab, acc_t<T>* lse, double* row_loss,
+                        std::int64_t vocab, lse_t<T>* lse, double* row_loss,
                         Coefficients<acc_t<T>> c, const LabelStatus* status) {
   using A = acc_t<T>;
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     backward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
-                         std::int64_t vocab, const acc_t<T>* lse, double scale,
+                         std::int64_t vocab, const lse_t<T>* lse, double scale,
                          const double* row_grad, T* grad_logits, Coefficients<acc_t<T>> c,
                          const LabelStatus* status, int split) {
   using A = acc_t<T>;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       continue;
     }
     // dx_j = cg * (p_j * p_scale - eps / V - [j == y] (1 - eps)), with the factors folded.
-    const A l = lse[g];
+    const A l = static_cast<A>(lse[g]);
     const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m;
     const A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1));
     const A offset = cg * smooth, label_offset = cg * (smooth + hit);
@@ -326,7 +326,7 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
                                                : forward_rows_kernel<T, W, false>;
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-        b.rows, b.vocab, static_cast<A*>(lse), row_loss, coefficients<A>(o), status);
+        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<A>(o), status);
   });
   check_launch("cross_entropy");
 }
@@ -348,7 +348,7 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
     backward_rows_kernel<T, W>
         <<<blocks, row_threads((nv + split - 1) / split, kU), 0, native(stream)>>>(
             static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-            b.rows, b.vocab, static_cast<const A*>(lse), upstream.scale, upstream.row_grad,
+            b.rows, b.vocab, static_cast<const lse_t<T>*>(lse), upstream.scale, upstream.row_grad,
             static_cast<T*>(grad_logits), coefficients<A>(o), status, split);
   });
   check_launch("cross_entropy_backward");
