@@ -107,8 +107,8 @@ def make_steps(a, device):
     def unfused():
         s = stream()
         logits = torch.empty(n, v, dtype=dt, device=device)
-        lse = torch.empty(n, dtype=torch.float64 if dt == torch.float64 else torch.float32,
-                          device=device)
+        lse = torch.empty(n, dtype=torch.float32 if dt in (torch.bfloat16, torch.float16)
+                          else torch.float64, device=device)
         meshfuse.linear(x, w, None, logits, stream=s)
         meshfuse.cross_entropy(logits, labels, u_loss, lse, stream=s)
         dlogits = torch.empty_like(logits)

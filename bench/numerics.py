@@ -128,7 +128,9 @@ def cases(a):
             logits, labels = t["logits"], t["labels"]
             loss = torch.empty((NV,) if reduction == "none" else (), dtype=loss_dtype(logits),
                                device=logits.device)
-            lse = torch.empty(NV, dtype=torch.float32, device=logits.device)
+            sixteen_bit = logits.dtype in (torch.bfloat16, torch.float16)
+            lse = torch.empty(NV, dtype=torch.float32 if sixteen_bit else torch.float64,
+                              device=logits.device)
             grad_logits = torch.empty_like(logits)
             s = stream_of(logits)
             meshfuse.cross_entropy(logits, labels, loss, lse, reduction=reduction, stream=s)

@@ -164,11 +164,13 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                           loss_dtype=None):
     """Returns (loss, lse); loss is () for mean/sum and (N,) for none, in ``loss_dtype`` (the
-    logits' dtype by default, or float32 for 16-bit logits); lse is f32 (f64 for f64 logits)."""
+    logits' dtype by default, or float32 for 16-bit logits); lse is f32 for 16-bit logits, f64
+    for f32 and f64 ones."""
     n = logits.shape[0]
     loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
-    lse_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    sixteen_bit = logits.dtype in (torch.bfloat16, torch.float16)
+    lse_dtype = torch.float32 if sixteen_bit else torch.float64
     lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
     _C.cross_entropy(_d(logits), _d(labels), loss, lse, ignore_index=ignore_index,
                      reduction=reduction, label_smoothing=label_smoothing,

@@ -102,7 +102,7 @@ def test_bad_input_raises_meshfuse_error_naming_op_and_argument():
     labels = np.array([0, 11], dtype=np.int64)
     with pytest.raises(meshfuse.Error, match=r"cross_entropy.*labels\[1\] = 11.*\[0, 11\)"):
         meshfuse.cross_entropy(randn(2, 11), labels, np.empty((), np.float32),
-                               np.empty(2, np.float32))
+                               np.empty(2, np.float64))
 
 
 def test_uint32_arrays_pass_both_ways_and_serve_as_cu_seqlens_like_int32():

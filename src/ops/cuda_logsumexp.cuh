@@ -1,8 +1,9 @@
 // The cuda backend's row log-sum-exp, shared by softmax and cross_entropy (internal).
 //
-// Values are handled in base 2: u = x * m * log2(e), so that each exp is one ex2 instruction
-// (lse = ln2 * log2 sum 2^u). Statistics combine in a fixed order (thread, then a warp butterfly,
-// then the warps in index order), so the same inputs give bitwise the same results.
+// Exponents are in the units of the row's dtype (kBase2): 16-bit rows take u = x * m * log2(e),
+// so that each exp is one ex2 instruction; f32 and f64 rows take u = x * m and the library's exp,
+// as PyTorch does. Statistics combine in a fixed order (thread, then a warp butterfly, then the
+// warps in index order), so the same inputs give bitwise the same results.
 #pragma once
 
 #include <cstdint>
@@ -28,36 +29,62 @@ constexpr int kU = 4;
 template <typename T, int kBlocks>
 constexpr int kMinBlocks = sizeof(T) == 8 ? 1 : kBlocks;
 
-// 2^x. Float: the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither
-// a sum of exps nor a probability rounded to the output type notices.
+// 2^x by the ex2 instruction (about 2 ulp); results below 2^-126 flush to 0, which neither a sum
+// of exps nor a probability rounded to the output type notices.
 __device__ __forceinline__ float exp2a(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ double exp2a(double x) { return exp2(x); }
+
+// Base 2 for 16-bit rows: ex2 and the roundings of m * log2(e) and of u (2^-24 relative each,
+// times an exponent of 10 to 20) stay far below a 16-bit output's rounding. f32 and f64 rows take
+// natural units: e^(x * m - shift) with the exponent rounded once (an fma) and expf (within
+// 2 ulp) or exp, where the base-2 form measured 1.3x to 2.7x PyTorch's error against fp64.
+template <typename T>
+constexpr bool kBase2 = sizeof(T) == 2;
+
+// A logits multiplier m in T's units, the kernels' scale: u = x * scale.
+template <typename T>
+double units_scale(double m) {
+  return kBase2<T> ? m * kLog2e : m;
+}
+
+// e^v, v in natural units, to the accuracy of the accumulation type.
+__device__ __forceinline__ float exact_exp(float v) { return expf(v); }
+__device__ __forceinline__ double exact_exp(double v) { return exp(v); }
+
+// The exp of an exponent u in T's units.
+template <typename T, typename A>
+__device__ __forceinline__ A exp_units(A u) {
+  if constexpr (kBase2<T>)
+    return exp2a(u);
+  else
+    return exact_exp(u);
+}
 
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
   return -std::numeric_limits<A>::infinity();
 }
 
-// The shift that keeps 2^(u - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted by
-// 0, so that its -inf values give 0 (not 2^(-inf + inf) = NaN) and its NaNs stay NaN.
+// The shift that keeps exp(u - shift) <= 1. A max of -inf (every value -inf or NaN) is shifted
+// by 0, so that its -inf values give 0 (not exp(-inf + inf) = NaN) and its NaNs stay NaN.
 template <typename A>
 __device__ __forceinline__ A shift(A max) {
   return max == neg_inf<A>() ? A(0) : max;
 }
 
-// The factor that moves a sum of 2^(u - shift(from)) onto shift(to), to >= from. A sum whose max
-// is -inf is 0 or NaN and stays as it is; to = +inf > from gives 0.
-template <typename A>
+// The factor that moves a sum of exp(u - shift(from)) onto shift(to), to >= from. A sum whose max
+// is -inf is 0 or NaN and stays as it is; to = +inf > from gives 0. The compiler evaluates the exp
+// whether or not the max moved: ex2 for 16-bit rows keeps their loops as short as they were.
+template <typename T, typename A>
 __device__ __forceinline__ A rescale(A from, A to) {
-  return from == to || from == neg_inf<A>() ? A(1) : exp2a(from - to);
+  return from == to || from == neg_inf<A>() ? A(1) : exp_units<T>(from - to);
 }
 
-// Of a set of values u (base 2) and their inputs x: max u, sum 2^(u - shift(max)), sum x.
-// A NaN never wins the max (fmax skips it) but makes the sum NaN; so does +inf (2^(inf - inf)).
+// Of a set of values u (T's units) and their inputs x: max u, sum exp(u - shift(max)), sum x.
+// A NaN never wins the max (fmax skips it) but makes the sum NaN; so does +inf (exp(inf - inf)).
 template <typename A>
 struct RowStats {
   A max;
@@ -70,16 +97,22 @@ __device__ __forceinline__ RowStats<A> empty_stats() {
   return {neg_inf<A>(), A(0), A(0)};
 }
 
-template <typename A>
+template <typename T, typename A>
 __device__ __forceinline__ RowStats<A> combine(const RowStats<A>& a, const RowStats<A>& b) {
   const A max = fmax(a.max, b.max);
-  return {max, a.sum * rescale(a.max, max) + b.sum * rescale(b.max, max), a.sum_x + b.sum_x};
+  return {max, a.sum * rescale<T>(a.max, max) + b.sum * rescale<T>(b.max, max), a.sum_x + b.sum_x};
 }
 
-// log sum_j exp(v_j) in natural units (v = u * ln2): -inf when every value is -inf.
-template <typename A>
-__device__ __forceinline__ A natural_lse(const RowStats<A>& s) {
-  return (shift(s.max) + log2(s.sum)) * A(kLn2);
+// log sum_j e^(v_j), v = x * m: -inf when every value is -inf. 16-bit rows: in float, from base 2.
+// f32 and f64 rows: in double, so that the lse that cross_entropy saves carries no rounding of
+// its own (in f32, up to 2^-21 of an lse of 10 to 20, which its backward's p = e^(v - lse) takes
+// whole, relative to every p).
+template <typename T, typename A>
+__device__ __forceinline__ auto natural_lse(const RowStats<A>& s) {
+  if constexpr (kBase2<T>)
+    return (shift(s.max) + log2(s.sum)) * A(kLn2);
+  else
+    return static_cast<double>(shift(s.max)) + log(static_cast<double>(s.sum));
 }
 
 // __shfl_xor_sync / __shfl_sync of any trivially copyable value, 4 bytes at a time.
@@ -134,10 +167,25 @@ __device__ V block_allreduce(V v, V identity, F combine_fn) {
   return shuffle(warp_allreduce(v, combine_fn), 0, false);
 }
 
-template <typename A>
+// The block's statistics of its threads'. 16-bit rows: one pairwise tree of combines. f32 and f64
+// rows: the block's max first, then each thread's sum moved onto it (one rounded exp per thread's
+// sum, whose errors average out over the block) and summed: in the tree, the combines near its
+// root rescale sums of up to half the row, each by an exp of up to 2 ulp, an error that every
+// exp of the row inherits.
+template <typename T, typename A>
 __device__ __forceinline__ RowStats<A> block_stats(const RowStats<A>& s) {
-  return block_allreduce(s, empty_stats<A>(),
-                         [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
+  if constexpr (kBase2<T>) {
+    return block_allreduce(s, empty_stats<A>(), [](const RowStats<A>& a, const RowStats<A>& b) {
+      return combine<T>(a, b);
+    });
+  } else {
+    const A max = block_allreduce(s.max, neg_inf<A>(), [](A a, A b) { return fmax(a, b); });
+    return block_allreduce(RowStats<A>{max, s.sum * rescale<T>(s.max, max), s.sum_x},
+                           RowStats<A>{max, A(0), A(0)},
+                           [](const RowStats<A>& a, const RowStats<A>& b) {
+                             return RowStats<A>{a.max, a.sum + b.sum, a.sum_x + b.sum_x};
+                           });
+  }
 }
 
 // Streams this thread's vectors of a row, j = threadIdx.x + k * blockDim.x < nv, kU at a time:
@@ -164,8 +212,8 @@ __device__ __forceinline__ void stream_row(const V* row, std::int64_t nv, Step&&
   }
 }
 
-// This thread's part of a row of nv vectors of W elements (stream_row), one rescale per step.
-// With kSumX, also sum x.
+// This thread's part of a row of nv vectors of W elements (stream_row), u = x * scale, one
+// rescale per step. With kSumX, also sum x.
 template <typename T, int W, bool kSumX>
 __device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, acc_t<T> scale) {
   using A = acc_t<T>;
@@ -182,7 +230,9 @@ __device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, ac
 #pragma unroll
     for (int k = 0; k < kU; ++k) reconvert_after(v[k]);
     const A max = fmax(st.max, step_max);
-    st.sum *= rescale(st.max, max);
+    // f32 and f64 rows branch around their longer exp, rarely needed once the max has settled
+    // (evaluated every step, it spilled registers in the streamed softmax).
+    if (kBase2<T> || max != st.max) st.sum *= rescale<T>(st.max, max);
     st.max = max;
     const A sh = shift(max);
 #pragma unroll
@@ -191,7 +241,7 @@ __device__ RowStats<acc_t<T>> thread_row_stats(const T* row, std::int64_t nv, ac
 #pragma unroll
         for (int i = 0; i < W; ++i) {
           const A x = v[k][i];
-          st.sum += exp2a(x * scale - sh);
+          st.sum += exp_units<T>(x * scale - sh);
           if constexpr (kSumX) st.sum_x += x;
         }
   });

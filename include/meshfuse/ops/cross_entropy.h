@@ -26,9 +26,10 @@
 // Dtypes: logits and grad_logits share one dtype, f32, f64, bf16 or f16 (16-bit computed in fp32,
 // rounded once); loss and grad_loss have it too or, for bf16 / f16 logits, f32 (an fp32 loss as
 // Megatron-LM returns it, for training loops that log and sum losses in fp32; each output is
-// rounded once from the double per-row losses); labels are i32 or i64; lse is f32 (f64 for f64 logits, so that the f64
-// backward keeps double precision). Inputs may be strided; outputs are contiguous and
-// preallocated by the caller.
+// rounded once from the double per-row losses); labels are i32 or i64; lse is f32 for 16-bit
+// logits and f64 for f32 and f64 ones (the backward's p = exp(v - lse) would take an f32 lse's
+// rounding whole: up to 2^-21 relative for an lse of 10 to 20). Inputs may be strided; outputs
+// are contiguous and preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) that is not ignore_index (the message names
 // the first such row and its value; nothing is computed), label_smoothing outside [0, 1], a
 // wrong rank or a non-contiguous output; ShapeMismatch, DTypeMismatch, DeviceMismatch,

@@ -52,7 +52,7 @@
 // Scratch memory of the cpu backend (fused_linear_cross_entropy_workspace gives it exactly); it
 // does not grow with N beyond small per-row statistics:
 //   - min(chunk_rows, N) x V x 4 bytes (8 for f64): one chunk of logits, then their gradient;
-//   - N x 12 bytes (f64: 16; + 8 for reduction none with gradients): per-row loss, lse, upstream;
+//   - N x 16 bytes (+ 8 for reduction none with gradients): per-row loss, lse, upstream;
 //   - bf16 / f16 only, fp32 staging for the fp32 GEMM: the chunk's x and grad_x rows
 //     (chunk x H x 4 each), a block of weight rows (at most 32 MiB, also the buffer of a block's
 //     grad_weight product for a 16-bit grad_weight) and the bias (V x 4);

@@ -14,7 +14,7 @@ namespace meshfuse::detail::cpu {
 namespace {
 
 template <typename T, typename L>
-void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, acc_t<T>* lse,
+void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, lse_t<T>* lse,
                   double* row_loss, const CrossEntropyOptions& o) {
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
@@ -54,7 +54,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, a
 }
 
 template <typename T, typename L>
-void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, const acc_t<T>* lse,
+void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, const lse_t<T>* lse,
                    CrossEntropyUpstream up, T* grad_logits, const CrossEntropyOptions& o) {
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
@@ -76,7 +76,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
         for (std::int64_t j = 0; j < b.vocab; ++j) dx[j] = store_as<T>(A(0));
         continue;
       }
-      const A l = lse[g];
+      const A l = static_cast<A>(lse[g]);
       const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
       const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
       // Read before the loop: grad_logits may alias logits.
@@ -121,7 +121,7 @@ void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, c
     using T = decltype(tag);
     using L = decltype(ltag);
     forward_rows(b, static_cast<const T*>(logits), static_cast<const L*>(labels),
-                 static_cast<acc_t<T>*>(lse), row_loss, o);
+                 static_cast<lse_t<T>*>(lse), row_loss, o);
   });
 }
 
@@ -132,7 +132,7 @@ void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, 
     using T = decltype(tag);
     using L = decltype(ltag);
     backward_rows(b, static_cast<const T*>(logits), static_cast<const L*>(labels),
-                  static_cast<const acc_t<T>*>(lse), upstream, static_cast<T*>(grad_logits), o);
+                  static_cast<const lse_t<T>*>(lse), upstream, static_cast<T*>(grad_logits), o);
   });
 }
 

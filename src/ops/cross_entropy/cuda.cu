@@ -1,9 +1,11 @@
 // CUDA cross-entropy. The forward streams a row's logits once with one block per row (online
 // log-sum-exp in fp32; the sum of the logits only with label smoothing, as its add per logit costs
-// memory rate; the label's logit loaded at the start), writes lse and the row's loss in double to
-// a scratch buffer, and a single block sums those in a fixed order for mean and sum. The backward
-// reads a row once and writes its gradient, each row split over two independent blocks
-// (kBackwardSplit). Both splits were the fastest measured (docs/kernels/cross_entropy.md).
+// memory rate; the label's logit loaded at the start), writes lse (lse_t: in double for f32 and
+// f64 logits) and the row's loss in double to a scratch buffer, and a single block sums those in
+// a fixed order for mean and sum. The exps' units (base 2 or natural) follow the logits' dtype:
+// cuda_logsumexp.cuh. The backward reads a row once and writes its gradient, each row split over
+// two independent blocks (kBackwardSplit). Both splits were the fastest measured
+// (docs/kernels/cross_entropy.md).
 //
 // Labels: a bad label must raise the op's error (naming the row and the value) with nothing
 // written. A one-block check kernel runs first; it writes its verdict (bad row and value, rows not
@@ -39,17 +41,18 @@ struct Labels {
   }
 };
 
-// The options in the kernels' types; ml = m * log2(e) takes a logit into base 2.
+// The options in the kernels' types; scale = m in the units of the logits' exps (units_scale).
 template <typename A>
 struct Coefficients {
-  A m, ml;
+  A m, scale;
   double eps, z;
   std::int64_t ignore_index;
 };
 
-template <typename A>
-Coefficients<A> coefficients(const CrossEntropyOptions& o) {
-  return {static_cast<A>(o.logits_multiplier), static_cast<A>(o.logits_multiplier * kLog2e),
+template <typename T>
+Coefficients<acc_t<T>> coefficients(const CrossEntropyOptions& o) {
+  using A = acc_t<T>;
+  return {static_cast<A>(o.logits_multiplier), static_cast<A>(units_scale<T>(o.logits_multiplier)),
           o.label_smoothing, o.z_loss_scale, o.ignore_index};
 }
 
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(1024)
 template <typename T, int W, bool kSumX>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
-                        std::int64_t vocab, acc_t<T>* lse, double* row_loss,
+                        std::int64_t vocab, lse_t<T>* lse, double* row_loss,
                         Coefficients<acc_t<T>> c, const LabelStatus* status) {
   using A = acc_t<T>;
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
@@ -130,9 +133,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     A label_logit = 0;
     if (threadIdx.x == 0)
       label_logit = y >= 0 && y < vocab ? load(x[y]) : std::numeric_limits<A>::quiet_NaN();
-    const RowStats<A> st = block_stats(thread_row_stats<T, W, kSumX>(x, vocab / W, c.ml));
+    const RowStats<A> st = block_stats<T>(thread_row_stats<T, W, kSumX>(x, vocab / W, c.scale));
     if (threadIdx.x == 0 && !(status && status->bad)) {
-      const A l = natural_lse(st);
+      const lse_t<T> l = natural_lse<T>(st);
       const double nll = double(l) - double(label_logit * c.m);
       double loss = (1 - c.eps) * nll;
       if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m) / double(vocab));
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     backward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
-                         std::int64_t vocab, const acc_t<T>* lse, double scale,
+                         std::int64_t vocab, const lse_t<T>* lse, double scale,
                          const double* row_grad, T* grad_logits, Coefficients<acc_t<T>> c,
                          const LabelStatus* status, int split) {
   using A = acc_t<T>;
@@ -171,11 +174,17 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       continue;
     }
     // dx_j = cg * (p_j * p_scale - eps / V - [j == y] (1 - eps)), with the factors folded.
-    const A l = lse[g];
+    const lse_t<T> l = lse[g];
+    const A l_acc = static_cast<A>(l);
     const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m;
-    const A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l : A(1));
+    A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l_acc : A(1));
+    // f32 rows shift the exponents by the double lse rounded to f32 and fold e^(l_acc - l), the
+    // rounding's factor, into p_factor: p_j carries no rounding of the lse (equal values, the
+    // infinities among them, need none).
+    if constexpr (!kBase2<T>)
+      if (l_acc != l) p_factor = static_cast<A>(p_factor * exp(static_cast<double>(l_acc) - l));
     const A offset = cg * smooth, label_offset = cg * (smooth + hit);
-    const A shift2 = l * A(kLog2e);
+    const A shift_units = kBase2<T> ? l_acc * A(kLog2e) : l_acc;
     // The label's place in the part's vectors.
     const std::int64_t y_part = y - part.begin * W;
     stream_row(x, nv, [&](const V(&v)[kU], std::int64_t base) {
@@ -189,8 +198,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
           A out[W];
 #pragma unroll
           for (int e = 0; e < W; ++e)
-            out[e] =
-                exp2a(v[k][e] * c.ml - shift2) * p_factor - (e == label_at ? label_offset : offset);
+            out[e] = exp_units<T>(v[k][e] * c.scale - shift_units) * p_factor -
+                     (e == label_at ? label_offset : offset);
           dx[j] = V::from(out);
         }
       }
@@ -320,13 +329,12 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
   DeviceGuard guard(stream.device.index);
   dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
     using T = decltype(tag);
-    using A = acc_t<T>;
     constexpr int W = decltype(width)::value;
     const auto kernel = o.label_smoothing != 0 ? forward_rows_kernel<T, W, true>
                                                : forward_rows_kernel<T, W, false>;
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-        b.rows, b.vocab, static_cast<A*>(lse), row_loss, coefficients<A>(o), status);
+        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o), status);
   });
   check_launch("cross_entropy");
 }
@@ -338,7 +346,6 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
   DeviceGuard guard(stream.device.index);
   dispatch_rows(b, "cross_entropy_backward", {logits, grad_logits}, [&](auto tag, auto width) {
     using T = decltype(tag);
-    using A = acc_t<T>;
     constexpr int W = decltype(width)::value;
     const std::int64_t nv = b.vocab / W;
     const int split =
@@ -348,8 +355,8 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
     backward_rows_kernel<T, W>
         <<<blocks, row_threads((nv + split - 1) / split, kU), 0, native(stream)>>>(
             static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-            b.rows, b.vocab, static_cast<const A*>(lse), upstream.scale, upstream.row_grad,
-            static_cast<T*>(grad_logits), coefficients<A>(o), status, split);
+            b.rows, b.vocab, static_cast<const lse_t<T>*>(lse), upstream.scale, upstream.row_grad,
+            static_cast<T*>(grad_logits), coefficients<T>(o), status, split);
   });
   check_launch("cross_entropy_backward");
 }

@@ -35,13 +35,12 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
   std::vector<double> row_loss(static_cast<std::size_t>(s.rows), 0.0);
   dispatch_float(s.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
-    using A = acc_t<T>;
     dispatch_index(s.label_dtype, "cross_entropy", [&](auto ltag) {
       using L = decltype(ltag);
       for (std::int64_t i = 0; i < s.rows; ++i) {
         const std::int64_t y = label_at<L>(labels, i);
         if (y == o.ignore_index) {
-          static_cast<A*>(lse)[i] = 0;
+          static_cast<lse_t<T>*>(lse)[i] = 0;
           continue;
         }
         const T* x = static_cast<const T*>(logits) + row_offset(i, s.vocab);
@@ -54,7 +53,7 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
         if (eps != 0) li += eps * (l - mean_v);
         if (o.z_loss_scale != 0) li += o.z_loss_scale * l * l;
         row_loss[i] = li;
-        static_cast<A*>(lse)[i] = static_cast<A>(l);
+        static_cast<lse_t<T>*>(lse)[i] = static_cast<lse_t<T>>(l);
       }
     });
   });
@@ -69,7 +68,6 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
   const CrossEntropyUpstream up = read_upstream(s, grad_loss, count, o.reduction, row_grad);
   dispatch_float(s.dtype, "cross_entropy_backward", [&](auto tag) {
     using T = decltype(tag);
-    using A = acc_t<T>;
     dispatch_index(s.label_dtype, "cross_entropy_backward", [&](auto ltag) {
       using L = decltype(ltag);
       for (std::int64_t i = 0; i < s.rows; ++i) {
@@ -81,7 +79,7 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
           continue;
         }
         const double m = o.logits_multiplier, eps = o.label_smoothing;
-        const double l = static_cast<const A*>(lse)[i];
+        const double l = static_cast<const lse_t<T>*>(lse)[i];
         const double g = up.scale * (up.row_grad ? up.row_grad[i] : 1.0) * m;
         const double p_scale = o.z_loss_scale != 0 ? 1 + 2 * o.z_loss_scale * l : 1.0;
         for (std::int64_t j = 0; j < s.vocab; ++j) {

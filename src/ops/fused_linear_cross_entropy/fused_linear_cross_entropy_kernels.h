@@ -51,7 +51,7 @@ struct FusedLinearCrossEntropyPlan {
   std::int64_t chunk_rows;         // rows per chunk: min(chunk_rows, N)
   std::int64_t weight_block_rows;  // weight rows per GEMM block (all V rows for f32 / f64)
   std::int64_t logits;             // A: chunk_rows x V
-  std::int64_t lse;                // A: N
+  std::int64_t lse;                // double (lse_t<A>): N
   std::int64_t row_loss;           // double: N
   std::int64_t row_grad;           // double: N, for reduction none with gradients
   std::int64_t x_chunk;            // float, 16-bit: chunk_rows x H

@@ -77,9 +77,9 @@ __device__ __forceinline__ void cluster_wait(int cluster) {
 #endif
 }
 
-// The largest u = x * scale over this thread's vectors of a part. 16-bit pairs with a finite
-// scale > 0 take their maximum packed (one max.bf16x2 / max.f16x2 per pair, no conversion) and
-// are scaled once: the same value, since rounding x * scale is monotonic in x, and NaNs are
+// The largest u = x * scale (units_scale) over this thread's vectors of a part. 16-bit pairs with a
+// finite scale > 0 take their maximum packed (one max.bf16x2 / max.f16x2 per pair, no conversion)
+// and are scaled once: the same value, since rounding x * scale is monotonic in x, and NaNs are
 // skipped either way.
 template <typename T, typename V>
 __device__ __forceinline__ acc_t<T> thread_max(const V* xs, int count, acc_t<T> scale) {
@@ -114,6 +114,19 @@ __device__ __forceinline__ acc_t<T> thread_max(const V* xs, int count, acc_t<T> 
   return max;
 }
 
+// e / sum, given inv = 1 / sum. f32 and f64 rows: e * inv corrected once by its residual
+// e - q * sum (exact in an fma), which gives the correctly rounded quotient as PyTorch's division
+// does (Markstein), where e * inv alone is off by up to an ulp. 16-bit rows: e * inv, far below
+// their output's rounding.
+template <typename T, typename A>
+__device__ __forceinline__ A divide(A e, A sum, A inv) {
+  const A q = e * inv;
+  if constexpr (kBase2<T>)
+    return q;
+  else
+    return fma(fma(-q, sum, e), inv, q);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
     forward_resident_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t rows,
@@ -135,26 +148,35 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
   for (; row < rows; row += step) {
     fetch_wait();
     // The block's max first, then one exp per value against it: the part is at hand, and only
-    // the cluster's few block sums need rescaling.
-    const A max = block_allreduce(thread_max<T>(xs, part.count, scale), neg_inf<A>(), max_fn);
+    // the cluster's few block sums need rescaling. f32 and f64 rows take the cluster's max first
+    // (one cluster barrier more) and rescale nothing: a rescaled block sum carries its exp's
+    // rounding (up to 2 ulp) into every output of the row.
+    A max = block_allreduce(thread_max<T>(xs, part.count, scale), neg_inf<A>(), max_fn);
+    if constexpr (!kBase2<T>) {
+      max = cluster_allreduce(max, cluster, max_fn);
+      cluster_wait(cluster);
+    }
     const A sh = shift(max);
     A sum = 0;
 #pragma unroll 4
     for (int j = threadIdx.x; j < part.count; j += blockDim.x) {
       const V v = xs[j];
 #pragma unroll
-      for (int i = 0; i < W; ++i) sum += exp2a(v[i] * scale - sh);
+      for (int i = 0; i < W; ++i) sum += exp_units<T>(v[i] * scale - sh);
     }
-    const RowStats<A> st =
-        cluster_allreduce(RowStats<A>{max, block_allreduce(sum, A(0), plus), A(0)}, cluster,
-                          [](const RowStats<A>& a, const RowStats<A>& b) { return combine(a, b); });
-    // A row entirely -inf has max -inf: 2^(-inf + inf) = NaN, as PyTorch.
+    RowStats<A> st{max, block_allreduce(sum, A(0), plus), A(0)};
+    if constexpr (kBase2<T>)
+      st = cluster_allreduce(
+          st, cluster, [](const RowStats<A>& a, const RowStats<A>& b) { return combine<T>(a, b); });
+    else
+      st.sum = cluster_allreduce(st.sum, cluster, plus);
+    // A row entirely -inf has max -inf: exp(-inf + inf) = NaN, as PyTorch.
     V* yr = reinterpret_cast<V*>(y + row * cols) + part.begin;
     // 16-bit outputs divide in the exponent, 2^(u - (max + log2 sum)): one multiply less per
     // value. Rounding max + log2 sum adds up to half an ulp of it to the exponent, as rounding u
     // itself does: a relative error of 2^-24 |max + log2 sum| ln 2, far below a 16-bit half ulp
-    // for logits of the usual sizes (|u| < 2^8: under 2^-16). f32 keeps the multiply by 1 / sum.
-    const bool in_exponent = sizeof(T) == 2;
+    // for logits of the usual sizes (|u| < 2^8: under 2^-16). f32 and f64 divide (divide).
+    const bool in_exponent = kBase2<T>;
     const A offset = in_exponent ? st.max + log2(st.sum) : st.max;
     const A inv = in_exponent ? A(1) : A(1) / st.sum;
     const V* next = row + step < rows ? part_of(row + step) : nullptr;
@@ -164,8 +186,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 3>)
       A out[W];
 #pragma unroll
       for (int i = 0; i < W; ++i) {
-        out[i] = exp2a(v[i] * scale - offset);
-        if (!in_exponent) out[i] *= inv;
+        out[i] = exp_units<T>(v[i] * scale - offset);
+        if (!in_exponent) out[i] = divide<T>(out[i], st.sum, inv);
       }
       yr[j] = V::from(out);
       // The slot is free: its value went into the store just issued.
@@ -266,7 +288,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
   using V = Chunk<T, W>;
   const std::int64_t nv = cols / W, stride = blockDim.x;
   for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const RowStats<A> st = block_stats(thread_row_stats<T, W, false>(x + row * cols, nv, scale));
+    const RowStats<A> st = block_stats<T>(thread_row_stats<T, W, false>(x + row * cols, nv, scale));
     const A inv = A(1) / st.sum;
     V* yr = reinterpret_cast<V*>(y + row * cols);
     stream_row(reinterpret_cast<const V*>(x + row * cols), nv,
@@ -276,7 +298,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
                    if (base + k * stride < nv) {
                      A out[W];
 #pragma unroll
-                     for (int i = 0; i < W; ++i) out[i] = exp2a(v[k][i] * scale - st.max) * inv;
+                     for (int i = 0; i < W; ++i)
+                       out[i] = divide<T>(exp_units<T>(v[k][i] * scale - st.max), st.sum, inv);
                      yr[base + k * stride] = V::from(out);
                    }
                });
@@ -441,7 +464,7 @@ std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
 template <typename T>
 void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const Stream& stream) {
   using A = acc_t<T>;
-  const A scale = static_cast<A>(multiplier * kLog2e);
+  const A scale = static_cast<A>(units_scale<T>(multiplier));
   const int w = vector_width<T>(s.cols, {x, y});
   if (w > 1) {
     const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
