@@ -78,7 +78,7 @@ TEST(Program, PrintsEveryInputOpWithItsOptionsAndOutput) {
             "%6 [4, 16] f32, %7 [4, 16] f32, %8 [4] f32 = fused_residual_add_rmsnorm(%4, %4, "
             "none, eps=1e-06, multiplier=0.5)\n"
             "%9 [4, 16] f32 = softmax(%6, logits_multiplier=2)\n"
-            "%10 [4] f32, %11 [4] f32 = cross_entropy(%9, %2, reduction=none, "
+            "%10 [4] f32, %11 [4] f64 = cross_entropy(%9, %2, reduction=none, "
             "ignore_index=-100, label_smoothing=0.1)\n"
             "output %10\n"
             "output %7\n");

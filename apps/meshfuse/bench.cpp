@@ -55,18 +55,6 @@ DType parse_bench_dtype(const std::string& name) {
   return *dtype;
 }
 
-Device parse_bench_device(const std::string& name) {
-  const Device device = Device::parse(name);
-  std::vector<std::string> available;
-  for (const Device& d : available_devices()) {
-    if (d == device) return device;
-    available.push_back(d.str());
-  }
-  fail(ErrorCode::BackendUnavailable, "--device: device {} is not available{} (available: {})",
-       device.str(), built_with_cuda() ? "" : ": this build has no cuda backend",
-       fmt::join(available, ", "));
-}
-
 std::vector<BenchCase> select_cases(const std::string& ops) {
   std::vector<BenchCase> all = all_cases();
   if (ops.empty()) {
@@ -321,6 +309,18 @@ int run_bench(const BenchOptions& options, std::ostream& out) {
   if (failed > 0)
     fmt::print(stderr, "meshfuse bench: {} of {} checks FAILED\n", failed, records.size());
   return failed > 0 ? 1 : 0;
+}
+
+Device parse_bench_device(const std::string& name) {
+  const Device device = Device::parse(name);
+  std::vector<std::string> available;
+  for (const Device& d : available_devices()) {
+    if (d == device) return device;
+    available.push_back(d.str());
+  }
+  fail(ErrorCode::BackendUnavailable, "--device: device {} is not available{} (available: {})",
+       device.str(), built_with_cuda() ? "" : ": this build has no cuda backend",
+       fmt::join(available, ", "));
 }
 
 }  // namespace meshfuse::cli

@@ -6,6 +6,8 @@
 #include <iosfwd>
 #include <string>
 
+#include "meshfuse/core/device.h"
+
 namespace meshfuse::cli {
 
 // Tokens (rows) per call when --tokens is not given; see README "The CLI" for why.
@@ -14,7 +16,7 @@ inline constexpr std::int64_t kDefaultTokens = 512;
 struct BenchOptions {
   std::string model;  // a shipped model name or the path of a config.json
   std::int64_t tokens = kDefaultTokens;
-  std::int64_t seq_len = 0;  // 0: the recurrent and sequence cases' own default
+  std::int64_t seq_len = 0;    // 0: the recurrent and sequence cases' own default
   std::string dtype = "bf16";  // bf16 | f16 | f32
   std::string device = "cpu";
   std::string backend = "auto";  // auto (the device's) | reference | cpu | cuda
@@ -27,5 +29,9 @@ struct BenchOptions {
 // check passes, 1 when one fails. Throws meshfuse::Error naming the option, what was expected and
 // what came for a bad option, model config, device or backend, before running anything.
 int run_bench(const BenchOptions& options, std::ostream& out);
+
+// --device: "cpu" or "cuda[:N]", a device this build and machine have (BackendUnavailable
+// otherwise, saying what is missing).
+Device parse_bench_device(const std::string& name);
 
 }  // namespace meshfuse::cli

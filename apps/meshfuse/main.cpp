@@ -1,6 +1,6 @@
-// The meshfuse CLI: `info`, `bench`, `launch` and `comm-bench`.
+// The meshfuse CLI: `info`, `bench`, `run`, `launch` and `comm-bench`.
 //
-// Exit codes: 0 success; 1 a bench check failed; 2 bad arguments, a bad model config, or a
+// Exit codes: 0 success; 1 a bench or run check failed; 2 bad arguments, a bad model config, or a
 // device / backend this build or machine does not have (the message says which); 3 an unexpected
 // internal error. `launch` exits with its first failed rank's status instead (launch.h).
 #include <fmt/format.h>
@@ -14,6 +14,7 @@
 #include "info.h"
 #include "launch.h"
 #include "meshfuse/core/error.h"
+#include "run.h"
 
 int main(int argc, char** argv) {
   using meshfuse::cli::BenchOptions;
@@ -50,6 +51,30 @@ int main(int argc, char** argv) {
       ->add_option("--repeats", bench_options.repeats,
                    "timed calls per op and direction (fewer for slow calls)")
       ->capture_default_str();
+
+  meshfuse::cli::RunOptions run_options;
+  CLI::App* run = app.add_subcommand(
+      "run",
+      "run a model's MLP block (tensor + sequence parallel) and head on N ranks, forward and "
+      "backward, through the multi-device executor, and check it against one device");
+  run->add_option("--model", run_options.model,
+                  "a shipped model (configs/models/NAME.json) or a config.json path")
+      ->required();
+  run->add_option("--ranks", run_options.ranks,
+                  "ranks as threads of this process (local backend; default 4); under a launcher "
+                  "its world size");
+  run->add_option("--backend", run_options.backend,
+                  "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else mpi under mpirun, "
+                  "gloo under another launcher, local without one)");
+  run->add_option("--tokens", run_options.tokens, "tokens (default: 256 on the CPU, 4096 on CUDA)");
+  run->add_option("--device", run_options.device, "cpu, or cuda[:N] (nccl, under a launcher)")
+      ->capture_default_str();
+  run->add_option("--dtype", run_options.dtype, "bf16 or f32")->capture_default_str();
+  run->add_option("--repeats", run_options.repeats, "timed runs after one warm-up")
+      ->capture_default_str();
+  run->add_flag("--dump-plan", run_options.dump_plan,
+                "print rank 0's plan: every compute step and communication with its backend");
+  run->add_option("--format", run_options.format, "table or json")->capture_default_str();
 
   meshfuse::cli::LaunchOptions launch_options;
   CLI::App* launch = app.add_subcommand(
@@ -116,6 +141,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     if (*comm_bench) return meshfuse::cli::run_comm_bench(comm_options, std::cout);
+    if (*run) return meshfuse::cli::run_model(run_options, std::cout);
     if (*launch) {
       return meshfuse::cli::run_launch(launch_options);
     }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 
 #include "exec/interpret.h"
@@ -32,11 +33,12 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 class Interpreter {
  public:
   Interpreter(const Plan& plan, const std::vector<std::shared_ptr<Communicator>>& teams,
-              Device device, const Stream& stream)
+              Device device, const Stream& stream, std::vector<StepProfile>* profile)
       : plan_(plan),
         teams_(teams),
         device_(device),
         stream_(stream),
+        profile_(profile),
         views_(plan.values.size()),
         owned_(plan.values.size()),
         last_use_(plan.values.size(), -1) {
@@ -61,8 +63,19 @@ class Interpreter {
   std::vector<Tensor> run(const std::vector<TensorView>& inputs) {
     for (std::size_t i = 0; i < inputs.size(); ++i)
       views_[static_cast<std::size_t>(plan_.inputs[i])] = inputs[i];
+    if (profile_) profile_->clear();
     for (std::size_t s = 0; s < plan_.steps.size(); ++s) {
+      if (profile_) synchronize(stream_);
+      const auto start = std::chrono::steady_clock::now();
       std::visit([&](const auto& step) { run_step(step); }, plan_.steps[s]);
+      if (profile_) {
+        synchronize(stream_);
+        const auto* c = std::get_if<Communication>(&plan_.steps[s]);
+        profile_->push_back(
+            {static_cast<std::int64_t>(s), c != nullptr, c ? bytes(*c) : 0,
+             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                 .count()});
+      }
       release_after(static_cast<std::int64_t>(s));
     }
     std::vector<Tensor> outputs;
@@ -171,10 +184,19 @@ class Interpreter {
     }
   }
 
+  std::int64_t bytes(const Communication& c) const {
+    const auto of = [&](std::int64_t id) {
+      const PlanValue& v = plan_.values[static_cast<std::size_t>(id)];
+      return shape_numel(v.shape) * static_cast<std::int64_t>(element_size(v.dtype));
+    };
+    return std::max(of(c.input), of(c.output));
+  }
+
   const Plan& plan_;
   const std::vector<std::shared_ptr<Communicator>>& teams_;
   Device device_;
   Stream stream_;
+  std::vector<StepProfile>* profile_;  // null: not profiling
   std::vector<TensorView> views_;
   std::vector<Tensor> owned_;
   std::vector<std::int64_t> last_use_;  // the last step that reads each value
@@ -278,7 +300,8 @@ std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inpu
   }
   static const std::vector<std::shared_ptr<Communicator>> kNone;
   const auto& teams = has_communication(plan) ? this->teams(plan.backend, device.type) : kNone;
-  return Interpreter(plan, teams, device, stream).run(inputs);
+  return Interpreter(plan, teams, device, stream, params_.profile ? &profile_ : nullptr)
+      .run(inputs);
 }
 
 Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,

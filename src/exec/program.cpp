@@ -20,8 +20,8 @@ Shape rows_of(Shape shape) {
   return shape;
 }
 
-// cross_entropy's lse: f32, f64 for f64 logits.
-DType lse_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+// cross_entropy's lse: f32 for 16-bit logits, f64 for f32 and f64 ones (cross_entropy.h).
+DType lse_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : DType::F64; }
 
 // OpCheck's upper bound on an operand's rank when any rank will do.
 constexpr std::int64_t kAnyRank = std::int64_t{1} << 30;

@@ -36,8 +36,19 @@ namespace meshfuse {
 
 struct MultiDeviceExecutorParams {
   LoweringParams lowering;
+  // Time every step of each run (last_profile()): the stream is synchronised after each step, so
+  // nothing overlaps and each step's wall time is its own. For measuring, not for production.
+  bool profile = false;
   friend bool operator==(const MultiDeviceExecutorParams&,
                          const MultiDeviceExecutorParams&) = default;
+};
+
+// One step of a profiled run.
+struct StepProfile {
+  std::int64_t step = 0;   // index in Plan::steps
+  bool communication = false;
+  std::int64_t bytes = 0;  // communications: the larger of this rank's input and output bytes
+  double ms = 0;           // wall time, the stream synchronised before and after
 };
 
 class MultiDeviceExecutor {
@@ -58,6 +69,8 @@ class MultiDeviceExecutor {
   // The plan run() uses for inputs on a device of `type` (lowered now if not yet).
   const Plan& plan(DeviceType type = DeviceType::CPU);
   std::size_t cached_plans() const { return plans_.size(); }
+  // The steps of the last run with params().profile set, in order (empty before one).
+  const std::vector<StepProfile>& last_profile() const { return profile_; }
 
   const Program& program() const { return program_; }
   const MultiDeviceExecutorParams& params() const { return params_; }
@@ -75,6 +88,7 @@ class MultiDeviceExecutor {
   DeviceMesh mesh_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, Plan> plans_;
   std::map<CommunicatorBackend, std::vector<std::shared_ptr<Communicator>>> teams_;
+  std::vector<StepProfile> profile_;
 };
 
 // `rank`'s part of a whole tensor placed on `mesh` as `placements` say (a contiguous copy on the

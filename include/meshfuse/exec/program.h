@@ -26,8 +26,8 @@
 // when loss_dtype says so. Every floating operand of an op shares one dtype (f32, f64, bf16, f16).
 // Three ops also define the statistic their backward reads, as a last result the builder does not
 // return: rmsnorm and fused_residual_add_rmsnorm rstd (f32, x's leading dims), cross_entropy lse
-// (f32, f64 for f64 logits; (N,)). fused_linear_cross_entropy's operands end with its upstream
-// gradient, undefined unless grad() asks the op for its gradients (then also results).
+// ((N,); f32 for 16-bit logits, else f64). fused_linear_cross_entropy's operands end with its
+// upstream gradient, undefined unless grad() asks the op for its gradients (then also results).
 //
 // Multi-device: set_mesh() puts the program on a DeviceMesh, set_placements() says how an input
 // lies on it (default: Replicate on every mesh dimension), and add_output() how an output is

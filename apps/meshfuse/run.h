@@ -1,0 +1,48 @@
+// `meshfuse run`: one transformer MLP block and the language-model head of a model, written once
+// against global shapes, run forward and backward by the MultiDeviceExecutor on N ranks, and
+// checked against the same program on one device.
+//
+// The program (llama's layout; Megatron-LM's tensor and sequence parallelism on a 1-D mesh):
+//   x [T, H] Shard(0)      h = rmsnorm(x, norm_weight)           gathered over tokens
+//   gate, up [I, H] Shard(0)  a = swiglu(h gate^T, h up^T)         column-parallel
+//   down [H, I] Shard(1)   y = x + a down^T                      row-parallel, reduce-scattered
+//   head_weight [V, H] Shard(0), labels [T] Shard(0)
+//                          logits = rmsnorm(y, head_norm_weight) head_weight^T   vocabulary split
+//                          loss = cross_entropy(logits, labels), reduction sum, f32,
+//                          on token rows (an all_to_all moves the logits there and back)
+// then grad() for the gradients of the loss with respect to every weight and x. The loss runs on
+// token rows: the vocabulary-parallel loss (statistics all-reduced, the logits never moved) and
+// the fused linear cross-entropy on a vocabulary-sharded weight are not there yet.
+//
+// Without a launcher the ranks are threads of this process on the local backend (--ranks, default
+// 4); under `meshfuse launch`, torchrun or mpirun one process per rank on the launcher's backend.
+// Rank 0 also runs the program on one device, compares every output and gradient gathered from
+// the ranks (normwise: max |sharded - single| / max |single|, against 1e-4 for f32 and 2e-2 for
+// bf16, whose Partial terms are rounded to bf16 before they are summed), and prints per-rank
+// time, time in communication, the bytes of each collective and the scaling efficiency
+// (one-device time / (N x per-rank time)).
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+namespace meshfuse::cli {
+
+struct RunOptions {
+  std::string model;        // a shipped model or a config.json path
+  int ranks = 0;            // threads without a launcher (0: 4); launched: 0 or the world size
+  std::string backend;      // local, gloo, mpi, nccl; empty: MESHFUSE_BACKEND or the launcher's
+  std::int64_t tokens = 0;  // 0: 256 on the CPU, 4096 on CUDA
+  std::string device = "cpu";
+  std::string dtype = "bf16";    // bf16 or f32
+  int repeats = 3;               // timed runs after one warm-up
+  bool dump_plan = false;        // print rank 0's plan
+  std::string format = "table";  // table or json
+};
+
+// Returns 0 when every output and gradient matches, 1 otherwise. Throws meshfuse::Error for bad
+// options and failures.
+int run_model(const RunOptions& options, std::ostream& out);
+
+}  // namespace meshfuse::cli
