@@ -6,6 +6,10 @@ for caller-allocated outputs, and write the outputs in place; they mirror the C+
 (see include/meshfuse/ops/*.h for shapes, dtypes, math and errors). ``meshfuse.torch`` wraps them
 as PyTorch functions that allocate their outputs and take the current CUDA stream.
 
+``Program``, ``DeviceMesh``, ``Shard`` / ``Replicate`` / ``Partial``, ``MultiDeviceExecutor`` and
+``grad`` build a program on global shapes and run it sharded over a mesh of ranks, taking and
+returning DLPack arrays (docs/DISTRIBUTED.md, "From Python").
+
 Errors raise ``meshfuse.Error`` (a RuntimeError) whose message names the op, the argument, what
 was expected and what came.
 """

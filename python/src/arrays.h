@@ -1,4 +1,5 @@
-// DLPack arrays as meshfuse TensorViews (internal to the _meshfuse extension).
+// DLPack arrays as meshfuse TensorViews, and meshfuse Tensors handed back as arrays (internal to
+// the _meshfuse extension).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -7,6 +8,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/stream.h"
@@ -69,6 +72,90 @@ Device device_of(const nb::ndarray<Ts...>& a) {
 // its device).
 inline Stream stream_on(Device device, std::uintptr_t handle) {
   return {device, reinterpret_cast<void*>(handle)};
+}
+
+// The DLPack dtype of a meshfuse DType (the inverse of to_dtype).
+inline nb::dlpack::dtype to_dlpack_dtype(DType dtype) {
+  using Code = nb::dlpack::dtype_code;
+  const auto of = [](Code code, int bits) {
+    return nb::dlpack::dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+  };
+  switch (dtype) {
+    case DType::F32:
+      return of(Code::Float, 32);
+    case DType::F64:
+      return of(Code::Float, 64);
+    case DType::F16:
+      return of(Code::Float, 16);
+    case DType::BF16:
+      return of(Code::Bfloat, 16);
+    case DType::I32:
+      return of(Code::Int, 32);
+    case DType::I64:
+      return of(Code::Int, 64);
+    case DType::U8:
+      return of(Code::UInt, 8);
+    case DType::U32:
+      return of(Code::UInt, 32);
+    case DType::Bool:
+      return of(Code::Bool, 8);
+  }
+  throw Error(ErrorCode::Internal, "meshfuse: a DType without a DLPack code");
+}
+
+// What a Tensor made by meshfuse is handed back as: the framework of the caller's arrays, so that
+// torch tensors in give torch tensors out; anything else (JAX, a buffer) gets nanobind's ndarray,
+// which exports DLPack (__dlpack__, __dlpack_device__) for any framework's from_dlpack.
+enum class ArrayKind { DLPack, NumPy, Torch, CuPy };
+
+// The kind of `array` by the package its type comes from (torch.nn.Parameter is torch's too).
+inline ArrayKind kind_of(nb::handle array) {
+  if (!array.is_valid() || array.is_none()) return ArrayKind::DLPack;
+  const nb::object module = nb::getattr(array.type(), "__module__", nb::none());
+  if (!nb::isinstance<nb::str>(module)) return ArrayKind::DLPack;
+  const std::string name = nb::cast<std::string>(module);
+  const std::string top = name.substr(0, name.find('.'));
+  if (top == "torch") return ArrayKind::Torch;
+  if (top == "numpy") return ArrayKind::NumPy;
+  if (top == "cupy") return ArrayKind::CuPy;
+  return ArrayKind::DLPack;
+}
+
+// `tensor` as an array of `kind` that owns it (no copy; the storage is freed with the last Python
+// reference, CUDA memory stream-ordered on the stream it was allocated on), on its device.
+inline nb::object to_array(Tensor tensor, ArrayKind kind) {
+  // NumPy has no bf16 and no CUDA arrays: those go back as DLPack-exporting ndarrays.
+  if (kind == ArrayKind::NumPy &&
+      (tensor.dtype() == DType::BF16 || tensor.device().type != DeviceType::CPU))
+    kind = ArrayKind::DLPack;
+  std::vector<std::size_t> shape(tensor.shape().begin(), tensor.shape().end());
+  void* data = tensor.view().data();
+  const nb::dlpack::dtype dtype = to_dlpack_dtype(tensor.dtype());
+  const Device device = tensor.device();
+  const int device_type =
+      device.type == DeviceType::CUDA ? nb::device::cuda::value : nb::device::cpu::value;
+  // The capsule owns a copy of the Tensor (a shared reference to its storage).
+  nb::capsule owner(new Tensor(std::move(tensor)),
+                    [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  const auto make = [&](auto framework) {
+    using Array = nb::ndarray<decltype(framework)>;
+    return nb::object(
+        Array(data, shape.size(), shape.data(), owner, nullptr, dtype, device_type, device.index)
+            .cast());
+  };
+  switch (kind) {
+    case ArrayKind::NumPy:
+      return make(nb::numpy{});
+    case ArrayKind::Torch:
+      return make(nb::pytorch{});
+    case ArrayKind::CuPy:
+      return make(nb::cupy{});
+    case ArrayKind::DLPack:
+      break;
+  }
+  // array_api, not no_framework: that one hands back a bare DLPack capsule, this nanobind's
+  // ndarray object with __dlpack__ and __dlpack_device__.
+  return make(nb::array_api{});
 }
 
 }  // namespace meshfuse::python

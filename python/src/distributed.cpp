@@ -11,6 +11,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "arrays.h"
 #include "meshfuse/distributed/communicator.h"
@@ -267,26 +272,40 @@ void bind_communicator(nb::module_& m) {
   m.def(
       "run_local",
       [](int size, nb::callable fn, double timeout, bool check) {
-        const CommOptions o = options("", timeout, check);
-        nb::gil_scoped_release release;
-        run_local(
-            size,
-            [&](Communicator& c) {
+        // The C++ run_local's threads, with each rank's fn given the shared_ptr of its
+        // communicator (not a reference): what fn makes of it, a MultiDeviceExecutor, may keep
+        // it, and the Python object then owns it past run_local.
+        LocalWorld world(size, options("", timeout, check));
+        std::vector<std::shared_ptr<Communicator>> comms;
+        for (int r = 0; r < size; ++r) comms.push_back(world.communicator(r));
+        std::vector<std::exception_ptr> errors(comms.size());
+        {
+          nb::gil_scoped_release release;
+          std::vector<std::thread> threads;
+          for (int r = 0; r < size; ++r)
+            threads.emplace_back([&, r] {
+              const auto ri = static_cast<std::size_t>(r);
               nb::gil_scoped_acquire acquire;
               try {
-                fn(nb::cast(&c, nb::rv_policy::reference));
+                fn(comms[ri]);
               } catch (nb::python_error& e) {
-                // The rank's Python exception as an Error (its message kept), rethrown by
-                // run_local for the lowest rank that raised.
-                throw Error(ErrorCode::Internal,
-                            std::string("rank ") + std::to_string(c.rank()) + ": " + e.what());
+                // The rank's Python exception as an Error (its message kept), rethrown below for
+                // the lowest rank that raised; converted here, while this thread holds the GIL.
+                errors[ri] = std::make_exception_ptr(
+                    Error(ErrorCode::Internal, "rank " + std::to_string(r) + ": " + e.what()));
+              } catch (...) {
+                errors[ri] = std::current_exception();
               }
-            },
-            o);
+            });
+          for (std::thread& t : threads) t.join();
+        }
+        for (const std::exception_ptr& e : errors)
+          if (e) std::rethrow_exception(e);
       },
       "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
       "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld and joins them; "
-      "re-raises the error of the lowest rank that raised.");
+      "re-raises the error of the lowest rank that raised. The communicators stay valid after "
+      "fn returns (e.g. kept by a MultiDeviceExecutor).");
 }
 
 }  // namespace

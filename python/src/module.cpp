@@ -16,6 +16,7 @@
 #include "arrays.h"
 #include "meshfuse/core/memory.h"
 #include "meshfuse/meshfuse.h"
+#include "options.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -27,24 +28,6 @@ using In = nb::ndarray<nb::ro>;
 using Out = nb::ndarray<>;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
-
-SwigluLayout parse_layout(const std::string& name) {
-  if (name == "halves") return SwigluLayout::Halves;
-  if (name == "interleaved") return SwigluLayout::Interleaved;
-  throw Error(ErrorCode::InvalidArgument,
-              "swiglu_packed: layout must be 'halves' or 'interleaved', got '" + name + "'");
-}
-
-CrossEntropyOptions ce_options(std::int64_t ignore_index, const std::string& reduction,
-                               double label_smoothing, double logits_multiplier,
-                               double z_loss_scale) {
-  const std::optional<Reduction> r = parse_reduction(reduction);
-  if (!r)
-    throw Error(ErrorCode::InvalidArgument,
-                "cross_entropy: reduction must be 'none', 'mean' or 'sum', got '" + reduction +
-                    "'");
-  return {ignore_index, *r, label_smoothing, logits_multiplier, z_loss_scale};
-}
 
 // Holds a ForceKernelBackend between __enter__ and __exit__ (same thread, as `with` guarantees).
 class ForceKernelBackendScope {
@@ -256,6 +239,7 @@ void bind_ops(nb::module_& m) {
 
 namespace meshfuse::python {
 void bind_distributed(nb::module_& m);  // distributed.cpp
+void bind_exec(nb::module_& m);  // exec.cpp
 void bind_recurrent(nb::module_& m);  // recurrent.cpp
 void bind_sequence(nb::module_& m);  // sequence.cpp
 }  // namespace meshfuse::python
@@ -266,6 +250,7 @@ NB_MODULE(_meshfuse, m) {
   meshfuse::python::bind_ops(m);
   meshfuse::python::bind_gemm(m);
   meshfuse::python::bind_distributed(m);
+  meshfuse::python::bind_exec(m);
   meshfuse::python::bind_recurrent(m);
   meshfuse::python::bind_sequence(m);
 }

@@ -1,0 +1,33 @@
+// The op options that Python passes as strings (internal to the _meshfuse extension): shared by the
+// ops' bindings (module.cpp) and the Program builder's (exec.cpp), so both spell them alike.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "meshfuse/core/error.h"
+#include "meshfuse/ops/cross_entropy.h"
+#include "meshfuse/ops/swiglu.h"
+
+namespace meshfuse::python {
+
+inline SwigluLayout parse_layout(const std::string& name) {
+  if (name == "halves") return SwigluLayout::Halves;
+  if (name == "interleaved") return SwigluLayout::Interleaved;
+  throw Error(ErrorCode::InvalidArgument,
+              "swiglu_packed: layout must be 'halves' or 'interleaved', got '" + name + "'");
+}
+
+inline CrossEntropyOptions ce_options(std::int64_t ignore_index, const std::string& reduction,
+                                      double label_smoothing, double logits_multiplier,
+                                      double z_loss_scale) {
+  const std::optional<Reduction> r = parse_reduction(reduction);
+  if (!r)
+    throw Error(
+        ErrorCode::InvalidArgument,
+        "cross_entropy: reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
+  return {ignore_index, *r, label_smoothing, logits_multiplier, z_loss_scale};
+}
+
+}  // namespace meshfuse::python

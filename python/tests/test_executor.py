@@ -1,0 +1,295 @@
+"""The multi-device executor from Python: Program, DeviceMesh, placements, MultiDeviceExecutor and
+grad on 4 ranks as threads (the local backend) and on 4 gloo processes, against NumPy and against
+the same program run whole on one rank."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import meshfuse
+from meshfuse import DeviceMesh, Partial, Replicate, Shard
+
+# A rank that fails stops the others at their next collective within this many seconds.
+TIMEOUT = 30
+
+
+def randn(*shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def on_ranks(n, fn):
+    """fn(comm) on n local ranks; returns {rank: what fn returned}."""
+    results = {}
+
+    def rank_fn(comm):
+        results[comm.rank] = fn(comm)
+
+    meshfuse.run_local(n, rank_fn, timeout=TIMEOUT)
+    return results
+
+
+def all_gather_matmul(m, k, n, ranks):
+    """nvFuser's all-gather + matmul: x split by rows over the ranks, w whole, the product wanted
+    whole on every rank."""
+    with meshfuse.Program() as p:
+        x = p.define_tensor("x", [m, k], "f32")
+        w = p.define_tensor("w", [k, n], np.float32)
+        p.set_mesh(DeviceMesh.of_shape([ranks]))
+        p.set_placements(x, [Shard(0)])
+        p.set_placements(w, [Replicate()])
+        p.add_output(p.matmul(x, w), [Replicate()])
+    return p
+
+
+def test_all_gather_matmul_on_four_local_ranks_matches_numpy():
+    m = k = n = 1024
+    p = all_gather_matmul(m, k, n, 4)
+    x, w = randn(m, k, seed=1), randn(k, n, seed=2)
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        part = meshfuse.shard_tensor(x, p.mesh, [Shard(0)], comm.rank)
+        (out,) = executor.run([part, w])
+        return out, str(executor.plan())
+
+    results = on_ranks(4, rank_fn)
+    expected = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(expected).max()
+    for rank, (out, plan) in results.items():
+        assert "all_gather" in plan and "on local" in plan, plan
+        assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (m, n)
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * scale)
+        # Replicate: every rank holds the same whole product.
+        np.testing.assert_array_equal(out, results[0][0])
+
+
+def mlp_block(mesh=None):
+    """A llama-style MLP block, tensor- and sequence-parallel on a 1-D mesh (Megatron-LM's layout),
+    as tests/executor_cases.h builds it but smaller; 6 tokens and 10 intermediate features are
+    uneven over 4 ranks."""
+    tokens, hidden, inter = 6, 8, 10
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [tokens, hidden], "f32")
+    norm = p.define_tensor("norm_weight", [hidden], "f32")
+    gate = p.define_tensor("gate_weight", [inter, hidden], "f32")
+    up = p.define_tensor("up_weight", [inter, hidden], "f32")
+    down = p.define_tensor("down_weight", [hidden, inter], "f32")
+    h = p.rmsnorm(x, norm, 1e-5)
+    a = p.swiglu(p.linear(h, gate), p.linear(h, up))
+    y = p.add(x, p.linear(a, down))
+    if mesh is None:
+        p.add_output(y)
+    else:
+        p.set_mesh(mesh)
+        p.set_placements(x, Shard(0))
+        p.set_placements(gate, Shard(0))
+        p.set_placements(up, Shard(0))
+        p.set_placements(down, Shard(1))
+        p.add_output(y, Shard(0))
+    return meshfuse.grad(p, y, p.inputs)
+
+
+def test_mlp_block_forward_and_backward_on_four_ranks_match_one_device():
+    single, sharded = mlp_block(), mlp_block(DeviceMesh.of_shape([4]))
+    assert [v.name for v in sharded.inputs][-1] == "grad_loss"
+    inputs = {v.name: randn(*v.shape, seed=10 + i) for i, v in enumerate(single.inputs)}
+    one_rank = meshfuse.LocalWorld(1).communicator(0)
+    expected = meshfuse.MultiDeviceExecutor(single, one_rank).run(inputs)
+    assert len(expected) == 6  # y, then the gradients of the five inputs
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(sharded, comm)
+        parts = {v.name: meshfuse.shard_tensor(inputs[v.name], sharded.mesh,
+                                               sharded.placements(v) or [Replicate()], comm.rank)
+                 for v in sharded.inputs}
+        plan = executor.plan()
+        outputs = executor.run(parts)
+        gathered = [meshfuse.gather_tensor(out, v.shape, sharded.mesh, placements, comm)
+                    for out, v, placements in zip(outputs, sharded.outputs,
+                                                  plan.output_placements)]
+        return gathered, str(plan)
+
+    for rank, (gathered, plan) in on_ranks(4, rank_fn).items():
+        # x's gradient goes back to token shards, the norm weight's is summed over them.
+        assert "reduce_scatter" in plan and "all_reduce(sum)" in plan, plan
+        for i, (ours, theirs) in enumerate(zip(gathered, expected)):
+            np.testing.assert_allclose(ours, theirs, rtol=5e-5, atol=5e-5,
+                                       err_msg=f"output {i} on rank {rank}")
+
+
+def test_the_params_backend_names_the_plans_communications_and_each_plan_is_cached():
+    world = meshfuse.LocalWorld(4)
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [10, 4], "f32")
+    p.set_mesh(DeviceMesh.of_shape([4]))
+    p.set_placements(x, Shard(0))
+    p.add_output(x, Replicate())
+    # Lowering needs no peers: one rank's executor plans alone.
+    executor = meshfuse.MultiDeviceExecutor(p, world.communicator(2))
+    assert executor.params == meshfuse.MultiDeviceExecutorParams()
+    assert executor.params.communicator_backend is None
+    plan = executor.plan()
+    assert plan.backend == meshfuse.CommunicatorBackend.local and plan.rank == 2
+    assert plan.communications == [
+        "all_gather(dim 0) on local, mesh dim 0, team [0 1 2 3], sizes [3 3 2 2]"]
+    assert plan.input_shapes == [(2, 4)] and plan.output_shapes == [(10, 4)]
+    assert executor.cached_plans == 1
+
+    params = executor.params  # a copy: changed, then assigned back
+    params.communicator_backend = "gloo"
+    assert params.communicator_backend == meshfuse.CommunicatorBackend.gloo
+    executor.params = params
+    assert "all_gather(dim 0) on gloo" in str(executor.plan())
+    assert executor.cached_plans == 2
+    executor.params = meshfuse.MultiDeviceExecutorParams(meshfuse.CommunicatorBackend.mpi)
+    assert executor.plan().communications[0].startswith("all_gather(dim 0) on mpi")
+    assert executor.cached_plans == 3
+    executor.params = meshfuse.MultiDeviceExecutorParams()
+    assert "on local" in str(executor.plan()) and executor.cached_plans == 3
+    with pytest.raises(meshfuse.Error, match="gloo"):
+        meshfuse.MultiDeviceExecutorParams("tcp")
+
+
+def test_errors_name_the_mesh_the_rank_and_the_input():
+    def rank_fn(comm):
+        small = meshfuse.Program()
+        small.add_output(small.define_tensor("t", [6, 4], "f32"))
+        small.set_mesh(DeviceMesh([0]))
+        with pytest.raises(meshfuse.Error, match="laid over"):
+            meshfuse.MultiDeviceExecutor(small, comm)
+        with pytest.raises(meshfuse.Error, match="rank 5"):
+            meshfuse.shard_tensor(np.zeros((6, 4), np.float32), DeviceMesh.of_shape([4]),
+                                  Shard(0), 5)
+
+        p = meshfuse.Program()
+        x = p.define_tensor("x", [10, 4], "f32")
+        p.set_mesh(DeviceMesh.of_shape([comm.size]))
+        p.set_placements(x, Shard(0))
+        p.add_output(x, Replicate())
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        (part,) = executor.plan().input_shapes
+        # Every rank refuses its input before any collective, so none waits for the others.
+        with pytest.raises(meshfuse.Error, match=rf"input %0 'x'.*must be \[{part[0]}, 4\]"):
+            executor.run([np.zeros((part[0] + 1, 4), np.float32)])
+        with pytest.raises(meshfuse.Error, match="'x'.*must be f32"):
+            executor.run({"x": np.zeros(part, np.float64)})
+        with pytest.raises(meshfuse.Error, match="no array for input %0 'x'"):
+            executor.run({"y": np.zeros(part, np.float32)})
+        with pytest.raises(meshfuse.Error, match="a list of arrays"):
+            executor.run(np.zeros(part, np.float32))
+        return True
+
+    assert on_ranks(4, rank_fn) == {r: True for r in range(4)}
+
+
+def test_builder_errors_values_and_placements():
+    p, q = meshfuse.Program(), meshfuse.Program()
+    x = p.define_tensor("x", (4, 8), "bf16")
+    y = q.define_tensor("y", (4, 8), "bfloat16")
+    assert repr(x) == "<Value %0 'x' [4, 8] bf16>" and x.shape == (4, 8) and x.dtype == "bf16"
+    assert x == p.inputs[0] and x != y  # the same id, another program
+    with pytest.raises(meshfuse.Error, match="'b'.*is a Value of another Program"):
+        p.add(x, y)
+    with pytest.raises(meshfuse.Error, match=r"Program.add: 'b'.*must be \[4, 8\]"):
+        p.add(x, p.define_tensor("z", [8, 4], "bf16"))
+    with pytest.raises(meshfuse.Error, match="dtype must be one of"):
+        p.define_tensor("w", [8], "float8")
+    y2, r = p.fused_residual_add_rmsnorm(x, x, None, 1e-6)
+    assert y2.id == 2 and r.id == 3  # y, r, then the rstd the builder does not return
+    p.add_output(p.softmax(y2, logits_multiplier=0.5))
+    assert "softmax" in str(p) and p.mesh is None
+
+    mesh = DeviceMesh([3, 1, 0, 2], shape=[2, 2])
+    assert mesh.shape == (2, 2) and mesh.ranks == [3, 1, 0, 2] and 3 in mesh and 4 not in mesh
+    assert mesh.team(1, 0) == [0, 2] and mesh == DeviceMesh([3, 1, 0, 2], [2, 2])
+    assert repr(mesh) == "DeviceMesh([2, 2], ranks [3, 1, 0, 2])"
+    assert [repr(pl) for pl in (Shard(-1), Replicate(), Partial(), Partial("max"))] == [
+        "Shard(-1)", "Replicate()", "Partial(sum)", "Partial(max)"]
+    assert Shard(0) == Shard(0) and Shard(0) != Shard(1) and Shard(0) != Replicate()
+    assert Partial().op == "sum" and len({Shard(0), Shard(0), Replicate()}) == 2
+    with pytest.raises(meshfuse.Error, match="placements must be Shard, Replicate or Partial"):
+        p.set_placements(x, [0])
+
+
+def test_torch_in_gives_torch_out_and_other_arrays_export_dlpack():
+    torch = pytest.importorskip("torch")
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [5, 8], torch.float32)
+    w = p.define_tensor("w", [3, 8], torch.float32)
+    b = p.define_tensor("b", [3], torch.float32)
+    p.add_output(p.linear(x, w, b))
+    executor = meshfuse.MultiDeviceExecutor(p, meshfuse.LocalWorld(1).communicator(0))
+    g = torch.Generator().manual_seed(3)
+    xs, ws, bs = (torch.randn(*v.shape, generator=g) for v in p.inputs)
+    (out,) = executor.run([xs, ws, bs])
+    assert isinstance(out, torch.Tensor) and out.device.type == "cpu"
+    torch.testing.assert_close(out, torch.nn.functional.linear(xs, ws, bs))
+    # Anything else (here a buffer) comes back as a DLPack-exporting ndarray, which NumPy and
+    # torch take without a copy; the array keeps the executor's tensor alive.
+    (raw,) = executor.run([memoryview(xs.numpy()), ws.numpy(), bs.numpy()])
+    as_numpy, as_torch = np.from_dlpack(raw), torch.from_dlpack(raw)
+    del raw
+    np.testing.assert_array_equal(as_numpy, out.numpy())
+    assert as_torch.data_ptr() == as_numpy.ctypes.data
+
+
+@pytest.mark.skipif(not meshfuse.built_with_cuda() or meshfuse.cuda_device_count() == 0,
+                    reason="needs a CUDA build and a GPU")
+def test_cuda_inputs_give_outputs_on_their_device():
+    torch = pytest.importorskip("torch")
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [64, 32], torch.bfloat16)
+    w = p.define_tensor("w", [32], torch.bfloat16)
+    p.add_output(p.rmsnorm(x, w, 1e-6))
+    executor = meshfuse.MultiDeviceExecutor(p, meshfuse.LocalWorld(1).communicator(0))
+    xs = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    ws = torch.randn(32, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream()
+    (out,) = executor.run({"x": xs, "w": ws}, stream=stream.cuda_stream)
+    assert out.device == xs.device and out.dtype == torch.bfloat16
+    expected = torch.nn.functional.rms_norm(xs.float(), (32,), ws.float(), 1e-6)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+GLOO_RANK = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import meshfuse
+    sys.path.insert(0, {tests!r})
+    from test_executor import all_gather_matmul, randn
+    comm = meshfuse.init_communicator(backend="cpu:gloo", timeout=60)
+    m = k = n = 1024
+    p = all_gather_matmul(m, k, n, comm.size)
+    x, w = randn(m, k, seed=1), randn(k, n, seed=2)
+    executor = meshfuse.MultiDeviceExecutor(p, comm)
+    (out,) = executor.run([meshfuse.shard_tensor(x, p.mesh, meshfuse.Shard(0), comm.rank), w])
+    expected = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    print(comm.rank, executor.plan().communications, flush=True)
+""")
+
+
+def test_all_gather_matmul_on_four_gloo_processes():
+    if "gloo" not in meshfuse.communicator_backends():
+        pytest.skip("this build has no gloo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = GLOO_RANK.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(4):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=180) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, err
+        assert out.strip() == f"{rank} ['all_gather(dim 0) on gloo, mesh dim 0, team [0 1 2 3], " \
+                              "sizes [256 256 256 256]']"
