@@ -1,8 +1,11 @@
 // cross_entropy on every backend the build has (reference and cpu on the CPU; reference and cuda
 // on CUDA tensors), against the reference backend on the CPU. CUDA cases skip without a GPU.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "meshfuse/meshfuse.h"
@@ -363,12 +366,156 @@ TEST_P(CrossEntropyBackends, LabelOutOfRangeNamesTheRowAndValueBeforeAnyWork) {
                        ErrorCode::InvalidArgument, {"cross_entropy_backward", "labels[2] = -1"});
     for (double g : values(to_cpu(grad, stream))) ASSERT_EQ(g, 7.0);
   }
+  // A shard's labels range over the whole vocabulary: columns 4..7 of 12 classes take label 11
+  // (in another shard) and reject 12.
+  const CrossEntropyOptions shard{.vocab_start = 4, .vocab_size = 12};
+  const Tensor beyond = on(from({5}, DType::I64, {0, 11, -100, 12, 13}), device, stream);
+  const Tensor shard_loss = filled({}, dtype, 7), shard_lse = filled({5}, lse_dtype, 7);
+  test::expect_error([&] { cross_entropy(logits, beyond, shard_loss, shard_lse, shard, stream); },
+                     ErrorCode::InvalidArgument,
+                     {"cross_entropy", "labels[3] = 12", "[0, 12)", "-100"});
+  EXPECT_EQ(values(to_cpu(shard_loss, stream))[0], 7.0);
+  const Tensor shard_grad = filled({5, 4}, dtype, 7);
+  test::expect_error(
+      [&] { cross_entropy_backward(dl, logits, beyond, lse, shard_grad, shard, stream); },
+      ErrorCode::InvalidArgument, {"cross_entropy_backward", "labels[3] = 12", "[0, 12)"});
+  for (double g : values(to_cpu(shard_grad, stream))) ASSERT_EQ(g, 7.0);
   // A label past 2^31 is reported with its full value.
   const Tensor huge = on(from({2}, DType::I64, {1, 5'000'000'000.0}), device, stream);
   const Tensor loss = filled({}, dtype, 7), lse_out = filled({2}, lse_dtype, 7);
   test::expect_error(
       [&] { cross_entropy(logits.view().narrow(0, 0, 2), huge, loss, lse_out, {}, stream); },
       ErrorCode::InvalidArgument, {"labels[1] = 5000000000"});
+}
+
+// Labels spread over the vocabulary (the last row's is V - 1), so that every shard of a split
+// holds some, with rows 1, 4, 7, ... ignored.
+Tensor spread_labels(std::int64_t rows, std::int64_t vocab, DType dtype) {
+  Tensor labels({rows}, DType::I64), typed({rows}, dtype);
+  std::int64_t* y = labels.data_ptr<std::int64_t>();
+  for (std::int64_t i = 0; i < rows; ++i)
+    y[i] = i % 3 == 1 ? -100 : i == rows - 1 ? vocab - 1 : i * vocab / rows;
+  copy(labels, typed);
+  return typed;
+}
+
+// lse and loss of cross_entropy.h for the columns [start, start + width) of x (rows x vocab, row
+// major) as a shard of the whole vocabulary, in double; 0 for ignored rows.
+std::pair<Tensor, Tensor> shard_lse_and_loss(const std::vector<double>& x,
+                                             const std::vector<double>& y, std::int64_t vocab,
+                                             std::int64_t start, std::int64_t width,
+                                             const CrossEntropyOptions& o) {
+  const auto rows = static_cast<std::int64_t>(y.size());
+  const double m = o.logits_multiplier, eps = o.label_smoothing, z = o.z_loss_scale;
+  Tensor lse = Tensor::zeros({rows}, DType::F64), loss = Tensor::zeros({rows}, DType::F64);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    if (y[i] == o.ignore_index) continue;
+    const double* v = x.data() + i * vocab + start;
+    double max = -kInf, sum = 0, sum_v = 0;
+    for (std::int64_t j = 0; j < width; ++j) max = std::max(max, m * v[j]);
+    for (std::int64_t j = 0; j < width; ++j) {
+      sum += std::exp(m * v[j] - max);
+      sum_v += m * v[j];
+    }
+    const double l = max + std::log(sum);
+    const auto col = static_cast<std::int64_t>(y[i]) - start;
+    const double v_label = col >= 0 && col < width ? m * v[col] : 0.0;
+    lse.data_ptr<double>()[i] = l;
+    loss.data_ptr<double>()[i] =
+        (1 - eps) * (l - v_label) + eps * (l - sum_v / static_cast<double>(vocab)) + z * l * l;
+  }
+  return {lse, loss};
+}
+
+// Megatron-LM's vocabulary-parallel cross-entropy from shards: a (N, V) problem split into uneven
+// column shards; each shard's lse and loss are cross_entropy.h's; combined as the header says they
+// give the whole problem's lse and per-row loss; and each shard's backward given the whole lse is
+// its columns of the whole backward.
+TEST_P(CrossEntropyBackends, VocabularyShardsCombineIntoTheWholeVocabulary) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  // An f32 loss for 16-bit logits: the shards' losses combine without a 16-bit rounding each.
+  const DType loss_dtype = is_sixteen_bit(dtype) ? DType::F32 : dtype;
+  // lse and loss come from f32 sums but for f64 logits.
+  const double tol = testing::default_tolerance(dtype == DType::F64 ? DType::F64 : DType::F32);
+  struct Split {
+    std::int64_t vocab, rows;
+    std::vector<std::vector<std::int64_t>> bounds;  // shard k: [bounds[k], bounds[k + 1])
+  };
+  // Shards of 16-byte vectors and of scalar loads; labels at a shard's first column.
+  for (const auto& [vocab, rows, splits] :
+       std::vector<Split>{{29, 7, {{0, 12, 29}, {0, 5, 17, 29}}},
+                          {1000, 70, {{0, 600, 1000}, {0, 250, 511, 1000}}}}) {
+    const Tensor logits = randn({rows, vocab}, dtype, 31, 2.0);
+    const Tensor labels = spread_labels(rows, vocab, vocab == 29 ? DType::I64 : DType::I32);
+    const std::vector<double> x = values(logits), y = values(labels);
+    for (const CrossEntropyOptions& whole_o : option_sets(Reduction::None)) {
+      const double z = whole_o.z_loss_scale;
+      const Forward whole = forward(target, logits, labels, whole_o, stream, loss_dtype);
+      // The whole vocabulary named as a shard is the default, bit for bit.
+      CrossEntropyOptions named = whole_o;
+      named.vocab_size = vocab;
+      const Forward same = forward(target, logits, labels, named, stream, loss_dtype);
+      EXPECT_TRUE(testing::bitwise_equal(same.loss, whole.loss)) << vocab;
+      EXPECT_TRUE(testing::bitwise_equal(same.lse, whole.lse)) << vocab;
+      for (const std::vector<std::int64_t>& bounds : splits) {
+        std::string what = fmt::format("V={} eps={} shards", vocab, whole_o.label_smoothing);
+        for (std::int64_t b : bounds) what += fmt::format(" {}", b);
+        std::vector<std::vector<double>> shard_lse;
+        std::vector<double> linear(static_cast<std::size_t>(rows), 0.0);  // sum of lse+z*lse^2-loss
+        for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
+          const std::int64_t start = bounds[k], width = bounds[k + 1] - start;
+          CrossEntropyOptions o = whole_o;
+          o.vocab_start = start;
+          o.vocab_size = vocab;
+          const Forward f =
+              forward(target, logits.view().narrow(1, start, width), labels, o, stream, loss_dtype);
+          const auto [lse, loss] = shard_lse_and_loss(x, y, vocab, start, width, o);
+          test::expect_close(f.lse, lse, tol, fmt::format("{} shard {} lse", what, k));
+          test::expect_close(f.loss, loss, tol, fmt::format("{} shard {} loss", what, k));
+          const std::vector<double> l = values(f.lse), li = values(f.loss);
+          for (std::int64_t i = 0; i < rows; ++i) linear[i] += l[i] + z * l[i] * l[i] - li[i];
+          shard_lse.push_back(l);
+        }
+        // Combined in double: lse = logsumexp over the shards, loss = lse + z lse^2 - linear.
+        Tensor lse = Tensor::zeros({rows}, DType::F64), loss = Tensor::zeros({rows}, DType::F64);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          if (y[i] == whole_o.ignore_index) continue;
+          double max = -kInf, sum = 0;
+          for (const std::vector<double>& l : shard_lse) max = std::max(max, l[i]);
+          for (const std::vector<double>& l : shard_lse) sum += std::exp(l[i] - max);
+          const double global = max + std::log(sum);
+          lse.data_ptr<double>()[i] = global;
+          loss.data_ptr<double>()[i] = global + z * global * global - linear[i];
+        }
+        test::expect_close(lse, whole.lse, tol, what + " combined lse");
+        test::expect_close(loss, whole.loss, tol, what + " combined loss");
+        // Each shard's backward with the whole lse: its columns of the whole backward.
+        for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+          CrossEntropyOptions o = whole_o;
+          o.reduction = r;
+          const Tensor dl = upstream(rows, dtype, r);
+          const Tensor whole_grad = backward(target, dl, logits, labels, whole.lse, o, stream);
+          for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
+            const std::int64_t start = bounds[k], width = bounds[k + 1] - start;
+            o.vocab_start = start;
+            o.vocab_size = vocab;
+            const Tensor grad = backward(target, dl, logits.view().narrow(1, start, width), labels,
+                                         whole.lse, o, stream);
+            const TensorView expected = whole_grad.view().narrow(1, start, width);
+            const std::string part = fmt::format("{} {} shard {} grad", what, to_string(r), k);
+            if (target.backend == KernelBackend::Reference)
+              EXPECT_TRUE(testing::bitwise_equal(grad, expected)) << part;
+            else
+              test::expect_close(grad, expected,
+                                 dtype == DType::F32 ? 1e-6 : testing::default_tolerance(dtype),
+                                 part);
+          }
+        }
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(, CrossEntropyBackends,
@@ -649,6 +796,24 @@ TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
       },
       ErrorCode::DTypeMismatch,
       {"cross_entropy_backward", "'grad_loss'", "'logits' (bf16) or f32", "f16"});
+  // A shard must lie in its vocabulary (vocab_size 0: the logits' 8 columns from 0).
+  for (const auto& [start, size] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+           {1, 8}, {5, 12}, {-1, 8}, {2, 0}, {0, 7}, {0, -8}}) {
+    const CrossEntropyOptions o{.vocab_start = start, .vocab_size = size};
+    const std::vector<std::string> needles = {fmt::format("vocab_start = {}", start),
+                                              fmt::format("vocab_size = {}", size), "8 columns"};
+    std::vector<std::string> forward_needles = needles, backward_needles = needles;
+    forward_needles.push_back("cross_entropy:");
+    backward_needles.push_back("cross_entropy_backward:");
+    test::expect_error([&] { cross_entropy(logits, labels, loss, lse, o); },
+                       ErrorCode::InvalidArgument, forward_needles);
+    test::expect_error(
+        [&] {
+          cross_entropy_backward(Tensor({}, DType::F32), logits, labels, lse,
+                                 Tensor({4, 8}, DType::F32), o);
+        },
+        ErrorCode::InvalidArgument, backward_needles);
+  }
   EXPECT_EQ(parse_reduction("sum"), Reduction::Sum);
   EXPECT_EQ(parse_reduction("avg"), std::nullopt);
 }

@@ -923,6 +923,9 @@ TEST(FusedLinearCrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
   expect_error(call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, dw, db,
                     {.label_smoothing = 1.5}),
                ErrorCode::InvalidArgument, {op, "label_smoothing", "1.5"});
+  expect_error(call(p.x, p.weight, p.bias, p.labels, p.grad_loss, loss, dx, dw, db,
+                    {.vocab_start = 10, .vocab_size = 20}),
+               ErrorCode::InvalidArgument, {op, "vocabulary shard", "got 10 and 20"});
   expect_error(call(p.x, p.weight, p.bias, p.labels, {}, loss, dx, {}, {}),
                ErrorCode::InvalidArgument, {op, "'grad_loss'", "required"});
   expect_error(call(p.x, p.weight, {}, p.labels, p.grad_loss, loss, dx, dw, db),

@@ -162,10 +162,12 @@ def _loss_shape(n, reduction):
 
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                          loss_dtype=None):
+                          loss_dtype=None, vocab_start=0, vocab_size=0):
     """Returns (loss, lse); loss is () for mean/sum and (N,) for none, in ``loss_dtype`` (the
     logits' dtype by default, or float32 for 16-bit logits); lse is f32 for 16-bit logits, f64
-    for f32 and f64 ones."""
+    for f32 and f64 ones. ``vocab_size`` != 0: the logits are the columns
+    ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a shard;
+    meshfuse/ops/cross_entropy.h says how shards combine)."""
     n = logits.shape[0]
     loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
@@ -175,18 +177,22 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     _C.cross_entropy(_d(logits), _d(labels), loss, lse, ignore_index=ignore_index,
                      reduction=reduction, label_smoothing=label_smoothing,
                      logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
-                     stream=_stream(logits))
+                     vocab_start=vocab_start, vocab_size=vocab_size, stream=_stream(logits))
     return loss, lse
 
 
 def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, reduction="mean",
-                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0):
-    """grad_loss: the loss's shape, in the logits' dtype or float32 for 16-bit logits."""
+                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
+                           vocab_start=0, vocab_size=0):
+    """grad_loss: the loss's shape, in the logits' dtype or float32 for 16-bit logits. For a
+    shard (``vocab_start``, ``vocab_size`` as in :func:`cross_entropy_forward`), lse is the whole
+    vocabulary's."""
     grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _C.cross_entropy_backward(_d(grad_loss).contiguous(), _d(logits), _d(labels), lse,
                               grad_logits, ignore_index=ignore_index, reduction=reduction,
                               label_smoothing=label_smoothing,
                               logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
+                              vocab_start=vocab_start, vocab_size=vocab_size,
                               stream=_stream(logits))
     return grad_logits
 

@@ -212,26 +212,31 @@ void bind_ops(nb::module_& m) {
   m.def("cross_entropy", [](In logits, In labels, Out loss, Out lse, std::int64_t ignore_index,
                             const std::string& reduction, double label_smoothing,
                             double logits_multiplier, double z_loss_scale,
+                            std::int64_t vocab_start, std::int64_t vocab_size,
                             std::uintptr_t stream) {
     cross_entropy(view(logits), view(labels), view(loss), view(lse),
                   ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
-                             z_loss_scale),
+                             z_loss_scale, vocab_start, vocab_size),
                   stream_on(device_of(logits), stream));
   }, "logits"_a, "labels"_a, "loss"_a, "lse"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
      "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
-     "stream"_a = 0, release);
+     "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+     "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
+     "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h).");
   m.def("cross_entropy_backward", [](In grad_loss, In logits, In labels, In lse, Out grad_logits,
                                      std::int64_t ignore_index, const std::string& reduction,
                                      double label_smoothing, double logits_multiplier,
-                                     double z_loss_scale, std::uintptr_t stream) {
+                                     double z_loss_scale, std::int64_t vocab_start,
+                                     std::int64_t vocab_size, std::uintptr_t stream) {
     cross_entropy_backward(view(grad_loss), view(logits), view(labels), view(lse),
                            view(grad_logits),
                            ce_options(ignore_index, reduction, label_smoothing,
-                                      logits_multiplier, z_loss_scale),
+                                      logits_multiplier, z_loss_scale, vocab_start, vocab_size),
                            stream_on(device_of(grad_loss), stream));
   }, "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
      "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-     "z_loss_scale"_a = 0.0, "stream"_a = 0, release);
+     "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+     "For a shard (vocab_start, vocab_size as in cross_entropy), lse is the whole vocabulary's.");
 }
 
 }  // namespace

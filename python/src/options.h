@@ -21,13 +21,20 @@ inline SwigluLayout parse_layout(const std::string& name) {
 
 inline CrossEntropyOptions ce_options(std::int64_t ignore_index, const std::string& reduction,
                                       double label_smoothing, double logits_multiplier,
-                                      double z_loss_scale) {
+                                      double z_loss_scale, std::int64_t vocab_start = 0,
+                                      std::int64_t vocab_size = 0) {
   const std::optional<Reduction> r = parse_reduction(reduction);
   if (!r)
     throw Error(
         ErrorCode::InvalidArgument,
         "cross_entropy: reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
-  return {ignore_index, *r, label_smoothing, logits_multiplier, z_loss_scale};
+  return {.ignore_index = ignore_index,
+          .reduction = *r,
+          .label_smoothing = label_smoothing,
+          .logits_multiplier = logits_multiplier,
+          .z_loss_scale = z_loss_scale,
+          .vocab_start = vocab_start,
+          .vocab_size = vocab_size};
 }
 
 }  // namespace meshfuse::python

@@ -95,6 +95,31 @@ def test_cross_entropy_mean_skips_ignored_rows():
     np.testing.assert_allclose(loss, expected, rtol=1e-12)
 
 
+def test_cross_entropy_on_vocabulary_shards_combines_into_the_whole_vocabulary():
+    logits = randn(5, 11, dtype=np.float64, seed=8)
+    labels = np.array([3, -100, 10, 0, 7], dtype=np.int64)
+    loss, lse = np.empty(5), np.empty(5)
+    meshfuse.cross_entropy(logits, labels, loss, lse, reduction="none")
+    grad = np.empty_like(logits)
+    meshfuse.cross_entropy_backward(np.ones(5), logits, labels, lse, grad, reduction="none")
+    shard_lse, linear = [], np.zeros(5)
+    for start, stop in [(0, 4), (4, 11)]:
+        part = np.ascontiguousarray(logits[:, start:stop])
+        part_loss, part_lse = np.empty(5), np.empty(5)
+        meshfuse.cross_entropy(part, labels, part_loss, part_lse, reduction="none",
+                               vocab_start=start, vocab_size=11)
+        shard_lse.append(part_lse)
+        linear += part_lse - part_loss
+        part_grad = np.empty_like(part)
+        meshfuse.cross_entropy_backward(np.ones(5), part, labels, lse, part_grad,
+                                        reduction="none", vocab_start=start, vocab_size=11)
+        np.testing.assert_allclose(part_grad, grad[:, start:stop], rtol=1e-12, atol=1e-15)
+    kept = labels != -100
+    combined = np.logaddexp(*shard_lse)
+    np.testing.assert_allclose(combined[kept], lse[kept], rtol=1e-12)
+    np.testing.assert_allclose((combined - linear)[kept], loss[kept], rtol=1e-12)
+
+
 def test_bad_input_raises_meshfuse_error_naming_op_and_argument():
     gate, up = randn(2, 8), randn(2, 9)
     with pytest.raises(meshfuse.Error, match=r"swiglu.*'up'.*\[2, 8\].*\[2, 9\]"):

@@ -68,6 +68,21 @@ def test_cross_entropy_matches_torch_with_ignore_index_and_smoothing(reduction):
     _check(ours, theirs, (logits,))
 
 
+def test_cross_entropy_on_a_vocabulary_shard_gives_its_columns_of_the_whole_gradient():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(16))
+    labels = torch.tensor([1, -100, 39, 25, 7, 30])
+    options = dict(reduction="sum", label_smoothing=0.1, z_loss_scale=1e-3)
+    _, lse = mt.cross_entropy_forward(logits, labels, **options)
+    whole = mt.cross_entropy_backward(torch.ones(()), logits, labels, lse, **options)
+    part = mt.cross_entropy_backward(torch.ones(()), logits[:, 24:].contiguous(), labels, lse,
+                                     vocab_start=24, vocab_size=40, **options)
+    torch.testing.assert_close(part, whole[:, 24:], rtol=1e-6, atol=1e-7)
+    _, part_lse = mt.cross_entropy_forward(logits[:, 24:], labels, vocab_start=24, vocab_size=40,
+                                           **options)
+    kept = labels != -100
+    torch.testing.assert_close(part_lse.float()[kept], torch.logsumexp(logits[:, 24:], -1)[kept])
+
+
 def test_cross_entropy_fp32_loss_of_bf16_logits_is_the_double_loss_rounded_once():
     logits = _leaf(16, 1000, seed=14, dtype=torch.bfloat16)
     labels = torch.randint(0, 1000, (16,), generator=torch.Generator().manual_seed(15))

@@ -19,6 +19,27 @@
 //   dlogits[i, j] = g_i * m * (p_j * (1 + 2 z lse_i) - eps / V - (1 - eps) * [j == y_i])
 // and 0 for ignored rows; with every row ignored, mean gives an all-zero gradient (not NaN).
 //
+// Vocabulary shards (the building block of Megatron-LM's vocabulary-parallel cross-entropy):
+// with options.vocab_size != 0 the logits hold the columns [vocab_start, vocab_start + V) of a
+// vocabulary of vocab_size classes (0 <= vocab_start, vocab_start + V <= vocab_size). Labels are
+// then classes of the whole vocabulary, in [0, vocab_size) or ignore_index; label y is *here* when
+// vocab_start <= y < vocab_start + V, at column y - vocab_start. Above, V stays the shard's width
+// in lse_i and the sums over j, while:
+//   - v_{y_i} is 0 when y_i is not here (the term -(1 - eps) * v_{y_i} belongs to one shard);
+//   - mean_j v_j becomes (sum_j v_j) / vocab_size (this shard's part of the whole mean);
+//   - the backward's eps / V becomes eps / vocab_size, and rows whose label is not here get no
+//     (1 - eps) * [j == y_i] term.
+// The per-shard lse_i and loss_i combine, per row, into the whole vocabulary's:
+//   lse_i  = log sum_s exp(lse_{s,i})                     (logsumexp over the shards)
+//   loss_i = lse_i + z * lse_i^2 - sum_s (lse_{s,i} + z * lse_{s,i}^2 - loss_{s,i})
+// (each shard's lse + z lse^2 - loss is its (1 - eps) v_{y_i} + eps sum_j v_j / vocab_size, which
+// add up over the shards), i.e. loss_i = lse_i - sum_s (lse_{s,i} - loss_{s,i}) when z = 0; run the
+// shards with reduction none to combine. The backward of a shard takes the whole vocabulary's
+// lse_i (not the shard's): its gradient is then the shard's columns of the whole problem's. Its
+// mean divides by the rows of this call not ignored, as above; for a mean over rows that the
+// caller splits otherwise, pass reduction sum and grad_loss scaled by 1 / (global count).
+// fused_linear_cross_entropy takes no shard (InvalidArgument).
+//
 // Non-finite logits: a row entirely -inf, or with a NaN or +inf, has a NaN loss (as PyTorch);
 // a -inf logit among finite ones has p = 0 (with label smoothing the loss is +inf, as PyTorch).
 // Ignored rows never read their logits.
@@ -30,9 +51,10 @@
 // logits and f64 for f32 and f64 ones (the backward's p = exp(v - lse) would take an f32 lse's
 // rounding whole: up to 2^-21 relative for an lse of 10 to 20). Inputs may be strided; outputs
 // are contiguous and preallocated by the caller.
-// Errors: InvalidArgument for a label outside [0, V) that is not ignore_index (the message names
-// the first such row and its value; nothing is computed), label_smoothing outside [0, 1], a
-// wrong rank or a non-contiguous output; ShapeMismatch, DTypeMismatch, DeviceMismatch,
+// Errors: InvalidArgument for a label outside [0, V) (for a shard [0, vocab_size)) that is not
+// ignore_index (the message names the first such row and its value; nothing is computed),
+// label_smoothing outside [0, 1], a shard outside its vocabulary, a wrong rank or a
+// non-contiguous output; ShapeMismatch, DTypeMismatch, DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
@@ -59,6 +81,10 @@ struct CrossEntropyOptions {
   double label_smoothing = 0.0;    // eps in [0, 1]
   double logits_multiplier = 1.0;  // m: the loss is computed on m * logits
   double z_loss_scale = 0.0;       // z: adds z * lse^2 per row not ignored
+  // A vocabulary shard (see above): the logits hold columns [vocab_start, vocab_start + V) of a
+  // vocabulary of vocab_size classes; vocab_size 0: V, the logits are the whole vocabulary.
+  std::int64_t vocab_start = 0;
+  std::int64_t vocab_size = 0;
 };
 
 // logits: (N, V); labels: (N,) i32/i64.

@@ -19,6 +19,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
   const double eps = o.label_smoothing, z = o.z_loss_scale;
+  const auto classes = static_cast<double>(vocab_classes(o, b.vocab));
 #pragma omp parallel
   {
     const auto row = [&](std::int64_t i) { return logits + row_offset(i, b.vocab); };
@@ -43,9 +44,12 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
       const auto [sum, next_st] = eps != 0 ? sum_exp(std::true_type{}) : sum_exp(std::false_type{});
       st = next_st;
       const A l = shift + std::log(sum);
-      const double nll = double(l) - double(A(to_float(row(i)[y])) * m);
+      // The label's logit, 0 when it is in another shard.
+      const std::int64_t col = y - o.vocab_start;
+      const A v_label = col >= 0 && col < b.vocab ? A(to_float(row(i)[col])) * m : A(0);
+      const double nll = double(l) - double(v_label);
       double loss = (1 - eps) * nll;
-      if (eps != 0) loss += eps * (double(l) - double(cur.sum_v) / double(b.vocab));
+      if (eps != 0) loss += eps * (double(l) - double(cur.sum_v) / classes);
       if (z != 0) loss += z * double(l) * double(l);
       lse[g] = l;
       row_loss[g] = loss;
@@ -59,7 +63,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
   const A eps = static_cast<A>(o.label_smoothing), z = static_cast<A>(o.z_loss_scale);
-  const A smooth = eps / static_cast<A>(b.vocab);
+  const A smooth = eps / static_cast<A>(vocab_classes(o, b.vocab));
   // The gradient is as large as the logits: streamed past the last-level cache.
   const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)}, grad_logits,
                                         b.rows * b.vocab * std::int64_t{sizeof(T)});
@@ -79,8 +83,11 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
       const A l = static_cast<A>(lse[g]);
       const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
       const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
+      // The label's column; outside [0, vocab) it is in another shard: no one-hot term here.
+      const std::int64_t col = y - o.vocab_start;
+      const bool here = col >= 0 && col < b.vocab;
       // Read before the loop: grad_logits may alias logits.
-      const A p_label = vexp(A(to_float(x[y])) * m - l);
+      const A p_label = here ? vexp(A(to_float(x[col])) * m - l) : A(0);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       if constexpr (std::is_same_v<A, float>) {  // bound by the exp: vexp16 (cpu_math.h)
         stream_out_blocks(dx, b.vocab, stream, [&](std::int64_t j0, std::int64_t len, A* buf) {
@@ -99,7 +106,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
         stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
           return c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth);
         });
-      dx[y] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
+      if (here) dx[col] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
     }
     stream_fence();
   }
@@ -138,7 +145,7 @@ void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, 
 
 void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const void* labels,
                            void* loss, void* lse, const CrossEntropyOptions& o, const Stream&) {
-  const std::int64_t count = check_labels("cross_entropy", s, labels, o.ignore_index);
+  const std::int64_t count = check_labels("cross_entropy", s, labels, o);
   std::vector<double> row_loss(static_cast<std::size_t>(s.rows));
   cross_entropy_forward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse,
                              row_loss.data(), o);
@@ -148,7 +155,7 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
 void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, const void* logits,
                             const void* labels, const void* lse, void* grad_logits,
                             const CrossEntropyOptions& o, const Stream&) {
-  const std::int64_t count = check_labels("cross_entropy_backward", s, labels, o.ignore_index);
+  const std::int64_t count = check_labels("cross_entropy_backward", s, labels, o);
   std::vector<double> row_grad;
   const CrossEntropyUpstream up = read_upstream(s, grad_loss, count, o.reduction, row_grad);
   cross_entropy_backward_rows({s.dtype, s.label_dtype, 0, s.rows, s.vocab}, logits, labels, lse, up,

@@ -31,26 +31,27 @@ std::optional<Reduction> parse_reduction(std::string_view name) {
 namespace detail {
 
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          std::int64_t ignore_index) {
+                          const CrossEntropyOptions& options) {
+  const std::int64_t classes = vocab_classes(options, s.vocab);
   return dispatch_index(s.label_dtype, op, [&](auto tag) {
     using L = decltype(tag);
     const L* y = static_cast<const L*>(labels);
     std::int64_t count = 0;
     for (std::int64_t i = 0; i < s.rows; ++i) {
       const std::int64_t label = y[i];
-      if (label == ignore_index) continue;
-      if (label < 0 || label >= s.vocab) fail_label(op, s, i, label, ignore_index);
+      if (label == options.ignore_index) continue;
+      if (label < 0 || label >= classes) fail_label(op, classes, i, label, options.ignore_index);
       ++count;
     }
     return count;
   });
 }
 
-void fail_label(std::string_view op, const CrossEntropyShape& s, std::int64_t row,
-                std::int64_t label, std::int64_t ignore_index) {
+void fail_label(std::string_view op, std::int64_t classes, std::int64_t row, std::int64_t label,
+                std::int64_t ignore_index) {
   fail(ErrorCode::InvalidArgument,
        "{}: labels[{}] = {} is outside [0, {}) and is not ignore_index ({})", op, row, label,
-       s.vocab, ignore_index);
+       classes, ignore_index);
 }
 
 void store_loss(const CrossEntropyShape& s, const std::vector<double>& row_loss, std::int64_t count,
@@ -105,6 +106,7 @@ detail::CrossEntropyShape check_inputs(std::string_view op, const TensorView& lo
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {logits.size(0)});
   detail::check_cross_entropy_options(op, options);
+  detail::check_vocab_shard(op, options, logits.size(1));
   return {logits.dtype(), logits.dtype(), labels.dtype(), logits.size(0), logits.size(1)};
 }
 
@@ -174,6 +176,18 @@ void check_cross_entropy_options(std::string_view op, const CrossEntropyOptions&
                  "{}: logits_multiplier must be finite, got {}", op, options.logits_multiplier);
   MESHFUSE_CHECK(std::isfinite(options.z_loss_scale), ErrorCode::InvalidArgument,
                  "{}: z_loss_scale must be finite, got {}", op, options.z_loss_scale);
+}
+
+void check_vocab_shard(std::string_view op, const CrossEntropyOptions& options,
+                       std::int64_t vocab) {
+  const std::int64_t start = options.vocab_start, classes = vocab_classes(options, vocab);
+  // start <= classes - vocab: start + vocab cannot overflow.
+  MESHFUSE_CHECK(start >= 0 && classes >= vocab && start <= classes - vocab,
+                 ErrorCode::InvalidArgument,
+                 "{}: vocab_start = {} and vocab_size = {} do not hold the logits' {} columns: "
+                 "need 0 <= vocab_start and vocab_start + {} <= vocab_size (vocab_size 0: the "
+                 "logits are the whole vocabulary, from vocab_start 0)",
+                 op, start, options.vocab_size, vocab, vocab);
 }
 
 }  // namespace detail

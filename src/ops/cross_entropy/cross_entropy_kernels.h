@@ -19,7 +19,7 @@ struct CrossEntropyShape {
   DType loss_dtype;   // loss (forward), grad_loss (backward): dtype, or F32 for 16-bit logits
   DType label_dtype;  // I32 or I64
   std::int64_t rows;
-  std::int64_t vocab;
+  std::int64_t vocab;  // the logits' columns: a shard's width when the options name one
 };
 
 // lse: F32 for 16-bit logits, F64 for f32 and f64 ones. The cuda backward takes p = e^(v - lse)
@@ -30,6 +30,12 @@ inline DType lse_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F3
 // lse's element type for logits of element type T (either backend's 16-bit types are 2 bytes).
 template <typename T>
 using lse_t = std::conditional_t<sizeof(T) == 2, float, double>;
+
+// The classes of the whole vocabulary, which labels range over and label smoothing divides by:
+// options.vocab_size for a shard, else the logits' vocab.
+inline std::int64_t vocab_classes(const CrossEntropyOptions& o, std::int64_t vocab) {
+  return o.vocab_size != 0 ? o.vocab_size : vocab;
+}
 
 // The whole op, as registered in the KernelTables. loss: () or (rows,) per options.reduction.
 using CrossEntropyForwardFn = void(const CrossEntropyShape&, const void* logits, const void* labels,
@@ -42,12 +48,13 @@ using CrossEntropyBackwardFn = void(const CrossEntropyShape&, const void* grad_l
 // Host-side helpers of the CPU-memory backends (reference, cpu), in cross_entropy.cpp.
 //
 // Scans the labels in row order (one thread: the first bad row is the one reported) and throws
-// InvalidArgument naming `op`, the row and the value of the first label outside [0, vocab) that
-// is not ignore_index. Returns the number of rows not ignored. Call it before any other work.
+// InvalidArgument naming `op`, the row and the value of the first label outside
+// [0, vocab_classes) that is not options.ignore_index. Returns the number of rows not ignored.
+// Call it before any other work.
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          std::int64_t ignore_index);
+                          const CrossEntropyOptions& options);
 // Throws the InvalidArgument of check_labels for labels[row] = label (every backend's message).
-[[noreturn]] void fail_label(std::string_view op, const CrossEntropyShape& s, std::int64_t row,
+[[noreturn]] void fail_label(std::string_view op, std::int64_t classes, std::int64_t row,
                              std::int64_t label, std::int64_t ignore_index);
 // Writes the loss output from per-row losses (0 at ignored rows): row_loss itself for none,
 // its sum in row order for sum, that sum / count for mean (NaN when count is 0).
@@ -76,7 +83,7 @@ struct CrossEntropyRows {
   DType label_dtype;
   std::int64_t row_begin;
   std::int64_t rows;
-  std::int64_t vocab;
+  std::int64_t vocab;  // the logits' columns: a shard's width when the options name one
 };
 
 namespace reference {
@@ -114,7 +121,7 @@ CrossEntropyBackwardFn cross_entropy_backward;
 // host round trip of the op is here: one 16-byte copy of (first bad row, count) and a wait on
 // the stream, so that the error is raised by the op call itself.
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          std::int64_t ignore_index, const Stream& stream);
+                          const CrossEntropyOptions& options, const Stream& stream);
 // store_loss: row_loss (rows doubles) converted for none; for mean and sum one block sums it in
 // a fixed order, in double.
 void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,

@@ -41,22 +41,29 @@ struct Labels {
   }
 };
 
-// The options in the kernels' types; scale = m in the units of the logits' exps (units_scale).
+// The options in the kernels' types; scale = m in the units of the logits' exps (units_scale). A
+// label y is at column y - vocab_start of the logits (outside [0, vocab): in another shard);
+// classes is vocab_classes, label smoothing's divisor.
 template <typename A>
 struct Coefficients {
   A m, scale;
   double eps, z;
-  std::int64_t ignore_index;
+  std::int64_t ignore_index, vocab_start, classes;
 };
 
 template <typename T>
-Coefficients<acc_t<T>> coefficients(const CrossEntropyOptions& o) {
+Coefficients<acc_t<T>> coefficients(const CrossEntropyOptions& o, std::int64_t vocab) {
   using A = acc_t<T>;
-  return {static_cast<A>(o.logits_multiplier), static_cast<A>(units_scale<T>(o.logits_multiplier)),
-          o.label_smoothing, o.z_loss_scale, o.ignore_index};
+  return {static_cast<A>(o.logits_multiplier),
+          static_cast<A>(units_scale<T>(o.logits_multiplier)),
+          o.label_smoothing,
+          o.z_loss_scale,
+          o.ignore_index,
+          o.vocab_start,
+          vocab_classes(o, vocab)};
 }
 
-// The verdict of check_kernel: bad != 0 when some label is neither in [0, vocab) nor
+// The verdict of check_kernel: bad != 0 when some label is neither in [0, classes) nor
 // ignore_index; then row is the first such row and label its value. count: rows not ignored.
 struct LabelStatus {
   long long bad, row, label, count;
@@ -68,7 +75,7 @@ struct LabelStatus {
 // 0), in double as the row kernels take it.
 template <typename T>
 __global__ void __launch_bounds__(1024)
-    check_kernel(Labels labels, std::int64_t rows, std::int64_t vocab, std::int64_t ignore_index,
+    check_kernel(Labels labels, std::int64_t rows, std::int64_t classes, std::int64_t ignore_index,
                  LabelStatus* device, LabelStatus* host, const T* grad_loss, bool per_row,
                  bool mean, double* row_grad) {
   __shared__ long long bad_of[32], count_of[32];
@@ -79,7 +86,7 @@ __global__ void __launch_bounds__(1024)
   for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
     const std::int64_t y = labels[i];
     if (y == ignore_index) continue;
-    if (y < 0 || y >= vocab)
+    if (y < 0 || y >= classes)
       bad = bad < i ? bad : i;
     else
       ++count;
@@ -128,17 +135,21 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       continue;
     }
     const T* x = logits + i * vocab;
-    // Loaded first, so that its latency hides behind the row's. A bad label reads nothing out of
-    // the row.
+    // Loaded first, so that its latency hides behind the row's. A label in another shard counts
+    // as 0; a bad label reads nothing out of the row.
     A label_logit = 0;
-    if (threadIdx.x == 0)
-      label_logit = y >= 0 && y < vocab ? load(x[y]) : std::numeric_limits<A>::quiet_NaN();
+    if (threadIdx.x == 0) {
+      const std::int64_t col = y - c.vocab_start;
+      label_logit = col >= 0 && col < vocab   ? load(x[col])
+                    : y >= 0 && y < c.classes ? A(0)
+                                              : std::numeric_limits<A>::quiet_NaN();
+    }
     const RowStats<A> st = block_stats<T>(thread_row_stats<T, W, kSumX>(x, vocab / W, c.scale));
     if (threadIdx.x == 0 && !(status && status->bad)) {
       const lse_t<T> l = natural_lse<T>(st);
       const double nll = double(l) - double(label_logit * c.m);
       double loss = (1 - c.eps) * nll;
-      if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m) / double(vocab));
+      if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m) / double(c.classes));
       if (c.z != 0) loss += c.z * double(l) * double(l);
       lse[g] = l;
       row_loss[g] = loss;
@@ -158,7 +169,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
   using V = Chunk<T, W>;
   const Part part(vocab / W, split);
   const std::int64_t nv = part.count, stride = blockDim.x;
-  const A eps = static_cast<A>(c.eps), smooth = eps / static_cast<A>(vocab), hit = A(1) - eps;
+  const A eps = static_cast<A>(c.eps), smooth = eps / static_cast<A>(c.classes), hit = A(1) - eps;
   // Read with the first row's loads, tested only before a store.
   const bool skip = status && status->bad;
   for (std::int64_t i = blockIdx.x / split; i < rows; i += gridDim.x / split) {
@@ -185,8 +196,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       if (l_acc != l) p_factor = static_cast<A>(p_factor * exp(static_cast<double>(l_acc) - l));
     const A offset = cg * smooth, label_offset = cg * (smooth + hit);
     const A shift_units = kBase2<T> ? l_acc * A(kLog2e) : l_acc;
-    // The label's place in the part's vectors.
-    const std::int64_t y_part = y - part.begin * W;
+    // The label's place in the part's vectors (never matched when it is in another shard).
+    const std::int64_t y_part = y - c.vocab_start - part.begin * W;
     stream_row(x, nv, [&](const V(&v)[kU], std::int64_t base) {
 #pragma unroll
       for (int k = 0; k < kU; ++k) {
@@ -264,9 +275,9 @@ HostSide& host_side() {
 class LabelCheck {
  public:
   LabelCheck(std::string_view op, const CrossEntropyShape& s, const void* labels,
-             std::int64_t ignore_index, const Stream& stream, const void* grad_loss = nullptr,
-             Reduction reduction = Reduction::None, double* row_grad = nullptr)
-      : op_(op), s_(s), ignore_index_(ignore_index) {
+             const CrossEntropyOptions& o, const Stream& stream, const void* grad_loss = nullptr,
+             double* row_grad = nullptr)
+      : op_(op), classes_(vocab_classes(o, s.vocab)), ignore_index_(o.ignore_index) {
     if (s.rows == 0) return;
     HostSide& h = host_side();
     if (!h.status) {
@@ -284,9 +295,9 @@ class LabelCheck {
     dispatch_float(s.loss_dtype, op, [&](auto tag) {  // the grad_loss read by the check
       using T = cuda_t<decltype(tag)>;
       check_kernel<T><<<1, 1024, 0, native(stream)>>>(
-          Labels{labels, s.label_dtype == DType::I64}, s.rows, s.vocab, ignore_index, device(),
-          host_, static_cast<const T*>(grad_loss), reduction == Reduction::None,
-          reduction == Reduction::Mean, row_grad);
+          Labels{labels, s.label_dtype == DType::I64}, s.rows, classes_, ignore_index_, device(),
+          host_, static_cast<const T*>(grad_loss), o.reduction == Reduction::None,
+          o.reduction == Reduction::Mean, row_grad);
     });
     check_launch(op);
     check(cudaEventRecord(event_, native(stream)), op);
@@ -308,14 +319,13 @@ class LabelCheck {
     check(cudaEventSynchronize(event_), op_);
     // Written by the device: read through volatile, after the event.
     const volatile LabelStatus* st = host_;
-    if (st->bad) fail_label(op_, s_, st->row, st->label, ignore_index_);
+    if (st->bad) fail_label(op_, classes_, st->row, st->label, ignore_index_);
     return st->count;
   }
 
  private:
   std::string_view op_;
-  CrossEntropyShape s_;
-  std::int64_t ignore_index_;
+  std::int64_t classes_, ignore_index_;
   LabelStatus* host_ = nullptr;
   cudaEvent_t event_ = nullptr;
   Tensor device_;
@@ -334,7 +344,8 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
                                                : forward_rows_kernel<T, W, false>;
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o), status);
+        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab),
+        status);
   });
   check_launch("cross_entropy");
 }
@@ -356,7 +367,7 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
         <<<blocks, row_threads((nv + split - 1) / split, kU), 0, native(stream)>>>(
             static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
             b.rows, b.vocab, static_cast<const lse_t<T>*>(lse), upstream.scale, upstream.row_grad,
-            static_cast<T*>(grad_logits), coefficients<T>(o), status, split);
+            static_cast<T*>(grad_logits), coefficients<T>(o, b.vocab), status, split);
   });
   check_launch("cross_entropy_backward");
 }
@@ -364,10 +375,10 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
 }  // namespace
 
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          std::int64_t ignore_index, const Stream& stream) {
+                          const CrossEntropyOptions& o, const Stream& stream) {
   if (s.rows == 0) return 0;
   DeviceGuard guard(stream.device.index);
-  LabelCheck c(op, s, labels, ignore_index, stream);
+  LabelCheck c(op, s, labels, o, stream);
   return c.wait();
 }
 
@@ -421,7 +432,7 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
   constexpr std::string_view op = "cross_entropy";
   const CrossEntropyRows all{s.dtype, s.label_dtype, 0, s.rows, s.vocab};
   DeviceGuard guard(stream.device.index);
-  LabelCheck check(op, s, labels, o.ignore_index, stream);
+  LabelCheck check(op, s, labels, o, stream);
   const Tensor row_loss({s.rows}, DType::F64, stream.device, stream);
   forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, check.device(), stream);
   const std::int64_t count = check.wait();
@@ -436,8 +447,7 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
   if (s.rows == 0) return;
   DeviceGuard guard(stream.device.index);
   const Tensor row_grad({s.rows}, DType::F64, stream.device, stream);
-  LabelCheck check(op, s, labels, o.ignore_index, stream, grad_loss, o.reduction,
-                   row_grad.data_ptr<double>());
+  LabelCheck check(op, s, labels, o, stream, grad_loss, row_grad.data_ptr<double>());
   // The check kernel folded 1 / count into row_grad: scale 1 gives the same bits.
   backward_rows(all, logits, labels, lse, {1.0, row_grad.data_ptr<double>()}, grad_logits, o,
                 check.device(), stream);

@@ -31,7 +31,8 @@ std::int64_t label_at(const void* labels, std::int64_t i) {
 
 void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const void* labels,
                            void* loss, void* lse, const CrossEntropyOptions& o, const Stream&) {
-  const std::int64_t count = check_labels("cross_entropy", s, labels, o.ignore_index);
+  const std::int64_t count = check_labels("cross_entropy", s, labels, o);
+  const auto classes = static_cast<double>(vocab_classes(o, s.vocab));
   std::vector<double> row_loss(static_cast<std::size_t>(s.rows), 0.0);
   dispatch_float(s.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
@@ -48,8 +49,11 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
         const double l = logsumexp(x, s.vocab, m);
         double mean_v = 0;
         for (std::int64_t j = 0; j < s.vocab; ++j) mean_v += m * to_float(x[j]);
-        mean_v /= static_cast<double>(s.vocab);
-        double li = (1 - eps) * (l - m * to_float(x[y]));
+        mean_v /= classes;
+        // The label's logit, 0 when it is in another shard.
+        const std::int64_t col = y - o.vocab_start;
+        const double v_label = col >= 0 && col < s.vocab ? m * to_float(x[col]) : 0.0;
+        double li = (1 - eps) * (l - v_label);
         if (eps != 0) li += eps * (l - mean_v);
         if (o.z_loss_scale != 0) li += o.z_loss_scale * l * l;
         row_loss[i] = li;
@@ -63,7 +67,8 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
 void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, const void* logits,
                             const void* labels, const void* lse, void* grad_logits,
                             const CrossEntropyOptions& o, const Stream&) {
-  const std::int64_t count = check_labels("cross_entropy_backward", s, labels, o.ignore_index);
+  const std::int64_t count = check_labels("cross_entropy_backward", s, labels, o);
+  const auto classes = static_cast<double>(vocab_classes(o, s.vocab));
   std::vector<double> row_grad;
   const CrossEntropyUpstream up = read_upstream(s, grad_loss, count, o.reduction, row_grad);
   dispatch_float(s.dtype, "cross_entropy_backward", [&](auto tag) {
@@ -82,9 +87,10 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
         const double l = static_cast<const lse_t<T>*>(lse)[i];
         const double g = up.scale * (up.row_grad ? up.row_grad[i] : 1.0) * m;
         const double p_scale = o.z_loss_scale != 0 ? 1 + 2 * o.z_loss_scale * l : 1.0;
+        const std::int64_t col = y - o.vocab_start;  // outside [0, vocab): in another shard
         for (std::int64_t j = 0; j < s.vocab; ++j) {
           const double p = std::exp(m * to_float(x[j]) - l);
-          const double target = eps / static_cast<double>(s.vocab) + (j == y ? 1 - eps : 0.0);
+          const double target = eps / classes + (j == col ? 1 - eps : 0.0);
           dx[j] = from_double<T>(g * (p * p_scale - target));
         }
       }

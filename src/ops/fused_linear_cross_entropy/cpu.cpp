@@ -95,7 +95,7 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   constexpr bool kWiden = !std::is_same_v<T, A>;
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const CrossEntropyShape ce{s.dtype, a.loss_dtype, label_dtype, n, v};
-  const std::int64_t count = check_labels(kFusedLinearCrossEntropy, ce, a.labels, o.ignore_index);
+  const std::int64_t count = check_labels(kFusedLinearCrossEntropy, ce, a.labels, o);
   const FusedLinearCrossEntropyPlan p = plan(s, block_floats);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
   // grad_weight in A (f32 / f64, or f32 for 16-bit weights): the GEMMs accumulate in it.

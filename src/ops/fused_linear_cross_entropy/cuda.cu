@@ -128,7 +128,7 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   const DType dt = s.dtype, at = dtype_of<A>();
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const CrossEntropyShape ce{dt, a.loss_dtype, label_dtype, n, v};
-  const std::int64_t count = check_labels(kOp, ce, a.labels, o.ignore_index, stream);
+  const std::int64_t count = check_labels(kOp, ce, a.labels, o, stream);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
   const std::int64_t chunk = std::min(s.chunk_rows, n);
 

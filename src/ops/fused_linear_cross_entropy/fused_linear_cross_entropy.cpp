@@ -62,6 +62,10 @@ void fused_linear_cross_entropy(const TensorView& x, const TensorView& weight,
   detail::check_dtype(op, "labels", labels, {DType::I32, DType::I64});
   detail::check_shape(op, "labels", labels, {s.rows});
   detail::check_cross_entropy_options(op, options);
+  MESHFUSE_CHECK(options.vocab_start == 0 && options.vocab_size == 0, ErrorCode::InvalidArgument,
+                 "{}: a vocabulary shard is not supported: vocab_start and vocab_size must be 0, "
+                 "got {} and {}",
+                 op, options.vocab_start, options.vocab_size);
   check_chunk_rows(chunk_rows);
   if (chunk_rows == 0) chunk_rows = fused_linear_cross_entropy_chunk_rows(x.device().type, s.vocab);
   s.chunk_rows = chunk_rows;

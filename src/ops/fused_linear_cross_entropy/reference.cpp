@@ -44,7 +44,7 @@ void fused_linear_cross_entropy(const FusedLinearCrossEntropyShape& s, DType lab
                                 const Stream& stream) {
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const CrossEntropyShape ce{DType::F64, DType::F64, label_dtype, n, v};
-  check_labels(kFusedLinearCrossEntropy, ce, a.labels, o.ignore_index);  // names this op
+  check_labels(kFusedLinearCrossEntropy, ce, a.labels, o);  // names this op
   std::vector<double> x = load(a.x, s.dtype, n * h), w = load(a.weight, s.dtype, v * h);
   std::vector<double> bias = a.bias ? load(a.bias, s.dtype, v) : std::vector<double>();
   std::vector<double> logits(static_cast<std::size_t>(n * v));
