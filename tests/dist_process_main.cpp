@@ -47,7 +47,7 @@ TEST(ExecutorProcess, MlpBlockOnATwoByTwoMeshMatchesOneDevice) {
   exec::check_mlp_block_on_a_2d_mesh(world);
 }
 
-TEST(ExecutorProcess, HeadWithVocabularySplitLogitsMatchesOneDevice) { exec::check_head(world); }
+TEST(ExecutorProcess, VocabularyParallelHeadMatchesOneDevice) { exec::check_head(world); }
 
 TEST(ExecutorProcess, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
   exec::check_mlp_block_backward(world);

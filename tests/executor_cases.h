@@ -176,9 +176,10 @@ inline void check_mlp_block_on_a_2d_mesh(const std::shared_ptr<Communicator>& co
       comm, 2e-5);
 }
 
-// The head without a fused op: logits column-parallel (vocabulary split), moved to token rows by
-// an all-to-all for the per-row cross-entropy, whose sum is Partial until all-reduced; and the
-// fused linear cross-entropy on token rows with the weight replicated.
+// The head without a fused op: logits column-parallel (the vocabulary split) and Megatron-LM's
+// vocabulary-parallel cross_entropy on them (mean, with label smoothing and z-loss: the row
+// statistics all-gathered and combined), and the fused linear cross-entropy on token rows with the
+// weight replicated (none: per-row losses on token shards).
 inline void check_head(const std::shared_ptr<Communicator>& comm) {
   const auto build = [&](bool sharded) {
     const std::int64_t tokens = 10, hidden = 16, vocab = 29;
@@ -187,11 +188,12 @@ inline void check_head(const std::shared_ptr<Communicator>& comm) {
     const Value w = p.define_tensor("head_weight", {vocab, hidden}, DType::F32);
     const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
     const Value logits = p.linear(x, w);
-    CrossEntropyOptions sum;
-    sum.reduction = Reduction::Sum;
+    CrossEntropyOptions mean;
+    mean.label_smoothing = 0.1;
+    mean.z_loss_scale = 1e-4;
     CrossEntropyOptions none;
     none.reduction = Reduction::None;
-    p.add_output(p.cross_entropy(logits, labels, sum));
+    p.add_output(p.cross_entropy(logits, labels, mean));
     p.add_output(p.fused_linear_cross_entropy(x, w, {}, labels, none));
     if (sharded) {
       p.set_mesh(line(*comm));
@@ -201,8 +203,12 @@ inline void check_head(const std::shared_ptr<Communicator>& comm) {
     return p;
   };
   const std::string plan = expect_matches_single_device(build, comm, 2e-5);
-  EXPECT_NE(plan.find("all_to_all(gather dim 1, scatter dim 0)"), std::string::npos) << plan;
-  EXPECT_NE(plan.find("all_reduce(sum)"), std::string::npos) << plan;
+  EXPECT_NE(plan.find("= cross_entropy("), std::string::npos) << plan;
+  EXPECT_NE(plan.find("with all_gather of its row statistics on " +
+                      std::string(to_string(comm->backend()))),
+            std::string::npos)
+      << plan;
+  EXPECT_EQ(plan.find("all_to_all"), std::string::npos) << plan;
 }
 
 // The joint program of `p` for the gradient of its first output with respect to every floating
@@ -229,8 +235,9 @@ inline void check_mlp_block_backward(const std::shared_ptr<Communicator>& comm) 
         comm, 5e-5);
 }
 
-// The head's losses (sum) and their gradients: rmsnorm then the fused linear cross-entropy on
-// token rows, and a column-parallel linear then cross_entropy.
+// The head's losses and their gradients: rmsnorm then the fused linear cross-entropy on token rows
+// (sum), and a column-parallel linear then the vocabulary-parallel cross_entropy (mean), whose
+// backward runs on each rank's columns without communication.
 inline void check_head_backward(const std::shared_ptr<Communicator>& comm) {
   for (const bool fused : {true, false}) {
     const auto build = [&](bool sharded) {
@@ -242,9 +249,11 @@ inline void check_head_backward(const std::shared_ptr<Communicator>& comm) {
       const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
       CrossEntropyOptions sum;
       sum.reduction = Reduction::Sum;
+      CrossEntropyOptions mean;
+      mean.label_smoothing = 0.1;
       const Value h = p.rmsnorm(x, norm, 1e-5);
       p.add_output(fused ? p.fused_linear_cross_entropy(h, w, {}, labels, sum)
-                         : p.cross_entropy(p.linear(h, w), labels, sum));
+                         : p.cross_entropy(p.linear(h, w), labels, mean));
       if (sharded) {
         p.set_mesh(line(*comm));
         p.set_placements(x, {Shard{0}});
@@ -253,7 +262,10 @@ inline void check_head_backward(const std::shared_ptr<Communicator>& comm) {
       }
       return with_grad(p);
     };
-    expect_matches_single_device(build, comm, 5e-5);
+    const std::string plan = expect_matches_single_device(build, comm, 5e-5);
+    if (!fused) {
+      EXPECT_NE(plan.find("cross_entropy_backward("), std::string::npos) << plan;
+    }
   }
 }
 

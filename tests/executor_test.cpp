@@ -49,7 +49,7 @@ TEST(ExecutorLocal, MlpBlockOnATwoByTwoMeshMatchesOneDevice) {
   on_four_ranks(exec::check_mlp_block_on_a_2d_mesh);
 }
 
-TEST(ExecutorLocal, HeadWithVocabularySplitLogitsMatchesOneDevice) {
+TEST(ExecutorLocal, VocabularyParallelHeadMatchesOneDevice) {
   on_four_ranks(exec::check_head);
 }
 

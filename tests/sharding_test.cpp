@@ -48,7 +48,10 @@ TEST(Sharding, NormsKeepTheirRowsWholeAndLossesShardTokens) {
   EXPECT_EQ(norm, (std::vector<ShardingStrategy>{{{R, R}, {R, R}}, {{S(0), R}, {S(0), S(0)}}}));
   EXPECT_TRUE(offers(sharding_strategies(p, p.ops()[1]), {{S(0), S(0)}, {S(0), S(0)}}));
   EXPECT_TRUE(offers(sharding_strategies(p, p.ops()[2]), {{S(0), S(0)}, {P, S(0)}}));
-  EXPECT_EQ(sharding_strategies(p, p.ops()[3]).size(), 1u);  // mean: replicated only, for now
+  // Mean: replicated, or vocabulary-parallel (the op all-gathers its row statistics); not on rows.
+  const auto mean = sharding_strategies(p, p.ops()[3]);
+  EXPECT_EQ(mean.size(), 2u);
+  EXPECT_TRUE(offers(mean, {{S(1), R}, {R, R}, true}));
 }
 
 TEST(Sharding, AddKeepsAnyMatchingPlacementAndSwigluAllButPartial) {

@@ -109,6 +109,9 @@ class Interpreter {
     std::vector<TensorView> in, out;
     for (Value v : c.op.inputs) in.push_back(v.defined() ? view(v.id) : TensorView());
     for (Value v : c.op.outputs) out.push_back(allocate(v.id));
+    if (c.mesh_dim >= 0)
+      return detail::run_collective_op(c.op, in, out, *teams_[static_cast<std::size_t>(c.mesh_dim)],
+                                       stream_);
     detail::run_op(c.op, in, out, stream_);
   }
 

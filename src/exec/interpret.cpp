@@ -1,5 +1,9 @@
 #include "exec/interpret.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include "meshfuse/core/error.h"
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/elementwise.h"
@@ -73,6 +77,189 @@ void run_op(const ProgramOp& op, const std::vector<TensorView>& in,
                                         kFusedLinearCrossEntropyChunkRows, stream);
   }
   fail(ErrorCode::Internal, "run_op: op type {} has no kernel", static_cast<int>(op.type));
+}
+
+namespace {
+
+std::vector<double> as_doubles(const TensorView& t, const Stream& stream) {
+  Tensor host(t.shape(), DType::F64);
+  copy(t, host, stream);
+  return {host.data_ptr<double>(), host.data_ptr<double>() + host.numel()};
+}
+
+// The loss dtype the kernel computes per-row losses in: f32 for 16-bit logits.
+DType row_loss_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : logits; }
+
+// Megatron-LM's vocabulary-parallel cross-entropy over rows [first, first + rows) of `labels`:
+// this rank ran the kernel on its columns (cross_entropy.h, vocab_start / vocab_size: lse_s over
+// them, loss_s with the label term only where the label is its own); the ranks all-gather both per
+// row, and every rank combines them in double in rank order, so that all agree bitwise:
+//   lse_i  = log sum_s exp(lse_s,i)
+//   loss_i = lse_i + z lse_i^2 - sum_s (lse_s,i + z lse_s,i^2 - loss_s,i)
+// (0 for ignored rows). The statistics are a few doubles per row: the host combines them.
+struct Rows {
+  std::vector<double> lse, loss;
+};
+Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s,
+                    const std::vector<double>& labels, std::int64_t first,
+                    const CrossEntropyOptions& o, Communicator& team, const Stream& stream) {
+  const std::int64_t n = lse_s.numel();
+  const int d = team.size();
+  const Device device = lse_s.device();
+  const Tensor mine({2, n}, DType::F64, device, stream);
+  copy(lse_s, mine.view().narrow(0, 0, 1).reshape({n}), stream);
+  copy(loss_s, mine.view().narrow(0, 1, 1).reshape({n}), stream);
+  const Tensor all({2 * d, n}, DType::F64, device, stream);
+  team.all_gather(mine, all, stream).wait();
+  const std::vector<double> stats = as_doubles(all, stream);
+  const double z = o.z_loss_scale;
+  Rows rows{std::vector<double>(static_cast<std::size_t>(n)),
+            std::vector<double>(static_cast<std::size_t>(n))};
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (labels[static_cast<std::size_t>(first + i)] == static_cast<double>(o.ignore_index))
+      continue;
+    const auto at = [&](int s, int which) {
+      return stats[static_cast<std::size_t>((2 * s + which) * n + i)];
+    };
+    double top = -std::numeric_limits<double>::infinity();
+    for (int s = 0; s < d; ++s) top = std::max(top, at(s, 0));
+    double exps = 0, parts = 0;
+    for (int s = 0; s < d; ++s) {
+      exps += std::exp(at(s, 0) - top);
+      parts += at(s, 0) + z * at(s, 0) * at(s, 0) - at(s, 1);
+    }
+    const double lse = top + std::log(exps);
+    rows.lse[static_cast<std::size_t>(i)] = lse;
+    rows.loss[static_cast<std::size_t>(i)] = lse + z * lse * lse - parts;
+  }
+  return rows;
+}
+
+// Copies host doubles into `t` (any device and floating dtype), rounding once.
+void write(const std::vector<double>& values, const TensorView& t, const Stream& stream) {
+  Tensor host(t.shape(), DType::F64);
+  std::copy(values.begin(), values.end(), host.data_ptr<double>());
+  copy(host, t, stream);
+}
+
+// The rows not ignored.
+std::int64_t counted(const std::vector<double>& labels, std::int64_t ignore_index) {
+  return std::count_if(labels.begin(), labels.end(),
+                       [&](double y) { return y != static_cast<double>(ignore_index); });
+}
+
+// The per-row losses reduced as `reduction` says (sum and mean in row order, in double), into
+// `loss`.
+void write_loss(const std::vector<double>& rows, std::int64_t count, Reduction reduction,
+                const TensorView& loss, const Stream& stream) {
+  if (reduction == Reduction::None) return write(rows, loss, stream);
+  double sum = 0;
+  for (double r : rows) sum += r;
+  if (reduction == Reduction::Mean)
+    sum = count ? sum / static_cast<double>(count) : std::numeric_limits<double>::quiet_NaN();
+  write({sum}, loss, stream);
+}
+
+// cross_entropy on this rank's columns of the logits: (logits, labels) -> (loss, lse), the lse
+// over the whole vocabulary.
+void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorView>& in,
+                                  const std::vector<TensorView>& out, Communicator& team,
+                                  const Stream& stream) {
+  const TensorView &logits = in[0], &labels = in[1];
+  const std::int64_t n = logits.size(0);
+  CrossEntropyOptions per_row = op.loss;
+  per_row.reduction = Reduction::None;
+  const Tensor loss_s({n}, row_loss_dtype(logits.dtype()), logits.device(), stream);
+  const Tensor lse_s({n}, out[1].dtype(), logits.device(), stream);
+  cross_entropy(logits, labels, loss_s, lse_s, per_row, stream);
+  const std::vector<double> y = as_doubles(labels, stream);
+  const Rows rows = combine_shards(lse_s, loss_s, y, 0, op.loss, team, stream);
+  write(rows.lse, out[1], stream);
+  write_loss(rows.loss, counted(y, op.loss.ignore_index), op.loss.reduction, out[0], stream);
+}
+
+// fused_linear_cross_entropy with this rank's rows of the weight (its columns of the logits):
+// (x, weight, bias, labels, grad_loss) -> (loss[, grad_x, grad_weight[, grad_bias]]). A chunk
+// of rows at a time: the chunk's logits on this rank's columns (never the whole vocabulary, nor
+// all rows), the statistics combined across the ranks, then, with gradients, the logits' gradient
+// and its products: grad_x is this rank's term (Partial: the caller's plan sums it), grad_weight
+// and grad_bias its rows. 16-bit logits are rounded to the dtype before the loss, as the unfused
+// linear + cross_entropy has them. Scratch: the chunk's logits and their gradient, 2 x chunk x
+// (V / d) elements of the dtype, plus a few per-row doubles.
+void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
+                                               const std::vector<TensorView>& in,
+                                               const std::vector<TensorView>& out,
+                                               Communicator& team, const Stream& stream) {
+  const TensorView &x = in[0], &w = in[1], &b = in[2], &labels = in[3], &grad_loss = in[4];
+  const std::int64_t n = x.size(0), vocab = w.size(0);
+  const DType dt = x.dtype();
+  const Device device = x.device();
+  const bool grads = out.size() > 1;
+  const std::vector<double> y = as_doubles(labels, stream);
+  const std::int64_t count = counted(y, op.loss.ignore_index);
+  // Each row's upstream gradient.
+  std::vector<double> upstream;
+  if (grads) {
+    upstream = as_doubles(grad_loss, stream);
+    if (op.loss.reduction != Reduction::None)
+      upstream.assign(static_cast<std::size_t>(n),
+                      op.loss.reduction == Reduction::Mean
+                          ? upstream[0] / static_cast<double>(std::max<std::int64_t>(count, 1))
+                          : upstream[0]);
+  }
+  const std::int64_t chunk = std::max<std::int64_t>(
+      1, std::min(n, fused_linear_cross_entropy_chunk_rows(device.type, vocab)));
+  const DType lse_dtype = is_sixteen_bit(dt) ? DType::F32 : DType::F64;
+  const Tensor logits({chunk, vocab}, dt, device, stream);
+  const Tensor loss_s({chunk}, row_loss_dtype(dt), device, stream);
+  const Tensor lse_s({chunk}, lse_dtype, device, stream), lse({chunk}, lse_dtype, device, stream);
+  Tensor grad_logits, upstream_c, grad_bias_c;
+  if (grads) {
+    grad_logits = Tensor({chunk, vocab}, dt, device, stream);
+    upstream_c = Tensor({chunk}, row_loss_dtype(dt), device, stream);
+    if (out.size() > 3) grad_bias_c = Tensor({vocab}, dt, device, stream);
+  }
+  CrossEntropyOptions per_row = op.loss;
+  per_row.reduction = Reduction::None;
+  std::vector<double> losses;
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    const std::int64_t rows = std::min(chunk, n - first);
+    const TensorView lg = logits.view().narrow(0, 0, rows), x_c = x.narrow(0, first, rows),
+                     y_c = labels.narrow(0, first, rows);
+    linear(x_c, w, b, lg, stream);
+    cross_entropy(lg, y_c, loss_s.view().narrow(0, 0, rows), lse_s.view().narrow(0, 0, rows),
+                  per_row, stream);
+    const Rows r = combine_shards(lse_s.view().narrow(0, 0, rows), loss_s.view().narrow(0, 0, rows),
+                                  y, first, op.loss, team, stream);
+    losses.insert(losses.end(), r.loss.begin(), r.loss.end());
+    if (!grads) continue;
+    write(r.lse, lse.view().narrow(0, 0, rows), stream);
+    write({upstream.begin() + first, upstream.begin() + first + rows},
+          upstream_c.view().narrow(0, 0, rows), stream);
+    const TensorView gl = grad_logits.view().narrow(0, 0, rows);
+    cross_entropy_backward(upstream_c.view().narrow(0, 0, rows), lg, y_c,
+                           lse.view().narrow(0, 0, rows), gl, per_row, stream);
+    gemm(gl, w, {}, out[1].narrow(0, first, rows), {}, stream);
+    gemm(gl, x_c, first ? out[2] : TensorView(), out[2],
+         {.transpose_a = true, .beta = first ? 1.0 : 0.0}, stream);
+    if (grad_bias_c.defined()) {
+      linear_backward(gl, x_c, w, {}, {}, first ? grad_bias_c.view() : out[3], stream);
+      if (first) add(out[3], grad_bias_c, out[3], 1.0, stream);
+    }
+  }
+  write_loss(losses, count, op.loss.reduction, out[0], stream);
+}
+
+}  // namespace
+
+void run_collective_op(const ProgramOp& op, const std::vector<TensorView>& in,
+                       const std::vector<TensorView>& out, Communicator& team,
+                       const Stream& stream) {
+  if (op.type == OpType::CrossEntropy)
+    return vocab_parallel_cross_entropy(op, in, out, team, stream);
+  if (op.type == OpType::FusedLinearCrossEntropy)
+    return vocab_parallel_fused_linear_cross_entropy(op, in, out, team, stream);
+  fail(ErrorCode::Internal, "run_collective_op: {} has no collective form", to_string(op.type));
 }
 
 }  // namespace meshfuse::detail

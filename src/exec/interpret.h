@@ -5,6 +5,7 @@
 
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
+#include "meshfuse/distributed/communicator.h"
 #include "meshfuse/exec/program.h"
 
 namespace meshfuse::detail {
@@ -14,5 +15,11 @@ namespace meshfuse::detail {
 // scratch the kernel needs is allocated on the outputs' device, on `stream`.
 void run_op(const ProgramOp& op, const std::vector<TensorView>& inputs,
             const std::vector<TensorView>& outputs, const Stream& stream);
+
+// A collective op (a Compute step with a mesh_dim): the vocabulary-parallel cross_entropy forward,
+// on this rank's columns of the logits, with `team` the ranks holding the others.
+void run_collective_op(const ProgramOp& op, const std::vector<TensorView>& inputs,
+                       const std::vector<TensorView>& outputs, Communicator& team,
+                       const Stream& stream);
 
 }  // namespace meshfuse::detail

@@ -42,6 +42,23 @@ std::string sizes_text(const std::vector<std::int64_t>& sizes) {
   return fmt::format("[{}]", fmt::join(sizes, " "));
 }
 
+// Where a loss op's vocabulary lies: its operand and dimension (input -1: not a loss op).
+struct VocabularyOperand {
+  std::int64_t input = -1, dim = -1;
+};
+VocabularyOperand vocabulary_operand(const ProgramOp& op) {
+  switch (op.type) {
+    case OpType::CrossEntropy:
+      return {0, 1};
+    case OpType::CrossEntropyBackward:
+      return {1, 1};
+    case OpType::FusedLinearCrossEntropy:
+      return {1, 0};
+    default:
+      return {};
+  }
+}
+
 class Lowering {
  public:
   Lowering(const Program& p, int rank, CommunicatorBackend backend)
@@ -222,7 +239,27 @@ class Lowering {
       local.outputs[j].id = add_value(op.outputs[j], std::move(placed));
       home_[static_cast<std::size_t>(op.outputs[j].id)] = local.outputs[j].id;
     }
-    plan_.steps.push_back(Compute{std::move(local)});
+    Compute step{std::move(local), -1, {}};
+    for (std::int64_t m = 0; m < mesh_.ndim(); ++m)
+      if (chosen[static_cast<std::size_t>(m)]->collective) {
+        step.mesh_dim = m;
+        step.team = mesh_.team(m, plan_.rank);
+      }
+    on_vocabulary_shard(step.op);
+    plan_.steps.push_back(std::move(step));
+  }
+
+  // A loss whose vocabulary this rank holds only part of (the logits' columns, the head weight's
+  // rows) runs on that shard: the kernel's vocab_start and vocab_size say which.
+  void on_vocabulary_shard(ProgramOp& op) const {
+    const VocabularyOperand at = vocabulary_operand(op);
+    if (at.input < 0) return;
+    const PlanValue& v = value(op.inputs[static_cast<std::size_t>(at.input)].id);
+    const Shape& whole = p_.info(v.global).shape;
+    const auto dim = static_cast<std::size_t>(at.dim);
+    if (v.shape[dim] == whole[dim]) return;
+    op.loss.vocab_start = local_part(whole, mesh_, v.placements, plan_.rank).offsets[dim];
+    op.loss.vocab_size = whole[dim];
   }
 
   const Program& p_;
@@ -274,8 +311,20 @@ std::string Plan::to_string() const {
       for (Value out : c->op.outputs) results.push_back(describe(out.id));
       for (Value in : c->op.inputs)
         args.push_back(in.defined() ? fmt::format("${}", in.id) : "none");
-      text += fmt::format("{} = {}({})\n", fmt::join(results, ", "),
-                          meshfuse::to_string(c->op.type), fmt::join(args, ", "));
+      if (c->op.loss.vocab_size != 0) {
+        const VocabularyOperand at = vocabulary_operand(c->op);
+        const Value v = c->op.inputs[static_cast<std::size_t>(at.input)];
+        const std::int64_t here =
+            values[static_cast<std::size_t>(v.id)].shape[static_cast<std::size_t>(at.dim)];
+        args.push_back(fmt::format("vocab {}:{} of {}", c->op.loss.vocab_start,
+                                   c->op.loss.vocab_start + here, c->op.loss.vocab_size));
+      }
+      std::string over;
+      if (c->mesh_dim >= 0)
+        over = fmt::format(" with all_gather of its row statistics on {}, mesh dim {}, team [{}]",
+                           meshfuse::to_string(backend), c->mesh_dim, fmt::join(c->team, " "));
+      text += fmt::format("{} = {}({}){}\n", fmt::join(results, ", "),
+                          meshfuse::to_string(c->op.type), fmt::join(args, ", "), over);
     } else if (const auto* c = std::get_if<Communication>(&step)) {
       text += fmt::format("{} = {} (${})\n", describe(c->output), c->to_string(), c->input);
     } else {

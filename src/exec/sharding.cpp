@@ -90,15 +90,18 @@ std::vector<ShardingStrategy> sharding_strategies(const Program& p, const Progra
       rows({});
       break;
     case OpType::CrossEntropy:  // (logits, labels) -> (loss, lse)
+      s.push_back({{shard(1), kR}, {kR, kR}, true});
       if (op.loss.reduction == Reduction::Mean) break;
       s.push_back({{shard(0), shard(0)}, {none ? shard(0) : kP, shard(0)}});
       break;
     case OpType::CrossEntropyBackward:  // (grad_loss, logits, labels, lse) -> grad_logits
+      s.push_back({{kR, shard(1), kR, kR}, {shard(1)}});
       if (op.loss.reduction == Reduction::Mean) break;
       s.push_back({{none ? shard(0) : kR, shard(0), shard(0), shard(0)}, {shard(0)}});
       break;
     case OpType::FusedLinearCrossEntropy: {
       // (x, weight, bias, labels, grad_loss) -> (loss[, grad_x, grad_weight[, grad_bias]])
+      s.push_back({{kR, shard(0), shard(0), kR, kR}, {kR, kP, shard(0), shard(0)}, true});
       if (op.loss.reduction == Reduction::Mean) break;
       ShardingStrategy t = all(op, kP);
       t.inputs = {shard(0), kR, kR, shard(0), none ? shard(0) : kR};

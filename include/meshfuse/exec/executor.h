@@ -45,7 +45,7 @@ struct MultiDeviceExecutorParams {
 
 // One step of a profiled run.
 struct StepProfile {
-  std::int64_t step = 0;   // index in Plan::steps
+  std::int64_t step = 0;  // index in Plan::steps
   bool communication = false;
   std::int64_t bytes = 0;  // communications: the larger of this rank's input and output bytes
   double ms = 0;           // wall time, the stream synchronised before and after

@@ -55,8 +55,12 @@ struct PlanValue {
 };
 
 // An op of the program on this rank's parts; op.inputs and op.outputs are Plan value indices.
+// A cross_entropy on a vocabulary shard has its options' vocab_start and vocab_size set; one
+// whose strategy is collective (the vocabulary-parallel forward) communicates over mesh_dim.
 struct Compute {
   ProgramOp op;
+  std::int64_t mesh_dim = -1;  // -1: no communication of its own
+  std::vector<int> team;       // the ranks of mesh_dim through this rank
 };
 
 // A collective over the ranks of one mesh dimension.

@@ -14,9 +14,15 @@
 //   swiglu        (p, p) -> p for R and every S(d) (not linear: no P)
 //   rmsnorm, fused_residual_add_rmsnorm, softmax, swiglu_packed
 //                 R and rows: the normalised dim stays whole; rstd follows the rows
-//   cross_entropy, fused_linear_cross_entropy
-//                 R; rows S(0) with labels S(0) (the head's weight R): reduction none -> S(0),
-//                 sum -> P. Mean needs the global count of rows not ignored: R only, for now.
+//   cross_entropy R; rows S(0) with labels S(0): reduction none -> S(0), sum -> P (mean needs
+//                 the global count of rows not ignored: not on rows); vocabulary-parallel
+//                 (Megatron-LM): logits S(1), labels R -> loss R, lse R, collective: each rank's
+//                 per-row statistics of its columns are all-gathered and combined (any
+//                 reduction); its backward needs no communication (grad_logits S(1))
+//   fused_linear_cross_entropy
+//                 R; rows S(0) with labels S(0) (the head's weight R), as cross_entropy;
+//                 vocabulary-parallel: weight (and bias) S(0), x and labels R -> loss R, grad_x P,
+//                 grad_weight and grad_bias S(0), collective (a chunk of rows at a time)
 // Each backward op mirrors its forward: the gradient of an operand lies as the operand did, but a
 // replicated operand (a weight) used by sharded compute gets a Partial gradient, and a Partial
 // result's gradient comes Replicate (linear_backward: rows -> weight grads P; column-parallel ->
@@ -33,6 +39,9 @@ namespace meshfuse {
 struct ShardingStrategy {
   std::vector<Placement> inputs;
   std::vector<Placement> outputs;
+  // The op communicates over the mesh dimension itself (the vocabulary-parallel loss all-gathers
+  // its per-row statistics), so it runs with that dimension's team.
+  bool collective = false;
   friend bool operator==(const ShardingStrategy&, const ShardingStrategy&) = default;
 };
 
