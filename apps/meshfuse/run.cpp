@@ -106,11 +106,9 @@ Program build(const Setup& s, bool sharded) {
   const Value gated = p.linear(hidden, gate);
   const Value a = p.swiglu(gated, p.linear(hidden, up));
   const Value y = p.add(x, p.linear(a, down));
-  CrossEntropyOptions sum;
-  sum.reduction = Reduction::Sum;
-  // The logits column-parallel (the vocabulary split), moved to token rows for the loss.
-  const Value logits = p.linear(p.rmsnorm(y, head_norm, m.rms_norm_eps), head);
-  const Value loss = p.cross_entropy(logits, labels, sum, DType::F32);
+  // Vocabulary-parallel: each rank's rows of the head weight, its columns of the logits.
+  const Value loss = p.fused_linear_cross_entropy(p.rmsnorm(y, head_norm, m.rms_norm_eps), head,
+                                                  {}, labels, {}, DType::F32);
   p.add_output(loss);
   if (sharded) {
     p.set_mesh(DeviceMesh::of_shape({s.ranks}));
@@ -135,7 +133,14 @@ std::vector<Tensor> whole_inputs(const Program& p) {
     } else if (info.name == "grad_loss" || info.name.find("norm") != std::string::npos) {
       testing::fill(t, 1.0);
     } else {
-      testing::fill_normal(t, 7 + i, 0.0, info.name == "x" ? 1.0 : 0.02);
+      // In blocks of rows, each with its own seed, on every core: a vocabulary-sized weight is
+      // hundreds of millions of values.
+      const std::int64_t rows = info.shape[0], block = 256;
+      const double std = info.name == "x" ? 1.0 : 0.02;
+#pragma omp parallel for schedule(dynamic)
+      for (std::int64_t r = 0; r < rows; r += block)
+        testing::fill_normal(t.view().narrow(0, r, std::min(block, rows - r)),
+                             (7 + i) * 1000003 + static_cast<std::uint64_t>(r), 0.0, std);
     }
     inputs.push_back(std::move(t));
   }
@@ -343,7 +348,7 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
     return;
   }
   out << fmt::format(
-      "meshfuse run: {} MLP block (tensor + sequence parallel) and head (token parallel), {} "
+      "meshfuse run: {} MLP block (tensor + sequence parallel) and head (vocabulary parallel), {} "
       "tokens, {}, {} rank(s) on {} ({}), forward + backward, {} timed runs after a warm-up\n",
       s.model.name, s.tokens, o.dtype, s.ranks, to_string(s.backend), s.device.str(), o.repeats);
   if (o.dump_plan) out << "plan of rank 0:\n" << r.plan;

@@ -7,12 +7,11 @@
 //   gate, up [I, H] Shard(0)  a = swiglu(h gate^T, h up^T)         column-parallel
 //   down [H, I] Shard(1)   y = x + a down^T                      row-parallel, reduce-scattered
 //   head_weight [V, H] Shard(0), labels [T] Shard(0)
-//                          logits = rmsnorm(y, head_norm_weight) head_weight^T   vocabulary split
-//                          loss = cross_entropy(logits, labels), reduction sum, f32,
-//                          on token rows (an all_to_all moves the logits there and back)
-// then grad() for the gradients of the loss with respect to every weight and x. The loss runs on
-// token rows: the vocabulary-parallel loss (statistics all-reduced, the logits never moved) and
-// the fused linear cross-entropy on a vocabulary-sharded weight are not there yet.
+//                          loss = fused_linear_cross_entropy(rmsnorm(y, head_norm_weight),
+//                                 head_weight, labels), mean, f32: vocabulary-parallel (each
+//                                 rank its rows of the weight, a chunk of tokens at a time, the
+//                                 row statistics all-gathered), on the gathered tokens
+// then grad() for the gradients of the loss with respect to every weight and x.
 //
 // Without a launcher the ranks are threads of this process on the local backend (--ranks, default
 // 4); under `meshfuse launch`, torchrun or mpirun one process per rank on the launcher's backend.

@@ -213,3 +213,53 @@ TEST(Cli, NoSubcommandIsAUsageError) {
 }
 
 }  // namespace
+
+namespace {
+
+// A model small enough for a test: H 32, I 88 and V 203, neither a multiple of 3 ranks.
+std::string tiny_model(const ScratchDir& dir) {
+  const fs::path path = dir.path() / "tiny.json";
+  std::ofstream(path) << R"({"hidden_size": 32, "intermediate_size": 88, "num_attention_heads": 2,
+                             "vocab_size": 203, "rms_norm_eps": 1e-5})";
+  return path.string();
+}
+
+}  // namespace
+
+TEST(Cli, RunChecksEveryOutputAndGradientOfTheShardedProgramAgainstOneDevice) {
+  const ScratchDir dir;
+  const CliResult r = run_cli("run --model " + tiny_model(dir) +
+                              " --ranks 3 --tokens 10 --dtype f32 --repeats 1 --dump-plan");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "3 rank(s) on local (cpu)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "all_gather(dim 0) on local, mesh dim 0, team [0 1 2]")) << r.out;
+  EXPECT_TRUE(contains(r.out, "reduce_scatter(sum, dim 0) on local")) << r.out;
+  EXPECT_TRUE(contains(r.out, "fused_linear_cross_entropy(")) << r.out;
+  EXPECT_TRUE(contains(r.out, "with all_gather of its row statistics on local")) << r.out;
+  for (const char* output : {"loss", "y", "grad x", "grad head_weight", "grad norm_weight"})
+    EXPECT_TRUE(contains(r.out, fmt::format("  {:<24}", output))) << output << "\n" << r.out;
+  EXPECT_FALSE(contains(r.out, "FAIL")) << r.out;
+}
+
+TEST(Cli, RunJsonHasTimesCollectivesAndChecks) {
+  const ScratchDir dir;
+  const CliResult r = run_cli("run --model " + tiny_model(dir) +
+                              " --ranks 2 --tokens 7 --repeats 1 --format json");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["ranks"], 2);
+  EXPECT_EQ(j["backend"], "local");
+  EXPECT_EQ(j["per_rank"].size(), 2u);
+  EXPECT_GT(j["collectives"].size(), 0u);
+  EXPECT_EQ(j["checks"].size(), 9u);
+  EXPECT_TRUE(j["pass"].get<bool>());
+}
+
+TEST(Cli, RunRejectsBadOptionsNamingThem) {
+  const ScratchDir dir;
+  const std::string model = tiny_model(dir);
+  expect_usage_error("run --model " + model + " --backend carrier-pigeon", "--backend");
+  expect_usage_error("run --model " + model + " --dtype f16", "--dtype: expected bf16 or f32");
+  expect_usage_error("run --model " + model + " --tokens -3", "--tokens");
+  expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
+}
