@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <exception>
+#include <filesystem>
 #include <thread>
 
 #include "executor_cases.h"
@@ -61,6 +64,42 @@ TEST(ExecutorLocal, HeadBackwardMatchesOneDevice) { on_four_ranks(exec::check_he
 
 TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   on_four_ranks(exec::check_errors);
+}
+
+// CUDA: a one-rank NCCL mesh runs the MLP block forward and backward on the GPU (every transition
+// of the plan a one-rank NCCL collective) and matches the same program on the CPU.
+TEST(ExecutorCuda, OneRankNcclMeshRunsTheMlpBlockForwardAndBackward) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("meshfuse_executor_cuda_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  CommOptions options;
+  options.backend = "cuda:nccl";
+  options.timeout = 20s;
+  const auto comm =
+      init_communicator(LaunchInfo{}, std::make_shared<FileStore>(dir.string()), options);
+  const Program sharded = exec::with_grad(exec::mlp_block(true, DeviceMesh({0})));
+  const Program single = exec::with_grad(exec::mlp_block(false, DeviceMesh({0})));
+  const std::vector<Tensor> whole = exec::whole_inputs(single);
+  LocalWorld cpu_world(1);
+  const std::vector<Tensor> expected =
+      MultiDeviceExecutor(single, cpu_world.communicator(0)).run(exec::views(whole));
+  const CudaStream stream(0);
+  std::vector<Tensor> on_gpu;
+  for (const Tensor& t : whole) on_gpu.push_back(on(t, kCuda, stream));
+  MultiDeviceExecutor executor(sharded, comm);
+  const std::vector<Tensor> out = executor.run(exec::views(on_gpu), stream);
+  const Plan& plan = executor.plan(DeviceType::CUDA);
+  EXPECT_EQ(plan.backend, CommunicatorBackend::Nccl);
+  EXPECT_NE(plan.to_string().find("all_gather(dim 0) on nccl"), std::string::npos)
+      << plan.to_string();
+  ASSERT_EQ(out.size(), expected.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(out[i].device(), kCuda);
+    expect_close(to_cpu(out[i], stream), expected[i], 5e-5, "output " + std::to_string(i));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Executor, AProgramWithoutAMeshRunsWholeOnOneRank) {
