@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -107,8 +107,8 @@ Program build(const Setup& s, bool sharded) {
   const Value a = p.swiglu(gated, p.linear(hidden, up));
   const Value y = p.add(x, p.linear(a, down));
   // Vocabulary-parallel: each rank's rows of the head weight, its columns of the logits.
-  const Value loss = p.fused_linear_cross_entropy(p.rmsnorm(y, head_norm, m.rms_norm_eps), head,
-                                                  {}, labels, {}, DType::F32);
+  const Value loss = p.fused_linear_cross_entropy(p.rmsnorm(y, head_norm, m.rms_norm_eps), head, {},
+                                                  labels, {}, DType::F32);
   p.add_output(loss);
   if (sharded) {
     p.set_mesh(DeviceMesh::of_shape({s.ranks}));
@@ -204,6 +204,13 @@ Timing timing_of(std::vector<double> ms) {
   return {quantile(ms, 0.5), quantile(ms, 0.2), quantile(ms, 0.8), static_cast<int>(ms.size()), 1};
 }
 
+// A CPU copy of `t`, queued on `stream` when `t` is on a GPU.
+Tensor to_host(const TensorView& t, const Stream& stream) {
+  Tensor host(t.shape(), t.dtype());
+  copy(t, host, stream);
+  return host;
+}
+
 // Copies `t` to `device` (or returns it when it is there).
 Tensor on(const Tensor& t, Device device, const Stream& stream) {
   return t.device() == device ? t : t.to(device, stream);
@@ -269,15 +276,15 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const Setup& s, const R
   } else {
     copy(mine, all_device, stream);
   }
-  const Tensor all = all_device.to(Device{}, stream);
+  const Tensor all = to_host(all_device, stream);
 
   // Every output whole, on every rank; rank 0 checks them.
   std::vector<Tensor> gathered;
   for (std::size_t i = 0; i < out.size(); ++i) {
     const PlanValue& v = plan.values[static_cast<std::size_t>(plan.outputs[i])];
-    gathered.push_back(gather_tensor(out[i], sharded.info(sharded.outputs()[i]).shape,
-                                     *sharded.mesh(), v.placements, comm, stream)
-                           .to(Device{}, stream));
+    gathered.push_back(to_host(gather_tensor(out[i], sharded.info(sharded.outputs()[i]).shape,
+                                             *sharded.mesh(), v.placements, comm, stream),
+                               stream));
   }
   if (rank != 0) return;
 
@@ -301,7 +308,7 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const Setup& s, const R
   const double tol = s.dtype == DType::F32 ? 1e-4 : 2e-2;
   const std::vector<std::string> names = output_names();
   for (std::size_t i = 0; i < gathered.size(); ++i) {
-    report->checks.push_back(check(names[i], gathered[i], expected[i].to(Device{}, stream), tol));
+    report->checks.push_back(check(names[i], gathered[i], to_host(expected[i], stream), tol));
   }
   for (int r = 0; r < n; ++r) {
     report->ranks.push_back(timing_of({all.data_ptr<double>()[2 * r]}));
@@ -389,8 +396,7 @@ int run_model(const RunOptions& options, std::ostream& out) {
     for (int r = 0; r < s.ranks; ++r)
       threads.emplace_back([&, r] {
         try {
-          run_rank(world.communicator(r), s, options, whole, Stream{},
-                   r == 0 ? &report : nullptr);
+          run_rank(world.communicator(r), s, options, whole, Stream{}, r == 0 ? &report : nullptr);
         } catch (...) {
           errors[static_cast<std::size_t>(r)] = std::current_exception();
         }

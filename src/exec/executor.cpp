@@ -233,6 +233,10 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
 
 CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {
   if (params_.lowering.communicator_backend) return *params_.lowering.communicator_backend;
+  // A program without a mesh communicates nothing: any backend names its (empty) plan, also on a
+  // device the communicator has none for.
+  const auto& spec = communicator_->spec().backends;
+  if (!program_.mesh() && !spec.count(type)) return CommunicatorBackend::Local;
   return communicator_->backend(type);
 }
 
