@@ -7,8 +7,8 @@
 A stored run wraps a tool's JSON output with its metadata:
     {"machine", "command", "commit", "date", "kind", "results": <the tool's JSON>}
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
-torch_compare, recurrent_compare, flce_compare, comm_compare, numerics (the --json files of
-bench/*.py).
+run (`meshfuse run --format json`), torch_compare, recurrent_compare, flce_compare, comm_compare,
+numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json).
 Standard library only.
 """
 
@@ -23,15 +23,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
-KINDS = ("bench", "comm_bench", "torch_compare", "recurrent_compare", "flce_compare",
-         "comm_compare", "numerics")
+KINDS = ("bench", "comm_bench", "run", "torch_compare", "recurrent_compare", "flce_compare",
+         "comm_compare", "numerics", "executor_overhead")
 
 
 def guess_kind(results):
     """The kind of a tool's JSON output, from its shape."""
     if isinstance(results, dict):
-        return "flce_compare" if "ratios" in results else None
+        return "flce_compare" if "ratios" in results else "run" if "per_rank" in results else None
     first = results[0] if results else {}
+    if "executor_us" in first:
+        return "executor_overhead"
     if "meshfuse_err" in first:
         return "numerics"
     if "impl" in first:
@@ -201,7 +203,43 @@ def numerics_section(results):
          "mark"], rows) + ["", f"meshfuse's error is the larger on {worse} of {len(results)} rows."]
 
 
-SECTIONS = {"bench": bench_section, "comm_bench": comm_bench_section,
+def run_section(results):
+    """meshfuse run --format json: per-rank and one-device time, collectives, checks."""
+    r = results
+    out = [f"{r['model']}, {r['tokens']} tokens, {r['dtype']}, {r['ranks']} rank(s) on "
+           f"{r['backend']} ({r['device']}), forward + backward, median of {r['repeats']} runs: "
+           f"one device {num(r['single_device_ms'], 2)} ms, scaling efficiency "
+           f"{num(r['scaling_efficiency'], 2)} (one device / (ranks x per rank)); every check "
+           f"{'passes' if r['pass'] else 'DOES NOT pass'}.", ""]
+    out += table(["rank", "median ms", "in communication ms", "share"],
+                 [[p["rank"], num(p["median_ms"], 2), num(p["comm_ms"], 2),
+                   pct(p["comm_ms"] / p["median_ms"] if p["median_ms"] else 0)]
+                  for p in r["per_rank"]]) + [""]
+    out += table(["communication (rank 0)", "bytes", "median ms"],
+                 [[c["communication"], c["bytes"], num(c["median_ms"])]
+                  for c in r.get("collectives", [])]) + [""]
+    out += table(["output", "max abs err", "normwise err", "check"],
+                 [[c["output"], sci(c["max_abs_err"]), sci(c["normwise_err"]),
+                   "pass" if c["pass"] else "FAIL"] for c in r["checks"]])
+    return out
+
+
+def executor_overhead_section(results):
+    """bench/executor_overhead --json: a one-op program through the executor against the op."""
+    rows = [[r["op"], r["dtype"], r["device"], str(r["shape"]), num(r["direct_us"], 2),
+             f"{num(r['direct_p20_us'], 2)}-{num(r['direct_p80_us'], 2)}",
+             num(r["executor_us"], 2),
+             f"{num(r['executor_p20_us'], 2)}-{num(r['executor_p80_us'], 2)}",
+             num(r["executor_us"] - r["direct_us"], 2),
+             pct((r["executor_us"] - r["direct_us"]) / r["direct_us"])] for r in results]
+    return ["Host time per call (a GPU's queued calls synchronised once per round), median and "
+            "p20-p80 over rounds; the goal: at most 5% or 5 us more.", ""] + table(
+        ["op", "dtype", "device", "shape", "direct us", "p20-p80", "executor us", "p20-p80",
+         "extra us", "extra"], rows)
+
+
+SECTIONS = {"bench": bench_section, "run": run_section,
+            "executor_overhead": executor_overhead_section, "comm_bench": comm_bench_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,
             "comm_compare": comm_compare_section, "numerics": numerics_section}
