@@ -20,6 +20,19 @@ if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
            COMMAND ${MPIEXEC_EXECUTABLE} -np 4 --oversubscribe --allow-run-as-root
                    -x MESHFUSE_BACKEND=mpi $<TARGET_FILE:meshfuse_dist_tests>)
   set_tests_properties(dist_mpi_4_processes PROPERTIES TIMEOUT 120)
+  # The executor's plan on gloo in an mpi job (Communicator::with_backends), which needs a store.
+  if(MESHFUSE_WITH_GLOO)
+    add_test(NAME dist_mpi_4_processes_executor_on_gloo
+             COMMAND sh -c "d=$(mktemp -d) && MESHFUSE_STORE_PATH=$d \"$@\"; s=$?; rm -rf \"$d\"; exit $s"
+                     sh ${MPIEXEC_EXECUTABLE} -np 4 --oversubscribe --allow-run-as-root
+                     -x MESHFUSE_BACKEND=mpi -x MESHFUSE_STORE_PATH $<TARGET_FILE:meshfuse_dist_tests>
+                     --gtest_filter=ExecutorProcess.TheCommunicatorBackend*)
+    set_tests_properties(dist_mpi_4_processes_executor_on_gloo PROPERTIES TIMEOUT 120)
+    if(MESHFUSE_SANITIZE)
+      set_tests_properties(dist_mpi_4_processes_executor_on_gloo PROPERTIES
+                           ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+    endif()
+  endif()
   # Open MPI leaves ~130 KB per process allocated at exit, mostly from its plugins, which are
   # unloaded by then (LeakSanitizer cannot even name them, so no suppression file can match):
   # the sanitizer build checks the mpi run for memory errors and undefined behaviour, not leaks.

@@ -4,6 +4,8 @@
 // launcher reports it.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "dist_cases.h"
 #include "executor_cases.h"
 #include "meshfuse/distributed/communicator.h"
@@ -54,6 +56,15 @@ TEST(ExecutorProcess, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
 }
 
 TEST(ExecutorProcess, HeadBackwardMatchesOneDevice) { exec::check_head_backward(world); }
+
+// Under mpirun with a store (MESHFUSE_STORE_PATH, the dist_mpi_4_processes_executor_on_gloo
+// test), the same program runs with its communications on gloo.
+TEST(ExecutorProcess, TheCommunicatorBackendIsAParameterOfTheRun) {
+  if (world->backend() != CommunicatorBackend::Mpi || !std::getenv("MESHFUSE_STORE_PATH") ||
+      !communicator_backend_built(CommunicatorBackend::Gloo))
+    GTEST_SKIP() << "needs mpirun, a store and gloo";
+  exec::check_backend_parameter(world, CommunicatorBackend::Gloo);
+}
 
 TEST(ExecutorProcess, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";

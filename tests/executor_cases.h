@@ -48,7 +48,8 @@ inline std::vector<TensorView> views(const std::vector<Tensor>& tensors) {
 // bitwise equal. Returns the executor's plan text.
 inline std::string expect_matches_single_device(const std::function<Program(bool)>& build,
                                                 const std::shared_ptr<Communicator>& comm,
-                                                double tol) {
+                                                double tol,
+                                                const MultiDeviceExecutorParams& params = {}) {
   const Program sharded = build(true), single = build(false);
   const std::vector<Tensor> whole = whole_inputs(single);
   const std::vector<Tensor> expected = MultiDeviceExecutor(single, comm).run(views(whole));
@@ -57,7 +58,7 @@ inline std::string expect_matches_single_device(const std::function<Program(bool
   for (std::size_t i = 0; i < whole.size(); ++i)
     parts.push_back(shard_tensor(whole[i], *sharded.mesh(),
                                  placements_of(sharded, sharded.inputs()[i]), comm->rank()));
-  MultiDeviceExecutor executor(sharded, comm);
+  MultiDeviceExecutor executor(sharded, comm, params);
   const std::vector<Tensor> out = executor.run(views(parts));
   const std::vector<Tensor> again = executor.run(views(parts));
   const Plan& plan = executor.plan();
@@ -267,6 +268,21 @@ inline void check_head_backward(const std::shared_ptr<Communicator>& comm) {
       EXPECT_NE(plan.find("cross_entropy_backward("), std::string::npos) << plan;
     }
   }
+}
+
+// The MLP block forward and backward with its communications on `backend`, whatever the
+// communicator's own (a team of the same ranks on that backend: Communicator::with_backends).
+inline void check_backend_parameter(const std::shared_ptr<Communicator>& comm,
+                                    CommunicatorBackend backend) {
+  MultiDeviceExecutorParams params;
+  params.lowering.communicator_backend = backend;
+  const std::string plan = expect_matches_single_device(
+      [&](bool sharded) { return with_grad(mlp_block(sharded, line(*comm))); }, comm, 5e-5, params);
+  EXPECT_NE(plan.find("communications on " + std::string(to_string(backend))), std::string::npos)
+      << plan;
+  EXPECT_NE(plan.find("reduce_scatter(sum, dim 0) on " + std::string(to_string(backend))),
+            std::string::npos)
+      << plan;
 }
 
 // Errors every rank sees alike: a rank outside the mesh, a placement with no rule, an input of the
