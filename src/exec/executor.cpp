@@ -25,6 +25,12 @@ Shape swapped(Shape shape, std::int64_t d) {
   return shape;
 }
 
+// Whether result j of op may be left undefined (the kernel then skips it): rmsnorm's rstd.
+bool optional_result(const ProgramOp& op, std::size_t j) {
+  return (op.type == OpType::RmsNorm && j == 1) ||
+         (op.type == OpType::FusedResidualAddRmsNorm && j == 2);
+}
+
 std::int64_t sum(const std::vector<std::int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), std::int64_t{0});
 }
@@ -108,7 +114,12 @@ class Interpreter {
   void run_step(const Compute& c) {
     std::vector<TensorView> in, out;
     for (Value v : c.op.inputs) in.push_back(v.defined() ? view(v.id) : TensorView());
-    for (Value v : c.op.outputs) out.push_back(allocate(v.id));
+    for (std::size_t j = 0; j < c.op.outputs.size(); ++j) {
+      const std::int64_t id = c.op.outputs[j].id;
+      // A statistic saved for a backward that this plan does not run is not computed.
+      const bool unused = last_use_[static_cast<std::size_t>(id)] < 0 && optional_result(c.op, j);
+      out.push_back(unused ? TensorView() : allocate(id));
+    }
     if (c.mesh_dim >= 0)
       return detail::run_collective_op(c.op, in, out, *teams_[static_cast<std::size_t>(c.mesh_dim)],
                                        stream_);

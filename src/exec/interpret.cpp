@@ -17,8 +17,9 @@ namespace meshfuse::detail {
 
 namespace {
 
-// A per-row statistic (rstd, shaped as x's leading dims) as the kernels take it: (rows,).
-TensorView flat(const TensorView& t) { return t.reshape({t.numel()}); }
+// A per-row statistic (rstd, shaped as x's leading dims) as the kernels take it: (rows,); an
+// undefined one (not computed) stays undefined.
+TensorView flat(const TensorView& t) { return t.defined() ? t.reshape({t.numel()}) : t; }
 
 // The optional result `i` (a weight's or bias's gradient when the op has that operand).
 TensorView result(const std::vector<TensorView>& out, std::size_t i) {
