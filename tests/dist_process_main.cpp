@@ -66,6 +66,14 @@ TEST(ExecutorProcess, TheCommunicatorBackendIsAParameterOfTheRun) {
   exec::check_backend_parameter(world, CommunicatorBackend::Gloo);
 }
 
+TEST(ExecutorProcess, EveryTransitionOfATwoByTwoMeshGivesTheParts) {
+  exec::check_every_transition_on_a_2d_mesh(world);
+}
+
+TEST(ExecutorProcess, VocabularyParallelFusedLossOverSeveralChunksMatchesOneDevice) {
+  exec::check_vocabulary_parallel_fused_loss(world);
+}
+
 TEST(ExecutorProcess, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";
   exec::check_errors(world);

@@ -4,6 +4,7 @@
 // mesh).
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -19,13 +20,14 @@
 namespace meshfuse::test::exec {
 
 // Every input whole, the same on every rank (seeded by its position): labels in [0, 29) with
-// every third row ignored, floats normal with std 0.5.
-inline std::vector<Tensor> whole_inputs(const Program& p) {
+// every third row ignored (every row, with ignore_every_label), floats normal with std 0.5.
+inline std::vector<Tensor> whole_inputs(const Program& p, bool ignore_every_label = false) {
   std::vector<Tensor> inputs;
   for (std::size_t i = 0; i < p.inputs().size(); ++i) {
     const ValueInfo& info = p.info(p.inputs()[i]);
     if (info.dtype == DType::I32 || info.dtype == DType::I64) {
-      inputs.push_back(make_labels(info.shape[0], 29, info.dtype, 100 + i));
+      inputs.push_back(ignore_every_label ? full(info.shape, info.dtype, -100)
+                                          : make_labels(info.shape[0], 29, info.dtype, 100 + i));
     } else {
       inputs.push_back(randn(info.shape, info.dtype, 100 + i, 0.5));
     }
@@ -44,14 +46,17 @@ inline std::vector<TensorView> views(const std::vector<Tensor>& tensors) {
 }
 
 // Runs build(true) (on a mesh) on this rank and build(false) (the same ops, no mesh) whole,
-// gathers each output and compares it with the whole one within `tol`; a second run must be
-// bitwise equal. Returns the executor's plan text.
+// gathers each output and compares it with the whole one: elementwise within `tol` (absolute and
+// relative), or, for 16-bit programs (`normwise`), max |sharded - whole| <= tol max |whole|. A
+// second run must be bitwise equal. Returns the executor's plan text.
 inline std::string expect_matches_single_device(const std::function<Program(bool)>& build,
                                                 const std::shared_ptr<Communicator>& comm,
                                                 double tol,
-                                                const MultiDeviceExecutorParams& params = {}) {
+                                                const MultiDeviceExecutorParams& params = {},
+                                                bool ignore_every_label = false,
+                                                bool normwise = false) {
   const Program sharded = build(true), single = build(false);
-  const std::vector<Tensor> whole = whole_inputs(single);
+  const std::vector<Tensor> whole = whole_inputs(single, ignore_every_label);
   const std::vector<Tensor> expected = MultiDeviceExecutor(single, comm).run(views(whole));
 
   std::vector<Tensor> parts;
@@ -66,11 +71,21 @@ inline std::string expect_matches_single_device(const std::function<Program(bool
   for (std::size_t i = 0; i < out.size() && i < expected.size(); ++i) {
     const PlanValue& v = plan.values[static_cast<std::size_t>(plan.outputs[i])];
     EXPECT_EQ(out[i].shape(), v.shape) << "output " << i;
-    EXPECT_EQ(values(out[i]), values(again[i])) << "output " << i << " differs run to run";
+    EXPECT_TRUE(testing::bitwise_equal(out[i], again[i]))
+        << "output " << i << " differs run to run";
     const Tensor gathered =
         gather_tensor(out[i], expected[i].shape(), *sharded.mesh(), v.placements, comm);
-    expect_close(gathered, expected[i], tol,
-                 "output " + std::to_string(i) + " on rank " + std::to_string(comm->rank()));
+    const std::string what =
+        "output " + std::to_string(i) + " on rank " + std::to_string(comm->rank());
+    if (!normwise) {
+      expect_close(gathered, expected[i], tol, what);
+      continue;
+    }
+    const testing::Diff d = testing::compare(gathered, expected[i], 0, 0);
+    const testing::Diff scale = testing::compare(
+        expected[i], Tensor::zeros(expected[i].shape(), expected[i].dtype()), 0, 0);
+    EXPECT_LE(d.max_abs_err, tol * scale.max_abs_err) << what;
+    EXPECT_EQ(d.mismatched_nonfinite, 0) << what;
   }
   return plan.to_string();
 }
@@ -123,6 +138,57 @@ inline void check_every_transition(const std::shared_ptr<Communicator>& comm) {
         }
       }
   }
+}
+
+// Every transition between placements of a 2 x 2 mesh, nested shards of one tensor dimension
+// included (an outer mesh dimension that changes how it shards a dim changes what the inner
+// shards of it mean). Integer values, Partial terms as in check_every_transition, per mesh
+// dimension of Partial: their sum over the mesh is the tensor times 3 per Partial dimension.
+inline void check_every_transition_on_a_2d_mesh(const std::shared_ptr<Communicator>& comm) {
+  if (comm->size() != 4) GTEST_SKIP() << "written for 4 ranks";
+  const int rank = comm->rank();
+  const DeviceMesh mesh = DeviceMesh::of_shape({2, 2});
+  const std::vector<std::int64_t> at = mesh.coordinates(rank);
+  const std::vector<Placement> kinds = {Shard{0}, Shard{1}, Replicate{}, Partial{}};
+  const Shape shape{10, 7};
+  Tensor whole(shape, DType::F32);
+  for (std::int64_t i = 0; i < whole.numel(); ++i)
+    whole.data_ptr<float>()[i] = static_cast<float>((i * 7) % 13 - 6);
+  for (const Placement& a : kinds)
+    for (const Placement& b : kinds)
+      for (const Placement& c : kinds)
+        for (const Placement& d : kinds) {
+          if (std::holds_alternative<Partial>(c) || std::holds_alternative<Partial>(d)) continue;
+          const std::vector<Placement> from{a, b}, to{c, d};
+          // fmt, not operator+: GCC 12 warns (-Wrestrict) on a chain of string concatenations.
+          const std::string what = fmt::format("[{}, {}] -> [{}, {}] on rank {}", to_string(a),
+                                               to_string(b), to_string(c), to_string(d), rank);
+          Program p;
+          const Value t = p.define_tensor("t", shape, DType::F32);
+          p.set_mesh(mesh);
+          p.set_placements(t, from);
+          p.add_output(t, to);
+          // This rank's input: its part as the non-Partial placements say, times (coordinate
+          // + 1) along each Partial dimension; the whole is the tensor times 3 per such dimension.
+          std::vector<Placement> parts = from;
+          float factor = 1, total = 1;
+          for (std::size_t m = 0; m < 2; ++m)
+            if (std::holds_alternative<Partial>(from[m])) {
+              parts[m] = Replicate{};
+              factor *= static_cast<float>(at[m] + 1);
+              total *= 3;
+            }
+          Tensor part = shard_tensor(whole, mesh, parts, rank), sum(shape, DType::F32);
+          for (std::int64_t i = 0; i < part.numel(); ++i) part.data_ptr<float>()[i] *= factor;
+          for (std::int64_t i = 0; i < sum.numel(); ++i)
+            sum.data_ptr<float>()[i] = whole.data_ptr<float>()[i] * total;
+          MultiDeviceExecutor executor(p, comm);
+          const std::vector<Tensor> out = executor.run({part});
+          ASSERT_EQ(out.size(), 1u) << what;
+          EXPECT_EQ(values(out[0]), values(shard_tensor(sum, mesh, to, rank)))
+              << what << "\n"
+              << executor.plan().to_string();
+        }
 }
 
 // A llama-style MLP block, tensor- and sequence-parallel (Megatron-LM's layout) on a 1-D mesh:
@@ -285,6 +351,62 @@ inline void check_backend_parameter(const std::shared_ptr<Communicator>& comm,
       << plan;
 }
 
+// The vocabulary-parallel fused linear cross-entropy on its own (the plan's only collective is
+// inside the op): several chunks of rows (more than the CPU's 512-row chunk), a bias, mean with
+// label smoothing and z-loss, and forward + backward; then the same with every label ignored.
+inline void check_vocabulary_parallel_fused_loss(const std::shared_ptr<Communicator>& comm) {
+  for (const bool all_ignored : {false, true}) {
+    const auto build = [&](bool sharded) {
+      const std::int64_t tokens = 1100, hidden = 8, vocab = 29;
+      Program p;
+      const Value x = p.define_tensor("x", {tokens, hidden}, DType::F32);
+      const Value w = p.define_tensor("head_weight", {vocab, hidden}, DType::F32);
+      const Value b = p.define_tensor("head_bias", {vocab}, DType::F32);
+      const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
+      CrossEntropyOptions o;
+      o.label_smoothing = 0.1;
+      o.z_loss_scale = 1e-3;
+      p.add_output(p.fused_linear_cross_entropy(x, w, b, labels, o));
+      if (sharded) {
+        p.set_mesh(line(*comm));
+        p.set_placements(w, {Shard{0}});
+        p.set_placements(b, {Shard{0}});
+      }
+      return with_grad(p);
+    };
+    const std::string plan = expect_matches_single_device(build, comm, 5e-5, {}, all_ignored);
+    EXPECT_NE(plan.find("fused_linear_cross_entropy("), std::string::npos) << plan;
+    EXPECT_NE(plan.find("with all_gather of its row statistics"), std::string::npos) << plan;
+    EXPECT_EQ(plan.find("all_gather(dim 0)"), std::string::npos) << plan;  // x stays whole
+  }
+}
+
+// The vocabulary split over both dimensions of a 2 x 2 mesh: the loss combines over one, so the
+// lowering says so rather than combining half the shards.
+inline void check_vocabulary_on_two_mesh_dimensions_is_an_error(
+    const std::shared_ptr<Communicator>& comm) {
+  if (comm->size() != 4) GTEST_SKIP() << "written for 4 ranks";
+  Program p;
+  const Value x = p.define_tensor("x", {6, 8}, DType::F32);
+  const Value w = p.define_tensor("head_weight", {29, 8}, DType::F32);
+  const Value labels = p.define_tensor("labels", {6}, DType::I64);
+  p.add_output(p.fused_linear_cross_entropy(x, w, {}, labels));
+  p.set_mesh(DeviceMesh::of_shape({2, 2}));
+  p.set_placements(w, {Shard{0}, Shard{0}});
+  expect_error([&] { lower(p, comm->rank(), CommunicatorBackend::Local); },
+               ErrorCode::InvalidArgument, {"vocabulary split over mesh dimensions 0 and 1"});
+}
+
+// The MLP block in bf16, forward and backward: Partial terms are rounded to bf16 before they are
+// summed (the single-device program sums in fp32 inside one GEMM), and a weight's gradient summed
+// over token shards can cancel, so the check is normwise: 2e-2 of the output's largest value
+// (meshfuse run's bf16 tolerance), a few bf16 roundings of it.
+inline void check_mlp_block_bf16(const std::shared_ptr<Communicator>& comm) {
+  expect_matches_single_device(
+      [&](bool sharded) { return with_grad(mlp_block(sharded, line(*comm), DType::BF16)); }, comm,
+      2e-2, {}, false, true);
+}
+
 // Errors every rank sees alike: a rank outside the mesh, a placement with no rule, an input of the
 // wrong shape, and ranks running different programs (the communicator's metadata check).
 inline void check_errors(const std::shared_ptr<Communicator>& comm) {
@@ -318,9 +440,9 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
         executor.run({Tensor({part[0] + 1, 4}, DType::F32)});
       },
       ErrorCode::ShapeMismatch, {"'x'", shape_str(part)});
-  // Rank 0 gathers 10 rows, the others 12: every rank gets the mismatch, none hangs.
+  // Rank 0's tensor has 10 rows, the others' 12: every rank sees the programs differ, none hangs.
   expect_error([&] { executor.run({Tensor(part, DType::F32)}); }, ErrorCode::InvalidArgument,
-               {"all_gather", "disagree"});
+               {"MultiDeviceExecutor", "rank 1 runs another program than rank 0"});
 }
 
 }  // namespace meshfuse::test::exec

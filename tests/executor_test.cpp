@@ -4,7 +4,6 @@
 #include "meshfuse/exec/executor.h"
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <exception>
@@ -52,15 +51,29 @@ TEST(ExecutorLocal, MlpBlockOnATwoByTwoMeshMatchesOneDevice) {
   on_four_ranks(exec::check_mlp_block_on_a_2d_mesh);
 }
 
-TEST(ExecutorLocal, VocabularyParallelHeadMatchesOneDevice) {
-  on_four_ranks(exec::check_head);
-}
+TEST(ExecutorLocal, VocabularyParallelHeadMatchesOneDevice) { on_four_ranks(exec::check_head); }
 
 TEST(ExecutorLocal, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
   on_four_ranks(exec::check_mlp_block_backward);
 }
 
 TEST(ExecutorLocal, HeadBackwardMatchesOneDevice) { on_four_ranks(exec::check_head_backward); }
+
+TEST(ExecutorLocal, EveryTransitionOfATwoByTwoMeshGivesTheParts) {
+  on_four_ranks(exec::check_every_transition_on_a_2d_mesh);
+}
+
+TEST(ExecutorLocal, VocabularyParallelFusedLossOverSeveralChunksMatchesOneDevice) {
+  on_four_ranks(exec::check_vocabulary_parallel_fused_loss);
+}
+
+TEST(ExecutorLocal, AVocabularySplitOverTwoMeshDimensionsIsAnError) {
+  on_four_ranks(exec::check_vocabulary_on_two_mesh_dimensions_is_an_error);
+}
+
+TEST(ExecutorLocal, MlpBlockInBf16MatchesOneDeviceWithinBf16Rounding) {
+  on_four_ranks(exec::check_mlp_block_bf16);
+}
 
 TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   on_four_ranks(exec::check_errors);
@@ -71,8 +84,8 @@ TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
 TEST(ExecutorCuda, OneRankNcclMeshRunsTheMlpBlockForwardAndBackward) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / ("meshfuse_executor_cuda_" + std::to_string(getpid()));
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("meshfuse_executor_cuda_" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   CommOptions options;
   options.backend = "cuda:nccl";

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <numeric>
+#include <string>
 
 #include "exec/interpret.h"
 #include "meshfuse/core/error.h"
@@ -216,9 +218,13 @@ class Interpreter {
   std::vector<std::int64_t> last_use_;  // the last step that reads each value
 };
 
+// Whether the plan talks to its teams: a Communication, or an op that communicates itself (the
+// vocabulary-parallel loss).
 bool has_communication(const Plan& plan) {
-  return std::any_of(plan.steps.begin(), plan.steps.end(),
-                     [](const PlanStep& s) { return std::holds_alternative<Communication>(s); });
+  return std::any_of(plan.steps.begin(), plan.steps.end(), [](const PlanStep& s) {
+    const auto* c = std::get_if<Compute>(&s);
+    return std::holds_alternative<Communication>(s) || (c && c->mesh_dim >= 0);
+  });
 }
 
 }  // namespace
@@ -242,6 +248,28 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
                  communicator_->size());
 }
 
+// Ranks whose programs differ would meet in different collectives, or wait in one that the
+// others never call: before the first communication of a backend, the ranks compare a hash of
+// the program's text (ops, shapes, placements) and fail together when one differs.
+void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,
+                                             const Stream& stream) const {
+  const Device device = type == DeviceType::CPU ? Device{} : stream.device;
+  Tensor mine({1}, DType::I64);
+  mine.data_ptr<std::int64_t>()[0] =
+      static_cast<std::int64_t>(std::hash<std::string>{}(program_.to_string()));
+  const int n = world.size();
+  const Tensor all({n}, DType::I64, device, stream);
+  world.all_gather(mine.to(device, stream), all, stream).wait();
+  Tensor host({n}, DType::I64);
+  copy(all, host, stream);
+  for (int r = 0; r < n; ++r)
+    MESHFUSE_CHECK(host.data_ptr<std::int64_t>()[r] == host.data_ptr<std::int64_t>()[0],
+                   ErrorCode::InvalidArgument,
+                   "MultiDeviceExecutor: rank {} runs another program than rank 0 (every rank "
+                   "must build the same program: ops, shapes, dtypes, mesh and placements)",
+                   world.team()[static_cast<std::size_t>(r)]);
+}
+
 CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {
   if (params_.lowering.communicator_backend) return *params_.lowering.communicator_backend;
   // A program without a mesh communicates nothing: any backend names its (empty) plan, also on a
@@ -261,8 +289,8 @@ const Plan& MultiDeviceExecutor::plan(DeviceType type) {
 }
 
 const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
-    CommunicatorBackend backend, DeviceType type) {
-  auto it = teams_.find(backend);
+    CommunicatorBackend backend, DeviceType type, const Stream& stream) {
+  auto it = teams_.find({backend, type});
   if (it != teams_.end()) return it->second;
   const auto& spec = communicator_->spec().backends;
   const auto served = spec.find(type);
@@ -270,6 +298,7 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
       served != spec.end() && served->second == backend
           ? communicator_
           : communicator_->with_backends(BackendSpec{{{type, backend}}});
+  check_same_program(*world, type, stream);
   std::vector<std::shared_ptr<Communicator>> teams;
   const int rank = world->rank();
   const std::vector<std::int64_t> at = mesh_.coordinates(rank);
@@ -289,7 +318,7 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
     teams.push_back(
         world->split(static_cast<int>(color), static_cast<int>(at[static_cast<std::size_t>(m)])));
   }
-  return teams_.emplace(backend, std::move(teams)).first->second;
+  return teams_.emplace(std::pair(backend, type), std::move(teams)).first->second;
 }
 
 std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inputs,
@@ -317,7 +346,8 @@ std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inpu
                    shape_str(want.shape), shape_str(t.shape()));
   }
   static const std::vector<std::shared_ptr<Communicator>> kNone;
-  const auto& teams = has_communication(plan) ? this->teams(plan.backend, device.type) : kNone;
+  const auto& teams =
+      has_communication(plan) ? this->teams(plan.backend, device.type, stream) : kNone;
   return Interpreter(plan, teams, device, stream, params_.profile ? &profile_ : nullptr)
       .run(inputs);
 }

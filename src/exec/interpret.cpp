@@ -185,7 +185,9 @@ void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorV
 // all rows), the statistics combined across the ranks, then, with gradients, the logits' gradient
 // and its products: grad_x is this rank's term (Partial: the caller's plan sums it), grad_weight
 // and grad_bias its rows. 16-bit logits are rounded to the dtype before the loss, as the unfused
-// linear + cross_entropy has them. Scratch: the chunk's logits and their gradient, 2 x chunk x
+// linear + cross_entropy has them, and 16-bit grad_weight / grad_bias take one rounding per chunk
+// (the GEMM adds each chunk's product to the running sum in fp32: fused_linear_cross_entropy.h's
+// rule for a 16-bit grad_weight). Scratch: the chunk's logits and their gradient, 2 x chunk x
 // (V / d) elements of the dtype, plus a few per-row doubles.
 void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                                                const std::vector<TensorView>& in,
@@ -208,8 +210,11 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                           ? upstream[0] / static_cast<double>(std::max<std::int64_t>(count, 1))
                           : upstream[0]);
   }
+  // The same chunks on every rank (their statistics are gathered chunk by chunk): sized for the
+  // largest shard, not this rank's.
+  const std::int64_t largest = (op.loss.vocab_size + team.size() - 1) / team.size();
   const std::int64_t chunk = std::max<std::int64_t>(
-      1, std::min(n, fused_linear_cross_entropy_chunk_rows(device.type, vocab)));
+      1, std::min(n, fused_linear_cross_entropy_chunk_rows(device.type, largest)));
   const DType lse_dtype = is_sixteen_bit(dt) ? DType::F32 : DType::F64;
   const Tensor logits({chunk, vocab}, dt, device, stream);
   const Tensor loss_s({chunk}, row_loss_dtype(dt), device, stream);
@@ -223,6 +228,9 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
   CrossEntropyOptions per_row = op.loss;
   per_row.reduction = Reduction::None;
   std::vector<double> losses;
+  if (grads && n == 0)  // no chunk writes them
+    for (std::size_t j = 2; j < out.size(); ++j)
+      copy(Tensor::zeros(out[j].shape(), out[j].dtype(), device, stream), out[j], stream);
   for (std::int64_t first = 0; first < n; first += chunk) {
     const std::int64_t rows = std::min(chunk, n - first);
     const TensorView lg = logits.view().narrow(0, 0, rows), x_c = x.narrow(0, first, rows),

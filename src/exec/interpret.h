@@ -16,8 +16,9 @@ namespace meshfuse::detail {
 void run_op(const ProgramOp& op, const std::vector<TensorView>& inputs,
             const std::vector<TensorView>& outputs, const Stream& stream);
 
-// A collective op (a Compute step with a mesh_dim): the vocabulary-parallel cross_entropy forward,
-// on this rank's columns of the logits, with `team` the ranks holding the others.
+// A collective op (a Compute step with a mesh_dim): the vocabulary-parallel cross_entropy forward
+// or fused_linear_cross_entropy, on this rank's part of the vocabulary, with `team` the ranks
+// holding the others.
 void run_collective_op(const ProgramOp& op, const std::vector<TensorView>& inputs,
                        const std::vector<TensorView>& outputs, Communicator& team,
                        const Stream& stream);

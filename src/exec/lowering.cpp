@@ -123,19 +123,36 @@ class Lowering {
     if (auto it = known_.find({global.id, placements_text(want)}); it != known_.end())
       return it->second;
     std::vector<Placement> now = value(id).placements;
+    const std::vector<Placement> start = now;
+    // A shard of tensor dim d on mesh dimension m splits the part that the mesh dimensions before
+    // m left (local_part): it means something else once one of those changes its sharding of d.
+    const auto outer_changes = [&](std::int64_t m, const Placement& p) {
+      if (!is<Shard>(p)) return false;
+      for (std::int64_t j = 0; j < m; ++j) {
+        const auto ji = static_cast<std::size_t>(j);
+        if (!(start[ji] == want[ji]) && (start[ji] == p || want[ji] == p)) return true;
+      }
+      return false;
+    };
+    // Gathers and reductions, inner mesh dimensions first. A shard whose meaning an outer change
+    // would alter is gathered first, and a shard that an outer change will split again is made
+    // by a slice afterwards (Replicate here).
     for (std::int64_t m = mesh_.ndim() - 1; m >= 0; --m) {
       const auto mi = static_cast<std::size_t>(m);
-      if (now[mi] == want[mi] || (is<Replicate>(now[mi]) && is<Shard>(want[mi]))) continue;
-      MESHFUSE_CHECK(!is<Partial>(want[mi]), ErrorCode::InvalidArgument,
+      Placement target = want[mi];
+      if (outer_changes(m, now[mi]) || outer_changes(m, target)) target = Replicate{};
+      if (now[mi] == target || (is<Replicate>(now[mi]) && is<Shard>(target))) continue;
+      MESHFUSE_CHECK(!is<Partial>(target), ErrorCode::InvalidArgument,
                      "lower: {}: {} lies as {} and cannot become {} (no rule makes a Partial "
                      "from a {} on mesh dimension {})",
                      why, p_.describe(global), placements_text(now), placements_text(want),
                      to_string(now[mi]), m);
       std::vector<Placement> next = now;
-      next[mi] = want[mi];
+      next[mi] = target;
       id = communicate(id, next, m);
       now = next;
     }
+    // Slices, outer mesh dimensions first: each splits the part the ones before it left.
     for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
       const auto mi = static_cast<std::size_t>(m);
       if (now[mi] == want[mi]) continue;
@@ -240,11 +257,15 @@ class Lowering {
       home_[static_cast<std::size_t>(op.outputs[j].id)] = local.outputs[j].id;
     }
     Compute step{std::move(local), -1, {}};
-    for (std::int64_t m = 0; m < mesh_.ndim(); ++m)
-      if (chosen[static_cast<std::size_t>(m)]->collective) {
-        step.mesh_dim = m;
-        step.team = mesh_.team(m, plan_.rank);
-      }
+    for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
+      if (!chosen[static_cast<std::size_t>(m)]->collective) continue;
+      MESHFUSE_CHECK(step.mesh_dim < 0, ErrorCode::InvalidArgument,
+                     "lower: {} (defining %{}) has its vocabulary split over mesh dimensions {} "
+                     "and {}: the vocabulary-parallel loss combines over one",
+                     to_string(op.type), op.outputs[0].id, step.mesh_dim, m);
+      step.mesh_dim = m;
+      step.team = mesh_.team(m, plan_.rank);
+    }
     on_vocabulary_shard(step.op);
     plan_.steps.push_back(std::move(step));
   }

@@ -4,9 +4,10 @@
 //
 // Every rank of the communicator's team builds an executor of the same program and calls run()
 // the same number of times; the mesh's ranks are the team's ranks (a mesh over a subset, or a
-// rank the mesh lacks, is InvalidArgument). Ranks that run different programs meet in different
-// collectives, which the communicator's metadata check turns into an error on every rank (with
-// checks on, the default), not a hang.
+// rank the mesh lacks, is InvalidArgument). Before a backend's first communication the ranks
+// compare a hash of the program (ops, shapes, placements): programs that differ are
+// InvalidArgument on every rank. A rank that calls run() with a program that communicates nothing
+// while the others' do leaves them waiting for the communicator's timeout (Error(Timeout)).
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
@@ -80,14 +81,16 @@ class MultiDeviceExecutor {
   CommunicatorBackend backend_for(DeviceType type) const;
   // The communicator of each mesh dimension on `backend`.
   const std::vector<std::shared_ptr<Communicator>>& teams(CommunicatorBackend backend,
-                                                          DeviceType type);
+                                                          DeviceType type, const Stream& stream);
+  void check_same_program(Communicator& world, DeviceType type, const Stream& stream) const;
 
   Program program_;
   std::shared_ptr<Communicator> communicator_;
   MultiDeviceExecutorParams params_;
   DeviceMesh mesh_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, Plan> plans_;
-  std::map<CommunicatorBackend, std::vector<std::shared_ptr<Communicator>>> teams_;
+  std::map<std::pair<CommunicatorBackend, DeviceType>, std::vector<std::shared_ptr<Communicator>>>
+      teams_;
   std::vector<StepProfile> profile_;
 };
 

@@ -19,9 +19,12 @@
 //   Shard(i) -> Shard(j)     all_to_all (gathers dim i, scatters dim j)
 // Replicate or Shard -> Partial has no rule. Parts are numpy.array_split's (placement.h), so
 // extents that the mesh does not divide go through the collectives' uneven splits. Several mesh
-// dimensions change inner (last) first for gathers and reductions, then outer first for slices,
-// so nested shards of one tensor dimension stay in mesh order. A value redistributed once is
-// reused by every later op that wants it so.
+// dimensions change inner (last) first for gathers and reductions, then outer first for slices.
+// A shard of tensor dim d on a mesh dimension splits the part its outer mesh dimensions left, so
+// where an outer mesh dimension changes how it shards d, the inner shards of d are gathered
+// first and sliced again afterwards (more bytes than a direct reduce_scatter or all_to_all, but
+// the parts stay those local_part gives). A value redistributed once is reused by every later op
+// that wants it so.
 //
 // Every Communication names the communicator backend that runs it: LoweringParams's, or the one
 // the executor's communicator has for the tensors' device type.
