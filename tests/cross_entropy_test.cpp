@@ -693,6 +693,64 @@ TEST_P(CrossEntropyRowKernels, OnChunksEqualTheWholeOpAndRunInPlace) {
 INSTANTIATE_TEST_SUITE_P(, CrossEntropyRowKernels, ::testing::ValuesIn(test::kernel_targets()),
                          test::target_param_name);
 
+// f32 logits whose lse is large (rows of values around 20 and 30: lse about 30 and 46), against
+// the reference on the same values as f64. In f32 such an lse is off by up to half its ulp (2^-20
+// to 2^-19), which every p = e^(v - lse) of the row takes whole: the forward must give it in
+// double, and the backward must use it without rounding.
+class CrossEntropyF32LargeLse : public ::testing::TestWithParam<Target> {};
+
+TEST_P(CrossEntropyF32LargeLse, LseAndGradientAreWithinAFewUlpOfDouble) {
+  const Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const std::int64_t n = 64, v = 4096;
+  Tensor x64 = randn({n, v}, DType::F64, 21);
+  double* x = x64.data_ptr<double>();
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < v; ++j) {
+      double& e = x[detail::row_offset(i, v) + j];
+      e = i % 2 ? 30 + 4 * e : 20 + 2 * e;
+    }
+  Tensor logits({n, v}, DType::F32);
+  copy(x64, logits);
+  copy(logits, x64);  // the truth takes the f32 values
+  const Tensor labels = make_labels(n, v, DType::I64, 22);
+  const CrossEntropyOptions o{.reduction = Reduction::None};
+  const Tensor dl = upstream(n, DType::F32, o.reduction);
+  const Forward truth = forward(kOracle, x64, labels, o, {});
+  Tensor dl_f64({n}, DType::F64);
+  copy(dl, dl_f64);
+  const std::vector<double> truth_grad =
+      values(backward(kOracle, dl_f64, x64, labels, truth.lse, o, {}));
+
+  // The lse, in absolute terms: the relative error it gives every p of the row.
+  const Forward got = forward(target, logits, labels, o, stream);
+  const std::vector<double> lse = values(got.lse), truth_lse = values(truth.lse);
+  double lse_err = 0;
+  for (std::int64_t i = 0; i < n; ++i) lse_err = std::max(lse_err, std::abs(lse[i] - truth_lse[i]));
+  EXPECT_LE(lse_err, 6e-7);
+
+  // The gradient given the exact lse, relative to each value with a floor at 2^-10 of its row's
+  // largest: a few ulp of the exp, the factors and the output rounding.
+  const std::vector<double> grad =
+      values(backward(target, dl, logits, labels, truth.lse, o, stream));
+  double grad_err = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t row = detail::row_offset(i, v);
+    double floor = 0;
+    for (std::int64_t j = 0; j < v; ++j) floor = std::max(floor, std::abs(truth_grad[row + j]));
+    floor *= 0x1p-10;
+    if (floor == 0) continue;  // an ignored row: zeros (the other tests check them)
+    for (std::int64_t j = 0; j < v; ++j)
+      grad_err = std::max(grad_err, std::abs(grad[row + j] - truth_grad[row + j]) /
+                                        std::max(std::abs(truth_grad[row + j]), floor));
+  }
+  EXPECT_LE(grad_err, 6e-7);
+}
+
+INSTANTIATE_TEST_SUITE_P(, CrossEntropyF32LargeLse, ::testing::ValuesIn(test::kernel_targets()),
+                         test::target_param_name);
+
 TEST(CrossEntropy, RowOffsetsPast2To31AreExact) {
   // The row kernels address row i of a block at row_offset(i, V): a 70000-row chunk of a LLaMA-3
   // vocabulary (128256) reaches element 8'977'920'000 > 2^31.

@@ -105,6 +105,13 @@ inline float lane_sum(__m512 v) {
   for (const float x : lane) sum += x;
   return sum;
 }
+inline double lane_sum(__m512d v) {
+  alignas(64) double lane[8];
+  _mm512_store_pd(lane, v);
+  double sum = 0;
+  for (const double x : lane) sum += x;
+  return sum;
+}
 inline float lane_max(__m512 v) {
   alignas(64) float lane[16];
   _mm512_store_ps(lane, v);

@@ -1,6 +1,8 @@
 // CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
 // forward reads each row twice (max, then exp-sum, the next row's max fused into this row's
-// exp-sum: see cpu_logsumexp.h), the backward reads it and writes the gradient in one pass.
+// exp-sum: see cpu_logsumexp.h), the backward reads it and writes the gradient in one pass. f32
+// rows keep the lse in double from the forward's sum to the backward's exps (backward_rows).
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -43,7 +45,8 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
       };
       const auto [sum, next_st] = eps != 0 ? sum_exp(std::true_type{}) : sum_exp(std::false_type{});
       st = next_st;
-      const A l = shift + std::log(sum);
+      // f32 and f64 rows: in double from a double sum (exp_sum_t), for the backward's lse_t.
+      const lse_t<T> l = lse_t<T>(shift) + std::log(sum);
       // The label's logit, 0 when it is in another shard.
       const std::int64_t col = y - o.vocab_start;
       const A v_label = col >= 0 && col < b.vocab ? A(to_float(row(i)[col])) * m : A(0);
@@ -63,7 +66,8 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   using A = acc_t<T>;
   const A m = static_cast<A>(o.logits_multiplier);
   const A eps = static_cast<A>(o.label_smoothing), z = static_cast<A>(o.z_loss_scale);
-  const A smooth = eps / static_cast<A>(vocab_classes(o, b.vocab));
+  const auto classes = static_cast<double>(vocab_classes(o, b.vocab));
+  const A smooth = eps / static_cast<A>(classes);
   // The gradient is as large as the logits: streamed past the last-level cache.
   const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)}, grad_logits,
                                         b.rows * b.vocab * std::int64_t{sizeof(T)});
@@ -80,33 +84,58 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
         for (std::int64_t j = 0; j < b.vocab; ++j) dx[j] = store_as<T>(A(0));
         continue;
       }
-      const A l = static_cast<A>(lse[g]);
-      const A c = static_cast<A>(up.scale * (up.row_grad ? up.row_grad[g] : 1.0)) * m;
-      const A p_scale = z != 0 ? A(1) + 2 * z * l : A(1);
+      const lse_t<T> l = lse[g];
+      const double row_grad = up.scale * (up.row_grad ? up.row_grad[g] : 1.0);
       // The label's column; outside [0, vocab) it is in another shard: no one-hot term here.
       const std::int64_t col = y - o.vocab_start;
       const bool here = col >= 0 && col < b.vocab;
-      // Read before the loop: grad_logits may alias logits.
-      const A p_label = here ? vexp(A(to_float(x[col])) * m - l) : A(0);
+      // dx_j = c (p_j p_scale - smooth - [j = label] (1 - eps)) with p_j = e^(m x_j - l), computed
+      // from e_j = e^(m x_j - shift) as c (e_j pf - off) on 16-bit rows, e_j pf - off on the
+      // others. The label's gradient is computed before the loop: grad_logits may alias logits.
+      A shift, c = 1, pf, off, label_grad = 0;
+      if constexpr (kSixteenBit<T>) {
+        // In float: errors far below their gradient's rounding.
+        shift = l;
+        c = static_cast<A>(row_grad) * m;
+        pf = z != 0 ? A(1) + 2 * z * l : A(1);
+        off = smooth;
+        if (here) label_grad = c * (vexp(A(to_float(x[col])) * m - l) * pf - smooth - (A(1) - eps));
+      } else {
+        // f32 rows shift by the double lse rounded to f32 and fold e^(shift - l), the rounding's
+        // factor, into pf, so that p_j carries no rounding of the lse (in f32, up to 2^-21 of an
+        // lse of 10 to 20, relative to every p_j); equal values (f64 rows, infinities) need no
+        // fold. Each factor is computed in double and rounded once.
+        shift = static_cast<A>(l);
+        const double cd = row_grad * o.logits_multiplier;
+        const double p_scale = o.z_loss_scale != 0 ? 1 + 2 * o.z_loss_scale * l : 1.0;
+        const double fold = double(shift) != l ? std::exp(double(shift) - l) : 1.0;
+        const double smooth_d = o.label_smoothing / classes;
+        pf = static_cast<A>(cd * p_scale * fold);
+        off = static_cast<A>(cd * smooth_d);
+        if (here) {
+          const double p = std::exp(double(to_float(x[col])) * double(m) - l);
+          label_grad = static_cast<A>(cd * (p * p_scale - smooth_d - (1 - o.label_smoothing)));
+        }
+      }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       if constexpr (std::is_same_v<A, float>) {  // bound by the exp: vexp16 (cpu_math.h)
         stream_out_blocks(dx, b.vocab, stream, [&](std::int64_t j0, std::int64_t len, A* buf) {
-          const __m512 vm = _mm512_set1_ps(m), vl = _mm512_set1_ps(l);
+          const __m512 vm = _mm512_set1_ps(m), vshift = _mm512_set1_ps(shift);
+          const __m512 vc = _mm512_set1_ps(c), vpf = _mm512_set1_ps(pf), voff = _mm512_set1_ps(off);
           for (std::int64_t j = 0; j < len; j += 16) {
             const __mmask16 k = tail_mask(j, len);
-            const __m512 e = vexp16(_mm512_fmsub_ps(load16(x + j0 + j, k), vm, vl));
-            const __m512 g =
-                _mm512_mul_ps(_mm512_set1_ps(c),
-                              _mm512_fmsub_ps(e, _mm512_set1_ps(p_scale), _mm512_set1_ps(smooth)));
-            _mm512_mask_storeu_ps(buf + j, k, g);
+            const __m512 e = vexp16(_mm512_fmsub_ps(load16(x + j0 + j, k), vm, vshift));
+            const __m512 d = _mm512_fmsub_ps(e, vpf, voff);
+            _mm512_mask_storeu_ps(buf + j, k, kSixteenBit<T> ? _mm512_mul_ps(vc, d) : d);
           }
         });
       } else
 #endif
         stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
-          return c * (vexp(A(to_float(x[j])) * m - l) * p_scale - smooth);
+          const A d = vexp(A(to_float(x[j])) * m - shift) * pf - off;
+          return kSixteenBit<T> ? c * d : d;
         });
-      if (here) dx[col] = store_as<T>(c * (p_label * p_scale - smooth - (A(1) - eps)));
+      if (here) dx[col] = store_as<T>(label_grad);
     }
     stream_fence();
   }

@@ -22,9 +22,9 @@ struct CrossEntropyShape {
   std::int64_t vocab;  // the logits' columns: a shard's width when the options name one
 };
 
-// lse: F32 for 16-bit logits, F64 for f32 and f64 ones. The cuda backward takes p = e^(v - lse)
-// from it, and an f32 lse of 10 to 20 is off by up to 2^-21, an error that every p of the row
-// takes whole (above PyTorch's own for f32 logits; far below a 16-bit gradient's rounding).
+// lse: F32 for 16-bit logits, F64 for f32 and f64 ones. The backwards take p = e^(v - lse) from
+// it, and an f32 lse of 10 to 20 is off by up to 2^-21, an error that every p of the row takes
+// whole (above PyTorch's own for f32 logits; far below a 16-bit gradient's rounding).
 inline DType lse_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : DType::F64; }
 
 // lse's element type for logits of element type T (either backend's 16-bit types are 2 bytes).
