@@ -65,7 +65,10 @@ def add(args):
     run = {"machine": args.machine, "command": args.command, "commit": commit, "date": date,
            "kind": kind, "results": results}
     os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"{date}-{commit}-{slug(args.machine)}-{kind}.json")
+    stem = os.path.join(RESULTS, f"{date}-{commit}-{slug(args.machine)}-{kind}")
+    path, n = f"{stem}.json", 2
+    while os.path.exists(path):  # another run of the same kind, commit and machine
+        path, n = f"{stem}-{n}.json", n + 1
     with open(path, "w") as f:
         json.dump(run, f, indent=1, ensure_ascii=False)
         f.write("\n")
@@ -210,7 +213,10 @@ def run_section(results):
            f"{r['backend']} ({r['device']}), forward + backward, median of {r['repeats']} runs: "
            f"one device {num(r['single_device_ms'], 2)} ms, scaling efficiency "
            f"{num(r['scaling_efficiency'], 2)} (one device / (ranks x per rank)); every check "
-           f"{'passes' if r['pass'] else 'DOES NOT pass'}.", ""]
+           f"{'passes' if r['pass'] else 'DOES NOT pass'}."
+           + (" The ranks are threads sharing the machine's cores, and the one-device run has all "
+              "of them: with N ranks on C cores the efficiency is at most C / N."
+              if r["backend"] == "local" else ""), ""]
     out += table(["rank", "median ms", "in communication ms", "share"],
                  [[p["rank"], num(p["median_ms"], 2), num(p["comm_ms"], 2),
                    pct(p["comm_ms"] / p["median_ms"] if p["median_ms"] else 0)]
