@@ -6,11 +6,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <exception>
 #include <filesystem>
-#include <thread>
 
 #include "executor_cases.h"
+#include "meshfuse/distributed/store.h"
 #include "meshfuse/ops/rmsnorm.h"
 #include "test_util.h"
 
@@ -23,20 +22,7 @@ using namespace std::chrono_literals;
 void on_four_ranks(const std::function<void(const std::shared_ptr<Communicator>&)>& fn) {
   CommOptions options;
   options.timeout = 20s;
-  LocalWorld world(4, options);
-  std::vector<std::exception_ptr> errors(4);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 4; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(world.communicator(r));
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  run_local(4, fn, options);
 }
 
 TEST(ExecutorLocal, EveryTransitionOfOneMeshDimensionGivesTheParts) {

@@ -9,6 +9,7 @@
 #include <ostream>
 #include <vector>
 
+#include "launch.h"
 #include "measure.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/stream.h"
@@ -56,21 +57,7 @@ struct Setup {
 
 Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   Setup s{};
-  std::string backend = o.backend;
-  if (backend.empty()) {
-    const char* env = std::getenv("MESHFUSE_BACKEND");
-    backend = env && *env                            ? env
-              : launch.launcher == Launcher::OpenMpi ? "mpi"
-              : launch.world_size > 1                ? "gloo"
-                                                     : "local";
-  }
-  try {
-    s.backend = parse_communicator_backend(backend);
-  } catch (const Error& e) {
-    fail(ErrorCode::InvalidArgument, "--backend: {}", e.what());
-  }
-  MESHFUSE_CHECK(communicator_backend_built(s.backend), ErrorCode::BackendUnavailable,
-                 "--backend: {} is not in this build", backend);
+  s.backend = command_backend(o.backend, launch, "-n");
   s.op = parse_op(o.op);
   MESHFUSE_CHECK(o.dtype == "f32" || o.dtype == "bf16", ErrorCode::InvalidArgument,
                  "--dtype: expected f32 or bf16, got '{}'", o.dtype);
@@ -86,17 +73,13 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
                  ErrorCode::InvalidArgument, "--format: expected table, csv or json, got '{}'",
                  o.format);
   if (s.backend == CommunicatorBackend::Local) {
-    MESHFUSE_CHECK(launch.world_size == 1, ErrorCode::InvalidArgument,
-                   "--backend local runs its ranks as threads of one process (-n); this process "
-                   "is {} (start it without a launcher)",
-                   launch.str());
     MESHFUSE_CHECK(o.nranks >= 0, ErrorCode::InvalidArgument,
                    "-n: expected a positive number of ranks, got {}", o.nranks);
   } else {
     MESHFUSE_CHECK(o.nranks == 0 || o.nranks == launch.world_size, ErrorCode::InvalidArgument,
                    "-n {}: the launcher started {} rank(s) (-n is for --backend local; with {} "
                    "start the ranks with meshfuse launch or mpirun)",
-                   o.nranks, launch.world_size, backend);
+                   o.nranks, launch.world_size, to_string(s.backend));
   }
   return s;
 }

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -348,6 +349,32 @@ int run_launch(const LaunchOptions& options) {
   MESHFUSE_CHECK(options.grace_s >= 0, ErrorCode::InvalidArgument,
                  "launch: --grace-period: expected seconds >= 0, got {}", options.grace_s);
   return Launcher(options).run();
+}
+
+CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
+                                    const std::string& ranks_option) {
+  std::string chosen = name;
+  if (chosen.empty()) {
+    const char* env = std::getenv("MESHFUSE_BACKEND");
+    chosen = env && *env                                      ? env
+             : launch.launcher == meshfuse::Launcher::OpenMpi ? "mpi"
+             : launch.world_size > 1                          ? "gloo"
+                                                              : "local";
+  }
+  CommunicatorBackend backend{};
+  try {
+    backend = parse_communicator_backend(chosen);
+  } catch (const Error& e) {
+    fail(ErrorCode::InvalidArgument, "--backend: {}", e.what());
+  }
+  MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
+                 "--backend: {} is not in this build", chosen);
+  MESHFUSE_CHECK(backend != CommunicatorBackend::Local || launch.world_size == 1,
+                 ErrorCode::InvalidArgument,
+                 "--backend local runs its ranks as threads of one process ({}); this process is "
+                 "{} (start it without a launcher)",
+                 ranks_option, launch.str());
+  return backend;
 }
 
 }  // namespace meshfuse::cli

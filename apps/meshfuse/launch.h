@@ -5,6 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/communicator.h"
+
 namespace meshfuse::cli {
 
 struct LaunchOptions {
@@ -30,5 +33,14 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
 // signal; 128 + the launcher's signal when interrupted), having named it on stderr. Throws
 // meshfuse::Error for bad options or when a process cannot be started.
 int run_launch(const LaunchOptions& options);
+
+// The communicator backend of a command that runs ranks (comm-bench, run): `name` (its --backend),
+// or when empty MESHFUSE_BACKEND, else mpi under mpirun, gloo under another launcher, local
+// without one. local runs its ranks as threads of this process (their number given by the option
+// `ranks_option`), so it needs a process started without a launcher. Throws Error naming --backend:
+// InvalidArgument for an unknown name or local under a launcher, BackendUnavailable for a backend
+// this build lacks.
+CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
+                                    const std::string& ranks_option);
 
 }  // namespace meshfuse::cli

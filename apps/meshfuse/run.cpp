@@ -10,10 +10,10 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
-#include <thread>
 #include <vector>
 
 #include "bench.h"
+#include "launch.h"
 #include "measure.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/core/stream.h"
@@ -41,21 +41,7 @@ Setup check_options(const RunOptions& o) {
   Setup s;
   s.launch = launch_info_from_env();
   s.model = load_model_config(o.model);
-  std::string backend = o.backend;
-  if (backend.empty()) {
-    const char* env = std::getenv("MESHFUSE_BACKEND");
-    backend = env && *env                              ? env
-              : s.launch.launcher == Launcher::OpenMpi ? "mpi"
-              : s.launch.world_size > 1                ? "gloo"
-                                                       : "local";
-  }
-  try {
-    s.backend = parse_communicator_backend(backend);
-  } catch (const Error& e) {
-    fail(ErrorCode::InvalidArgument, "--backend: {}", e.what());
-  }
-  MESHFUSE_CHECK(communicator_backend_built(s.backend), ErrorCode::BackendUnavailable,
-                 "--backend: {} is not in this build", backend);
+  s.backend = command_backend(o.backend, s.launch, "--ranks");
   s.device = parse_bench_device(o.device);
   const bool cuda = s.device.type == DeviceType::CUDA;
   if (cuda && s.launch.world_size > 1) s.device.index = s.launch.cuda_device();
@@ -68,10 +54,6 @@ Setup check_options(const RunOptions& o) {
   MESHFUSE_CHECK(o.format == "table" || o.format == "json", ErrorCode::InvalidArgument,
                  "--format: expected table or json, got '{}'", o.format);
   if (s.backend == CommunicatorBackend::Local) {
-    MESHFUSE_CHECK(s.launch.world_size == 1, ErrorCode::InvalidArgument,
-                   "--backend local runs its ranks as threads of one process (--ranks); this "
-                   "process is {} (start it without a launcher)",
-                   s.launch.str());
     MESHFUSE_CHECK(!cuda, ErrorCode::Unsupported,
                    "--backend local moves CPU tensors only (CUDA ranks: nccl under a launcher)");
     MESHFUSE_CHECK(o.ranks >= 0, ErrorCode::InvalidArgument,
@@ -390,20 +372,9 @@ int run_model(const RunOptions& options, std::ostream& out) {
   Report report;
   if (s.backend == CommunicatorBackend::Local) {
     const std::vector<Tensor> whole = whole_inputs(build(s, false));
-    LocalWorld world(s.ranks);
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(s.ranks));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < s.ranks; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          run_rank(world.communicator(r), s, options, whole, Stream{}, r == 0 ? &report : nullptr);
-        } catch (...) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-        }
-      });
-    for (std::thread& t : threads) t.join();
-    for (const std::exception_ptr& e : errors)
-      if (e) std::rethrow_exception(e);
+    run_local(s.ranks, [&](const std::shared_ptr<Communicator>& comm) {
+      run_rank(comm, s, options, whole, Stream{}, comm->rank() == 0 ? &report : nullptr);
+    });
   } else {
     CommOptions comm_options;
     comm_options.backend = fmt::format("{}:{}", s.device.type == DeviceType::CUDA ? "cuda" : "cpu",

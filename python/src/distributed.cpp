@@ -11,10 +11,8 @@
 
 #include <chrono>
 #include <cmath>
-#include <exception>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "arrays.h"
@@ -272,35 +270,24 @@ void bind_communicator(nb::module_& m) {
   m.def(
       "run_local",
       [](int size, nb::callable fn, double timeout, bool check) {
-        // The C++ run_local's threads, with each rank's fn given the shared_ptr of its
-        // communicator (not a reference): what fn makes of it, a MultiDeviceExecutor, may keep
-        // it, and the Python object then owns it past run_local.
-        LocalWorld world(size, options("", timeout, check));
-        std::vector<std::shared_ptr<Communicator>> comms;
-        for (int r = 0; r < size; ++r) comms.push_back(world.communicator(r));
-        std::vector<std::exception_ptr> errors(comms.size());
-        {
-          nb::gil_scoped_release release;
-          std::vector<std::thread> threads;
-          for (int r = 0; r < size; ++r)
-            threads.emplace_back([&, r] {
-              const auto ri = static_cast<std::size_t>(r);
+        // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn makes
+        // of it, a MultiDeviceExecutor, may keep it, and the Python object then owns it past
+        // run_local.
+        nb::gil_scoped_release release;
+        run_local(
+            size,
+            [&](const std::shared_ptr<Communicator>& comm) {
               nb::gil_scoped_acquire acquire;
               try {
-                fn(comms[ri]);
+                fn(comm);
               } catch (nb::python_error& e) {
-                // The rank's Python exception as an Error (its message kept), rethrown below for
-                // the lowest rank that raised; converted here, while this thread holds the GIL.
-                errors[ri] = std::make_exception_ptr(
-                    Error(ErrorCode::Internal, "rank " + std::to_string(r) + ": " + e.what()));
-              } catch (...) {
-                errors[ri] = std::current_exception();
+                // The rank's Python exception as an Error (its message kept), which run_local
+                // rethrows for the lowest rank that raised; converted here, with the GIL held.
+                throw Error(ErrorCode::Internal,
+                            "rank " + std::to_string(comm->rank()) + ": " + e.what());
               }
-            });
-          for (std::thread& t : threads) t.join();
-        }
-        for (const std::exception_ptr& e : errors)
-          if (e) std::rethrow_exception(e);
+            },
+            options("", timeout, check));
       },
       "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
       "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld and joins them; "
@@ -321,10 +308,12 @@ void bind_distributed(nb::module_& m) {
         return names;
       },
       "The communicator backends in this build.");
-  m.def("nccl_library", &nccl_library,
-        "The NCCL library of the nccl backend, e.g. 'NCCL 2.28.3 (libnccl.so.2)': opened at run "
-        "time, so a process with torch imported first shares torch's NCCL. Raises meshfuse.Error when "
-        "the build has no nccl backend or no NCCL library loads (MESHFUSE_NCCL_LIBRARY names one).");
+  m.def(
+      "nccl_library", &nccl_library,
+      "The NCCL library of the nccl backend, e.g. 'NCCL 2.28.3 (libnccl.so.2)': opened at run "
+      "time, so a process with torch imported first shares torch's NCCL. Raises meshfuse.Error "
+      "when "
+      "the build has no nccl backend or no NCCL library loads (MESHFUSE_NCCL_LIBRARY names one).");
   bind_record(m);
   bind_communicator(m);
 }

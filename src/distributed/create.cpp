@@ -102,7 +102,8 @@ std::shared_ptr<Communicator> LocalWorld::communicator(int rank) {
   return CommState::make(std::move(state));
 }
 
-void run_local(int size, const std::function<void(Communicator&)>& fn, const CommOptions& options) {
+void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
+               const CommOptions& options) {
   LocalWorld world(size, options);
   std::vector<std::shared_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) comms.push_back(world.communicator(r));
@@ -111,7 +112,7 @@ void run_local(int size, const std::function<void(Communicator&)>& fn, const Com
   for (int r = 0; r < size; ++r)
     threads.emplace_back([&, r] {
       try {
-        fn(*comms[r]);
+        fn(comms[r]);
       } catch (...) {
         errors[r] = std::current_exception();
       }
@@ -119,6 +120,11 @@ void run_local(int size, const std::function<void(Communicator&)>& fn, const Com
   for (std::thread& t : threads) t.join();
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+void run_local(int size, const std::function<void(Communicator&)>& fn, const CommOptions& options) {
+  run_local(
+      size, [&](const std::shared_ptr<Communicator>& comm) { fn(*comm); }, options);
 }
 
 }  // namespace meshfuse

@@ -339,5 +339,9 @@ class LocalWorld {
 // then rethrows the exception of the lowest rank that threw, if any.
 void run_local(int size, const std::function<void(Communicator&)>& fn,
                const CommOptions& options = {});
+// The same with fn given each rank's communicator as owned: what fn builds on it (a
+// MultiDeviceExecutor) may keep it past run_local.
+void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
+               const CommOptions& options = {});
 
 }  // namespace meshfuse
