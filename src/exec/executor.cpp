@@ -40,33 +40,17 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 // Runs a Plan's steps on one rank.
 class Interpreter {
  public:
-  Interpreter(const Plan& plan, const std::vector<std::shared_ptr<Communicator>>& teams,
-              Device device, const Stream& stream, std::vector<StepProfile>* profile)
+  Interpreter(const Plan& plan, const std::vector<std::int64_t>& last_use,
+              const std::vector<std::shared_ptr<Communicator>>& teams, Device device,
+              const Stream& stream, std::vector<StepProfile>* profile)
       : plan_(plan),
+        last_use_(last_use),
         teams_(teams),
         device_(device),
         stream_(stream),
         profile_(profile),
         views_(plan.values.size()),
-        owned_(plan.values.size()),
-        last_use_(plan.values.size(), -1) {
-    const auto uses = [&](std::int64_t id, std::int64_t step) {
-      auto& u = last_use_[static_cast<std::size_t>(id)];
-      u = std::max(u, step);
-    };
-    for (std::size_t s = 0; s < plan.steps.size(); ++s) {
-      const auto step = static_cast<std::int64_t>(s);
-      if (const auto* c = std::get_if<Compute>(&plan.steps[s])) {
-        for (Value in : c->op.inputs)
-          if (in.defined()) uses(in.id, step);
-      } else if (const auto* c = std::get_if<Communication>(&plan.steps[s])) {
-        uses(c->input, step);
-      } else {
-        uses(std::get<Slice>(plan.steps[s]).input, step);
-      }
-    }
-    for (std::int64_t out : plan.outputs) uses(out, static_cast<std::int64_t>(plan.steps.size()));
-  }
+        owned_(plan.values.size()) {}
 
   std::vector<Tensor> run(const std::vector<TensorView>& inputs) {
     for (std::size_t i = 0; i < inputs.size(); ++i)
@@ -209,14 +193,37 @@ class Interpreter {
   }
 
   const Plan& plan_;
+  const std::vector<std::int64_t>& last_use_;  // the last step that reads each value
   const std::vector<std::shared_ptr<Communicator>>& teams_;
   Device device_;
   Stream stream_;
   std::vector<StepProfile>* profile_;  // null: not profiling
   std::vector<TensorView> views_;
   std::vector<Tensor> owned_;
-  std::vector<std::int64_t> last_use_;  // the last step that reads each value
 };
+
+// The last step that reads each value of `plan` (-1: none; an output: past the last step), so
+// that a run frees each intermediate as soon as it can.
+std::vector<std::int64_t> last_uses(const Plan& plan) {
+  std::vector<std::int64_t> last(plan.values.size(), -1);
+  const auto uses = [&](std::int64_t id, std::int64_t step) {
+    auto& u = last[static_cast<std::size_t>(id)];
+    u = std::max(u, step);
+  };
+  for (std::size_t s = 0; s < plan.steps.size(); ++s) {
+    const auto step = static_cast<std::int64_t>(s);
+    if (const auto* c = std::get_if<Compute>(&plan.steps[s])) {
+      for (Value in : c->op.inputs)
+        if (in.defined()) uses(in.id, step);
+    } else if (const auto* c = std::get_if<Communication>(&plan.steps[s])) {
+      uses(c->input, step);
+    } else {
+      uses(std::get<Slice>(plan.steps[s]).input, step);
+    }
+  }
+  for (std::int64_t out : plan.outputs) uses(out, static_cast<std::int64_t>(plan.steps.size()));
+  return last;
+}
 
 // Whether the plan talks to its teams: a Communication, or an op that communicates itself (the
 // vocabulary-parallel loss).
@@ -279,14 +286,22 @@ CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {
   return communicator_->backend(type);
 }
 
-const Plan& MultiDeviceExecutor::plan(DeviceType type) {
+const MultiDeviceExecutor::Lowered& MultiDeviceExecutor::lowered(DeviceType type) {
   const CommunicatorBackend backend = backend_for(type);
   auto it = plans_.find({backend, type});
-  if (it == plans_.end())
-    it = plans_.emplace(std::pair(backend, type), lower(program_, communicator_->rank(), backend))
+  if (it == plans_.end()) {
+    Plan plan = lower(program_, communicator_->rank(), backend);
+    std::vector<std::int64_t> last_use = last_uses(plan);
+    const bool communicates = has_communication(plan);
+    it = plans_
+             .emplace(std::pair(backend, type),
+                      Lowered{std::move(plan), std::move(last_use), communicates})
              .first;
+  }
   return it->second;
 }
+
+const Plan& MultiDeviceExecutor::plan(DeviceType type) { return lowered(type).plan; }
 
 const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
     CommunicatorBackend backend, DeviceType type, const Stream& stream) {
@@ -328,7 +343,8 @@ std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inpu
                  "MultiDeviceExecutor.run: {} inputs given, the program takes {}", inputs.size(),
                  declared.size());
   const Device device = inputs.empty() ? stream.device : inputs[0].device();
-  const Plan& plan = this->plan(device.type);
+  const Lowered& lowered = this->lowered(device.type);
+  const Plan& plan = lowered.plan;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = inputs[i];
     const PlanValue& want = plan.values[static_cast<std::size_t>(plan.inputs[i])];
@@ -346,9 +362,9 @@ std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inpu
                    shape_str(want.shape), shape_str(t.shape()));
   }
   static const std::vector<std::shared_ptr<Communicator>> kNone;
-  const auto& teams =
-      has_communication(plan) ? this->teams(plan.backend, device.type, stream) : kNone;
-  return Interpreter(plan, teams, device, stream, params_.profile ? &profile_ : nullptr)
+  const auto& teams = lowered.communicates ? this->teams(plan.backend, device.type, stream) : kNone;
+  return Interpreter(plan, lowered.last_use, teams, device, stream,
+                     params_.profile ? &profile_ : nullptr)
       .run(inputs);
 }
 

@@ -88,7 +88,15 @@ class MultiDeviceExecutor {
   std::shared_ptr<Communicator> communicator_;
   MultiDeviceExecutorParams params_;
   DeviceMesh mesh_;
-  std::map<std::pair<CommunicatorBackend, DeviceType>, Plan> plans_;
+  // A plan and what every run of it reads.
+  struct Lowered {
+    Plan plan;
+    std::vector<std::int64_t> last_use;  // per plan value, the last step reading it (-1: none)
+    bool communicates = false;           // has a Communication, or an op that communicates
+  };
+  const Lowered& lowered(DeviceType type);
+
+  std::map<std::pair<CommunicatorBackend, DeviceType>, Lowered> plans_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, std::vector<std::shared_ptr<Communicator>>>
       teams_;
   std::vector<StepProfile> profile_;
