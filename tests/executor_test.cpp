@@ -9,7 +9,9 @@
 #include <filesystem>
 
 #include "executor_cases.h"
+#include "meshfuse/core/memory.h"
 #include "meshfuse/distributed/store.h"
+#include "meshfuse/ops/fused_linear_cross_entropy.h"
 #include "meshfuse/ops/rmsnorm.h"
 #include "test_util.h"
 
@@ -98,6 +100,64 @@ TEST(ExecutorCuda, OneRankNcclMeshRunsTheMlpBlockForwardAndBackward) {
     EXPECT_EQ(out[i].device(), kCuda);
     expect_close(to_cpu(out[i], stream), expected[i], 5e-5, "output " + std::to_string(i));
   }
+  std::filesystem::remove_all(dir);
+}
+
+// The vocabulary-parallel fused loss allocates one chunk of logits and their gradient at a time,
+// also where the rank holds the whole vocabulary (a one-rank team): at llama-3's vocabulary the
+// chunk is a quarter of the rows, so a whole-rows scratch is four times the bound.
+TEST(ExecutorCuda, VocabularyParallelFusedLossScratchIsOneChunkOnAOneRankTeam) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("meshfuse_executor_vpm_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  CommOptions options;
+  options.backend = "cuda:nccl";
+  options.timeout = 20s;
+  const auto comm =
+      init_communicator(LaunchInfo{}, std::make_shared<FileStore>(dir.string()), options);
+  constexpr std::int64_t tokens = 8192, hidden = 64, vocab = 128256;
+  Program p;
+  const Value x = p.define_tensor("x", {tokens, hidden}, DType::BF16);
+  const Value w = p.define_tensor("head_weight", {vocab, hidden}, DType::BF16);
+  const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
+  const Value loss = p.fused_linear_cross_entropy(x, w, {}, labels, {}, DType::F32);
+  p.add_output(loss);
+  p.set_mesh(DeviceMesh({0}));
+  p.set_placements(w, {Shard{0}});
+  const Program joint = grad(p, loss, {x, w});
+  const CudaStream stream(0);
+  std::vector<Tensor> inputs;
+  for (Value in : joint.inputs()) {
+    const ValueInfo& info = joint.info(in);
+    Tensor host(info.shape, info.dtype);
+    if (info.name == "labels") {
+      testing::fill_uniform_int(host, 1, 0, vocab);
+    } else if (info.name == "grad_loss") {
+      testing::fill(host, 1.0);
+    } else {
+      testing::fill_normal(host, 2, 0.0, 0.05);
+    }
+    inputs.push_back(on(host, kCuda, stream));
+  }
+  MultiDeviceExecutor executor(joint, comm);
+  synchronize(stream);
+  const std::int64_t before = device_memory_stats(kCuda).allocated;
+  reset_peak_memory_stats(kCuda);
+  std::int64_t output_bytes = 0;
+  {
+    const std::vector<Tensor> out = executor.run(exec::views(inputs), stream);
+    synchronize(stream);
+    for (const Tensor& t : out)
+      output_bytes += t.numel() * static_cast<std::int64_t>(element_size(t.dtype()));
+    EXPECT_TRUE(std::isfinite(values(to_cpu(out[0], stream))[0]));
+  }
+  const std::int64_t chunk = fused_linear_cross_entropy_chunk_rows(DeviceType::CUDA, vocab);
+  ASSERT_LT(chunk, tokens);
+  const std::int64_t scratch = device_memory_stats(kCuda).peak_allocated - before - output_bytes;
+  EXPECT_LE(scratch, chunk * vocab * 4 + (std::int64_t{16} << 20))
+      << "chunk " << chunk << " rows of " << tokens;
   std::filesystem::remove_all(dir);
 }
 

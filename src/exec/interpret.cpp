@@ -211,8 +211,10 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                           : upstream[0]);
   }
   // The same chunks on every rank (their statistics are gathered chunk by chunk): sized for the
-  // largest shard, not this rank's.
-  const std::int64_t largest = (op.loss.vocab_size + team.size() - 1) / team.size();
+  // largest shard, not this rank's. vocab_size is 0 where this rank holds the whole vocabulary
+  // (a one-rank team).
+  const std::int64_t largest =
+      op.loss.vocab_size ? (op.loss.vocab_size + team.size() - 1) / team.size() : vocab;
   const std::int64_t chunk = std::max<std::int64_t>(
       1, std::min(n, fused_linear_cross_entropy_chunk_rows(device.type, largest)));
   const DType lse_dtype = is_sixteen_bit(dt) ? DType::F32 : DType::F64;
