@@ -55,6 +55,10 @@ TEST(ExecutorProcess, MlpBlockBackwardMatchesOneDeviceOnALineAndATwoByTwoMesh) {
   exec::check_mlp_block_backward(world);
 }
 
+TEST(ExecutorProcess, OverlappedMlpBlockMatchesOneDeviceInEveryForm) {
+  exec::check_mlp_block_overlap(world);
+}
+
 TEST(ExecutorProcess, HeadBackwardMatchesOneDevice) { exec::check_head_backward(world); }
 
 // Under mpirun with a store (MESHFUSE_STORE_PATH, the dist_mpi_4_processes_executor_on_gloo

@@ -63,6 +63,10 @@ TEST(ExecutorLocal, MlpBlockInBf16MatchesOneDeviceWithinBf16Rounding) {
   on_four_ranks(exec::check_mlp_block_bf16);
 }
 
+TEST(ExecutorLocal, OverlappedMlpBlockMatchesOneDeviceInEveryForm) {
+  on_four_ranks(exec::check_mlp_block_overlap);
+}
+
 TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   on_four_ranks(exec::check_errors);
 }
@@ -189,7 +193,9 @@ TEST(Executor, PlansAreCachedPerBackendAndEachCommunicationNamesIt) {
   MultiDeviceExecutor executor(p, world.communicator(2));
   EXPECT_EQ(executor.plan().backend, CommunicatorBackend::Local);
   EXPECT_EQ(executor.cached_plans(), 1u);
-  executor.set_params({LoweringParams{CommunicatorBackend::Gloo}});
+  MultiDeviceExecutorParams on_gloo;
+  on_gloo.lowering.communicator_backend = CommunicatorBackend::Gloo;
+  executor.set_params(on_gloo);
   const Plan& gloo = executor.plan();
   EXPECT_EQ(executor.cached_plans(), 2u);
   ASSERT_EQ(gloo.steps.size(), 1u);

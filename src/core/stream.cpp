@@ -34,6 +34,45 @@ CudaStream::CudaStream(int device_index) {
 CudaStream::~CudaStream() = default;
 #endif
 
+StreamEvent::~StreamEvent() {
+#ifdef MESHFUSE_WITH_CUDA
+  if (event_ != nullptr) detail::cuda_event_destroy(event_, device_.index);
+#endif
+}
+
+void StreamEvent::record(const Stream& stream) {
+  if (stream.device.type != DeviceType::CUDA) return;
+#ifdef MESHFUSE_WITH_CUDA
+  if (event_ == nullptr) {
+    detail::check_cuda_device(stream.device, "StreamEvent.record");
+    device_ = stream.device;
+    event_ = detail::cuda_event_create(device_.index, false);
+  }
+  MESHFUSE_CHECK(stream.device == device_, ErrorCode::DeviceMismatch,
+                 "StreamEvent.record: the event is on {}, the stream on {}", device_.str(),
+                 stream.device.str());
+  detail::cuda_event_record(event_, stream);
+#endif
+}
+
+void StreamEvent::wait([[maybe_unused]] const Stream& stream) const {
+  if (event_ == nullptr) return;
+#ifdef MESHFUSE_WITH_CUDA
+  MESHFUSE_CHECK(stream.device == device_, ErrorCode::DeviceMismatch,
+                 "StreamEvent.wait: the event is on {}, the stream on {}", device_.str(),
+                 stream.device.str());
+  detail::cuda_stream_wait_event(stream, event_);
+#endif
+}
+
+void wait_stream(const Stream& waiter, const Stream& waited) {
+  if (waiter.device.type != DeviceType::CUDA && waited.device.type != DeviceType::CUDA) return;
+  if (waiter.device == waited.device && waiter.native == waited.native) return;
+  StreamEvent event;
+  event.record(waited);
+  event.wait(waiter);
+}
+
 namespace {
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())

@@ -80,6 +80,58 @@ void run_op(const ProgramOp& op, const std::vector<TensorView>& in,
   fail(ErrorCode::Internal, "run_op: op type {} has no kernel", static_cast<int>(op.type));
 }
 
+RowRoles row_roles(const ProgramOp& op) {
+  const std::size_t n_in = op.inputs.size(), n_out = op.outputs.size();
+  RowRoles r{true, std::vector<bool>(n_in), std::vector<bool>(n_out), std::vector<bool>(n_out)};
+  const auto rows = [&](std::initializer_list<std::size_t> in, std::initializer_list<std::size_t> out,
+                        std::initializer_list<std::size_t> summed = {}) {
+    for (std::size_t i : in) r.row_inputs[i] = true;
+    for (std::size_t j : out) r.row_outputs[j] = true;
+    for (std::size_t j : summed)
+      if (j < n_out) r.summed_outputs[j] = true;
+    return r;
+  };
+  switch (op.type) {
+    case OpType::Linear:
+    case OpType::Matmul:  // a batch's dim 0 too: each matrix is its own
+    case OpType::SwigluPacked:
+    case OpType::Softmax:
+      return rows({0}, {0});
+    case OpType::Add:
+    case OpType::Swiglu:
+    case OpType::SwigluPackedBackward:
+    case OpType::SoftmaxBackward:
+      return rows({0, 1}, {0});
+    case OpType::RmsNorm:
+      return rows({0}, {0, 1});
+    case OpType::FusedResidualAddRmsNorm:
+      return rows({0, 1}, {0, 1, 2});
+    case OpType::SwigluBackward:
+      return rows({0, 1, 2}, {0, 1});
+    case OpType::LinearBackward:  // (dy, x, w, b) -> (dx, dw[, db])
+      return rows({0, 1}, {0}, {1, 2});
+    default:
+      break;
+  }
+  r.row_wise = false;
+  return r;
+}
+
+void run_op_rows(const ProgramOp& op, const std::vector<TensorView>& in,
+                 const std::vector<TensorView>& out, bool accumulate, const Stream& stream) {
+  if (!accumulate) return run_op(op, in, out, stream);
+  MESHFUSE_CHECK(op.type == OpType::LinearBackward, ErrorCode::Internal,
+                 "run_op_rows: {} has no summed results", to_string(op.type));
+  // dx of the block; dw += dy^T x; db += the column sums of dy.
+  linear_backward(in[0], in[1], in[2], out[0], {}, {}, stream);
+  gemm(in[0], in[1], out[1], out[1], {.transpose_a = true, .beta = 1.0}, stream);
+  if (out.size() > 2 && out[2].defined()) {
+    const Tensor block(out[2].shape(), out[2].dtype(), out[2].device(), stream);
+    linear_backward(in[0], in[1], in[2], {}, {}, block, stream);
+    add(out[2], block, out[2], 1.0, stream);
+  }
+}
+
 namespace {
 
 std::vector<double> as_doubles(const TensorView& t, const Stream& stream) {

@@ -42,6 +42,30 @@ class CudaStream {
   Stream stream_;
 };
 
+// A point in a stream's work that other streams can be ordered after (torch.cuda.Event without
+// timing): record() marks the work queued on a stream so far, wait() makes later work on another
+// stream wait for it, without blocking the host. On CPU streams both do nothing (CPU ops run
+// synchronously). Mixing devices is Error(DeviceMismatch).
+class StreamEvent {
+ public:
+  StreamEvent() = default;
+  ~StreamEvent();
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+
+  void record(const Stream& stream);
+  // Before any record(), nothing to wait for.
+  void wait(const Stream& stream) const;
+
+ private:
+  Device device_{};
+  void* event_ = nullptr;  // cudaEvent_t, made at the first record on a CUDA stream
+};
+
+// Later work on `waiter` waits for the work queued on `waited` so far (torch's
+// Stream.wait_stream); nothing on the CPU.
+void wait_stream(const Stream& waiter, const Stream& waited);
+
 // Times the work queued on a stream between start() and stop(): with CUDA events recorded on the
 // stream for CUDA streams (device time: the host's launch and synchronisation latency is left
 // out; start() first holds the stream for kHoldMicroseconds, so that the work the host queues

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -31,12 +32,23 @@
 #include "meshfuse/core/tensor.h"
 #include "meshfuse/distributed/communicator.h"
 #include "meshfuse/exec/lowering.h"
+#include "meshfuse/exec/overlap.h"
 #include "meshfuse/exec/program.h"
 
 namespace meshfuse {
+namespace detail {
+// What every run of a plan reads (src/exec/interpreter.h).
+struct PlanFacts {
+  std::vector<std::int64_t> last_use;
+  bool communicates = false;
+};
+}  // namespace detail
 
 struct MultiDeviceExecutorParams {
   LoweringParams lowering;
+  // Communication overlapped with the GEMMs (overlap.h): none, collective or ring; chunks;
+  // number_of_streams.
+  OverlapParams overlap;
   // Time every step of each run (last_profile()): the stream is synchronised after each step, so
   // nothing overlaps and each step's wall time is its own. For measuring, not for production.
   bool profile = false;
@@ -50,6 +62,8 @@ struct StepProfile {
   bool communication = false;
   std::int64_t bytes = 0;  // communications: the larger of this rank's input and output bytes
   double ms = 0;           // wall time, the stream synchronised before and after
+  // An overlapped segment (overlap.h), steps `step` .. overlapped_to, timed as one; -1 otherwise.
+  std::int64_t overlapped_to = -1;
 };
 
 class MultiDeviceExecutor {
@@ -88,18 +102,24 @@ class MultiDeviceExecutor {
   std::shared_ptr<Communicator> communicator_;
   MultiDeviceExecutorParams params_;
   DeviceMesh mesh_;
-  // A plan and what every run of it reads.
+  // A plan, what every run of it reads, and its overlapped segments for params().overlap.
   struct Lowered {
     Plan plan;
-    std::vector<std::int64_t> last_use;  // per plan value, the last step reading it (-1: none)
-    bool communicates = false;           // has a Communication, or an op that communicates
+    detail::PlanFacts facts;
+    std::vector<OverlapSegment> segments;
+    std::optional<OverlapParams> segments_for;
   };
   const Lowered& lowered(DeviceType type);
+  const std::vector<Stream>& chunk_streams(Device device,
+                                           const std::vector<OverlapSegment>& segments);
 
   std::map<std::pair<CommunicatorBackend, DeviceType>, Lowered> plans_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, std::vector<std::shared_ptr<Communicator>>>
       teams_;
   std::vector<StepProfile> profile_;
+  // Per CUDA device index: the chunks' streams, owned, and as Streams.
+  std::map<int, std::pair<std::vector<std::shared_ptr<CudaStream>>, std::vector<Stream>>>
+      chunk_streams_;
 };
 
 // `rank`'s part of a whole tensor placed on `mesh` as `placements` say (a contiguous copy on the

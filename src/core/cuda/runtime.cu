@@ -229,10 +229,11 @@ void cuda_synchronize(const Stream& stream) {
   cuda::check(cudaStreamSynchronize(cuda::native(stream)), "synchronize");
 }
 
-void* cuda_event_create(int device_index) {
+void* cuda_event_create(int device_index, bool timing) {
   cuda::DeviceGuard guard(device_index);
   cudaEvent_t e = nullptr;
-  cuda::check(cudaEventCreate(&e), "StreamTimer");
+  cuda::check(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming),
+              "cudaEventCreate");
   return e;
 }
 
@@ -248,7 +249,13 @@ void cuda_event_destroy(void* event, int device_index) {
 void cuda_event_record(void* event, const Stream& stream) {
   cuda::DeviceGuard guard(stream.device.index);
   cuda::check(cudaEventRecord(static_cast<cudaEvent_t>(event), cuda::native(stream)),
-              "StreamTimer");
+              "cudaEventRecord");
+}
+
+void cuda_stream_wait_event(const Stream& stream, void* event) {
+  cuda::DeviceGuard guard(stream.device.index);
+  cuda::check(cudaStreamWaitEvent(cuda::native(stream), static_cast<cudaEvent_t>(event), 0),
+              "cudaStreamWaitEvent");
 }
 
 namespace {

@@ -35,9 +35,12 @@ std::shared_ptr<void> cuda_allocate(Device device, std::size_t bytes, const Stre
 // copy() when either side is on a CUDA device.
 void cuda_copy(const TensorView& src, const TensorView& dst, const Stream& stream);
 void cuda_synchronize(const Stream& stream);
-void* cuda_event_create(int device_index);
+// An event that can time (StreamTimer) or only order streams (timing false: cheaper).
+void* cuda_event_create(int device_index, bool timing = true);
 void cuda_event_destroy(void* event, int device_index);
 void cuda_event_record(void* event, const Stream& stream);
+// Later work on `stream` waits for the work `event` was recorded after.
+void cuda_stream_wait_event(const Stream& stream, void* event);
 // Queues a kernel that keeps `stream` busy for `microseconds` (device time), so that work the host
 // queues meanwhile starts back to back.
 void cuda_hold(const Stream& stream, unsigned microseconds);

@@ -1,0 +1,321 @@
+// Running an overlapped segment of a Plan (overlap.h) chunk by chunk: the Interpreter's
+// run_segment and its forms.
+//
+// Every op of the segment runs once per block: the rows of one member's part that a chunk (or a
+// ring step) covers. A block's rows are contiguous both in the full tensors, which keep their
+// layout (values that later steps read are written in place), and in the chunk's communication
+// buffer, which holds the chunk's blocks in the team's order (all_gather's output, reduce_scatter's
+// input). So no op reads or writes a permuted copy, and a GEMM on a block is a GEMM on a row range.
+//
+// Ordering. On the CPU, compute runs on the calling thread and each backend's collectives on its
+// own threads (Work), waited before their results are read or their buffers reused. On CUDA, chunk
+// c runs on the executor's stream c % number_of_streams (a ring: transfers on the first, compute
+// on the second), each waiting for the caller's stream at the start and waited by it at the end;
+// buffers are reused only on the stream that last used them, or after an event of the other.
+// Summed results (weight gradients) are accumulated in block order, across streams through an
+// event, so the sums are the same run to run.
+#include <algorithm>
+#include <numeric>
+
+#include "exec/interpret.h"
+#include "exec/interpreter.h"
+#include "meshfuse/core/error.h"
+#include "meshfuse/ops/elementwise.h"
+
+namespace meshfuse::detail {
+
+// `rows` rows of member `rank`'s part: rows [offset, offset + rows) of the segment's M rows, at
+// row `at` of the chunk's communication buffer.
+struct Interpreter::Block {
+  int rank = 0;
+  std::int64_t offset = 0, rows = 0, at = 0;
+};
+
+struct Interpreter::Chunked {
+  Chunked(const OverlapSegment& seg, Communicator& team) : seg(seg), team(team) {}
+  const OverlapSegment& seg;
+  Communicator& team;
+  std::vector<const Compute*> ops;
+  std::vector<std::int64_t> part_offset;  // per member, the first row of its part
+  const Communication* gather = nullptr;
+  const Communication* scatter = nullptr;
+  bool gathered_escapes = false;  // a later step reads the gathered tensor: it is kept whole
+  Tensor gather_copy;             // this rank's part made contiguous, when it was not
+  TensorView gather_input;        // this rank's part
+  TensorView gathered, scattered;  // the chunk's communication buffers
+  bool first_block = true;         // summed results: written (first block) or accumulated
+  StreamEvent summed;              // CUDA: after the last accumulation
+};
+
+namespace {
+
+// numpy.array_split of n rows into k pieces: piece c's first row and size.
+std::pair<std::int64_t, std::int64_t> piece(std::int64_t n, std::int64_t k, std::int64_t c) {
+  const std::int64_t q = n / k, r = n % k;
+  return {c * q + std::min(c, r), q + (c < r ? 1 : 0)};
+}
+
+Tensor rows_like(const PlanValue& v, std::int64_t rows, Device device, const Stream& stream) {
+  Shape shape = v.shape;
+  shape[0] = rows;
+  return Tensor(shape, v.dtype, device, stream);
+}
+
+}  // namespace
+
+void Interpreter::run_segment(const OverlapSegment& seg) {
+  const auto step = [&](std::int64_t s) -> const PlanStep& {
+    return plan_.steps[static_cast<std::size_t>(s)];
+  };
+  Chunked ch{seg, *teams_[static_cast<std::size_t>(seg.mesh_dim)]};
+  const std::int64_t m = std::accumulate(seg.sizes.begin(), seg.sizes.end(), std::int64_t{0});
+  if (m == 0) {  // no rows to chunk: the steps as they are
+    for (std::int64_t s = seg.first; s <= seg.last; ++s)
+      std::visit([&](const auto& st) { run_step(st); }, step(s));
+    return;
+  }
+  for (std::int64_t s = seg.first; s <= seg.last; ++s)
+    if (const auto* c = std::get_if<Compute>(&step(s))) ch.ops.push_back(c);
+  ch.part_offset.assign(1, 0);
+  for (std::int64_t rows : seg.sizes) ch.part_offset.push_back(ch.part_offset.back() + rows);
+  if (seg.gather >= 0) {
+    ch.gather = &std::get<Communication>(step(seg.gather));
+    ch.gathered_escapes = facts_.last_use[static_cast<std::size_t>(ch.gather->output)] > seg.last;
+    ch.gather_input = view(ch.gather->input);
+    if (!ch.gather_input.is_contiguous()) {
+      ch.gather_copy = Tensor::copy_of(ch.gather_input, stream_);
+      ch.gather_input = ch.gather_copy.view();
+    }
+    if (ch.gathered_escapes) allocate(ch.gather->output);
+  }
+  if (seg.scatter >= 0) {
+    ch.scatter = &std::get<Communication>(step(seg.scatter));
+    MESHFUSE_CHECK(seg.form != Overlap::Ring || *ch.scatter->reduction == ReduceOp::Sum,
+                   ErrorCode::Unsupported,
+                   "MultiDeviceExecutor: ring overlap sums partial results; {} is not a sum",
+                   ch.scatter->to_string());
+    allocate(ch.scatter->output);
+  }
+  for (const Compute* c : ch.ops)
+    for (std::size_t j = 0; j < c->op.outputs.size(); ++j) {
+      const std::int64_t id = c->op.outputs[j].id;
+      if (!unused_result(c->op, j) && !(ch.scatter && id == ch.scatter->input)) allocate(id);
+    }
+  MESHFUSE_CHECK(seg.form != Overlap::Ring || ch.team.backend(device_.type) !=
+                                                   CommunicatorBackend::Nccl,
+                 ErrorCode::Unsupported,
+                 "MultiDeviceExecutor: overlap = ring passes parts with send/recv, which nccl runs "
+                 "only in groups that meshfuse does not issue yet; use overlap = collective");
+  if (seg.form == Overlap::Collective)
+    run_collective_segment(ch);
+  else if (ch.gather)
+    run_ring_gather(ch);
+  else
+    run_ring_scatter(ch);
+}
+
+void Interpreter::run_block(Chunked& ch, const Block& b, const Stream& stream) {
+  if (b.rows == 0) return;
+  const auto rows = [&](std::int64_t id) {
+    if (ch.gather && id == ch.gather->output) return ch.gathered.narrow(0, b.at, b.rows);
+    if (ch.scatter && id == ch.scatter->input) return ch.scattered.narrow(0, b.at, b.rows);
+    return view(id).narrow(0, b.offset, b.rows);
+  };
+  if (ch.gathered_escapes)
+    copy(ch.gathered.narrow(0, b.at, b.rows), view(ch.gather->output).narrow(0, b.offset, b.rows),
+         stream);
+  for (const Compute* c : ch.ops) {
+    const RowRoles roles = row_roles(c->op);
+    std::vector<TensorView> in, out;
+    for (std::size_t i = 0; i < c->op.inputs.size(); ++i) {
+      const Value v = c->op.inputs[i];
+      in.push_back(!v.defined() ? TensorView() : roles.row_inputs[i] ? rows(v.id) : view(v.id));
+    }
+    bool sums = false;
+    for (std::size_t j = 0; j < c->op.outputs.size(); ++j) {
+      const std::int64_t id = c->op.outputs[j].id;
+      if (unused_result(c->op, j)) {
+        out.emplace_back();
+      } else if (roles.row_outputs[j]) {
+        out.push_back(rows(id));
+      } else {
+        out.push_back(view(id));
+        sums = true;
+      }
+    }
+    const bool accumulate = sums && !ch.first_block;
+    if (accumulate) ch.summed.wait(stream);
+    run_op_rows(c->op, in, out, accumulate, stream);
+    if (sums) ch.summed.record(stream);
+  }
+  ch.first_block = false;
+}
+
+void Interpreter::run_collective_segment(Chunked& ch) {
+  const OverlapSegment& seg = ch.seg;
+  const auto d = static_cast<std::int64_t>(seg.sizes.size());
+  const std::int64_t chunks = seg.chunks, me = ch.team.rank();
+  const bool cuda = device_.type == DeviceType::CUDA;
+  const std::size_t slots = cuda ? chunk_streams_.size() : 2;
+  const auto on = [&](std::int64_t c) -> const Stream& {
+    return cuda ? chunk_streams_[static_cast<std::size_t>(c) % slots] : stream_;
+  };
+  const auto sizes_of = [&](std::int64_t c) {
+    std::vector<std::int64_t> sizes;
+    for (std::int64_t rows : seg.sizes) sizes.push_back(piece(rows, chunks, c).second);
+    return sizes;
+  };
+  const auto total = [](const std::vector<std::int64_t>& sizes) {
+    return std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0});
+  };
+  const std::int64_t most = total(sizes_of(0));  // array_split's first pieces are the largest
+  std::vector<Tensor> gather_buf, scatter_buf;
+  for (std::size_t k = 0; k < slots; ++k) {
+    if (ch.gather)
+      gather_buf.push_back(rows_like(plan_.values[static_cast<std::size_t>(ch.gather->output)],
+                                     most, device_, stream_));
+    if (ch.scatter)
+      scatter_buf.push_back(rows_like(plan_.values[static_cast<std::size_t>(ch.scatter->input)],
+                                      most, device_, stream_));
+  }
+  if (cuda)
+    for (const Stream& s : chunk_streams_) wait_stream(s, stream_);
+  std::vector<Work> gathers(static_cast<std::size_t>(chunks));
+  std::vector<Work> scatters(static_cast<std::size_t>(chunks));
+  const auto gather = [&](std::int64_t c) {
+    const std::vector<std::int64_t> sizes = sizes_of(c);
+    if (total(sizes) == 0) return;
+    const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(me)], chunks, c);
+    gathers[static_cast<std::size_t>(c)] = ch.team.all_gather(
+        ch.gather_input.narrow(0, first, rows),
+        gather_buf[static_cast<std::size_t>(c) % slots].view().narrow(0, 0, total(sizes)), sizes,
+        on(c));
+  };
+  if (ch.gather) gather(0);
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const auto slot = static_cast<std::size_t>(c) % slots;
+    if (ch.gather && c + 1 < chunks) gather(c + 1);  // chunk c + 1's transfer under c's compute
+    if (ch.gather) finish(gathers[static_cast<std::size_t>(c)]);
+    // The CPU's reduce_scatter of chunk c - slots still reads this slot's buffer.
+    if (ch.scatter && !cuda && c >= static_cast<std::int64_t>(slots))
+      scatters[static_cast<std::size_t>(c) - slots].wait();
+    if (ch.gather) ch.gathered = gather_buf[slot].view();
+    if (ch.scatter) ch.scattered = scatter_buf[slot].view();
+    std::int64_t at = 0;
+    for (std::int64_t r = 0; r < d; ++r) {
+      const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(r)], chunks, c);
+      run_block(ch, {static_cast<int>(r), ch.part_offset[static_cast<std::size_t>(r)] + first,
+                     rows, at},
+                on(c));
+      at += rows;
+    }
+    if (ch.scatter && at > 0) {
+      const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(me)], chunks, c);
+      scatters[static_cast<std::size_t>(c)] = ch.team.reduce_scatter(
+          ch.scattered.narrow(0, 0, at), view(ch.scatter->output).narrow(0, first, rows),
+          sizes_of(c), *ch.scatter->reduction, on(c));
+    }
+  }
+  for (Work& w : scatters) finish(std::move(w));
+  if (cuda)
+    for (const Stream& s : chunk_streams_) wait_stream(stream_, s);
+}
+
+void Interpreter::run_ring_gather(Chunked& ch) {
+  const OverlapSegment& seg = ch.seg;
+  const auto d = static_cast<int>(seg.sizes.size());
+  const int me = ch.team.rank(), next = (me + 1) % d, prev = (me + d - 1) % d;
+  const bool cuda = device_.type == DeviceType::CUDA;
+  // Transfers on T, compute on C.
+  const Stream& T = cuda ? chunk_streams_.front() : stream_;
+  const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
+                         : stream_;
+  wait_stream(T, stream_);
+  wait_stream(C, stream_);
+  const PlanValue& gathered = plan_.values[static_cast<std::size_t>(ch.gather->output)];
+  const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
+  const Tensor hold[2] = {rows_like(gathered, most, device_, stream_),
+                          rows_like(gathered, most, device_, stream_)};
+  StreamEvent received, computed;
+  Work sent;
+  TensorView in_hand = ch.gather_input;
+  for (int s = 0; s < d; ++s) {
+    const int r = (me - s + d) % d;  // whose part is in hand
+    TensorView arriving;
+    Work got;
+    if (s + 1 < d) {
+      // The slot was read at step s - 1: by its compute (on C) and its send (waited here).
+      sent.wait();
+      computed.wait(T);
+      arriving = hold[(s + 1) % 2].view().narrow(0, 0, seg.sizes[static_cast<std::size_t>(
+                                                        (r + d - 1) % d)]);
+      sent = ch.team.send(in_hand, next, 0, T);
+      got = ch.team.recv(arriving, prev, 0, T);
+      received.record(T);
+    }
+    ch.gathered = in_hand;
+    run_block(ch, {r, ch.part_offset[static_cast<std::size_t>(r)],
+                   seg.sizes[static_cast<std::size_t>(r)], 0},
+              C);
+    computed.record(C);
+    if (s + 1 < d) {
+      finish(std::move(got));
+      received.wait(C);
+      in_hand = arriving;
+    }
+  }
+  sent.wait();
+  wait_stream(stream_, T);
+  wait_stream(stream_, C);
+}
+
+void Interpreter::run_ring_scatter(Chunked& ch) {
+  const OverlapSegment& seg = ch.seg;
+  const auto d = static_cast<int>(seg.sizes.size());
+  const int me = ch.team.rank(), next = (me + 1) % d, prev = (me + d - 1) % d;
+  const bool cuda = device_.type == DeviceType::CUDA;
+  const Stream& T = cuda ? chunk_streams_.front() : stream_;
+  const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
+                         : stream_;
+  wait_stream(T, stream_);
+  wait_stream(C, stream_);
+  const PlanValue& partial = plan_.values[static_cast<std::size_t>(ch.scatter->input)];
+  const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
+  const Tensor part[2] = {rows_like(partial, most, device_, stream_),
+                          rows_like(partial, most, device_, stream_)};
+  const Tensor sum[2] = {rows_like(partial, most, device_, stream_),
+                         rows_like(partial, most, device_, stream_)};
+  StreamEvent received, added;
+  Work sent[2], got;
+  // The sum of block b starts at rank b + 1 and passes rank to rank, each adding its term, to end
+  // at rank b after d - 1 steps: at step s this rank adds its term of block me - 1 - s.
+  for (int s = 0; s < d; ++s) {
+    const int r = (me - 1 - s + 2 * d) % d;
+    const std::int64_t rows = seg.sizes[static_cast<std::size_t>(r)];
+    const TensorView mine = part[s % 2].view().narrow(0, 0, rows);
+    sent[s % 2].wait();  // the slot's send of step s - 2
+    if (cuda) wait_stream(C, T);
+    ch.scattered = part[s % 2].view();
+    run_block(ch, {r, ch.part_offset[static_cast<std::size_t>(r)], rows, 0}, C);
+    if (s > 0) {
+      finish(std::move(got));
+      received.wait(C);
+      add(mine, sum[s % 2].view().narrow(0, 0, rows), mine, 1.0, C);
+    }
+    if (s + 1 < d) {
+      added.record(C);
+      added.wait(T);
+      sent[s % 2] = ch.team.send(mine, next, 0, T);
+      const std::int64_t coming = seg.sizes[static_cast<std::size_t>((r + d - 1) % d)];
+      got = ch.team.recv(sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T);
+      received.record(T);
+    } else {
+      copy(mine, view(ch.scatter->output), C);
+    }
+  }
+  for (Work& w : sent) w.wait();
+  wait_stream(stream_, T);
+  wait_stream(stream_, C);
+}
+
+}  // namespace meshfuse::detail
