@@ -464,14 +464,16 @@ class LocalCudaComm : public CommImpl {
 
   // all_reduce (root < 0: into every rank's tensor) and reduce (into root's): rank r reduces chunk
   // r of every tensor into a scratch; after the middle step the ranks copy the chunks they keep
-  // from the scratches. Each element is reduced once, so every rank gets the same bits.
+  // from the scratches. Each element is reduced once, so every rank gets the same bits. Chunks
+  // start at multiples of 16 bytes, so that the kernel's loads stay aligned.
   std::shared_ptr<WorkImpl> reduce_in_place(const TensorView& t, ReduceOp op, int root,
                                             const Stream& stream) {
     check_reducible_team(root < 0 ? "all_reduce" : "reduce");
     Op o(*this, stream);
     const std::size_t es = element_size(t.dtype());
     const std::int64_t n = t.numel();
-    auto begin = [&](int r) { return n * r / size_; };
+    const std::int64_t align = std::max<std::int64_t>(1, 16 / static_cast<std::int64_t>(es));
+    auto begin = [&](int r) { return r == size_ ? n : n * r / size_ / align * align; };
     const std::int64_t mine = begin(rank_ + 1) - begin(rank_);
     const auto inputs = step(o, Post{nullptr, 0, bytes_of(t)});
     std::vector<const void*> srcs;
