@@ -152,9 +152,8 @@ TEST_P(DistLocalCuda, EveryReductionDtypeMatchesTheHostBitForBit) {
         Tensor expected({n}, dtype);
         detail::reduce_buffers(dtype, op, srcs, expected.view().data(), n);
 
-        Tensor t = Tensor::copy_of(inputs[c.rank()]);
         Tensor gpu({n}, dtype, dist::place().device, dist::place());
-        copy(t, gpu, dist::place());
+        copy(inputs[c.rank()], gpu, dist::place());
         c.all_reduce(gpu, op, dist::place()).wait();
         EXPECT_EQ(host_bytes(gpu), host_bytes(expected)) << "all_reduce " << what;
 

@@ -354,6 +354,7 @@ class LocalCudaComm : public CommImpl {
                    "local: a recv of {} bytes matched a send of {} bytes", t.nbytes(),
                    message->bytes);
     check_cuda(cudaStreamWaitEvent(o.stream, message->ready.get(), 0), "cudaStreamWaitEvent");
+    if (message->device != device_) enable_peer_access(device_, message->device);
     copy_from(o, t.data(), message->device, message->data, t.nbytes());
     auto consumed = std::make_shared<Event>(device_);
     consumed->record(o.stream);
