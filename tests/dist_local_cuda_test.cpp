@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <ostream>
 #include <vector>
 
 #include "dist_cases.h"
@@ -31,9 +32,13 @@ struct Layout {
   bool spread;  // rank r on GPU r % cuda_device_count(), else every rank on GPU 0
 };
 
-std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
-  return fmt::format("{}Ranks{}", info.param.ranks, info.param.spread ? "Spread" : "OnGpu0");
+std::string layout_str(const Layout& l) {
+  return fmt::format("{}Ranks{}", l.ranks, l.spread ? "Spread" : "OnGpu0");
 }
+std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
+  return layout_str(info.param);
+}
+void PrintTo(const Layout& l, std::ostream* out) { *out << layout_str(l); }
 
 int device_of(const Communicator& c, bool spread) {
   return spread ? c.rank() % cuda_device_count() : 0;
