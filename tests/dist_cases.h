@@ -1,7 +1,7 @@
-// The communicator checks shared by the local (threads) and the gloo / mpi (processes) tests.
-// Every rank of a team calls the same function; each EXPECTs its own result against values
-// computed from all ranks' inputs. Inputs are small integers, so sums, products and averages over
-// a few ranks are exact in bf16 too and every result is compared exactly.
+// The communicator checks shared by the local (threads, CPU and CUDA tensors) and the gloo / mpi
+// (processes) tests. Every rank of a team calls the same function; each EXPECTs its own result
+// against values computed from all ranks' inputs. Inputs are small integers, so sums, products and
+// averages over a few ranks are exact in bf16 too and every result is compared exactly.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,12 +11,24 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "meshfuse/distributed/communicator.h"
 #include "test_util.h"
 
 namespace meshfuse::test::dist {
+
+// Where a rank's checks put their tensors and queue their operations: the CPU, unless the rank's
+// thread sets a stream of its GPU (the local backend on CUDA tensors).
+inline Stream& place() {
+  thread_local Stream stream;
+  return stream;
+}
+
+inline Tensor zeros(Shape shape, DType dtype) {
+  return Tensor::zeros(std::move(shape), dtype, place().device, place());
+}
 
 inline const std::vector<DType> kDTypes = {DType::F32, DType::BF16, DType::I64};
 inline const std::vector<ReduceOp> kReduceOps = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min,
@@ -41,14 +53,14 @@ inline std::vector<double> values(int rank, std::int64_t n, ReduceOp op = Reduce
 inline Tensor tensor_of(const std::vector<double>& v, DType dtype, Shape shape) {
   Tensor d(shape, DType::F64);
   std::copy(v.begin(), v.end(), d.data_ptr<double>());
-  Tensor t(std::move(shape), dtype);
-  copy(d, t);
+  Tensor t(std::move(shape), dtype, place().device, place());
+  copy(d, t, place());
   return t;
 }
 
 inline std::vector<double> values_of(const TensorView& t) {
   Tensor d(t.shape(), DType::F64);
-  copy(t, d);
+  copy(t, d, place());  // from a GPU: waits for the stream
   return {d.data_ptr<double>(), d.data_ptr<double>() + d.numel()};
 }
 
@@ -99,7 +111,7 @@ inline void check_all_reduce(Communicator& c, DType dtype, ReduceOp op) {
   if (op == ReduceOp::Avg && !is_floating_point(dtype)) return;
   const std::int64_t n = 37;  // not a multiple of the team size
   Tensor t = tensor_of(values(c.rank(), n, op), dtype, {n});
-  c.all_reduce(t, op).wait();
+  c.all_reduce(t, op, place()).wait();
   EXPECT_EQ(values_of(t), reduced(c.size(), n, op))
       << where(c, dtype, fmt::format("all_reduce({})", to_string(op)));
 }
@@ -107,7 +119,7 @@ inline void check_all_reduce(Communicator& c, DType dtype, ReduceOp op) {
 inline void check_broadcast(Communicator& c, DType dtype) {
   const int root = c.size() - 1;
   Tensor t = tensor_of(values(c.rank(), 11), dtype, {11});
-  c.broadcast(t, root).wait();
+  c.broadcast(t, root, place()).wait();
   EXPECT_EQ(values_of(t), values(root, 11)) << where(c, dtype, "broadcast");
 }
 
@@ -115,7 +127,7 @@ inline void check_reduce(Communicator& c, DType dtype, ReduceOp op) {
   if (op == ReduceOp::Avg && !is_floating_point(dtype)) return;
   const int root = 1 % c.size();
   Tensor t = tensor_of(values(c.rank(), 13, op), dtype, {13});
-  c.reduce(t, root, op).wait();
+  c.reduce(t, root, op, place()).wait();
   EXPECT_EQ(values_of(t), c.rank() == root ? reduced(c.size(), 13, op) : values(c.rank(), 13, op))
       << where(c, dtype, "reduce");
 }
@@ -127,8 +139,8 @@ inline void check_all_gather(Communicator& c, DType dtype, bool uneven) {
     for (int r = 0; r < c.size(); ++r) rows[r] = r % 3;
   const auto starts = prefix_sums(rows);
   Tensor in = tensor_of(values(c.rank(), rows[c.rank()] * 2), dtype, {rows[c.rank()], 2});
-  Tensor out = Tensor::zeros({starts.back(), 2}, dtype);
-  (uneven ? c.all_gather(in, out, rows) : c.all_gather(in, out)).wait();
+  Tensor out = zeros({starts.back(), 2}, dtype);
+  (uneven ? c.all_gather(in, out, rows, place()) : c.all_gather(in, out, place())).wait();
   std::vector<double> expected;
   for (int r = 0; r < c.size(); ++r) {
     const auto v = values(r, rows[r] * 2);
@@ -146,8 +158,9 @@ inline void check_reduce_scatter(Communicator& c, DType dtype, bool uneven, Redu
     for (int r = 0; r < c.size(); ++r) rows[r] = (r + 2) % 3;
   const auto starts = prefix_sums(rows);
   Tensor in = tensor_of(values(c.rank(), starts.back() * 3, op), dtype, {starts.back(), 3});
-  Tensor out = Tensor::zeros({rows[c.rank()], 3}, dtype);
-  (uneven ? c.reduce_scatter(in, out, rows, op) : c.reduce_scatter(in, out, op)).wait();
+  Tensor out = zeros({rows[c.rank()], 3}, dtype);
+  (uneven ? c.reduce_scatter(in, out, rows, op, place()) : c.reduce_scatter(in, out, op, place()))
+      .wait();
   EXPECT_EQ(values_of(out), reduced(c.size(), rows[c.rank()] * 3, op, starts[c.rank()] * 3))
       << where(c, dtype,
                fmt::format("{}reduce_scatter({})", uneven ? "uneven " : "", to_string(op)));
@@ -156,8 +169,8 @@ inline void check_reduce_scatter(Communicator& c, DType dtype, bool uneven, Redu
 inline void check_gather(Communicator& c, DType dtype) {
   const int root = c.size() / 2;
   Tensor in = tensor_of(values(c.rank(), 5), dtype, {5});
-  Tensor out = c.rank() == root ? Tensor::zeros({5 * c.size()}, dtype) : Tensor();
-  c.gather(in, out.view(), root).wait();
+  Tensor out = c.rank() == root ? zeros({5 * c.size()}, dtype) : Tensor();
+  c.gather(in, out.view(), root, place()).wait();
   if (c.rank() != root) return;
   std::vector<double> expected;
   for (int r = 0; r < c.size(); ++r) {
@@ -171,8 +184,8 @@ inline void check_scatter(Communicator& c, DType dtype) {
   const int root = c.size() / 2;
   Tensor in =
       c.rank() == root ? tensor_of(values(root, 4 * c.size()), dtype, {4 * c.size()}) : Tensor();
-  Tensor out = Tensor::zeros({4}, dtype);
-  c.scatter(in.view(), out, root).wait();
+  Tensor out = zeros({4}, dtype);
+  c.scatter(in.view(), out, root, place()).wait();
   EXPECT_EQ(values_of(out), values(root, 4, ReduceOp::Sum, 4 * c.rank()))
       << where(c, dtype, "scatter");
 }
@@ -188,8 +201,10 @@ inline void check_all_to_all(Communicator& c, DType dtype, bool uneven) {
   }
   const auto in_starts = prefix_sums(in_rows), out_starts = prefix_sums(out_rows);
   Tensor in = tensor_of(values(me, in_starts.back() * 2), dtype, {in_starts.back(), 2});
-  Tensor out = Tensor::zeros({out_starts.back(), 2}, dtype);
-  (uneven ? c.all_to_all(in, out, in_rows, out_rows) : c.all_to_all(in, out)).wait();
+  Tensor out = zeros({out_starts.back(), 2}, dtype);
+  (uneven ? c.all_to_all(in, out, in_rows, out_rows, place())
+          : c.all_to_all(in, out, {}, {}, place()))
+      .wait();
   std::vector<double> expected;
   for (int s = 0; s < n; ++s) {
     std::int64_t first = 0;  // rank s's rows before its block for this rank
@@ -201,16 +216,36 @@ inline void check_all_to_all(Communicator& c, DType dtype, bool uneven) {
       << where(c, dtype, uneven ? "uneven all_to_all" : "all_to_all");
 }
 
-// A ring: every rank sends to the next and receives from the previous (receive posted first).
+// A ring: every rank sends to the next and receives from the previous (receive posted first, but
+// on CUDA tensors, where the local backend's recv waits on the host for its send).
 inline void check_send_recv(Communicator& c, DType dtype) {
   const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
   Tensor mine = tensor_of(values(c.rank(), 9), dtype, {9});
-  Tensor got = Tensor::zeros({9}, dtype);
-  Work r = c.recv(got, prev, 3);
-  Work s = c.send(mine, next, 3);
-  s.wait();
+  Tensor got = zeros({9}, dtype);
+  const bool cuda = place().device.type == DeviceType::CUDA;
+  std::optional<Work> s;
+  if (cuda) s = c.send(mine, next, 3, place());
+  Work r = c.recv(got, prev, 3, place());
+  if (!cuda) s = c.send(mine, next, 3, place());
+  s->wait();
   r.wait();
   EXPECT_EQ(values_of(got), values(prev, 9)) << where(c, dtype, "send/recv");
+}
+
+// A tensor passed around the ring in size() - 1 steps (sends first, as check_send_recv does on
+// CUDA): rank r ends with rank r + 1's.
+inline void check_ring_pass(Communicator& c) {
+  const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  Tensor have = tensor_of(values(c.rank(), 33), DType::F32, {33});
+  Tensor got = zeros({33}, DType::F32);
+  for (int step = 0; step + 1 < n; ++step) {
+    Work s = c.send(have, next, 1, place());
+    Work r = c.recv(got, prev, 1, place());
+    s.wait();  // `have` is received into next
+    r.wait();
+    std::swap(have, got);
+  }
+  EXPECT_EQ(values_of(have), values(next, 33)) << "a ring of " << n - 1 << " steps";
 }
 
 // u32 reduces as unsigned: rank 0's 3e9 (past 2^31, negative as an i32) is the maximum, and the
@@ -218,9 +253,9 @@ inline void check_send_recv(Communicator& c, DType dtype) {
 inline void check_u32_reductions(Communicator& c) {
   const double big = 3'000'000'000.0;
   Tensor sum = tensor_of({c.rank() == 0 ? big : 1.0}, DType::U32, {1});
-  Tensor max = Tensor::copy_of(sum);
-  c.all_reduce(sum).wait();
-  c.all_reduce(max, ReduceOp::Max).wait();
+  Tensor max = Tensor::copy_of(sum, place());
+  c.all_reduce(sum, ReduceOp::Sum, place()).wait();
+  c.all_reduce(max, ReduceOp::Max, place()).wait();
   EXPECT_EQ(values_of(sum), std::vector<double>{big + c.size() - 1})
       << where(c, DType::U32, "all_reduce(sum)");
   EXPECT_EQ(values_of(max), std::vector<double>{big}) << where(c, DType::U32, "all_reduce(max)");
@@ -245,7 +280,7 @@ inline void check_every_collective(Communicator& c) {
     check_send_recv(c, dtype);
   }
   check_u32_reductions(c);
-  c.barrier().wait();
+  c.barrier(place()).wait();
 }
 
 // Asynchronous: several collectives in flight before the first wait, waited in reverse order.
@@ -254,7 +289,7 @@ inline void check_many_in_flight(Communicator& c) {
   std::vector<Work> works;
   for (int k = 0; k < 4; ++k) {
     ts.push_back(tensor_of(values(c.rank(), 100 + k), DType::F32, {100 + k}));
-    works.push_back(c.all_reduce(ts.back()));
+    works.push_back(c.all_reduce(ts.back(), ReduceOp::Sum, place()));
   }
   for (int k = 3; k >= 0; --k) {
     works[k].wait();
@@ -273,7 +308,7 @@ inline void check_sub_teams(Communicator& c) {
   EXPECT_EQ(half->team(), members);
   EXPECT_EQ(half->team()[half->rank()], c.team()[c.rank()]);
   Tensor t = tensor_of({static_cast<double>(c.rank())}, DType::I64, {1});
-  half->all_reduce(t).wait();
+  half->all_reduce(t, ReduceOp::Sum, place()).wait();
   double sum = 0;
   for (int r = c.rank() % 2; r < c.size(); r += 2) sum += r;
   EXPECT_EQ(values_of(t), std::vector<double>{sum}) << "all_reduce over the split";
@@ -284,7 +319,7 @@ inline void check_sub_teams(Communicator& c) {
   if (ends) {
     EXPECT_EQ(ends->rank(), c.rank() == 0 ? 1 : 0);
     Tensor b = tensor_of({static_cast<double>(c.rank())}, DType::F32, {1});
-    ends->broadcast(b, 0).wait();  // from the last rank of c
+    ends->broadcast(b, 0, place()).wait();  // from the last rank of c
     EXPECT_EQ(values_of(b), std::vector<double>{static_cast<double>(c.size() - 1)});
   }
   EXPECT_EQ(c.split(-1), nullptr);  // collective too: every rank opts out
@@ -294,41 +329,41 @@ inline void check_sub_teams(Communicator& c) {
 // communicator stays usable. Needs 4 ranks.
 inline void check_mismatch(Communicator& c) {
   const std::int64_t n = c.rank() == 2 ? 512 : 1024;
-  Tensor t = Tensor::zeros({n}, DType::F32);
+  Tensor t = zeros({n}, DType::F32);
   expect_error(
-      [&] { c.all_reduce(t); }, ErrorCode::InvalidArgument,
+      [&] { c.all_reduce(t, ReduceOp::Sum, place()); }, ErrorCode::InvalidArgument,
       {"ranks disagree", "rank 0 has all_reduce(sum) f32 x 1024",
        "rank 2 has all_reduce(sum) f32 x 512", "on " + std::string(to_string(c.backend()))});
 
-  Tensor d = Tensor::zeros({8}, c.rank() == 1 ? DType::I64 : DType::F32);
+  Tensor d = zeros({8}, c.rank() == 1 ? DType::I64 : DType::F32);
   if (c.rank() == 3)
-    expect_error([&] { c.broadcast(d, 0); }, ErrorCode::InvalidArgument,
+    expect_error([&] { c.broadcast(d, 0, place()); }, ErrorCode::InvalidArgument,
                  {"rank 0 has all_reduce(max) f32 x 8", "rank 1 has all_reduce(max) i64 x 8",
                   "rank 3 has broadcast f32 x 8, root 0"});
   else
-    expect_error([&] { c.all_reduce(d, ReduceOp::Max); }, ErrorCode::InvalidArgument,
+    expect_error([&] { c.all_reduce(d, ReduceOp::Max, place()); }, ErrorCode::InvalidArgument,
                  {"rank 1 has all_reduce(max) i64 x 8", "rank 3 has broadcast"});
 
   // Uneven all_gather where rank 3 passes other split sizes.
   const bool odd = c.rank() == 3;
   const std::vector<std::int64_t> sizes =
       odd ? std::vector<std::int64_t>{1, 1, 1, 1} : std::vector<std::int64_t>{1, 1, 1, 2};
-  Tensor in = Tensor::zeros({1}, DType::F32), out = Tensor::zeros({odd ? 4 : 5}, DType::F32);
-  expect_error([&] { c.all_gather(in, out, sizes); }, ErrorCode::InvalidArgument,
+  Tensor in = zeros({1}, DType::F32), out = zeros({odd ? 4 : 5}, DType::F32);
+  expect_error([&] { c.all_gather(in, out, sizes, place()); }, ErrorCode::InvalidArgument,
                {"rank 0 has all_gather f32 split [1 1 1 2] elements but rank 3 has all_gather f32 "
                 "split [1 1 1 1] elements"});
 
   // all_to_all where rank 1 expects more from rank 2 than rank 2 sends.
   std::vector<std::int64_t> in_rows{1, 1, 1, 1}, out_rows{1, 1, 1, 1};
   if (c.rank() == 1) out_rows[2] = 2;
-  Tensor a = Tensor::zeros({4}, DType::F32);
-  Tensor b = Tensor::zeros({c.rank() == 1 ? 5 : 4}, DType::F32);
-  expect_error([&] { c.all_to_all(a, b, in_rows, out_rows); }, ErrorCode::InvalidArgument,
+  Tensor a = zeros({4}, DType::F32);
+  Tensor b = zeros({c.rank() == 1 ? 5 : 4}, DType::F32);
+  expect_error([&] { c.all_to_all(a, b, in_rows, out_rows, place()); }, ErrorCode::InvalidArgument,
                {"rank 2 sends 1 elements to rank 1, which expects 2"});
 
   // Still in step.
   Tensor ok = tensor_of(values(c.rank(), 6), DType::F32, {6});
-  c.all_reduce(ok).wait();
+  c.all_reduce(ok, ReduceOp::Sum, place()).wait();
   EXPECT_EQ(values_of(ok), reduced(c.size(), 6, ReduceOp::Sum)) << "after the mismatches";
 }
 
@@ -340,13 +375,13 @@ inline void check_timeout(Communicator& c) {
     auto sub = c.split(0, c.rank());
     sub->set_checks(checks);
     sub->set_timeout(std::chrono::milliseconds(500));  // before the backends take it up
-    sub->barrier().wait();  // every backend set up on every rank before one goes missing
+    sub->barrier(place()).wait();  // every backend set up on every rank before one goes missing
     if (!absent) {
-      Tensor t = Tensor::zeros({16}, DType::F32);
+      Tensor t = zeros({16}, DType::F32);
       // Its own deadline, or a peer that timed out first and closed its connections (gloo): either
       // way a clear error naming the operation, never a hang.
       try {
-        sub->all_reduce(t).wait();
+        sub->all_reduce(t, ReduceOp::Sum, place()).wait();
         ADD_FAILURE() << "expected an Error";
       } catch (const Error& e) {
         const std::string what = e.what();
@@ -357,14 +392,16 @@ inline void check_timeout(Communicator& c) {
           EXPECT_NE(what.find("not finished after 500 ms"), std::string::npos) << what;
         }
       }
-      expect_error([&] { sub->barrier(); }, ErrorCode::CommunicationFailure,
+      expect_error([&] { sub->barrier(place()); }, ErrorCode::CommunicationFailure,
                    {"unusable after an earlier failure"});
     }
-    c.barrier().wait();  // the absent rank keeps its sub-team until the others have timed out
+    c.barrier(place())
+        .wait();  // the absent rank keeps its sub-team until the others have timed out
   }
 }
 
-// is_completed() answers at once while another thread is inside wait() on the same work.
+// is_completed() answers at once while another thread is inside wait() on the same work. CPU
+// tensors (on CUDA, local's recv waits on the host for its send, which comes after a barrier here).
 inline void check_is_completed_while_waiting(Communicator& c) {
   using namespace std::chrono_literals;
   Tensor t = Tensor::zeros({4}, DType::F32);
@@ -390,7 +427,7 @@ inline void check_is_completed_while_waiting(Communicator& c) {
 }
 
 // A receive whose wait timed out (no send ever comes) is dropped at once, not after the
-// backend's own timeout (20 s in these tests).
+// backend's own timeout (20 s in these tests). CPU tensors, as the check above.
 inline void check_dropping_a_timed_out_recv(Communicator& c) {
   using namespace std::chrono_literals;
   auto sub = c.split(0, c.rank());
@@ -413,16 +450,17 @@ inline void check_dropping_a_timed_out_recv(Communicator& c) {
 inline void check_late_rank_after_timeout(Communicator& c) {
   const bool late = c.rank() == c.size() - 1;
   auto sub = c.split(0, c.rank());
-  sub->barrier().wait();  // backends set up with the long timeout
+  sub->barrier(place()).wait();  // backends set up with the long timeout
   sub->set_timeout(std::chrono::milliseconds(200));
-  Tensor t = Tensor::zeros({16}, DType::F32);
+  Tensor t = zeros({16}, DType::F32);
   if (!late)
-    expect_error([&] { sub->all_reduce(t); }, ErrorCode::Timeout, {"not finished after 200 ms"});
-  c.barrier().wait();
+    expect_error([&] { sub->all_reduce(t, ReduceOp::Sum, place()); }, ErrorCode::Timeout,
+                 {"not finished after 200 ms"});
+  c.barrier(place()).wait();
   if (late) {
     // Its barrier meets the others' all_reduce: a mismatch (local: the team has given up).
     try {
-      sub->barrier().wait();
+      sub->barrier(place()).wait();
       ADD_FAILURE() << "expected an Error";
     } catch (const Error& e) {
       EXPECT_TRUE(e.code() == ErrorCode::InvalidArgument ||
@@ -430,7 +468,7 @@ inline void check_late_rank_after_timeout(Communicator& c) {
           << e.what();
     }
   }
-  c.barrier().wait();
+  c.barrier(place()).wait();
 }
 
 }  // namespace meshfuse::test::dist

@@ -42,6 +42,8 @@ TEST(DistLocal, SeveralOperationsInFlightCompleteInAnyWaitOrder) {
   on_four_ranks(dist::check_many_in_flight);
 }
 
+TEST(DistLocal, ASendRecvRingPassesATensorAllTheWayRound) { on_four_ranks(dist::check_ring_pass); }
+
 TEST(DistLocal, SplitAndNewGroupFormSubTeamsThatCommunicate) {
   on_four_ranks(dist::check_sub_teams);
 }
@@ -105,8 +107,12 @@ TEST(DistLocal, RecordsNameTheOperationTeamBackendAndSize) {
         fmt::format("broadcast f32 x 1024 (4 KiB) on local, team [0 1 2 3], rank {}, root 2, #2",
                     c.rank()));
     EXPECT_EQ(c.backend(), CommunicatorBackend::Local);
+#ifdef MESHFUSE_WITH_CUDA
+    EXPECT_EQ(c.spec().str(), "cpu:local,cuda:local");
+#else
     expect_error([&] { c.backend(DeviceType::CUDA); }, ErrorCode::BackendUnavailable,
                  {"'cpu:local'", "cuda"});
+#endif
   });
 }
 
@@ -164,6 +170,11 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
           c.all_reduce(t, ReduceOp::Sum, Stream{Device{DeviceType::CUDA, 0}});
         },
         ErrorCode::DeviceMismatch, {"the stream is on cuda:0 but the tensors on cpu"});
+#ifndef MESHFUSE_WITH_CUDA
+    // Without CUDA, local serves only CPU tensors.
+    expect_error([&] { c.all_reduce(on_cuda, ReduceOp::Sum, Stream{on_cuda.device()}); },
+                 ErrorCode::BackendUnavailable, {"'cpu:local' has no backend for cuda"});
+#endif
     c.barrier().wait();  // still in step
   });
 }
@@ -190,6 +201,8 @@ TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
   LaunchInfo launch;
   expect_error([&] { init_communicator(launch, nullptr, CommOptions{"local"}); },
                ErrorCode::InvalidArgument, {"LocalWorld"});
+  LocalWorld cpu_only(1, CommOptions{"cpu:local"});
+  EXPECT_EQ(cpu_only.communicator(0)->spec().str(), "cpu:local");
   LocalWorld world(2);
   world.communicator(1);
   expect_error([&] { world.communicator(1); }, ErrorCode::InvalidArgument, {"already taken"});
@@ -242,6 +255,14 @@ TEST(DistNames, BackendSpecsMapDeviceTypesToBackends) {
   EXPECT_EQ(BackendSpec::parse("cuda:nccl, cpu:mpi").str(), "cpu:mpi,cuda:nccl");
   EXPECT_EQ(BackendSpec::parse("gloo").str(), "cpu:gloo");
   EXPECT_EQ(BackendSpec::parse("NCCL").str(), "cuda:nccl");
+#ifdef MESHFUSE_WITH_CUDA
+  EXPECT_EQ(BackendSpec::parse("local").str(), "cpu:local,cuda:local");
+  EXPECT_EQ(BackendSpec::parse("cuda:local").str(), "cuda:local");
+#else
+  EXPECT_EQ(BackendSpec::parse("local").str(), "cpu:local");
+  expect_error([] { BackendSpec::parse("cuda:local"); }, ErrorCode::InvalidArgument,
+               {"local cannot serve cuda tensors"});
+#endif
   EXPECT_EQ(BackendSpec::parse("cpu:mpi").for_device(DeviceType::CPU), CommunicatorBackend::Mpi);
   expect_error([] { BackendSpec::parse("cuda:gloo"); }, ErrorCode::InvalidArgument,
                {"gloo cannot serve cuda tensors"});

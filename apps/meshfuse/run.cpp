@@ -55,7 +55,7 @@ Setup check_options(const RunOptions& o) {
                  "--format: expected table or json, got '{}'", o.format);
   if (s.backend == CommunicatorBackend::Local) {
     MESHFUSE_CHECK(!cuda, ErrorCode::Unsupported,
-                   "--backend local moves CPU tensors only (CUDA ranks: nccl under a launcher)");
+                   "--backend local runs its ranks on the CPU (CUDA ranks: nccl under a launcher)");
     MESHFUSE_CHECK(o.ranks >= 0, ErrorCode::InvalidArgument,
                    "--ranks: expected a positive number, got {}", o.ranks);
     s.ranks = o.ranks ? o.ranks : 4;

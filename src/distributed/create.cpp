@@ -75,10 +75,10 @@ std::shared_ptr<Communicator> init_communicator(const LaunchInfo& launch,
 LocalWorld::LocalWorld(int size, const CommOptions& options) : size_(size), options_(options) {
   MESHFUSE_CHECK(size >= 1, ErrorCode::InvalidArgument, "LocalWorld: size {} is not positive",
                  size);
-  const BackendSpec spec = BackendSpec::parse(options.backend.empty() ? "local" : options.backend);
-  MESHFUSE_CHECK(
-      spec.backends.size() == 1 && spec.backends.begin()->second == CommunicatorBackend::Local,
-      ErrorCode::InvalidArgument, "LocalWorld: backend '{}' is not local", options.backend);
+  spec_ = BackendSpec::parse(options.backend.empty() ? "local" : options.backend);
+  for (const auto& [device, backend] : spec_.backends)
+    MESHFUSE_CHECK(backend == CommunicatorBackend::Local, ErrorCode::InvalidArgument,
+                   "LocalWorld: backend '{}' is not local", options.backend);
   state_ = std::make_shared<detail::LocalWorldState>(size);
 }
 
@@ -96,7 +96,7 @@ std::shared_ptr<Communicator> LocalWorld::communicator(int rank) {
   LaunchInfo launch;
   launch.rank = launch.local_rank = rank;
   launch.world_size = launch.local_world_size = size_;
-  auto state = world_state(launch, BackendSpec::parse("local"), options_);
+  auto state = world_state(launch, spec_, options_);
   state->store = state_->store;
   state->local = state_;
   return CommState::make(std::move(state));

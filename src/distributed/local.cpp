@@ -6,7 +6,8 @@
 // rank reuses a buffer that another still reads. In-place reductions are split in one chunk
 // per rank: each rank reduces its chunk into a scratch, the team meets, and each writes its chunk
 // back. Collectives run on one worker thread per rank (asynchronous, in call order); exchange()
-// and send/recv run on the calling thread.
+// and send/recv run on the calling thread. Operations on CUDA tensors go to local_cuda.cpp, which
+// queues them on the caller's stream from the calling thread.
 #include "distributed/local.h"
 
 #include <algorithm>
@@ -25,53 +26,6 @@ namespace meshfuse::detail {
 
 namespace {
 
-// A reusable barrier that gives every rank the pointer each rank posted. After a timeout it is
-// broken for good: a late rank must not read pointers of ranks that have given up.
-class Meeting {
- public:
-  explicit Meeting(int size) : posted_(size), handed_(size) {}
-
-  std::vector<const void*> meet(int rank, const void* mine, Deadline deadline) {
-    std::unique_lock lock(mutex_);
-    MESHFUSE_CHECK(!broken_, ErrorCode::CommunicationFailure,
-                   "local: another rank of the team gave up after a timeout");
-    const std::uint64_t generation = generation_;
-    posted_[rank] = mine;
-    if (++arrived_ == static_cast<int>(posted_.size())) {
-      handed_ = posted_;
-      arrived_ = 0;
-      ++generation_;
-      changed_.notify_all();
-      return handed_;
-    }
-    // Woken by the deadline, or by a peer whose deadline came first: both are timeouts.
-    changed_.wait_until(lock, deadline, [&] { return broken_ || generation_ != generation; });
-    if (generation_ == generation) {
-      broken_ = true;
-      changed_.notify_all();
-      fail(ErrorCode::Timeout, "local: {} of {} ranks arrived", arrived_, posted_.size());
-    }
-    return handed_;  // valid: the next generation needs this rank to arrive again
-  }
-
-  // Gives up: wakes the waiting ranks (as timed out) and refuses later arrivals.
-  void abort() {
-    {
-      std::lock_guard lock(mutex_);
-      broken_ = true;
-    }
-    changed_.notify_all();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::vector<const void*> posted_, handed_;
-  int arrived_ = 0;
-  std::uint64_t generation_ = 0;
-  bool broken_ = false;
-};
-
 // A receive waiting for its send.
 struct PendingRecv {
   PendingRecv(void* data, std::size_t bytes) : data(data), bytes(bytes) {}
@@ -85,7 +39,16 @@ struct PendingRecv {
 }  // namespace
 
 struct LocalTeam {
-  explicit LocalTeam(int size) : ops(size), checks(size) {}
+  explicit LocalTeam(int size) : size(size), ops(size), checks(size) {}
+
+  // The CUDA side's meeting point, made by the first rank that queues a CUDA operation.
+  std::shared_ptr<LocalCudaTeam> cuda_team() {
+    std::lock_guard lock(cuda_mutex);
+    if (!cuda) cuda = make_local_cuda_team(size);
+    return cuda;
+  }
+
+  const int size;
 
   Meeting ops;     // collectives (worker threads)
   Meeting checks;  // exchange() (calling threads)
@@ -97,6 +60,9 @@ struct LocalTeam {
   using Key = std::tuple<int, int, int>;
   std::map<Key, std::deque<std::vector<std::uint8_t>>> sent;
   std::map<Key, std::deque<std::shared_ptr<PendingRecv>>> waiting;
+
+  std::mutex cuda_mutex;
+  std::shared_ptr<LocalCudaTeam> cuda;
 };
 
 namespace {
@@ -152,7 +118,8 @@ class RecvWork : public WorkImpl {
 class LocalComm : public CommImpl {
  public:
   LocalComm(const TeamContext& context, std::shared_ptr<LocalTeam> team)
-      : rank_(context.rank),
+      : context_(context),
+        rank_(context.rank),
         size_(static_cast<int>(context.team.size())),
         timeout_(context.timeout),
         team_(std::move(team)),
@@ -167,16 +134,21 @@ class LocalComm : public CommImpl {
     team_->checks.meet(rank_, nullptr, deadline);
   }
 
-  std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op, const Stream&) override {
+  std::shared_ptr<WorkImpl> all_reduce(const TensorView& t, ReduceOp op,
+                                       const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->all_reduce(t, op, stream);
     return reduce_chunks(t, op, -1);
   }
 
   std::shared_ptr<WorkImpl> reduce(const TensorView& t, int root, ReduceOp op,
-                                   const Stream&) override {
+                                   const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->reduce(t, root, op, stream);
     return reduce_chunks(t, op, root);
   }
 
-  std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root, const Stream&) override {
+  std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root,
+                                      const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->broadcast(t, root, stream);
     return collective(Args(t.data()), [=, this](const std::vector<const void*>& all) {
       if (rank_ != root) std::memcpy(t.data(), args_of(all, root).in, t.nbytes());
     });
@@ -184,7 +156,8 @@ class LocalComm : public CommImpl {
 
   std::shared_ptr<WorkImpl> all_gather(const TensorView& in, const TensorView& out,
                                        const std::vector<std::int64_t>& counts,
-                                       const Stream&) override {
+                                       const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->all_gather(in, out, counts, stream);
     const std::size_t es = element_size(in.dtype());
     return collective(Args(in.data()),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
@@ -196,7 +169,8 @@ class LocalComm : public CommImpl {
 
   std::shared_ptr<WorkImpl> reduce_scatter(const TensorView& in, const TensorView& out,
                                            const std::vector<std::int64_t>& counts, ReduceOp op,
-                                           const Stream&) override {
+                                           const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->reduce_scatter(in, out, counts, op, stream);
     const std::size_t es = element_size(in.dtype());
     return collective(Args(in.data()),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
@@ -208,7 +182,8 @@ class LocalComm : public CommImpl {
   }
 
   std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
-                                   const Stream&) override {
+                                   const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->gather(in, out, root, stream);
     return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
       if (rank_ != root) return;
       auto* dst = static_cast<std::uint8_t*>(out.data());
@@ -218,7 +193,8 @@ class LocalComm : public CommImpl {
   }
 
   std::shared_ptr<WorkImpl> scatter(const TensorView& in, const TensorView& out, int root,
-                                    const Stream&) override {
+                                    const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->scatter(in, out, root, stream);
     return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
       copy_bytes(static_cast<std::uint8_t*>(out.data()),
                  args_of(all, root).in + rank_ * out.nbytes(), out.nbytes());
@@ -228,7 +204,9 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> all_to_all(const TensorView& in, const TensorView& out,
                                        const std::vector<std::int64_t>& in_counts,
                                        const std::vector<std::int64_t>& out_counts,
-                                       const Stream&) override {
+                                       const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream))
+      return cuda->all_to_all(in, out, in_counts, out_counts, stream);
     const std::size_t es = element_size(in.dtype());
     return collective(Args(in.data(), in_counts), [=, this, out_off = offsets(out_counts)](
                                                       const std::vector<const void*>& all) {
@@ -242,7 +220,9 @@ class LocalComm : public CommImpl {
     });
   }
 
-  std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
+  std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag,
+                                 const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->send(t, peer, tag, stream);
     const auto* data = static_cast<const std::uint8_t*>(t.data());
     std::lock_guard lock(team_->p2p_mutex);
     const LocalTeam::Key key{rank_, peer, tag};
@@ -257,7 +237,9 @@ class LocalComm : public CommImpl {
     return completed_work();
   }
 
-  std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
+  std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag,
+                                 const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->recv(t, peer, tag, stream);
     std::lock_guard lock(team_->p2p_mutex);
     const LocalTeam::Key key{peer, rank_, tag};
     auto pending = std::make_shared<PendingRecv>(t.data(), t.nbytes());
@@ -271,16 +253,26 @@ class LocalComm : public CommImpl {
     return std::make_shared<RecvWork>(team_, key, pending);
   }
 
-  std::shared_ptr<WorkImpl> barrier(const Stream&) override {
+  std::shared_ptr<WorkImpl> barrier(const Stream& stream) override {
+    if (CommImpl* cuda = cuda_for(stream)) return cuda->barrier(stream);
     return collective(Args(), [](const std::vector<const void*>&) {});
   }
 
   void abort() override {
     team_->ops.abort();
     team_->checks.abort();
+    if (cuda_) cuda_->abort();
   }
 
  private:
+  // The CUDA side for operations on a CUDA stream (the tensors' device), set up on first use;
+  // nullptr for CPU ones.
+  CommImpl* cuda_for(const Stream& stream) {
+    if (stream.device.type != DeviceType::CUDA) return nullptr;
+    if (!cuda_) cuda_ = make_local_cuda_comm(context_, team_->cuda_team());
+    return cuda_.get();
+  }
+
   static void copy_bytes(std::uint8_t* dst, const std::uint8_t* src, std::size_t n) {
     if (dst != src && n > 0) std::memcpy(dst, src, n);
   }
@@ -325,9 +317,11 @@ class LocalComm : public CommImpl {
     });
   }
 
+  TeamContext context_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<LocalTeam> team_;
+  std::unique_ptr<CommImpl> cuda_;
   WorkerQueue queue_;  // last: joined before the rest goes
 };
 

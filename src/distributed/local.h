@@ -1,18 +1,23 @@
 // The shared state of a LocalWorld (internal): what the local backend's ranks, threads of one
-// process, meet through.
+// process, meet through. local.cpp serves CPU tensors, local_cuda.cpp CUDA tensors.
 #pragma once
 
+#include <condition_variable>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "distributed/comm_impl.h"
+#include "meshfuse/core/error.h"
 #include "meshfuse/distributed/store.h"
 
 namespace meshfuse::detail {
 
-struct LocalTeam;  // local.cpp
+struct LocalTeam;      // local.cpp
+struct LocalCudaTeam;  // local_cuda.cpp
 
 struct LocalWorldState {
   explicit LocalWorldState(int size) : size(size), taken(static_cast<std::size_t>(size)) {}
@@ -24,5 +29,59 @@ struct LocalWorldState {
   // The teams' meeting points by team name; the first rank of a team to arrive creates it.
   std::map<std::string, std::weak_ptr<LocalTeam>> teams;
 };
+
+// A reusable barrier that gives every rank the pointer each rank posted. After a timeout it is
+// broken for good: a late rank must not read pointers of ranks that have given up.
+class Meeting {
+ public:
+  explicit Meeting(int size) : posted_(size), handed_(size) {}
+
+  std::vector<const void*> meet(int rank, const void* mine, Deadline deadline) {
+    std::unique_lock lock(mutex_);
+    MESHFUSE_CHECK(!broken_, ErrorCode::CommunicationFailure,
+                   "local: another rank of the team gave up after a timeout");
+    const std::uint64_t generation = generation_;
+    posted_[rank] = mine;
+    if (++arrived_ == static_cast<int>(posted_.size())) {
+      handed_ = posted_;
+      arrived_ = 0;
+      ++generation_;
+      changed_.notify_all();
+      return handed_;
+    }
+    // Woken by the deadline, or by a peer whose deadline came first: both are timeouts.
+    changed_.wait_until(lock, deadline, [&] { return broken_ || generation_ != generation; });
+    if (generation_ == generation) {
+      broken_ = true;
+      changed_.notify_all();
+      fail(ErrorCode::Timeout, "local: {} of {} ranks arrived", arrived_, posted_.size());
+    }
+    return handed_;  // valid: the next generation needs this rank to arrive again
+  }
+
+  // Gives up: wakes the waiting ranks (as timed out) and refuses later arrivals.
+  void abort() {
+    {
+      std::lock_guard lock(mutex_);
+      broken_ = true;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<const void*> posted_, handed_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool broken_ = false;
+};
+
+// The CUDA side of the local backend (local_cuda.cpp): a team's meeting point for CUDA operations,
+// and one rank's view of it. Builds without CUDA never call them (the local backend serves only
+// CPU tensors there) and have versions that throw Error(BackendUnavailable).
+std::shared_ptr<LocalCudaTeam> make_local_cuda_team(int size);
+std::unique_ptr<CommImpl> make_local_cuda_comm(const TeamContext& context,
+                                               std::shared_ptr<LocalCudaTeam> team);
 
 }  // namespace meshfuse::detail

@@ -83,6 +83,9 @@ bool communicator_backend_built(CommunicatorBackend backend) {
 
 std::vector<DeviceType> communicator_backend_devices(CommunicatorBackend backend) {
   if (backend == CommunicatorBackend::Nccl) return {DeviceType::CUDA};
+#ifdef MESHFUSE_WITH_CUDA
+  if (backend == CommunicatorBackend::Local) return {DeviceType::CPU, DeviceType::CUDA};
+#endif
   return {DeviceType::CPU};
 }
 

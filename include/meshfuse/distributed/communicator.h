@@ -1,7 +1,9 @@
 // Communicators: collectives between the ranks of a team, on one of four backends.
 //
-//   local  N ranks as threads of one process, copying through shared memory (LocalWorld,
-//          run_local); needs no launcher. CPU tensors.
+//   local  N ranks as threads of one process (LocalWorld, run_local); needs no launcher. CPU
+//          tensors, copied through shared memory; and in CUDA builds CUDA tensors, on one GPU or
+//          one each, operations queued on the caller's stream (as nccl) and moved by the copy
+//          engines (docs/DISTRIBUTED.md, "local on CUDA tensors").
 //   gloo   Gloo over TCP (Debian's libgloo-dev); rendezvous through a Store. CPU tensors.
 //   mpi    Open MPI, launched with mpirun. CPU tensors.
 //   nccl   NCCL, one GPU per rank (the LOCAL rank's device), operations queued on the caller's
@@ -27,7 +29,8 @@
 // call wait until every rank of the team has made it. send/recv are not checked.
 //
 // Timeouts: a rank that never arrives gives the others Error(Timeout) after timeout() (from the
-// call when checks are on, from Work::wait otherwise). After a timeout or a transport failure the
+// call when checks are on, from Work::wait otherwise; local on CUDA tensors: from the call, which
+// meets the other ranks on the host). After a timeout or a transport failure the
 // communicator is out of step with its peers and every later call throws
 // Error(CommunicationFailure) saying so; a mismatch error leaves it usable. Any timeout counts,
 // also a short one given to Work::wait(timeout): to poll, use Work::is_completed().
@@ -37,7 +40,7 @@
 // of an operation on one device, and the stream on that device too (DeviceMismatch otherwise: the
 // default Stream{} is the CPU's, CUDA tensors take Stream{device} or a CudaStream of their device).
 // 16-bit reductions are computed in fp32 where the backend lets us
-// choose (local, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
+// choose (local, CPU and CUDA, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
 // all_reduce and reduce, and mpi: fp32 per pairwise step, rounded at each).
 // Split sizes count slices along dim 0 (as in torch.distributed.all_to_all_single): a tensor
 // with dim-0 size S split into sizes s_0..s_{n-1} (sum S) gives rank r the rows of s_r.
@@ -85,7 +88,8 @@ CommunicatorBackend parse_communicator_backend(std::string_view name);
 // Whether this build has the backend (local always; gloo, mpi with MESHFUSE_GLOO / MESHFUSE_MPI;
 // nccl with CUDA and NCCL).
 bool communicator_backend_built(CommunicatorBackend backend);
-// The device types a backend serves: local, gloo, mpi -> cpu; nccl -> cuda.
+// The device types a backend serves: local -> cpu, and cuda in CUDA builds; gloo, mpi -> cpu;
+// nccl -> cuda.
 std::vector<DeviceType> communicator_backend_devices(CommunicatorBackend backend);
 // The NCCL library of the nccl backend, as "NCCL 2.28.3 (libnccl.so.2)". NCCL is opened at run
 // time (here or at the first nccl communicator), not linked, so that a process with PyTorch loaded
@@ -106,7 +110,7 @@ struct BackendSpec {
 
   // Parses "cpu:gloo,cuda:nccl" (device:backend pairs) or one backend name, which then serves
   // every device type it can (communicator_backend_devices): "gloo" -> cpu:gloo, "nccl" ->
-  // cuda:nccl. Empty text -> default(). Error(InvalidArgument) on unknown names, a device listed
+  // cuda:nccl, "local" -> cpu:local,cuda:local (cpu:local without CUDA). Empty text -> default(). Error(InvalidArgument) on unknown names, a device listed
   // twice, or a backend that cannot serve the device ("cuda:gloo").
   static BackendSpec parse(std::string_view text);
   // cpu:gloo,cuda:nccl.
@@ -294,6 +298,10 @@ class Communicator {
                   const Stream& stream = {});
 
   // Point to point; a send matches the recv of the same (source, destination, tag), in order.
+  // local on CUDA tensors: a send only posts its buffer and returns; the recv blocks the host
+  // until the matching send is posted (up to the timeout), then queues the copy on its stream.
+  // The send's Work completes once that copy has finished: keep the send's buffer alive and
+  // unmodified until then (wait on it before reusing the buffer).
   Work send(const TensorView& tensor, int dst, int tag = 0, const Stream& stream = {});
   Work recv(const TensorView& tensor, int src, int tag = 0, const Stream& stream = {});
 
@@ -319,8 +327,9 @@ std::shared_ptr<Communicator> init_communicator(const LaunchInfo& launch,
                                                 const CommOptions& options = {});
 
 // N ranks as threads of this process, on the local backend (CommOptions::backend empty or
-// "local"). Each thread takes its rank's communicator once; the world lives as long as any of
-// them.
+// "local": every device type it serves, or e.g. "cpu:local"). Each thread takes its rank's
+// communicator once; the world lives as long as any of them. On CUDA tensors each rank queues on
+// its own stream; ranks may share a GPU, and a rank keeps the GPU of its first CUDA operation.
 class LocalWorld {
  public:
   explicit LocalWorld(int size, const CommOptions& options = {});
@@ -332,6 +341,7 @@ class LocalWorld {
  private:
   int size_;
   CommOptions options_;
+  BackendSpec spec_;  // every device type on local
   std::shared_ptr<detail::LocalWorldState> state_;
 };
 
