@@ -8,7 +8,8 @@ A stored run wraps a tool's JSON output with its metadata:
     {"machine", "command", "commit", "date", "kind", "results": <the tool's JSON>}
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
 run (`meshfuse run --format json`), torch_compare, recurrent_compare, flce_compare, comm_compare,
-numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json).
+numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json),
+overlap (bench/overlap --json).
 Standard library only.
 """
 
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 KINDS = ("bench", "comm_bench", "run", "torch_compare", "recurrent_compare", "flce_compare",
-         "comm_compare", "numerics", "executor_overhead")
+         "comm_compare", "numerics", "executor_overhead", "overlap")
 
 
 def guess_kind(results):
@@ -34,6 +35,8 @@ def guess_kind(results):
     first = results[0] if results else {}
     if "executor_us" in first:
         return "executor_overhead"
+    if first.get("layer") in ("ag_gemm", "gemm_rs", "chunked_gemm"):
+        return "overlap"
     if "meshfuse_err" in first:
         return "numerics"
     if "impl" in first:
@@ -206,6 +209,36 @@ def numerics_section(results):
          "mark"], rows) + ["", f"meshfuse's error is the larger on {worse} of {len(results)} rows."]
 
 
+def overlap_section(results):
+    """bench/overlap --json: one tensor-parallel layer with overlap none, collective and ring."""
+    def med(r, key):
+        return f"{num(r[key + '_ms'])} [{spread(r, key + '_p20_ms', key + '_p80_ms')}]"
+
+    layers = [r for r in results if r["layer"] != "chunked_gemm"]
+    costs = [r for r in results if r["layer"] == "chunked_gemm"]
+    rows = [[r["layer"], r["device"], r["ranks"], r["dtype"], f"{r['m']}x{r['k']}x{r['n']}",
+             num(r["comm_ms"]), num(r["compute_ms"]), med(r, "none"), med(r, "collective"),
+             med(r, "ring"), num(r["collective_efficiency"], 2),
+             num(r["ring_efficiency"], 2), ratio(r["none_ms"] / r["collective_ms"]),
+             ratio(r["none_ms"] / r["ring_ms"])] for r in layers]
+    out = ["Rank 0's time per run (ms, median [p20-p80]); ranks are threads on the local backend. "
+           "comm and compute: the steps of a run without overlap, each timed with the stream "
+           "synchronised. Efficiency: max(comm, compute) / overlapped (goal: at least 0.9 on the "
+           "GPU). Speed-up: none / overlapped.", ""] + table(
+        ["layer", "device", "ranks", "dtype", "m x k x n", "comm", "compute", "none",
+         f"collective ({layers[0]['chunks'] if layers else ''} chunks)", "ring", "eff. coll.",
+         "eff. ring", "speed-up coll.", "speed-up ring"], rows)
+    if costs:
+        out += ["", "Chunking cost: rank 0's GEMM of ag_gemm on one device as one call, and as "
+                "chunks x ranks calls on row blocks (goal: within 3% at 4 chunks).", ""]
+        out += table(["device", "dtype", "m x k x n/ranks", "blocks", "one GEMM ms", "blocks ms",
+                      "extra"],
+                     [[c["device"], c["dtype"], f"{c['m']}x{c['k']}x{-(-c['n'] // c['ranks'])}",
+                       c["chunks"] * c["ranks"], med(c, "one_gemm"), med(c, "chunked"),
+                       pct(c["chunked_ms"] / c["one_gemm_ms"] - 1)] for c in costs])
+    return out
+
+
 def run_section(results):
     """meshfuse run --format json: per-rank and one-device time, collectives, checks."""
     r = results
@@ -246,6 +279,7 @@ def executor_overhead_section(results):
 
 SECTIONS = {"bench": bench_section, "run": run_section,
             "executor_overhead": executor_overhead_section, "comm_bench": comm_bench_section,
+            "overlap": overlap_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,
             "comm_compare": comm_compare_section, "numerics": numerics_section}

@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
                   "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else mpi under mpirun, "
                   "gloo under another launcher, local without one)");
   run->add_option("--tokens", run_options.tokens, "tokens (default: 256 on the CPU, 4096 on CUDA)");
-  run->add_option("--device", run_options.device, "cpu, or cuda[:N] (nccl, under a launcher)")
+  run->add_option("--device", run_options.device,
+                  "cpu, or cuda[:N] (nccl under a launcher; local: the ranks as threads on it)")
       ->capture_default_str();
   run->add_option("--dtype", run_options.dtype, "bf16 or f32")->capture_default_str();
   run->add_option("--repeats", run_options.repeats, "timed runs after one warm-up")
@@ -75,6 +76,14 @@ int main(int argc, char** argv) {
   run->add_flag("--dump-plan", run_options.dump_plan,
                 "print rank 0's plan: every compute step and communication with its backend");
   run->add_option("--format", run_options.format, "table or json")->capture_default_str();
+  run->add_option("--overlap", run_options.overlap,
+                  "none, collective or ring: communication overlapped with the GEMMs")
+      ->capture_default_str();
+  run->add_option("--chunks", run_options.chunks,
+                  "--overlap collective: row chunks per rank's part (default: the ranks)");
+  run->add_option("--streams", run_options.streams,
+                  "CUDA: the executor's streams for the chunks")
+      ->capture_default_str();
 
   meshfuse::cli::LaunchOptions launch_options;
   CLI::App* launch = app.add_subcommand(

@@ -35,6 +35,7 @@ struct Setup {
   DType dtype = DType::BF16;
   std::int64_t tokens = 0;
   int ranks = 1;
+  OverlapParams overlap;
 };
 
 Setup check_options(const RunOptions& o) {
@@ -53,9 +54,13 @@ Setup check_options(const RunOptions& o) {
                  "--tokens and --repeats: expected >= 1, got {} and {}", s.tokens, o.repeats);
   MESHFUSE_CHECK(o.format == "table" || o.format == "json", ErrorCode::InvalidArgument,
                  "--format: expected table or json, got '{}'", o.format);
+  s.overlap = {parse_overlap(o.overlap), o.chunks, o.streams};
+  MESHFUSE_CHECK(o.chunks >= 0 && o.streams >= 1, ErrorCode::InvalidArgument,
+                 "--chunks and --streams: expected >= 0 and >= 1, got {} and {}", o.chunks,
+                 o.streams);
   if (s.backend == CommunicatorBackend::Local) {
-    MESHFUSE_CHECK(!cuda, ErrorCode::Unsupported,
-                   "--backend local runs its ranks on the CPU (CUDA ranks: nccl under a launcher)");
+    MESHFUSE_CHECK(!cuda || cuda_device_count() > 0, ErrorCode::BackendUnavailable,
+                   "--device {}: this machine has no CUDA device", o.device);
     MESHFUSE_CHECK(o.ranks >= 0, ErrorCode::InvalidArgument,
                    "--ranks: expected a positive number, got {}", o.ranks);
     s.ranks = o.ranks ? o.ranks : 4;
@@ -141,6 +146,12 @@ struct Collective {
   std::vector<double> ms;  // one per timed run
 };
 
+// One overlapped stretch of the plan: its steps' times without overlap, and its time overlapped.
+struct Layer {
+  std::string what;
+  std::vector<double> comm_ms, compute_ms, overlapped_ms;  // one per timed run
+};
+
 struct Check {
   std::string name;
   double max_abs_err = 0, normwise_err = 0;
@@ -153,6 +164,7 @@ struct Report {
   std::vector<double> comm_ms;  // per rank: median time in communication
   Timing single;
   std::vector<Collective> collectives;
+  std::vector<Layer> layers;
   std::vector<Check> checks;
   std::string plan;
   std::size_t compute_steps = 0;
@@ -207,6 +219,7 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const Setup& s, const R
   MultiDeviceExecutorParams params;
   params.lowering.communicator_backend = s.backend;
   params.profile = true;
+  params.overlap = s.overlap;
   MultiDeviceExecutor executor(sharded, comm, params);
   const Plan& plan = executor.plan(s.device.type);
   std::vector<Tensor> parts;
@@ -242,6 +255,34 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const Setup& s, const R
       collectives[c++].ms.push_back(step.ms);
     }
     comm_ms.push_back(in_comm);
+  }
+
+  // Each overlapped stretch: its time as one step here, and its steps' times without overlap.
+  std::vector<Layer> layers;
+  if (s.overlap.overlap != Overlap::None) {
+    for (const OverlapSegment& seg : find_overlap_segments(plan, s.overlap))
+      layers.push_back({seg.to_string(), {}, {}, {}});
+    MultiDeviceExecutorParams plain = params;
+    plain.overlap = {};
+    MultiDeviceExecutor sequential(sharded, comm, plain);
+    for (int r = 0; r <= o.repeats; ++r) {
+      out = executor.run(views, stream);
+      sequential.run(views, stream);
+      if (r == 0) continue;
+      std::size_t k = 0;
+      for (const StepProfile& step : executor.last_profile())
+        if (step.overlapped_to >= 0) layers[k++].overlapped_ms.push_back(step.ms);
+      k = 0;
+      const std::vector<StepProfile>& steps = sequential.last_profile();
+      for (const OverlapSegment& seg : find_overlap_segments(plan, s.overlap)) {
+        double comm_ms = 0, compute_ms = 0;
+        for (std::int64_t st = seg.first; st <= seg.last; ++st)
+          (steps[static_cast<std::size_t>(st)].communication ? comm_ms : compute_ms) +=
+              steps[static_cast<std::size_t>(st)].ms;
+        layers[k].comm_ms.push_back(comm_ms);
+        layers[k++].compute_ms.push_back(compute_ms);
+      }
+    }
   }
 
   // Every rank's median times, through the executor's own device and backend.
@@ -299,10 +340,21 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const Setup& s, const R
   // Rank 0's own spread.
   report->ranks[0] = timing_of(run_ms);
   report->collectives = std::move(collectives);
+  report->layers = std::move(layers);
   report->plan = plan.to_string();
   report->compute_steps = static_cast<std::size_t>(
       std::count_if(plan.steps.begin(), plan.steps.end(),
                     [](const PlanStep& st) { return std::holds_alternative<Compute>(st); }));
+}
+
+// A stretch's medians.
+struct LayerTimes {
+  double comm = 0, compute = 0, overlapped = 0;
+  double efficiency() const { return overlapped > 0 ? std::max(comm, compute) / overlapped : 0; }
+};
+
+LayerTimes times_of(const Layer& l) {
+  return {quantile(l.comm_ms, 0.5), quantile(l.compute_ms, 0.5), quantile(l.overlapped_ms, 0.5)};
 }
 
 void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report& r) {
@@ -327,6 +379,18 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
     for (const Collective& c : r.collectives)
       j["collectives"].push_back(
           {{"communication", c.what}, {"bytes", c.bytes}, {"median_ms", quantile(c.ms, 0.5)}});
+    j["overlap"] = {{"form", std::string(to_string(s.overlap.overlap))},
+                    {"chunks", s.overlap.chunks},
+                    {"streams", s.overlap.number_of_streams}};
+    for (const Layer& l : r.layers) {
+      const LayerTimes t = times_of(l);
+      j["layers"].push_back({{"stretch", l.what},
+                             {"comm_ms", t.comm},
+                             {"compute_ms", t.compute},
+                             {"sequential_ms", t.comm + t.compute},
+                             {"overlapped_ms", t.overlapped},
+                             {"overlap_efficiency", t.efficiency()}});
+    }
     for (const Check& c : r.checks)
       j["checks"].push_back({{"output", c.name},
                              {"max_abs_err", c.max_abs_err},
@@ -356,6 +420,21 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
   out << "collectives of rank 0 (each run; times with the stream synchronised around them):\n";
   for (const Collective& c : r.collectives)
     out << fmt::format("  {:>12} B {:>9.3f} ms  {}\n", c.bytes, quantile(c.ms, 0.5), c.what);
+  if (!r.layers.empty()) {
+    out << fmt::format(
+        "overlap {} ({} chunks, {} streams): each stretch's comm and compute alone (without "
+        "overlap, steps timed one by one), their sum, the stretch overlapped, and max(comm, "
+        "compute) / overlapped:\n",
+        to_string(s.overlap.overlap), s.overlap.chunks ? s.overlap.chunks : s.ranks,
+        s.overlap.number_of_streams);
+    out << fmt::format("  {:>10} {:>10} {:>10} {:>10} {:>6}  {}\n", "comm ms", "compute ms",
+                       "sequential", "overlapped", "eff.", "stretch");
+    for (const Layer& l : r.layers) {
+      const LayerTimes t = times_of(l);
+      out << fmt::format("  {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} {:>6.2f}  {}\n", t.comm,
+                         t.compute, t.comm + t.compute, t.overlapped, t.efficiency(), l.what);
+    }
+  }
   out << fmt::format(
       "check against one device (normwise: max |sharded - one device| / max |one device|, "
       "tolerance {}):\n",
@@ -373,7 +452,11 @@ int run_model(const RunOptions& options, std::ostream& out) {
   if (s.backend == CommunicatorBackend::Local) {
     const std::vector<Tensor> whole = whole_inputs(build(s, false));
     run_local(s.ranks, [&](const std::shared_ptr<Communicator>& comm) {
-      run_rank(comm, s, options, whole, Stream{}, comm->rank() == 0 ? &report : nullptr);
+      // On CUDA each rank a stream of its own on the one GPU.
+      std::optional<CudaStream> cuda;
+      if (s.device.type == DeviceType::CUDA) cuda.emplace(s.device.index);
+      run_rank(comm, s, options, whole, cuda ? cuda->stream() : Stream{},
+               comm->rank() == 0 ? &report : nullptr);
     });
   } else {
     CommOptions comm_options;

@@ -20,6 +20,15 @@
 // bf16, whose Partial terms are rounded to bf16 before they are summed), and prints per-rank
 // time, time in communication, the bytes of each collective and the scaling efficiency
 // (one-device time / (N x per-rank time)).
+//
+// --overlap collective|ring (--chunks, --streams) runs the stretches from an all_gather to a
+// reduce_scatter chunk by chunk (exec/overlap.h) and reports each: comm alone and compute alone
+// (their steps' times in a run without overlap, each step timed with the stream synchronised),
+// sequential (their sum), overlapped (the stretch timed as one) and the overlap efficiency
+// max(comm alone, compute alone) / overlapped.
+//
+// --backend local --device cuda runs the ranks as threads on that GPU, each with its own stream
+// (the local backend's copies between them on the copy engines).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +47,9 @@ struct RunOptions {
   int repeats = 3;               // timed runs after one warm-up
   bool dump_plan = false;        // print rank 0's plan
   std::string format = "table";  // table or json
+  std::string overlap = "none";  // none, collective or ring
+  int chunks = 0;                // collective: chunks per part (0: the ranks)
+  int streams = 2;               // CUDA: the executor's streams for the chunks
 };
 
 // Returns 0 when every output and gradient matches, 1 otherwise. Throws meshfuse::Error for bad

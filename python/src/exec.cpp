@@ -499,16 +499,22 @@ void bind_executor(nb::module_& m) {
 
   nb::class_<MultiDeviceExecutorParams>(
       m, "MultiDeviceExecutorParams",
-      "How a MultiDeviceExecutor lowers: communicator_backend, the backend of every "
+      "How a MultiDeviceExecutor lowers and runs: communicator_backend, the backend of every "
       "communication (a CommunicatorBackend, its name, or None: the communicator's for the "
-      "inputs' device type).")
+      "inputs' device type); overlap, 'none', 'collective' or 'ring': communication overlapped "
+      "with the GEMMs, the stretches from an all_gather over tokens to a reduce_scatter run in "
+      "row chunks (collective: `chunks` per rank's part, 0 for the team size; ring: send/recv "
+      "around the team); number_of_streams: on CUDA, the executor's streams for the chunks.")
       .def(
           "__init__",
-          [](MultiDeviceExecutorParams* self, nb::handle backend) {
+          [](MultiDeviceExecutorParams* self, nb::handle backend, const std::string& overlap,
+             int chunks, int number_of_streams) {
             new (self) MultiDeviceExecutorParams{};
             self->lowering.communicator_backend = backend_from(backend);
+            self->overlap = {parse_overlap(overlap), chunks, number_of_streams};
           },
-          "communicator_backend"_a = nb::none())
+          "communicator_backend"_a = nb::none(), "overlap"_a = "none", "chunks"_a = 0,
+          "number_of_streams"_a = 2)
       .def_prop_rw(
           "communicator_backend",
           [](const MultiDeviceExecutorParams& p) { return p.lowering.communicator_backend; },
@@ -516,6 +522,19 @@ void bind_executor(nb::module_& m) {
             p.lowering.communicator_backend = backend_from(backend);
           },
           nb::arg("backend").none())
+      .def_prop_rw(
+          "overlap",
+          [](const MultiDeviceExecutorParams& p) { return std::string(to_string(p.overlap.overlap)); },
+          [](MultiDeviceExecutorParams& p, const std::string& o) {
+            p.overlap.overlap = parse_overlap(o);
+          })
+      .def_prop_rw(
+          "chunks", [](const MultiDeviceExecutorParams& p) { return p.overlap.chunks; },
+          [](MultiDeviceExecutorParams& p, int chunks) { p.overlap.chunks = chunks; })
+      .def_prop_rw(
+          "number_of_streams",
+          [](const MultiDeviceExecutorParams& p) { return p.overlap.number_of_streams; },
+          [](MultiDeviceExecutorParams& p, int n) { p.overlap.number_of_streams = n; })
       .def(
           "__eq__",
           [](const MultiDeviceExecutorParams& a, const MultiDeviceExecutorParams& b) {
@@ -525,7 +544,10 @@ void bind_executor(nb::module_& m) {
       .def("__repr__", [](const MultiDeviceExecutorParams& p) {
         const auto& b = p.lowering.communicator_backend;
         return "MultiDeviceExecutorParams(communicator_backend=" +
-               (b ? "'" + std::string(to_string(*b)) + "'" : std::string("None")) + ")";
+               (b ? "'" + std::string(to_string(*b)) + "'" : std::string("None")) +
+               ", overlap='" + std::string(to_string(p.overlap.overlap)) +
+               "', chunks=" + std::to_string(p.overlap.chunks) +
+               ", number_of_streams=" + std::to_string(p.overlap.number_of_streams) + ")";
       });
 
   nb::class_<Plan>(m, "Plan",
