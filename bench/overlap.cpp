@@ -3,10 +3,11 @@
 // with its own stream, the transfers on the copy engines):
 //   ag_gemm  x [m, k] Shard(0), w [n, k] Shard(0): all_gather of x, then x w^T (column-parallel)
 //   gemm_rs  x [m, k] Shard(1), w [n, k] Shard(1): x w^T on each rank's k, reduce_scatter to rows
-// For each, rank 0's time per run (median [p20, p80] of --repeats, all ranks released together)
-// with overlap none, collective (--chunks) and ring; comm alone and compute alone (the steps of a
-// run without overlap, each timed with the stream synchronised), and the overlap efficiency
-// max(comm, compute) / overlapped. Also the chunking cost on one device, no ranks: rank 0's GEMM
+// For each, the time per run (median [p20, p80] of --repeats; all ranks released together, the
+// run over when the last is done, as ranks may share a device) with overlap none, collective
+// (--chunks) and ring; comm alone and compute alone (rank 0's steps of a run without overlap,
+// each timed with the stream synchronised, a communication from a barrier of the team), and the
+// overlap efficiency max(comm, compute) / overlapped. Also the chunking cost on one device, no ranks: rank 0's GEMM
 // as one call against chunks x ranks calls on row blocks. Prints a table, or JSON with --json.
 //
 //   overlap [--json] [--device cpu|cuda] [--ranks D] [--m M] [--k K] [--n N[,N...]]
@@ -104,6 +105,7 @@ void run_rank(const std::shared_ptr<Communicator>& comm, const std::string& kind
       const auto start = std::chrono::steady_clock::now();
       e.run(views, stream);
       synchronize(stream);
+      comm->barrier().wait();  // until the last rank is done: ranks may share a device
       if (r > 0)
         ms.push_back(
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
@@ -235,7 +237,7 @@ int main(int argc, char** argv) {
     fmt::print("[\n  {}\n]\n", fmt::join(records, ",\n  "));
     return 0;
   }
-  fmt::print("{} ranks on local ({}), {}, m {} k {}; rank 0's ms per run, median [p20, p80] of {}\n",
+  fmt::print("{} ranks on local ({}), {}, m {} k {}; ms per run (to the last rank), median [p20, p80] of {}\n",
              o.ranks, o.device.str(), dtype, o.m, o.k, o.repeats);
   fmt::print("{:<8} {:>6} {:>9} {:>9} {:>24} {:>24} {:>24} {:>6} {:>6}\n", "layer", "n", "comm",
              "compute", "none", fmt::format("collective ({})", o.chunks), "ring", "eff c",

@@ -117,21 +117,6 @@ RowRoles row_roles(const ProgramOp& op) {
   return r;
 }
 
-void run_op_rows(const ProgramOp& op, const std::vector<TensorView>& in,
-                 const std::vector<TensorView>& out, bool accumulate, const Stream& stream) {
-  if (!accumulate) return run_op(op, in, out, stream);
-  MESHFUSE_CHECK(op.type == OpType::LinearBackward, ErrorCode::Internal,
-                 "run_op_rows: {} has no summed results", to_string(op.type));
-  // dx of the block; dw += dy^T x; db += the column sums of dy.
-  linear_backward(in[0], in[1], in[2], out[0], {}, {}, stream);
-  gemm(in[0], in[1], out[1], out[1], {.transpose_a = true, .beta = 1.0}, stream);
-  if (out.size() > 2 && out[2].defined()) {
-    const Tensor block(out[2].shape(), out[2].dtype(), out[2].device(), stream);
-    linear_backward(in[0], in[1], in[2], {}, {}, block, stream);
-    add(out[2], block, out[2], 1.0, stream);
-  }
-}
-
 namespace {
 
 std::vector<double> as_doubles(const TensorView& t, const Stream& stream) {

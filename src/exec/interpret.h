@@ -25,17 +25,13 @@ void run_collective_op(const ProgramOp& op, const std::vector<TensorView>& input
 
 // How an op's operands and results relate to the rows of dim 0 (overlap.h): a row result's row i
 // depends only on row i of the row operands (and on the other operands whole); a summed result
-// is a sum over the rows. Ops with neither (losses, or none listed) are not row-wise.
+// is a sum over the rows (run_op leaves an undefined one out, so a caller can compute the row
+// results block by block and the summed ones once over all rows). Ops with neither (losses, or
+// none listed) are not row-wise.
 struct RowRoles {
   bool row_wise = false;
   std::vector<bool> row_inputs, row_outputs, summed_outputs;  // per op.inputs / op.outputs
 };
 RowRoles row_roles(const ProgramOp& op);
-
-// run_op on a block of rows, its row operands and results narrowed to the block by the caller;
-// with `accumulate`, the summed results (row_roles) get the block's sum added to what they hold
-// (the GEMM's beta = 1, one rounding per block for 16-bit types) instead of being overwritten.
-void run_op_rows(const ProgramOp& op, const std::vector<TensorView>& inputs,
-                 const std::vector<TensorView>& outputs, bool accumulate, const Stream& stream);
 
 }  // namespace meshfuse::detail

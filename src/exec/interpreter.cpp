@@ -81,9 +81,17 @@ std::vector<Tensor> Interpreter::run(const std::vector<TensorView>& inputs) {
   if (profile_) profile_->clear();
   auto segment = segments_.begin();
   for (std::size_t s = 0; s < plan_.steps.size(); ++s) {
-    if (profile_) synchronize(stream_);
-    const auto start = std::chrono::steady_clock::now();
     const auto step = static_cast<std::int64_t>(s);
+    if (profile_) {
+      synchronize(stream_);
+      // A communication starts when the whole team is there: its time is not another rank's
+      // compute still running.
+      if (const auto mesh_dim = communicates_over(step); mesh_dim >= 0) {
+        teams_[static_cast<std::size_t>(mesh_dim)]->barrier(stream_).wait();
+        synchronize(stream_);
+      }
+    }
+    const auto start = std::chrono::steady_clock::now();
     StepProfile entry{step};
     if (segment != segments_.end() && segment->first == step) {
       run_segment(*segment);
@@ -114,6 +122,15 @@ std::vector<Tensor> Interpreter::run(const std::vector<TensorView>& inputs) {
     outputs.push_back(owned_[o].defined() ? owned_[o] : Tensor::copy_of(views_[o], stream_));
   }
   return outputs;
+}
+
+std::int64_t Interpreter::communicates_over(std::int64_t step) const {
+  for (const OverlapSegment& seg : segments_)
+    if (seg.first == step) return seg.mesh_dim;
+  const PlanStep& st = plan_.steps[static_cast<std::size_t>(step)];
+  if (const auto* c = std::get_if<Communication>(&st)) return c->mesh_dim;
+  if (const auto* c = std::get_if<Compute>(&st)) return c->mesh_dim;
+  return -1;
 }
 
 const TensorView& Interpreter::allocate(std::int64_t id) {

@@ -40,6 +40,8 @@ class Interpreter {
 
   const TensorView& view(std::int64_t id) const { return views_[static_cast<std::size_t>(id)]; }
   const TensorView& allocate(std::int64_t id);
+  // The mesh dimension whose team the step (or the segment starting there) talks to; -1: none.
+  std::int64_t communicates_over(std::int64_t step) const;
   void release_after(std::int64_t step);
   bool unused_result(const ProgramOp& op, std::size_t j) const;
 
@@ -58,7 +60,10 @@ class Interpreter {
   void run_collective_segment(Chunked& ch);
   void run_ring_gather(Chunked& ch);
   void run_ring_scatter(Chunked& ch);
+  // The segment's ops on one block of rows, their results summed over rows left out.
   void run_block(Chunked& ch, const Block& b, const Stream& stream);
+  // Those summed results, once over all rows.
+  void run_sums(const Chunked& ch, const Stream& stream);
 
   const Plan& plan_;
   const PlanFacts& facts_;

@@ -6,14 +6,15 @@
 // layout (values that later steps read are written in place), and in the chunk's communication
 // buffer, which holds the chunk's blocks in the team's order (all_gather's output, reduce_scatter's
 // input). So no op reads or writes a permuted copy, and a GEMM on a block is a GEMM on a row range.
+// Results summed over rows (weight gradients) are left out of the blocks and computed once over
+// all rows after the last block, while the last chunk's reduce_scatter runs: the same GEMM as
+// without overlap, one rounding.
 //
 // Ordering. On the CPU, compute runs on the calling thread and each backend's collectives on its
 // own threads (Work), waited before their results are read or their buffers reused. On CUDA, chunk
 // c runs on the executor's stream c % number_of_streams (a ring: transfers on the first, compute
 // on the second), each waiting for the caller's stream at the start and waited by it at the end;
 // buffers are reused only on the stream that last used them, or after an event of the other.
-// Summed results (weight gradients) are accumulated in block order, across streams through an
-// event, so the sums are the same run to run.
 #include <algorithm>
 #include <numeric>
 
@@ -43,8 +44,6 @@ struct Interpreter::Chunked {
   Tensor gather_copy;             // this rank's part made contiguous, when it was not
   TensorView gather_input;        // this rank's part
   TensorView gathered, scattered;  // the chunk's communication buffers
-  bool first_block = true;         // summed results: written (first block) or accumulated
-  StreamEvent summed;              // CUDA: after the last accumulation
 };
 
 namespace {
@@ -80,7 +79,16 @@ void Interpreter::run_segment(const OverlapSegment& seg) {
   for (std::int64_t rows : seg.sizes) ch.part_offset.push_back(ch.part_offset.back() + rows);
   if (seg.gather >= 0) {
     ch.gather = &std::get<Communication>(step(seg.gather));
+    // Kept whole when a later step reads it, or an op sums over its rows.
     ch.gathered_escapes = facts_.last_use[static_cast<std::size_t>(ch.gather->output)] > seg.last;
+    for (const Compute* c : ch.ops) {
+      const RowRoles roles = row_roles(c->op);
+      const bool sums = std::find(roles.summed_outputs.begin(), roles.summed_outputs.end(),
+                                  true) != roles.summed_outputs.end();
+      for (std::size_t i = 0; i < c->op.inputs.size(); ++i)
+        ch.gathered_escapes |= sums && c->op.inputs[i].defined() &&
+                               c->op.inputs[i].id == ch.gather->output;
+    }
     ch.gather_input = view(ch.gather->input);
     if (!ch.gather_input.is_contiguous()) {
       ch.gather_copy = Tensor::copy_of(ch.gather_input, stream_);
@@ -131,24 +139,25 @@ void Interpreter::run_block(Chunked& ch, const Block& b, const Stream& stream) {
       const Value v = c->op.inputs[i];
       in.push_back(!v.defined() ? TensorView() : roles.row_inputs[i] ? rows(v.id) : view(v.id));
     }
-    bool sums = false;
-    for (std::size_t j = 0; j < c->op.outputs.size(); ++j) {
-      const std::int64_t id = c->op.outputs[j].id;
-      if (unused_result(c->op, j)) {
-        out.emplace_back();
-      } else if (roles.row_outputs[j]) {
-        out.push_back(rows(id));
-      } else {
-        out.push_back(view(id));
-        sums = true;
-      }
-    }
-    const bool accumulate = sums && !ch.first_block;
-    if (accumulate) ch.summed.wait(stream);
-    run_op_rows(c->op, in, out, accumulate, stream);
-    if (sums) ch.summed.record(stream);
+    for (std::size_t j = 0; j < c->op.outputs.size(); ++j)
+      out.push_back(roles.row_outputs[j] && !unused_result(c->op, j) ? rows(c->op.outputs[j].id)
+                                                                     : TensorView());
+    run_op(c->op, in, out, stream);
   }
-  ch.first_block = false;
+}
+
+void Interpreter::run_sums(const Chunked& ch, const Stream& stream) {
+  for (const Compute* c : ch.ops) {
+    const RowRoles roles = row_roles(c->op);
+    if (std::find(roles.summed_outputs.begin(), roles.summed_outputs.end(), true) ==
+        roles.summed_outputs.end())
+      continue;
+    std::vector<TensorView> in, out;
+    for (Value v : c->op.inputs) in.push_back(v.defined() ? view(v.id) : TensorView());
+    for (std::size_t j = 0; j < c->op.outputs.size(); ++j)
+      out.push_back(roles.summed_outputs[j] ? view(c->op.outputs[j].id) : TensorView());
+    run_op(c->op, in, out, stream);
+  }
 }
 
 void Interpreter::run_collective_segment(Chunked& ch) {
@@ -180,6 +189,7 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   }
   if (cuda)
     for (const Stream& s : chunk_streams_) wait_stream(s, stream_);
+  std::vector<StreamEvent> computed(slots);  // per slot, after its last chunk's blocks
   std::vector<Work> gathers(static_cast<std::size_t>(chunks));
   std::vector<Work> scatters(static_cast<std::size_t>(chunks));
   const auto gather = [&](std::int64_t c) {
@@ -209,6 +219,7 @@ void Interpreter::run_collective_segment(Chunked& ch) {
                 on(c));
       at += rows;
     }
+    computed[slot].record(on(c));
     if (ch.scatter && at > 0) {
       const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(me)], chunks, c);
       scatters[static_cast<std::size_t>(c)] = ch.team.reduce_scatter(
@@ -216,6 +227,10 @@ void Interpreter::run_collective_segment(Chunked& ch) {
           sizes_of(c), *ch.scatter->reduction, on(c));
     }
   }
+  // The sums over all rows run while the last reduce_scatters do.
+  const Stream& sums = on(chunks);
+  for (const StreamEvent& e : computed) e.wait(sums);
+  run_sums(ch, sums);
   for (Work& w : scatters) finish(std::move(w));
   if (cuda)
     for (const Stream& s : chunk_streams_) wait_stream(stream_, s);
@@ -264,6 +279,7 @@ void Interpreter::run_ring_gather(Chunked& ch) {
       in_hand = arriving;
     }
   }
+  run_sums(ch, C);
   sent.wait();
   wait_stream(stream_, T);
   wait_stream(stream_, C);
@@ -313,6 +329,7 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
       copy(mine, view(ch.scatter->output), C);
     }
   }
+  run_sums(ch, C);
   for (Work& w : sent) w.wait();
   wait_stream(stream_, T);
   wait_stream(stream_, C);

@@ -50,7 +50,9 @@ struct MultiDeviceExecutorParams {
   // number_of_streams.
   OverlapParams overlap;
   // Time every step of each run (last_profile()): the stream is synchronised after each step, so
-  // nothing overlaps and each step's wall time is its own. For measuring, not for production.
+  // nothing overlaps and each step's wall time is its own, and a step that communicates starts
+  // after a barrier of its team, so its time leaves out the wait for a slower rank. For
+  // measuring, not for production.
   bool profile = false;
   friend bool operator==(const MultiDeviceExecutorParams&,
                          const MultiDeviceExecutorParams&) = default;

@@ -9,8 +9,9 @@
 //     whose input the segment computes and nothing else reads,
 //   - and in between holds only row-wise ops: each row of their row operands (x of linear, a of
 //     matmul, both operands of add and swiglu, dy and x of their backwards, ...) gives the same row
-//     of their row results. Their results summed over rows (the weight gradients of linear_backward
-//     and matmul_backward, linear's grad_bias) are accumulated chunk by chunk.
+//     of their row results. Their results summed over rows (linear_backward's weight and bias
+//     gradients) are computed once over all rows after the last chunk, under the last
+//     reduce_scatter.
 // Rows are the M = sum(sizes) rows of the gathered (or scattered) tensor, in the ranks' order.
 //
 // Forms:
@@ -25,9 +26,9 @@
 //               to the last op that reads the gathered tensor, then the rest.
 //
 // Results equal the plan without overlap within the GEMMs' tolerance: a GEMM on a row chunk can
-// take another algorithm than on all rows, a weight gradient is summed chunk by chunk (16-bit
-// ones rounded once per chunk), and the ring sums partial products in another order. They are
-// bitwise the same run to run for the same ranks, backend and parameters.
+// take another algorithm than on all rows, and the ring sums the partial products in another
+// order (16-bit ones rounded at each step). They are bitwise the same run to run for the same
+// ranks, backend and parameters.
 #pragma once
 
 #include <cstdint>
