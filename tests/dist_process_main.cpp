@@ -59,6 +59,8 @@ TEST(ExecutorProcess, OverlappedMlpBlockMatchesOneDeviceInEveryForm) {
   exec::check_mlp_block_overlap(world);
 }
 
+TEST(ExecutorProcess, OverlapEdgesMatchOneDevice) { exec::check_overlap_edges(world); }
+
 TEST(ExecutorProcess, HeadBackwardMatchesOneDevice) { exec::check_head_backward(world); }
 
 // Under mpirun with a store (MESHFUSE_STORE_PATH, the dist_mpi_4_processes_executor_on_gloo

@@ -446,6 +446,104 @@ inline void check_mlp_block_overlap(const std::shared_ptr<Communicator>& comm) {
                ErrorCode::InvalidArgument, {"chunks", "-1"});
 }
 
+// Overlap's edges: a lone row-parallel GEMM + reduce_scatter is a stretch; a ring stretch whose
+// reduce_scatter input is computed before the gathered tensor's last reader keeps its
+// reduce_scatter whole; a softmax over a 1-D tensor (its rows are its one dim) and a batched
+// matmul are not chunked; one token over the team (one rank holds it, the others none) gives the
+// same stretches on every rank, also profiled (a barrier per communication). Each against one
+// device, in every form.
+inline void check_overlap_edges(const std::shared_ptr<Communicator>& comm) {
+  const auto gemm_rs = [&](bool sharded) {
+    Program p;
+    const Value x = p.define_tensor("x", {10, 12}, DType::F32);
+    const Value w = p.define_tensor("w", {8, 12}, DType::F32);
+    const Value y = p.linear(x, w);
+    if (!sharded) {
+      p.add_output(y);
+      return p;
+    }
+    p.set_mesh(line(*comm));
+    p.set_placements(x, {Shard{1}});
+    p.set_placements(w, {Shard{1}});
+    p.add_output(y, {Shard{0}});
+    return p;
+  };
+  // The down projection's input comes before up's linear, the last reader of the gathered h.
+  const auto early_partial = [&](bool sharded) {
+    Program p;
+    const Value x = p.define_tensor("x", {10, 16}, DType::F32);
+    const Value gate = p.define_tensor("gate_weight", {22, 16}, DType::F32);
+    const Value up = p.define_tensor("up_weight", {22, 16}, DType::F32);
+    const Value down = p.define_tensor("down_weight", {16, 22}, DType::F32);
+    const Value partial = p.linear(p.linear(x, gate), down);
+    const Value b = p.linear(x, up);
+    p.add_output(p.add(x, partial));
+    p.add_output(p.swiglu(b, b));
+    if (sharded) {
+      p.set_mesh(line(*comm));
+      p.set_placements(x, {Shard{0}});
+      p.set_placements(gate, {Shard{0}});
+      p.set_placements(up, {Shard{0}});
+      p.set_placements(down, {Shard{1}});
+    }
+    return p;
+  };
+  const auto softmax_1d = [&](bool sharded) {
+    Program p;
+    const Value x = p.define_tensor("x", {8}, DType::F32);
+    const Value y = p.softmax(x);
+    if (!sharded) {
+      p.add_output(y);
+      return p;
+    }
+    p.set_mesh(line(*comm));
+    p.set_placements(x, {Shard{0}});
+    p.add_output(y, {Replicate{}});
+    return p;
+  };
+  const auto one_token = [&](bool sharded) {
+    Program p;
+    const Value x = p.define_tensor("x", {1, 16}, DType::F32);
+    const Value gate = p.define_tensor("gate_weight", {22, 16}, DType::F32);
+    const Value down = p.define_tensor("down_weight", {16, 22}, DType::F32);
+    const Value h = p.linear(x, gate);
+    const Value y = p.add(x, p.add(p.linear(h, down), p.linear(h, down)));
+    if (!sharded) {
+      p.add_output(y);
+      return p;
+    }
+    p.set_mesh(line(*comm));
+    p.set_placements(x, {Shard{0}});
+    p.set_placements(gate, {Shard{0}});
+    p.set_placements(down, {Shard{1}});
+    p.add_output(y, {Shard{0}});
+    return p;
+  };
+  for (const Overlap form : {Overlap::Collective, Overlap::Ring}) {
+    SCOPED_TRACE(fmt::format("overlap {}", to_string(form)));
+    MultiDeviceExecutorParams params;
+    params.overlap.overlap = form;
+    const auto segments = [&](const std::function<Program(bool)>& build) {
+      return find_overlap_segments(MultiDeviceExecutor(build(true), comm).plan(), params.overlap);
+    };
+    expect_matches_single_device(gemm_rs, comm, 1e-5, params);
+    const std::vector<OverlapSegment> lone = segments(gemm_rs);
+    ASSERT_EQ(lone.size(), 1u);
+    EXPECT_LT(lone[0].gather, 0);
+    EXPECT_GE(lone[0].scatter, 0);
+
+    expect_matches_single_device(early_partial, comm, 2e-5, params);
+    for (const OverlapSegment& seg : segments(early_partial))
+      EXPECT_TRUE(form == Overlap::Collective || seg.scatter < 0) << seg.to_string();
+
+    expect_matches_single_device(softmax_1d, comm, 1e-6, params);
+    EXPECT_TRUE(segments(softmax_1d).empty());
+
+    params.profile = true;
+    expect_matches_single_device(one_token, comm, 2e-5, params);
+  }
+}
+
 // Errors every rank sees alike: a rank outside the mesh, a placement with no rule, an input of the
 // wrong shape, and ranks running different programs (the communicator's metadata check).
 inline void check_errors(const std::shared_ptr<Communicator>& comm) {

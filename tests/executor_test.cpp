@@ -68,6 +68,8 @@ TEST(ExecutorLocal, OverlappedMlpBlockMatchesOneDeviceInEveryForm) {
   on_four_ranks(exec::check_mlp_block_overlap);
 }
 
+TEST(ExecutorLocal, OverlapEdgesMatchOneDevice) { on_four_ranks(exec::check_overlap_edges); }
+
 TEST(ExecutorLocal, ErrorsAreTheSameOnEveryRankAndNothingHangs) {
   on_four_ranks(exec::check_errors);
 }
@@ -209,17 +211,22 @@ TEST(ExecutorCuda, OverlappedMlpBlockOnLocalRanksMatchesNoOverlap) {
                   expected[i], Tensor::zeros(expected[i].shape(), expected[i].dtype()), 0, 0);
               EXPECT_LE(d.max_abs_err, tol * std::max(scale.max_abs_err, 1.0)) << "output " << i;
             }
+            // Streams 1 and 3 too, and set_params changing them on one executor.
+            MultiDeviceExecutor executor(sharded, comm);
             for (const Overlap form : {Overlap::Collective, Overlap::Ring})
-              for (const int chunks : {1, 2, 0, 8}) {
+              for (const int chunks : {1, 2, 0, 8})
+                for (const int streams : {2, 1, 3}) {
+                if ((form == Overlap::Ring || chunks != 2) && streams != 2) continue;
                 if (form == Overlap::Ring && chunks != 0) continue;
                 MultiDeviceExecutorParams params;
-                params.overlap = {form, chunks, 2};
-                MultiDeviceExecutor executor(sharded, comm, params);
+                params.overlap = {form, chunks, streams};
+                executor.set_params(params);
                 const std::vector<Tensor> out = executor.run(exec::views(parts), stream);
                 const std::vector<Tensor> again = executor.run(exec::views(parts), stream);
                 for (std::size_t i = 0; i < out.size(); ++i) {
-                  const std::string what = fmt::format("{} chunks {} output {} rank {}",
-                                                       to_string(form), chunks, i, comm->rank());
+                  const std::string what =
+                      fmt::format("{} chunks {} streams {} output {} rank {}", to_string(form),
+                                  chunks, streams, i, comm->rank());
                   const Tensor a = to_cpu(out[i], stream), b = to_cpu(again[i], stream);
                   EXPECT_TRUE(testing::bitwise_equal(a, b)) << what << " differs run to run";
                   const Tensor c = to_cpu(base[i], stream);

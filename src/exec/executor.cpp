@@ -157,11 +157,10 @@ const std::vector<Stream>& MultiDeviceExecutor::chunk_streams(
   static const std::vector<Stream> kNone;
   if (device.type != DeviceType::CUDA || segments.empty()) return kNone;
   auto& [owned, streams] = chunk_streams_[device.index];
-  while (owned.size() < static_cast<std::size_t>(params_.overlap.number_of_streams)) {
-    owned.push_back(std::make_shared<CudaStream>(device.index));
-    streams.push_back(owned.back()->stream());
-  }
-  streams.resize(static_cast<std::size_t>(params_.overlap.number_of_streams));
+  const auto n = static_cast<std::size_t>(params_.overlap.number_of_streams);
+  while (owned.size() < n) owned.push_back(std::make_shared<CudaStream>(device.index));
+  streams.clear();
+  for (std::size_t i = 0; i < n; ++i) streams.push_back(owned[i]->stream());
   return streams;
 }
 

@@ -37,6 +37,7 @@ class Interpreter {
  private:
   struct Block;
   struct Chunked;
+  struct Settle;
 
   const TensorView& view(std::int64_t id) const { return views_[static_cast<std::size_t>(id)]; }
   const TensorView& allocate(std::int64_t id);

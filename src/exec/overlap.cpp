@@ -96,21 +96,28 @@ class Finder {
     return plan_.values[static_cast<std::size_t>(id)];
   }
 
-  // Whether step s is a row-wise op over M rows that a segment [first, s] can hold: its row
-  // operands and results have M rows, its other operands come from before the segment, and none of
-  // its operands is a summed result of the segment.
-  bool row_op(std::int64_t s, std::int64_t first, std::int64_t m) const {
+  // Whether step s is a row-wise op over M rows that a segment [first, s] over mesh dimension
+  // mesh_dim can hold: its row operands and results have M rows, whole along mesh_dim (so every
+  // member of the team decides alike), and at least 2 dims where the op reduces over the last
+  // (or, for matmul, any batch); its other operands come from before the segment.
+  bool row_op(std::int64_t s, std::int64_t first, std::int64_t m, std::int64_t mesh_dim) const {
     const auto* c = std::get_if<Compute>(&plan_.steps[static_cast<std::size_t>(s)]);
     if (!c || c->mesh_dim >= 0) return false;
     const detail::RowRoles roles = detail::row_roles(c->op);
     if (!roles.row_wise) return false;
+    const bool elementwise = c->op.type == OpType::Add || c->op.type == OpType::Swiglu ||
+                             c->op.type == OpType::SwigluBackward;
     const auto rows_of = [&](Value v) {
       const PlanValue& pv = value(v.id);
-      return !pv.shape.empty() && pv.shape[0] == m;
+      const auto ndim = static_cast<std::int64_t>(pv.shape.size());
+      const auto* shard = std::get_if<Shard>(&pv.placements[static_cast<std::size_t>(mesh_dim)]);
+      return ndim >= (elementwise ? 1 : 2) && pv.shape[0] == m &&
+             !(shard && (shard->dim == 0 || shard->dim + ndim == 0));
     };
     for (std::size_t i = 0; i < c->op.inputs.size(); ++i) {
       const Value v = c->op.inputs[i];
       if (!v.defined()) continue;
+      if (c->op.type == OpType::Matmul && value(v.id).shape.size() != 2) return false;
       if (roles.row_inputs[i] ? !rows_of(v) : producer_[static_cast<std::size_t>(v.id)] >= first)
         return false;
     }
@@ -160,7 +167,7 @@ class Finder {
       m = std::accumulate(rs.sizes.begin(), rs.sizes.end(), std::int64_t{0});
     }
     std::int64_t ops = 0;
-    while (next < n && row_op(next, first, m)) {
+    while (next < n && row_op(next, first, m, seg.mesh_dim)) {
       ++next;
       ++ops;
     }
@@ -169,8 +176,9 @@ class Finder {
       const Communication& rs = comm(next);
       const std::int64_t producer = producer_[static_cast<std::size_t>(rs.input)];
       const auto& readers = readers_[static_cast<std::size_t>(rs.input)];
-      if (rs.mesh_dim == seg.mesh_dim && rs.sizes == seg.sizes && producer > first &&
-          producer < next && readers.size() == 1 && readers[0] == next && ops > 0) {
+      if (rs.mesh_dim == seg.mesh_dim && rs.sizes == seg.sizes && producer > seg.gather &&
+          producer >= first && producer < next && readers.size() == 1 && readers[0] == next &&
+          ops > 0) {
         seg.scatter = next;
         ++next;
       }
@@ -186,7 +194,8 @@ class Finder {
   }
 
   // A ring segment with both collectives: the gathered part up to the last op reading the
-  // gathered tensor, then the rest with the reduce_scatter (when it still has an op).
+  // gathered tensor, then the rest with the reduce_scatter, when that rest computes its input
+  // (otherwise the reduce_scatter runs whole, after the first part).
   void split_ring(const OverlapSegment& seg, std::vector<OverlapSegment>& found) const {
     std::int64_t k = seg.gather + 1;
     for (std::int64_t r : readers_[static_cast<std::size_t>(comm(seg.gather).output)])
@@ -194,12 +203,8 @@ class Finder {
     OverlapSegment head = seg, tail = seg;
     head.last = k;
     head.scatter = -1;
-    if (k >= seg.scatter - 1) {  // nothing but the reduce_scatter is left: it runs whole
-      head.last = seg.scatter - 1;
-      found.push_back(head);
-      return;
-    }
     found.push_back(head);
+    if (producer_[static_cast<std::size_t>(comm(seg.scatter).input)] <= k) return;
     tail.first = k + 1;
     tail.gather = -1;
     found.push_back(tail);

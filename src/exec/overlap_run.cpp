@@ -46,6 +46,30 @@ struct Interpreter::Chunked {
   TensorView gathered, scattered;  // the chunk's communication buffers
 };
 
+// At the end of a segment's form, also when it throws: the caller's stream waits for the chunk
+// streams (CUDA), so the buffers it frees are no longer in use there, and every communication
+// still in flight is waited (its error, once reported, is not thrown again), so none outlives
+// the buffers it reads or writes.
+struct Interpreter::Settle {
+  Settle(Interpreter& in, std::vector<std::vector<Work>*> works) : in(in), works(std::move(works)) {}
+  ~Settle() {
+    for (std::vector<Work>* list : works)
+      for (Work& w : *list) try {
+          w.wait();
+        } catch (...) {
+        }
+    if (in.device_.type == DeviceType::CUDA)
+      for (const Stream& s : in.chunk_streams_) try {
+          wait_stream(in.stream_, s);
+        } catch (...) {
+        }
+  }
+  Settle(const Settle&) = delete;
+  Settle& operator=(const Settle&) = delete;
+  Interpreter& in;
+  std::vector<std::vector<Work>*> works;
+};
+
 namespace {
 
 // numpy.array_split of n rows into k pieces: piece c's first row and size.
@@ -165,9 +189,13 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   const auto d = static_cast<std::int64_t>(seg.sizes.size());
   const std::int64_t chunks = seg.chunks, me = ch.team.rank();
   const bool cuda = device_.type == DeviceType::CUDA;
-  const std::size_t slots = cuda ? chunk_streams_.size() : 2;
+  // Chunk c on stream c % number_of_streams, its buffers in slot c % slots: a slot is reused on
+  // its own stream (or, on one stream, after the chunk before it), and chunk c + 1's all_gather
+  // never lands in the slot chunk c computes from.
+  const std::size_t streams = chunk_streams_.size();
+  const std::size_t slots = cuda ? std::max<std::size_t>(2, streams) : 2;
   const auto on = [&](std::int64_t c) -> const Stream& {
-    return cuda ? chunk_streams_[static_cast<std::size_t>(c) % slots] : stream_;
+    return cuda ? chunk_streams_[static_cast<std::size_t>(c) % streams] : stream_;
   };
   const auto sizes_of = [&](std::int64_t c) {
     std::vector<std::int64_t> sizes;
@@ -192,6 +220,7 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   std::vector<StreamEvent> computed(slots);  // per slot, after its last chunk's blocks
   std::vector<Work> gathers(static_cast<std::size_t>(chunks));
   std::vector<Work> scatters(static_cast<std::size_t>(chunks));
+  const Settle settle(*this, {&gathers, &scatters});
   const auto gather = [&](std::int64_t c) {
     const std::vector<std::int64_t> sizes = sizes_of(c);
     if (total(sizes) == 0) return;
@@ -205,7 +234,7 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   for (std::int64_t c = 0; c < chunks; ++c) {
     const auto slot = static_cast<std::size_t>(c) % slots;
     if (ch.gather && c + 1 < chunks) gather(c + 1);  // chunk c + 1's transfer under c's compute
-    if (ch.gather) finish(gathers[static_cast<std::size_t>(c)]);
+    if (ch.gather) finish(std::move(gathers[static_cast<std::size_t>(c)]));
     // The CPU's reduce_scatter of chunk c - slots still reads this slot's buffer.
     if (ch.scatter && !cuda && c >= static_cast<std::int64_t>(slots))
       scatters[static_cast<std::size_t>(c) - slots].wait();
@@ -232,8 +261,6 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   for (const StreamEvent& e : computed) e.wait(sums);
   run_sums(ch, sums);
   for (Work& w : scatters) finish(std::move(w));
-  if (cuda)
-    for (const Stream& s : chunk_streams_) wait_stream(stream_, s);
 }
 
 void Interpreter::run_ring_gather(Chunked& ch) {
@@ -245,27 +272,27 @@ void Interpreter::run_ring_gather(Chunked& ch) {
   const Stream& T = cuda ? chunk_streams_.front() : stream_;
   const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
                          : stream_;
-  wait_stream(T, stream_);
-  wait_stream(C, stream_);
   const PlanValue& gathered = plan_.values[static_cast<std::size_t>(ch.gather->output)];
   const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
   const Tensor hold[2] = {rows_like(gathered, most, device_, stream_),
                           rows_like(gathered, most, device_, stream_)};
+  wait_stream(T, stream_);  // after the allocations: T and C may use what they were given
+  wait_stream(C, stream_);
   StreamEvent received, computed;
-  Work sent;
+  std::vector<Work> sent(1), got(1);
+  const Settle settle(*this, {&sent, &got});
   TensorView in_hand = ch.gather_input;
   for (int s = 0; s < d; ++s) {
     const int r = (me - s + d) % d;  // whose part is in hand
     TensorView arriving;
-    Work got;
     if (s + 1 < d) {
       // The slot was read at step s - 1: by its compute (on C) and its send (waited here).
-      sent.wait();
+      sent[0].wait();
       computed.wait(T);
       arriving = hold[(s + 1) % 2].view().narrow(0, 0, seg.sizes[static_cast<std::size_t>(
                                                         (r + d - 1) % d)]);
-      sent = ch.team.send(in_hand, next, 0, T);
-      got = ch.team.recv(arriving, prev, 0, T);
+      sent[0] = ch.team.send(in_hand, next, 0, T);
+      got[0] = ch.team.recv(arriving, prev, 0, T);
       received.record(T);
     }
     ch.gathered = in_hand;
@@ -274,15 +301,13 @@ void Interpreter::run_ring_gather(Chunked& ch) {
               C);
     computed.record(C);
     if (s + 1 < d) {
-      finish(std::move(got));
+      finish(std::move(got[0]));
       received.wait(C);
       in_hand = arriving;
     }
   }
   run_sums(ch, C);
-  sent.wait();
-  wait_stream(stream_, T);
-  wait_stream(stream_, C);
+  sent[0].wait();
 }
 
 void Interpreter::run_ring_scatter(Chunked& ch) {
@@ -293,16 +318,17 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
   const Stream& T = cuda ? chunk_streams_.front() : stream_;
   const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
                          : stream_;
-  wait_stream(T, stream_);
-  wait_stream(C, stream_);
   const PlanValue& partial = plan_.values[static_cast<std::size_t>(ch.scatter->input)];
   const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
   const Tensor part[2] = {rows_like(partial, most, device_, stream_),
                           rows_like(partial, most, device_, stream_)};
   const Tensor sum[2] = {rows_like(partial, most, device_, stream_),
                          rows_like(partial, most, device_, stream_)};
+  wait_stream(T, stream_);
+  wait_stream(C, stream_);
   StreamEvent received, added;
-  Work sent[2], got;
+  std::vector<Work> sent(2), got(1);
+  const Settle settle(*this, {&sent, &got});
   // The sum of block b starts at rank b + 1 and passes rank to rank, each adding its term, to end
   // at rank b after d - 1 steps: at step s this rank adds its term of block me - 1 - s.
   for (int s = 0; s < d; ++s) {
@@ -314,7 +340,7 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
     ch.scattered = part[s % 2].view();
     run_block(ch, {r, ch.part_offset[static_cast<std::size_t>(r)], rows, 0}, C);
     if (s > 0) {
-      finish(std::move(got));
+      finish(std::move(got[0]));
       received.wait(C);
       add(mine, sum[s % 2].view().narrow(0, 0, rows), mine, 1.0, C);
     }
@@ -323,7 +349,7 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
       added.wait(T);
       sent[s % 2] = ch.team.send(mine, next, 0, T);
       const std::int64_t coming = seg.sizes[static_cast<std::size_t>((r + d - 1) % d)];
-      got = ch.team.recv(sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T);
+      got[0] = ch.team.recv(sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T);
       received.record(T);
     } else {
       copy(mine, view(ch.scatter->output), C);
@@ -331,8 +357,6 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
   }
   run_sums(ch, C);
   for (Work& w : sent) w.wait();
-  wait_stream(stream_, T);
-  wait_stream(stream_, C);
 }
 
 }  // namespace meshfuse::detail
