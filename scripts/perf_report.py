@@ -257,6 +257,16 @@ def run_section(results):
     out += table(["communication (rank 0)", "bytes", "median ms"],
                  [[c["communication"], c["bytes"], num(c["median_ms"])]
                   for c in r.get("collectives", [])]) + [""]
+    if r.get("layers"):
+        o = r["overlap"]
+        out += [f"Overlap {o['form']} ({o['chunks'] or r['ranks']} chunks, {o['streams']} streams): "
+                "each stretch's comm and compute alone (steps of a profiled run without overlap), "
+                "their sum, the stretch overlapped, and max(comm, compute) / overlapped.", ""]
+        out += table(["stretch", "comm ms", "compute ms", "sequential ms", "overlapped ms",
+                      "efficiency"],
+                     [[l["stretch"], num(l["comm_ms"]), num(l["compute_ms"]),
+                       num(l["sequential_ms"]), num(l["overlapped_ms"]),
+                       num(l["overlap_efficiency"], 2)] for l in r["layers"]]) + [""]
     out += table(["output", "max abs err", "normwise err", "check"],
                  [[c["output"], sci(c["max_abs_err"]), sci(c["normwise_err"]),
                    "pass" if c["pass"] else "FAIL"] for c in r["checks"]])
