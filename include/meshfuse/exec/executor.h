@@ -15,10 +15,13 @@
 // with that backend (Communicator::with_backends), set up on first use. Teams along mesh
 // dimensions come from Communicator::split, made at the first run of each backend.
 //
-// run() allocates every intermediate on the inputs' device (CUDA work on `stream`), frees them
-// before it returns, and keeps no state between runs; communications complete before the compute
-// that needs them (the overlap of the two is for the plan's later versions). Results are bitwise
-// the same run to run for the same inputs, ranks and backend.
+// run() allocates every intermediate on the inputs' device (CUDA work on `stream`, and on the
+// executor's own streams for overlapped chunks), frees them before it returns, and keeps no state
+// between runs. Communications complete before the compute that reads them; params().overlap runs
+// the all_gather .. reduce_scatter stretches in chunks, one chunk's communication under another's
+// compute (overlap.h). On CUDA, run() returns once every communication has completed on the
+// device; later compute may still be queued on `stream`. Results are bitwise the same run to run
+// for the same inputs, ranks, backend and parameters.
 #pragma once
 
 #include <cstddef>
