@@ -279,7 +279,7 @@ class LocalComm : public CommImpl {
 
   static void deliver(PendingRecv& r, const std::uint8_t* data, std::size_t bytes) {
     if (bytes == r.bytes)
-      std::memcpy(r.data, data, bytes);
+      copy_bytes(static_cast<std::uint8_t*>(r.data), data, bytes);  // an empty one may be null
     else
       r.error = fmt::format("local: a recv of {} bytes matched a send of {} bytes", r.bytes, bytes);
     r.done = true;
