@@ -35,6 +35,7 @@ namespace {
 
 using meshfuse::DType;
 using meshfuse::Tensor;
+using meshfuse::testing::quantile;
 
 struct Case {
   DType dtype;
@@ -103,11 +104,6 @@ struct Variant {
   std::function<void()> run;
   std::vector<double> seconds;
 };
-
-double quantile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
-}
 
 }  // namespace
 

@@ -30,14 +30,7 @@
 namespace {
 
 using namespace meshfuse;
-
-double quantile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const double at = p * static_cast<double>(v.size() - 1);
-  const auto lo = static_cast<std::size_t>(at);
-  const std::size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (at - static_cast<double>(lo));
-}
+using testing::quantile;
 
 struct Options {
   bool json = false;

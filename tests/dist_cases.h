@@ -232,6 +232,19 @@ inline void check_send_recv(Communicator& c, DType dtype) {
   EXPECT_EQ(values_of(got), values(prev, 9)) << where(c, dtype, "send/recv");
 }
 
+// send_recv around the ring with parts of different sizes, rank 0's empty: rank r sends 3r
+// elements to the next and receives the previous rank's.
+inline void check_send_recv_pair(Communicator& c, DType dtype) {
+  const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  Tensor mine = tensor_of(values(c.rank(), 3 * c.rank()), dtype, {3 * c.rank()});
+  Tensor got = zeros({3 * prev}, dtype);
+  Work w = c.send_recv(mine, next, got, prev, 2, place());
+  w.wait();
+  EXPECT_EQ(w.record().op, CommOp::SendRecv);
+  EXPECT_EQ(w.record().source, prev);
+  EXPECT_EQ(values_of(got), values(prev, 3 * prev)) << where(c, dtype, "send_recv");
+}
+
 // A tensor passed around the ring in size() - 1 steps (sends first, as check_send_recv does on
 // CUDA): rank r ends with rank r + 1's.
 inline void check_ring_pass(Communicator& c) {
@@ -278,6 +291,7 @@ inline void check_every_collective(Communicator& c) {
     check_gather(c, dtype);
     check_scatter(c, dtype);
     check_send_recv(c, dtype);
+    check_send_recv_pair(c, dtype);
   }
   check_u32_reductions(c);
   c.barrier(place()).wait();

@@ -159,6 +159,14 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
     expect_error([&] { c.all_reduce(Tensor::zeros({4}, DType::Bool)); }, ErrorCode::InvalidArgument,
                  {"bool"});
     expect_error([&] { c.send(t, c.rank()); }, ErrorCode::InvalidArgument, {"no sends to self"});
+    expect_error([&] { c.send_recv(t, (c.rank() + 1) % c.size(), t, c.rank()); },
+                 ErrorCode::InvalidArgument, {"send_recv", "from self"});
+    expect_error(
+        [&] {
+          c.send_recv(t, (c.rank() + 1) % c.size(), Tensor::zeros({4}, DType::BF16),
+                      (c.rank() + 1) % c.size());
+        },
+        ErrorCode::DTypeMismatch, {"send_recv", "one dtype"});
     expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
     // The stream is on the tensors' device, or the call fails: no stream is relabelled (a view
     // labelled cuda:0 is enough, the check comes before any backend).

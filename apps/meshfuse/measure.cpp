@@ -31,15 +31,6 @@ void parallel_copy(char* dst, const char* src, std::int64_t n) {
 
 }  // namespace
 
-double quantile(std::vector<double> samples, double p) {
-  if (samples.empty()) return 0;
-  std::sort(samples.begin(), samples.end());
-  const double pos = p * static_cast<double>(samples.size() - 1);
-  const auto lo = static_cast<std::size_t>(pos);
-  const std::size_t hi = std::min(lo + 1, samples.size() - 1);
-  return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
-}
-
 std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
                                      const TimingPolicy& policy, const Stream& stream) {
   // Warm-up: caches, page faults of fresh outputs, thread pools. Heavy calls stop early; the

@@ -8,6 +8,7 @@
 
 #include "meshfuse/core/device.h"
 #include "meshfuse/core/stream.h"
+#include "meshfuse/testing.h"
 
 namespace meshfuse::cli {
 
@@ -38,8 +39,7 @@ struct Timing {
 std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& fns,
                                      const TimingPolicy& policy, const Stream& stream = {});
 
-// The p-th quantile (p in [0, 1]) of `samples`, linearly interpolated.
-double quantile(std::vector<double> samples, double p);
+using testing::quantile;
 
 // Bytes of the last-level cache (0 when unknown).
 std::int64_t last_level_cache_bytes();

@@ -1,7 +1,9 @@
-// Random inputs and result comparison, shared by the tests, the CLI's bench and bench/.
+// Random inputs, result comparison and sample statistics, shared by the tests, the CLI's bench
+// and bench/.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "meshfuse/core/tensor.h"
 
@@ -32,5 +34,9 @@ double default_tolerance(DType dtype);
 
 // True when both tensors hold the same bytes element by element (any strides).
 bool bitwise_equal(const TensorView& a, const TensorView& b);
+
+// The p-th quantile (p in [0, 1]) of `samples`, linearly interpolated between order statistics
+// (numpy.quantile's default); 0 for no samples.
+double quantile(std::vector<double> samples, double p);
 
 }  // namespace meshfuse::testing

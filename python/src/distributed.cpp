@@ -72,6 +72,7 @@ void bind_record(nb::module_& m) {
       .def_ro("team", &CommRecord::team)
       .def_ro("rank", &CommRecord::rank)
       .def_ro("root", &CommRecord::root)
+      .def_ro("source", &CommRecord::source)
       .def_prop_ro("reduction",
                    [](const CommRecord& r) -> std::optional<std::string> {
                      if (!r.reduction) return std::nullopt;
@@ -234,6 +235,20 @@ void bind_communicator(nb::module_& m) {
             return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
+      .def(
+          "send_recv",
+          [](Communicator& c, Array send, int dst, Array recv, int src, int tag,
+             std::uintptr_t stream) {
+            const TensorView out = view(send), in = view(recv);
+            return run(
+                [&] {
+                  return c.send_recv(out, dst, in, src, tag, stream_on(out.device(), stream));
+                },
+                {send, recv});
+          },
+          "send_tensor"_a, "dst"_a, "recv_tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0,
+          "Sends send_tensor to dst and receives recv_tensor from src as one operation (a ring "
+          "step; on nccl one group, which separate send and recv calls cannot be).")
       .def(
           "barrier",
           [](Communicator& c, const std::string& device, std::uintptr_t stream) {

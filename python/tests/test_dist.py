@@ -44,6 +44,25 @@ def test_local_ranks_reduce_gather_and_report_the_backend():
         np.testing.assert_array_equal(gathered, expected_gather)
 
 
+def test_local_send_recv_passes_uneven_parts_around_a_ring():
+    results = {}
+
+    def rank_fn(comm):
+        r, n = comm.rank, comm.size
+        nxt, prev = (r + 1) % n, (r + n - 1) % n
+        got = np.full(2 * prev, -1, np.float32)
+        work = comm.send_recv(value(r, 2 * r).astype(np.float32), nxt, got, prev)
+        work.wait()
+        assert work.record.op == "send_recv" and work.record.root == nxt and work.record.source == prev
+        assert str(work.record).endswith(f"to {nxt}, from {prev}, #{work.record.seq}")
+        results[r] = got
+
+    meshfuse.run_local(3, rank_fn)
+    for r in range(3):
+        prev = (r + 2) % 3
+        np.testing.assert_array_equal(results[r], value(prev, 2 * prev).astype(np.float32))
+
+
 def test_local_bf16_avg_and_reduce_scatter():
     torch = pytest.importorskip("torch")
     results = {}

@@ -1,5 +1,6 @@
 #include "meshfuse/testing.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -122,6 +123,15 @@ bool bitwise_equal(const TensorView& a, const TensorView& b) {
   if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
   const Tensor ca = Tensor::copy_of(a), cb = Tensor::copy_of(b);
   return std::memcmp(ca.view().data(), cb.view().data(), ca.view().nbytes()) == 0;
+}
+
+double quantile(std::vector<double> samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const double pos = p * static_cast<double>(samples.size() - 1);
+  const auto lo = static_cast<std::size_t>(pos);
+  const std::size_t hi = std::min(lo + 1, samples.size() - 1);
+  return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
 }
 
 }  // namespace meshfuse::testing

@@ -23,6 +23,7 @@ struct Call {
   CommOp op;
   std::vector<TensorView> tensors;  // the defined ones
   int root = -1;
+  int source = -1;  // send_recv
   std::optional<ReduceOp> reduction;
   std::int64_t count = 0;  // see CommRecord::count
   std::int64_t bytes = 0;
@@ -133,6 +134,7 @@ Work start(CommState& s, Call& c, F&& run) {
   record.team = s.team;
   record.rank = s.rank;
   record.root = c.root;
+  record.source = c.source;
   record.reduction = c.reduction;
   record.dtype = c.dtype;
   record.count = c.count;
@@ -142,7 +144,7 @@ Work start(CommState& s, Call& c, F&& run) {
   s.remember(record);
 
   try {
-    if (s.check && c.op != CommOp::Send && c.op != CommOp::Recv) {
+    if (s.check && c.op != CommOp::Send && c.op != CommOp::Recv && c.op != CommOp::SendRecv) {
       const int n = s.size();
       detail::Meta meta{
           {static_cast<std::int32_t>(c.op), static_cast<std::int32_t>(c.dtype), c.root,
@@ -351,6 +353,25 @@ Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream
   c.bytes = bytes_of(c.count, c.dtype);
   return start(*state_, c,
                [&](detail::CommImpl& impl) { return impl.recv(flat(tensor), src, tag, c.stream); });
+}
+
+Work Communicator::send_recv(const TensorView& send_tensor, int dst, const TensorView& recv_tensor,
+                             int src, int tag, const Stream& stream) {
+  Call c(CommOp::SendRecv, {send_tensor, recv_tensor});
+  check_rank(dst, size(), "destination", c.op);
+  check_rank(src, size(), "source", c.op);
+  MESHFUSE_CHECK(dst != rank() && src != rank() && tag >= 0, ErrorCode::InvalidArgument,
+                 "send_recv: to rank {} and from rank {} with tag {} on rank {} (no transfers to "
+                 "or from self, tags >= 0)",
+                 dst, src, tag, rank());
+  c.root = dst;
+  c.source = src;
+  check_tensors(c, stream);
+  c.count = send_tensor.numel();
+  c.bytes = bytes_of(std::max(send_tensor.numel(), recv_tensor.numel()), c.dtype);
+  return start(*state_, c, [&](detail::CommImpl& impl) {
+    return impl.send_recv(flat(send_tensor), dst, flat(recv_tensor), src, tag, c.stream);
+  });
 }
 
 Work Communicator::barrier(const Stream& stream) {

@@ -37,6 +37,9 @@ class WorkImpl {
 // A finished operation (for backends that complete synchronously).
 std::shared_ptr<WorkImpl> completed_work();
 
+// Operations that finish together: done once each of them is.
+std::shared_ptr<WorkImpl> joined_work(std::vector<std::shared_ptr<WorkImpl>> parts);
+
 // An operation another thread completes: finish() marks it done, with the failure (if any) that
 // wait() rethrows.
 class TaskWork : public WorkImpl {
@@ -132,6 +135,11 @@ class CommImpl {
                                          const Stream& stream) = 0;
   virtual std::shared_ptr<WorkImpl> recv(const TensorView& tensor, int peer, int tag,
                                          const Stream& stream) = 0;
+  // By default the send, then the recv, as one Work: right for backends whose sends do not wait
+  // for their receive (local, gloo, mpi); nccl groups them.
+  virtual std::shared_ptr<WorkImpl> send_recv(const TensorView& send_tensor, int dst,
+                                              const TensorView& recv_tensor, int src, int tag,
+                                              const Stream& stream);
   virtual std::shared_ptr<WorkImpl> barrier(const Stream& stream) = 0;
 
   // Called once after a timeout or failure: give up in-flight operations as far as the library

@@ -45,7 +45,8 @@ std::string CommRecord::to_string() const {
                      bytes_str(bytes));
   s += fmt::format(" on {}, team {}, rank {}", meshfuse::to_string(backend), ranks_str(team), rank);
   if (detail::is_rooted(op)) s += fmt::format(", root {}", root);
-  if (op == CommOp::Send) s += fmt::format(", to {}", root);
+  if (op == CommOp::Send || op == CommOp::SendRecv) s += fmt::format(", to {}", root);
+  if (op == CommOp::SendRecv) s += fmt::format(", from {}", source);
   if (op == CommOp::Recv) s += fmt::format(", from {}", root);
   return s + fmt::format(", #{}", seq);
 }

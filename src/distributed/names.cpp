@@ -24,7 +24,7 @@ constexpr ReduceOp kReduceOps[] = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min,
 constexpr CommOp kCommOps[] = {CommOp::AllGather, CommOp::ReduceScatter, CommOp::AllReduce,
                                CommOp::Broadcast, CommOp::Reduce,        CommOp::Gather,
                                CommOp::Scatter,   CommOp::AllToAll,      CommOp::Send,
-                               CommOp::Recv,      CommOp::Barrier};
+                               CommOp::Recv,      CommOp::SendRecv,      CommOp::Barrier};
 
 template <typename E, std::size_t N>
 std::string names_of(const E (&values)[N]) {
@@ -137,6 +137,8 @@ std::string_view to_string(CommOp op) {
       return "send";
     case CommOp::Recv:
       return "recv";
+    case CommOp::SendRecv:
+      return "send_recv";
     case CommOp::Barrier:
       return "barrier";
   }

@@ -8,7 +8,8 @@
 // cudaMemcpyAsync on the same stream.
 //
 // Point to point: NCCL matches the sends and receives between two ranks in the order they are
-// issued; tags are not seen by it.
+// issued; tags are not seen by it. A send blocks its stream until the peer receives, so a ring
+// step is send_recv, one group.
 #include "core/cuda/runtime.h"
 #include "core/shared_library.h"
 #include "distributed/comm_impl.h"
@@ -427,6 +428,22 @@ class NcclComm : public CommImpl {
                                  const Stream& stream) override {
     const Launch l(*this, t, stream);
     check(nccl().Recv(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclRecv");
+    return record(stream);
+  }
+
+  // One group: NCCL posts both before either blocks, so a ring of them cannot deadlock. Empty
+  // transfers are skipped, as in all_to_all (the peer's matching side is empty too).
+  std::shared_ptr<WorkImpl> send_recv(const TensorView& out, int dst, const TensorView& in, int src,
+                                      int, const Stream& stream) override {
+    const Launch l(*this, out, stream);
+    grouped([&] {
+      if (out.numel() > 0)
+        check(nccl().Send(out.data(), count(out), nccl_type(out.dtype()), dst, comm_, l.stream),
+              "ncclSend");
+      if (in.numel() > 0)
+        check(nccl().Recv(in.data(), count(in), nccl_type(in.dtype()), src, comm_, l.stream),
+              "ncclRecv");
+    });
     return record(stream);
   }
 

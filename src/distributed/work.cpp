@@ -21,9 +21,36 @@ class CompletedWork : public WorkImpl {
   void wait(Deadline) override {}
 };
 
+class JoinedWork : public WorkImpl {
+ public:
+  explicit JoinedWork(std::vector<std::shared_ptr<WorkImpl>> parts) : parts_(std::move(parts)) {}
+  bool test() override {
+    for (const auto& p : parts_)
+      if (!p->test()) return false;
+    return true;
+  }
+  void wait(Deadline deadline) override {
+    for (const auto& p : parts_) p->wait(deadline);
+  }
+
+ private:
+  std::vector<std::shared_ptr<WorkImpl>> parts_;
+};
+
 }  // namespace
 
 std::shared_ptr<WorkImpl> completed_work() { return std::make_shared<CompletedWork>(); }
+
+std::shared_ptr<WorkImpl> joined_work(std::vector<std::shared_ptr<WorkImpl>> parts) {
+  return std::make_shared<JoinedWork>(std::move(parts));
+}
+
+std::shared_ptr<WorkImpl> CommImpl::send_recv(const TensorView& send_tensor, int dst,
+                                              const TensorView& recv_tensor, int src, int tag,
+                                              const Stream& stream) {
+  std::shared_ptr<WorkImpl> sent = send(send_tensor, dst, tag, stream);
+  return joined_work({std::move(sent), recv(recv_tensor, src, tag, stream)});
+}
 
 bool TaskWork::test() {
   std::lock_guard lock(mutex_);

@@ -38,6 +38,7 @@ class Interpreter {
   struct Block;
   struct Chunked;
   struct Settle;
+  struct Ring;
 
   const TensorView& view(std::int64_t id) const { return views_[static_cast<std::size_t>(id)]; }
   const TensorView& allocate(std::int64_t id);
@@ -59,6 +60,7 @@ class Interpreter {
 
   void run_segment(const OverlapSegment& seg);
   void run_collective_segment(Chunked& ch);
+  Ring ring_of(const Chunked& ch) const;
   void run_ring_gather(Chunked& ch);
   void run_ring_scatter(Chunked& ch);
   // The segment's ops on one block of rows, their results summed over rows left out.

@@ -16,6 +16,7 @@
 // on the second), each waiting for the caller's stream at the start and waited by it at the end;
 // buffers are reused only on the stream that last used them, or after an event of the other.
 #include <algorithm>
+#include <array>
 #include <numeric>
 
 #include "exec/interpret.h"
@@ -133,11 +134,6 @@ void Interpreter::run_segment(const OverlapSegment& seg) {
       const std::int64_t id = c->op.outputs[j].id;
       if (!unused_result(c->op, j) && !(ch.scatter && id == ch.scatter->input)) allocate(id);
     }
-  MESHFUSE_CHECK(seg.form != Overlap::Ring || ch.team.backend(device_.type) !=
-                                                   CommunicatorBackend::Nccl,
-                 ErrorCode::Unsupported,
-                 "MultiDeviceExecutor: overlap = ring passes parts with send/recv, which nccl runs "
-                 "only in groups that meshfuse does not issue yet; use overlap = collective");
   if (seg.form == Overlap::Collective)
     run_collective_segment(ch);
   else if (ch.gather)
@@ -263,36 +259,59 @@ void Interpreter::run_collective_segment(Chunked& ch) {
   for (Work& w : scatters) finish(std::move(w));
 }
 
+// A ring's neighbours and streams: transfers on T, compute on C (on the CPU both are the caller's),
+// and two buffers of the largest part for each tensor that passes, one in hand and one arriving.
+struct Interpreter::Ring {
+  int d = 0, me = 0, next = 0, prev = 0;
+  const Stream& T;
+  const Stream& C;
+  std::int64_t most = 0;
+  std::array<Tensor, 2> buffers(const PlanValue& v, Device device, const Stream& stream) const {
+    return {rows_like(v, most, device, stream), rows_like(v, most, device, stream)};
+  }
+  // After the buffers are allocated on `caller`: T and C may use them from here on.
+  void start(const Stream& caller) const {
+    wait_stream(T, caller);
+    wait_stream(C, caller);
+  }
+};
+
+Interpreter::Ring Interpreter::ring_of(const Chunked& ch) const {
+  const auto d = static_cast<int>(ch.seg.sizes.size());
+  const int me = ch.team.rank();
+  const bool cuda = device_.type == DeviceType::CUDA;
+  return {d,
+          me,
+          (me + 1) % d,
+          (me + d - 1) % d,
+          cuda ? chunk_streams_.front() : stream_,
+          cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)] : stream_,
+          *std::max_element(ch.seg.sizes.begin(), ch.seg.sizes.end())};
+}
+
 void Interpreter::run_ring_gather(Chunked& ch) {
   const OverlapSegment& seg = ch.seg;
-  const auto d = static_cast<int>(seg.sizes.size());
-  const int me = ch.team.rank(), next = (me + 1) % d, prev = (me + d - 1) % d;
-  const bool cuda = device_.type == DeviceType::CUDA;
-  // Transfers on T, compute on C.
-  const Stream& T = cuda ? chunk_streams_.front() : stream_;
-  const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
-                         : stream_;
-  const PlanValue& gathered = plan_.values[static_cast<std::size_t>(ch.gather->output)];
-  const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
-  const Tensor hold[2] = {rows_like(gathered, most, device_, stream_),
-                          rows_like(gathered, most, device_, stream_)};
-  wait_stream(T, stream_);  // after the allocations: T and C may use what they were given
-  wait_stream(C, stream_);
+  const Ring ring = ring_of(ch);
+  const auto [d, me, next, prev] = std::array{ring.d, ring.me, ring.next, ring.prev};
+  const Stream& T = ring.T;
+  const Stream& C = ring.C;
+  const auto hold =
+      ring.buffers(plan_.values[static_cast<std::size_t>(ch.gather->output)], device_, stream_);
+  ring.start(stream_);
   StreamEvent received, computed;
-  std::vector<Work> sent(1), got(1);
-  const Settle settle(*this, {&sent, &got});
+  std::vector<Work> passed(1);
+  const Settle settle(*this, {&passed});
   TensorView in_hand = ch.gather_input;
   for (int s = 0; s < d; ++s) {
     const int r = (me - s + d) % d;  // whose part is in hand
     TensorView arriving;
     if (s + 1 < d) {
       // The slot was read at step s - 1: by its compute (on C) and its send (waited here).
-      sent[0].wait();
+      passed[0].wait();
       computed.wait(T);
       arriving = hold[(s + 1) % 2].view().narrow(0, 0, seg.sizes[static_cast<std::size_t>(
                                                         (r + d - 1) % d)]);
-      sent[0] = ch.team.send(in_hand, next, 0, T);
-      got[0] = ch.team.recv(arriving, prev, 0, T);
+      passed[0] = ch.team.send_recv(in_hand, next, arriving, prev, 0, T);
       received.record(T);
     }
     ch.gathered = in_hand;
@@ -301,62 +320,57 @@ void Interpreter::run_ring_gather(Chunked& ch) {
               C);
     computed.record(C);
     if (s + 1 < d) {
-      finish(std::move(got[0]));
+      finish(passed[0]);
       received.wait(C);
       in_hand = arriving;
     }
   }
   run_sums(ch, C);
-  sent[0].wait();
+  passed[0].wait();
 }
 
 void Interpreter::run_ring_scatter(Chunked& ch) {
   const OverlapSegment& seg = ch.seg;
-  const auto d = static_cast<int>(seg.sizes.size());
-  const int me = ch.team.rank(), next = (me + 1) % d, prev = (me + d - 1) % d;
+  const Ring ring = ring_of(ch);
+  const auto [d, me, next, prev] = std::array{ring.d, ring.me, ring.next, ring.prev};
   const bool cuda = device_.type == DeviceType::CUDA;
-  const Stream& T = cuda ? chunk_streams_.front() : stream_;
-  const Stream& C = cuda ? chunk_streams_[std::min<std::size_t>(1, chunk_streams_.size() - 1)]
-                         : stream_;
+  const Stream& T = ring.T;
+  const Stream& C = ring.C;
   const PlanValue& partial = plan_.values[static_cast<std::size_t>(ch.scatter->input)];
-  const std::int64_t most = *std::max_element(seg.sizes.begin(), seg.sizes.end());
-  const Tensor part[2] = {rows_like(partial, most, device_, stream_),
-                          rows_like(partial, most, device_, stream_)};
-  const Tensor sum[2] = {rows_like(partial, most, device_, stream_),
-                         rows_like(partial, most, device_, stream_)};
-  wait_stream(T, stream_);
-  wait_stream(C, stream_);
+  const auto part = ring.buffers(partial, device_, stream_);
+  const auto sum = ring.buffers(partial, device_, stream_);
+  ring.start(stream_);
   StreamEvent received, added;
-  std::vector<Work> sent(2), got(1);
-  const Settle settle(*this, {&sent, &got});
+  std::vector<Work> passed(2);  // per slot: its step's send_recv
+  const Settle settle(*this, {&passed});
   // The sum of block b starts at rank b + 1 and passes rank to rank, each adding its term, to end
   // at rank b after d - 1 steps: at step s this rank adds its term of block me - 1 - s.
   for (int s = 0; s < d; ++s) {
     const int r = (me - 1 - s + 2 * d) % d;
     const std::int64_t rows = seg.sizes[static_cast<std::size_t>(r)];
     const TensorView mine = part[s % 2].view().narrow(0, 0, rows);
-    sent[s % 2].wait();  // the slot's send of step s - 2
+    passed[s % 2].wait();  // the slot's send of step s - 2
     if (cuda) wait_stream(C, T);
     ch.scattered = part[s % 2].view();
     run_block(ch, {r, ch.part_offset[static_cast<std::size_t>(r)], rows, 0}, C);
     if (s > 0) {
-      finish(std::move(got[0]));
+      finish(passed[(s + 1) % 2]);
       received.wait(C);
       add(mine, sum[s % 2].view().narrow(0, 0, rows), mine, 1.0, C);
     }
     if (s + 1 < d) {
       added.record(C);
       added.wait(T);
-      sent[s % 2] = ch.team.send(mine, next, 0, T);
       const std::int64_t coming = seg.sizes[static_cast<std::size_t>((r + d - 1) % d)];
-      got[0] = ch.team.recv(sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T);
+      passed[s % 2] = ch.team.send_recv(mine, next, sum[(s + 1) % 2].view().narrow(0, 0, coming),
+                                        prev, 0, T);
       received.record(T);
     } else {
       copy(mine, view(ch.scatter->output), C);
     }
   }
   run_sums(ch, C);
-  for (Work& w : sent) w.wait();
+  for (Work& w : passed) w.wait();
 }
 
 }  // namespace meshfuse::detail

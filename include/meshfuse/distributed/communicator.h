@@ -26,7 +26,7 @@
 //   "all_reduce(sum) f32 x 1024 on gloo, team [0 1 2 3], rank 0, #7: ranks disagree: rank 0 has
 //    f32 x 1024 but rank 2 has f32 x 512".
 // The check is one small blocking all-gather per collective (latency, not bandwidth); it makes the
-// call wait until every rank of the team has made it. send/recv are not checked.
+// call wait until every rank of the team has made it. send, recv and send_recv are not checked.
 //
 // Timeouts: a rank that never arrives gives the others Error(Timeout) after timeout() (from the
 // call when checks are on, from Work::wait otherwise; local on CUDA tensors: from the call, which
@@ -134,10 +134,11 @@ enum class CommOp {
   AllToAll,
   Send,
   Recv,
+  SendRecv,
   Barrier,
 };
 // "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "gather", "scatter",
-// "all_to_all", "send", "recv", "barrier".
+// "all_to_all", "send", "recv", "send_recv", "barrier".
 std::string_view to_string(CommOp op);
 // Inverse of to_string; Error(InvalidArgument) otherwise.
 CommOp parse_comm_op(std::string_view name);
@@ -149,10 +150,12 @@ struct CommRecord {
   std::vector<int> team;  // world ranks of the team, in team-rank order
   int rank = 0;           // the caller's rank in the team
   int root = -1;          // team rank of the root (broadcast, reduce, gather, scatter) or the peer
-                          // (send: destination, recv: source); -1 otherwise
+                          // (send and send_recv: destination, recv: source); -1 otherwise
+  int source = -1;        // send_recv: the team rank received from; -1 otherwise
   std::optional<ReduceOp> reduction;  // all_reduce, reduce, reduce_scatter
   DType dtype = DType::U8;
-  // Elements per rank: the tensor (all_reduce, broadcast, reduce, send, recv), the caller's input
+  // Elements per rank: the tensor (all_reduce, broadcast, reduce, send, recv; send_recv: the one
+  // sent), the caller's input
   // (all_gather, gather, all_to_all) or the caller's output (reduce_scatter, scatter).
   std::int64_t count = 0;
   std::int64_t bytes = 0;  // the larger of the caller's input and output bytes: the nccl-tests
@@ -304,6 +307,13 @@ class Communicator {
   // unmodified until then (wait on it before reusing the buffer).
   Work send(const TensorView& tensor, int dst, int tag = 0, const Stream& stream = {});
   Work recv(const TensorView& tensor, int src, int tag = 0, const Stream& stream = {});
+  // A send to dst and a recv from src issued together (MPI_Sendrecv; torch.distributed's
+  // batch_isend_irecv of two ops), one Work for both. What a ring step needs: on nccl, separate
+  // sends and receives on one stream deadlock when every rank sends first, so the pair runs as
+  // one NCCL group. The tensors share a dtype and device; their sizes may differ. The same
+  // matching and buffer rules as send and recv apply; dst may equal src.
+  Work send_recv(const TensorView& send_tensor, int dst, const TensorView& recv_tensor, int src,
+                 int tag = 0, const Stream& stream = {});
 
   // Completes once every rank has called it, on the backend of the stream's device type (CPU by
   // default).

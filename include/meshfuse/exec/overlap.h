@@ -19,7 +19,7 @@
 //               parts and chunks are fine); chunk c's all_gather gathers piece c of every part, and
 //               its reduce_scatter scatters them, while chunk c - 1 computes. chunks = 1 is the
 //               plan without overlap, in one more buffer.
-//   ring        d - 1 send/recv steps around the team, each rank starting from its own part
+//   ring        d - 1 send_recv steps around the team, each rank starting from its own part
 //               (rank-offset indexing): an all_gather's parts are passed on while the one in hand
 //               computes; a reduce_scatter's partial sums are passed on and accumulated, so that
 //               rank q ends with its part. A segment with both is run as two: the gathered part up
