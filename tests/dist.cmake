@@ -14,6 +14,19 @@ if(MESHFUSE_WITH_GLOO AND TARGET meshfuse_cli)
                    sh $<TARGET_FILE:meshfuse_cli> launch -n 4 --backend gloo --
                    $<TARGET_FILE:meshfuse_dist_tests> --gtest_filter=*SubTeams*)
   set_tests_properties(dist_gloo_4_processes dist_gloo_4_processes_file_store PROPERTIES TIMEOUT 120)
+  # Rank 2 killed midway (DistFault): the other three raise within their timeout, the launcher
+  # names the dead rank. What is checked is the errors and the exits, not leaks at exit of
+  # processes whose communicator a dead peer broke.
+  foreach(in collective executor)
+    add_test(NAME dist_gloo_4_processes_rank_killed_in_${in}
+             COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/expect_rank_killed.sh 3
+                     "rank 2 \\(pid [0-9]+\\) was killed by signal 9"
+                     $<TARGET_FILE:meshfuse_cli> launch -n 4 --backend gloo --grace-period 30 --
+                     $<TARGET_FILE:meshfuse_dist_tests> --gtest_filter=DistFault.*)
+    set_tests_properties(dist_gloo_4_processes_rank_killed_in_${in} PROPERTIES TIMEOUT 120
+                         ENVIRONMENT
+                         "MESHFUSE_TEST_KILL_RANK=2;MESHFUSE_TEST_KILL_IN=${in};ASAN_OPTIONS=detect_leaks=0")
+  endforeach()
 endif()
 if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
   add_test(NAME dist_mpi_4_processes
@@ -33,6 +46,21 @@ if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
                            ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
     endif()
   endif()
+  # Rank 2 killed midway under mpirun: Open MPI ends the job (its errors are fatal to the job, and
+  # Debian's has no fault-tolerant MPI), so the check is that mpirun names the dead rank and nothing
+  # hangs; a survivor may raise first.
+  foreach(in collective executor)
+    add_test(NAME dist_mpi_4_processes_rank_killed_in_${in}
+             COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/expect_rank_killed.sh 0
+                     "rank 2 with PID [0-9]+ on node .* exited on signal 9"
+                     ${MPIEXEC_EXECUTABLE} -np 4 --oversubscribe --allow-run-as-root
+                     -x MESHFUSE_BACKEND=mpi -x MESHFUSE_TEST_KILL_RANK=2
+                     -x MESHFUSE_TEST_KILL_IN=${in} -x ASAN_OPTIONS=detect_leaks=0
+                     $<TARGET_FILE:meshfuse_dist_tests> --gtest_filter=DistFault.*)
+    set_tests_properties(dist_mpi_4_processes_rank_killed_in_${in} PROPERTIES TIMEOUT 120
+                         ENVIRONMENT
+                         "MESHFUSE_TEST_KILL_RANK=2;MESHFUSE_TEST_KILL_IN=${in};ASAN_OPTIONS=detect_leaks=0")
+  endforeach()
   # Open MPI leaves ~130 KB per process allocated at exit, mostly from its plugins, which are
   # unloaded by then (LeakSanitizer cannot even name them, so no suppression file can match):
   # the sanitizer build checks the mpi run for memory errors and undefined behaviour, not leaks.

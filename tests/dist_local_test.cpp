@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "dist_cases.h"
@@ -390,11 +392,13 @@ TEST(DistStore, FileStoreSharesValuesThroughADirectory) {
   std::filesystem::remove_all(dir);
 }
 
+constexpr const char* kSecret = "the job's secret";
+
 TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
-  TcpStore server("127.0.0.1", 0, true, 5s);  // port 0: the kernel picks a free one
-  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  TcpStore server("127.0.0.1", 0, true, kSecret, 5s);  // port 0: the kernel picks a free one
+  TcpStore client("127.0.0.1", server.port(), false, kSecret, 5s);
   check_store(server, client);
-  auto shared = std::make_shared<TcpStore>("127.0.0.1", server.port(), false, 5s);
+  auto shared = std::make_shared<TcpStore>("127.0.0.1", server.port(), false, kSecret, 5s);
   PrefixStore team1("team1", shared), team2("team2", shared);
   team1.set("k", std::string("one"));
   team2.set("k", std::string("two"));
@@ -403,8 +407,17 @@ TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
 }
 
 TEST(DistStore, TcpStoreClientGivesUpWhenNoServerAnswers) {
-  expect_error([] { TcpStore("127.0.0.1", 1, false, 100ms); }, ErrorCode::CommunicationFailure,
-               {"cannot reach 127.0.0.1:1"});
+  expect_error([] { TcpStore("127.0.0.1", 1, false, kSecret, 100ms); },
+               ErrorCode::CommunicationFailure, {"cannot reach 127.0.0.1:1"});
+}
+
+TEST(DistStore, TcpStoreNeedsASecretAndAnAddressOfThisMachine) {
+  expect_error([] { TcpStore("127.0.0.1", 0, true, "", 100ms); }, ErrorCode::InvalidArgument,
+               {"secret", "got 0 bytes"});
+  // 192.0.2.1 (TEST-NET-1, RFC 5737) is no interface of this machine.
+  expect_error([] { TcpStore("192.0.2.1", 0, true, kSecret, 100ms); },
+               ErrorCode::CommunicationFailure,
+               {"cannot serve on 192.0.2.1", "MESHFUSE_STORE_BIND=0.0.0.0"});
 }
 
 // A socket on 127.0.0.1 (port 0: a free one), listening (connects succeed) or connected to `port`.
@@ -427,26 +440,135 @@ int port_of(int fd) {
   return ntohs(addr.sin_port);
 }
 
+// Sends `bytes` on fd, then reads what comes back until the server hangs up (or 2 s pass).
+std::string exchange_raw(int fd, const std::string& bytes) {
+  EXPECT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(bytes.size()));
+  const timeval tv{2, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string got;
+  char buf[256];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) got.append(buf, static_cast<std::size_t>(n));
+  return got;
+}
+
+template <typename T>
+std::string raw(T v) {
+  return std::string(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+std::string hello(const std::string& secret) {
+  return raw(std::uint32_t{0x3153464d}) + raw(static_cast<std::uint32_t>(secret.size())) + secret;
+}
+
+// A GET of key: [u8 2][u32 length][key].
+std::string get_request(const std::string& key) {
+  return raw(std::uint8_t{2}) + raw(static_cast<std::uint32_t>(key.size())) + key;
+}
+
+// A SET: [u8 1][u32 length][key][u64 length][value].
+std::string set_request(const std::string& key, const std::string& value) {
+  return raw(std::uint8_t{1}) + raw(static_cast<std::uint32_t>(key.size())) + key +
+         raw(static_cast<std::uint64_t>(value.size())) + value;
+}
+
+TEST(DistStore, TcpStoreLetsNoStrangerReadOrChangeAKey) {
+  TcpStore server("127.0.0.1", 0, true, kSecret, 5s);
+  server.set("nccl_id", std::string("the job's id"));
+  const std::vector<std::pair<std::string, std::string>> strangers = {
+      {"no hello", get_request("nccl_id")},
+      {"no hello, a set", set_request("nccl_id", "forged")},
+      {"wrong secret", hello("guess") + get_request("nccl_id")},
+      {"wrong secret, a set", hello("guess") + set_request("nccl_id", "forged")},
+      {"a prefix of the secret", hello("the job") + get_request("nccl_id")},
+      {"the secret and more", hello(std::string(kSecret) + "!") + get_request("nccl_id")},
+      {"a secret of 4 GiB announced", raw(std::uint32_t{0x3153464d}) + raw(~std::uint32_t{0})},
+  };
+  for (const auto& [who, bytes] : strangers) {
+    const int fd = local_socket(server.port(), false);
+    EXPECT_EQ(exchange_raw(fd, bytes), "") << who << ": the server answers nothing and hangs up";
+    ::close(fd);
+  }
+  EXPECT_EQ(server.get_string("nccl_id"), "the job's id");
+  // The job's own raw client, for contrast: hello answered, the key read.
+  const int fd = local_socket(server.port(), false);
+  const std::string got = exchange_raw(fd, hello(kSecret) + get_request("nccl_id") +
+                                                raw(std::uint8_t{7}) + raw(std::uint32_t{0}));
+  ::close(fd);
+  EXPECT_EQ(got, std::string("\x01\x01", 2) + raw(std::uint64_t{12}) + "the job's id");
+  // A client of the library with another secret is told so.
+  expect_error([&] { TcpStore("127.0.0.1", server.port(), false, "guess", 5s); },
+               ErrorCode::CommunicationFailure, {"refused this process's secret"});
+}
+
 TEST(DistStore, TcpStoreClientTimesOutWhenTheServerNeverAnswers) {
   const int silent = local_socket(0, true);  // accepts connections (backlog), never reads
-  TcpStore client("127.0.0.1", port_of(silent), false, 100ms);
-  expect_error([&] { client.get("k"); }, ErrorCode::Timeout, {"no answer from", "100 ms"});
+  expect_error([&] { TcpStore("127.0.0.1", port_of(silent), false, kSecret, 100ms); },
+               ErrorCode::Timeout, {"no answer from", "100 ms"});
   ::close(silent);
 }
 
 TEST(DistStore, TcpStoreServerHangsUpOnAnOversizedRequestAndServesTheOthers) {
-  TcpStore server("127.0.0.1", 0, true, 5s);
+  TcpStore server("127.0.0.1", 0, true, kSecret, 5s);
   const int rogue = local_socket(server.port(), false);
-  const std::uint8_t set = 1;
   const std::uint32_t key_len = 0xFFFFFFFF;  // 4 GiB of key
-  ASSERT_EQ(::send(rogue, &set, 1, 0), 1);
-  ASSERT_EQ(::send(rogue, &key_len, 4, 0), 4);
-  char byte = 0;
-  EXPECT_EQ(::recv(rogue, &byte, 1, 0), 0) << "the server hangs up";
+  EXPECT_EQ(exchange_raw(rogue, hello(kSecret) + raw(std::uint8_t{1}) + raw(key_len)), "\x01")
+      << "the hello is answered, then the server hangs up";
   ::close(rogue);
-  TcpStore client("127.0.0.1", server.port(), false, 5s);
+  const int unknown = local_socket(server.port(), false);  // a command that does not exist
+  EXPECT_EQ(exchange_raw(unknown, hello(kSecret) + raw(std::uint8_t{9}) + raw(std::uint32_t{0})),
+            "\x01");
+  ::close(unknown);
+  TcpStore client("127.0.0.1", server.port(), false, kSecret, 5s);
   client.set("k", std::string("v"));
   EXPECT_EQ(server.get_string("k"), "v");
+}
+
+// Many clients at once, each setting its key and reading everyone's: none is lost or mixed up,
+// while strangers knock at the same time.
+TEST(DistStore, TcpStoreServesManyClientsAtOnce) {
+  TcpStore server("127.0.0.1", 0, true, kSecret, 10s);
+  constexpr int kClients = 32;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int c = 0; c < kClients; ++c)
+    threads.emplace_back([&, c] {
+      TcpStore client("127.0.0.1", server.port(), false, kSecret, 10s);
+      client.set("rank" + std::to_string(c), std::to_string(c * c));
+      for (int o = 0; o < kClients; ++o)
+        wrong += client.get_string("rank" + std::to_string(o)) != std::to_string(o * o);
+    });
+  for (int s = 0; s < 8; ++s)
+    threads.emplace_back([&] {
+      const int fd = local_socket(server.port(), false);
+      wrong += !exchange_raw(fd, hello("guess") + set_request("rank0", "forged")).empty();
+      ::close(fd);
+    });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(server.get_string("rank0"), "0");
+}
+
+TEST(DistStore, StoreSecretComesFromTheEnvironmentOrAPrivateFile) {
+  const std::string file = ::testing::TempDir() + "meshfuse_secret_" +
+                           std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+  ::unsetenv("MESHFUSE_STORE_SECRET_FILE");
+  expect_error([] { store_secret_from_env(); }, ErrorCode::InvalidArgument,
+               {"no job secret", "MESHFUSE_STORE_SECRET", "meshfuse launch"});
+  ::setenv("MESHFUSE_STORE_SECRET_FILE", file.c_str(), 1);
+  std::ofstream(file) << "from a file\n";
+  std::filesystem::permissions(file, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::group_read);
+  expect_error([] { store_secret_from_env(); }, ErrorCode::InvalidArgument,
+               {"readable by nobody else", "mode 440"});
+  std::filesystem::permissions(file, std::filesystem::perms::owner_read);
+  EXPECT_EQ(store_secret_from_env(), "from a file");
+  ::setenv("MESHFUSE_STORE_SECRET", "from the environment", 1);
+  EXPECT_EQ(store_secret_from_env(), "from the environment");
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+  ::unsetenv("MESHFUSE_STORE_SECRET_FILE");
+  std::filesystem::remove(file);
 }
 
 }  // namespace

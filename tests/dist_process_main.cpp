@@ -4,7 +4,13 @@
 // launcher reports it.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
+#include <thread>
 
 #include "dist_cases.h"
 #include "executor_cases.h"
@@ -14,6 +20,61 @@ namespace meshfuse::test {
 namespace {
 
 std::shared_ptr<Communicator> world;
+
+// A rank killed (SIGKILL) in the middle of the job: only with MESHFUSE_TEST_KILL_RANK=r and
+// MESHFUSE_TEST_KILL_IN=collective|executor (the dist_*_rank_killed tests, which also check that
+// the launcher names the dead rank). Rank r dies while a 64 MiB all_reduce, or an executor run of
+// the MLP block, is under way; every other rank must raise Timeout or CommunicationFailure
+// within the communicator's timeout, and says so on stdout. The survivors ignore the launcher's
+// SIGTERM, which would otherwise end them before they could tell.
+TEST(DistFault, ARankKilledMidwayGivesEveryOtherRankAnErrorWithinTheTimeout) {
+  const char* victim_env = std::getenv("MESHFUSE_TEST_KILL_RANK");
+  const char* in_env = std::getenv("MESHFUSE_TEST_KILL_IN");
+  if (!victim_env || !in_env) GTEST_SKIP() << "needs MESHFUSE_TEST_KILL_RANK and _IN";
+  const int victim = std::atoi(victim_env);
+  const std::string in = in_env;
+  ASSERT_TRUE(in == "collective" || in == "executor") << in;
+  std::signal(SIGTERM, SIG_IGN);
+  const auto timeout = std::chrono::seconds(5);
+  auto team = world->split(0, world->rank());
+  team->set_timeout(timeout);
+  team->barrier().wait();
+  const std::function<void()> step = [&]() -> std::function<void()> {
+    if (in == "collective") {
+      auto t = std::make_shared<Tensor>(Tensor::zeros({std::int64_t{1} << 24}, DType::F32));
+      return [team, t] { team->all_reduce(*t).wait(); };
+    }
+    const Program p = exec::mlp_block(true, exec::line(*team));
+    std::vector<Tensor> parts;
+    const std::vector<Tensor> whole = exec::whole_inputs(exec::mlp_block(false, exec::line(*team)));
+    for (std::size_t i = 0; i < whole.size(); ++i)
+      parts.push_back(shard_tensor(whole[i], *p.mesh(), exec::placements_of(p, p.inputs()[i]),
+                                   team->rank()));
+    auto executor = std::make_shared<MultiDeviceExecutor>(p, team);
+    return [executor, parts] { executor->run(exec::views(parts)); };
+  }();
+  for (int i = 0; i < 3; ++i) step();  // every rank well under way
+  if (team->rank() == victim) {
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::raise(SIGKILL);
+    }).detach();
+    for (;;) step();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    for (;;) step();
+  } catch (const Error& e) {
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure)
+        << e.what();
+    EXPECT_LT(s, 2.0 * std::chrono::duration<double>(timeout).count()) << e.what();
+    std::printf("rank %d survived rank %d's death in the %s: %s after %.1f s\n", team->rank(),
+                victim, in.c_str(), std::string(to_string(e.code())).c_str(), s);
+    std::fflush(stdout);
+  }
+}
 
 // Tests run in file order on every rank; the timeout case comes last.
 TEST(DistProcess, EveryCollectiveGivesTheExpectedValuesForEveryDtypeAndShardKind) {

@@ -17,6 +17,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
+#include <string>
 
 #include "meshfuse/core/error.h"
 
@@ -126,6 +128,7 @@ class Launcher {
 
   int run() {
     const int port = options_.master_port ? options_.master_port : free_port();
+    secret_ = job_secret();
     sigset_t mask, old_mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -157,7 +160,8 @@ class Launcher {
     for (auto& p : pipes)
       MESHFUSE_CHECK(pipe2(p, O_CLOEXEC) == 0, ErrorCode::Internal, "launch: pipe: {}",
                      std::strerror(errno));
-    const std::vector<std::string> env = launch_env(r, options_.nprocs, port, options_.backend);
+    const std::vector<std::string> env =
+        launch_env(r, options_.nprocs, port, options_.backend, secret_);
     const pid_t launcher = getpid();
     const pid_t pid = fork();
     if (pid < 0) {
@@ -303,6 +307,7 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
+  std::string secret_;  // the store's, the same for every rank
   std::vector<Rank> ranks_;
   int signal_fd_ = -1;
   int stop_signal_ = 0;               // the first SIGINT/SIGTERM/SIGHUP the launcher got
@@ -313,8 +318,16 @@ class Launcher {
 
 }  // namespace
 
+std::string job_secret() {
+  if (const char* given = std::getenv("MESHFUSE_STORE_SECRET"); given && *given) return given;
+  std::random_device device;  // the kernel's random source
+  std::string hex;
+  for (int i = 0; i < 4; ++i) hex += fmt::format("{:08x}", device());
+  return hex;
+}
+
 std::vector<std::string> launch_env(int rank, int world, int master_port,
-                                    const std::string& backend) {
+                                    const std::string& backend, const std::string& secret) {
   const std::vector<std::pair<std::string, std::string>> ours = {
       {"RANK", std::to_string(rank)},
       {"WORLD_SIZE", std::to_string(world)},
@@ -323,6 +336,7 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
       {"GROUP_RANK", "0"},
       {"MASTER_ADDR", "127.0.0.1"},
       {"MASTER_PORT", std::to_string(master_port)},
+      {"MESHFUSE_STORE_SECRET", secret},
   };
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {

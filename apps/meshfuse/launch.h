@@ -20,10 +20,15 @@ struct LaunchOptions {
 };
 
 // The environment of rank `rank` of `world` local ranks, torchrun's names:
-// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, and
-// MESHFUSE_BACKEND when `backend` is not empty. Returned as "NAME=value" strings.
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, the
+// store's MESHFUSE_STORE_SECRET, and MESHFUSE_BACKEND when `backend` is not empty. Returned as
+// "NAME=value" strings.
 std::vector<std::string> launch_env(int rank, int world, int master_port,
-                                    const std::string& backend);
+                                    const std::string& backend, const std::string& secret);
+
+// The job's store secret: MESHFUSE_STORE_SECRET when the launcher was given one, else 128 random
+// bits in hex.
+std::string job_secret();
 
 // Starts the ranks, each in its own process group (so a rank's children are stopped with it),
 // forwards their stdout and stderr to ours line by line, and waits for them all. When one exits

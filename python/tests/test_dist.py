@@ -118,10 +118,12 @@ def test_gloo_all_reduce_across_two_processes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    secret = os.urandom(16).hex()  # the job's store secret, as meshfuse launch makes one
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MESHFUSE_STORE_SECRET=secret)
         procs.append(subprocess.Popen([sys.executable, "-c", GLOO_RANK], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=120) for p in procs]

@@ -315,11 +315,12 @@ def test_all_gather_matmul_on_four_gloo_processes():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = GLOO_RANK.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    secret = os.urandom(16).hex()  # the job's store secret, as meshfuse launch makes one
     procs = []
     for rank in range(4):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
+                   MESHFUSE_STORE_SECRET=secret, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=180) for p in procs]

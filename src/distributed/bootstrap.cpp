@@ -1,8 +1,15 @@
 // Launch information from the environment of torchrun, Open MPI and Slurm; the rendezvous store.
 #include "meshfuse/distributed/bootstrap.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <optional>
 
 #include "meshfuse/core/error.h"
@@ -136,6 +143,30 @@ LaunchInfo launch_info_from_env() {
   return parse_launch_env(env);
 }
 
+std::string store_secret_from_env() {
+  if (const char* secret = std::getenv("MESHFUSE_STORE_SECRET"); secret && *secret) return secret;
+  const char* file = std::getenv("MESHFUSE_STORE_SECRET_FILE");
+  MESHFUSE_CHECK(file && *file, ErrorCode::InvalidArgument,
+                 "rendezvous store: no job secret: set MESHFUSE_STORE_SECRET to the same random "
+                 "string in every process of the job (e.g. export MESHFUSE_STORE_SECRET=$(od -An "
+                 "-N16 -tx1 /dev/urandom | tr -d ' \\n') before torchrun, mpirun or srun), or "
+                 "MESHFUSE_STORE_SECRET_FILE to a file only you can read; meshfuse launch sets one");
+  struct stat st {};
+  MESHFUSE_CHECK(::stat(file, &st) == 0, ErrorCode::InvalidArgument,
+                 "rendezvous store: MESHFUSE_STORE_SECRET_FILE={}: {}", file, std::strerror(errno));
+  MESHFUSE_CHECK(st.st_uid == ::getuid() && (st.st_mode & (S_IRWXG | S_IRWXO)) == 0,
+                 ErrorCode::InvalidArgument,
+                 "rendezvous store: MESHFUSE_STORE_SECRET_FILE={} must belong to this user and be "
+                 "readable by nobody else (chmod 600), got mode {:o}",
+                 file, st.st_mode & 07777);
+  std::ifstream in(file, std::ios::binary);
+  std::string secret((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+  MESHFUSE_CHECK(!secret.empty(), ErrorCode::InvalidArgument,
+                 "rendezvous store: MESHFUSE_STORE_SECRET_FILE={} is empty", file);
+  return secret;
+}
+
 std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::milliseconds timeout) {
   if (const char* path = std::getenv("MESHFUSE_STORE_PATH"); path && *path)
     return std::make_shared<FileStore>(path, timeout);
@@ -143,8 +174,10 @@ std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::mil
   // torchrun's agent holds MASTER_PORT with its own store (c10d's protocol): serve next to it.
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool beside_agent = agent && std::string_view(agent) == "True";
+  const char* bind = std::getenv("MESHFUSE_STORE_BIND");
   return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
-                                    launch.rank == 0, timeout);
+                                    launch.rank == 0, store_secret_from_env(), timeout,
+                                    bind ? bind : "");
 }
 
 }  // namespace meshfuse

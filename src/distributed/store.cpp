@@ -98,7 +98,8 @@ void HashStore::wait(const std::vector<std::string>& keys, std::chrono::millisec
 FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
     : Store(timeout), path_(std::move(path)) {
   std::error_code ec;
-  std::filesystem::create_directories(path_, ec);
+  if (std::filesystem::create_directories(path_, ec))
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
   MESHFUSE_CHECK(!ec && std::filesystem::is_directory(path_), ErrorCode::InvalidArgument,
                  "FileStore: cannot create the directory '{}': {}", path_, ec.message());
 }

@@ -1,9 +1,17 @@
 // TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
 //
-// Protocol: a request is [u8 command][u32 key length][key] and for SET [u64 value length][value].
-// SET replies [u8 1]; GET replies [u8 found] and, when found, [u64 length][value]. Clients poll GET
-// until the key is set, so the server never blocks on a missing key. Keys and values are at most
-// kMaxLength bytes: the server hangs up on a client that announces more.
+// Protocol: a connection opens with [u32 kHello][u32 secret length][secret]; the server answers
+// [u8 1] when the secret is the job's, and otherwise hangs up without a word. Then a request is
+// [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET replies [u8 1], or
+// [u8 0] when the store is full; GET replies [u8 found] and, when found, [u64 length][value].
+// Clients poll GET until the key is set, so the server never blocks on a missing key. Keys and
+// values are at most kMaxLength bytes: the server hangs up on a client that announces more.
+//
+// Who gets in: the server listens on one address (the one its clients are given, unless told
+// otherwise), drops a connection that has not proven the secret within kHelloTimeout, and serves
+// at most kMaxConnections. The secret keeps out whoever can reach the port; it is sent in the
+// clear, as is everything after it: on a network others can read, give the job a private one.
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -34,7 +42,30 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
+constexpr std::uint32_t kHello = 0x3153464d;  // "MFS1"
 constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
+// What one job may keep in its store: far above what rendezvous needs (a few keys a rank).
+constexpr std::size_t kMaxKeys = std::size_t{1} << 20;
+constexpr std::uint64_t kMaxStoredBytes = std::uint64_t{2} << 30;
+constexpr int kMaxConnections = 4096;
+constexpr std::chrono::seconds kHelloTimeout{10};
+
+void set_io_timeout(int fd, std::chrono::microseconds t) {
+  // A zero timeval means never, hence at least 1 us where a limit is wanted.
+  const std::int64_t us = t.count() == 0 ? 0 : std::max<std::int64_t>(t.count(), 1);
+  const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Constant time in the secret's content, so that timing does not reveal a matching prefix.
+bool same_secret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
 
 bool write_all(int fd, const void* data, std::size_t n) {
   const char* p = static_cast<const char*>(data);
@@ -72,6 +103,8 @@ struct TcpStore::Impl {
   std::string host;
   int port = 0;
   std::chrono::milliseconds timeout;
+  std::string secret;
+  std::string bind_address;
   int client = -1;
   std::mutex client_mutex;
 
@@ -81,21 +114,45 @@ struct TcpStore::Impl {
   std::mutex mutex;
   std::condition_variable changed;
   std::map<std::string, Bytes> values;
+  std::uint64_t stored_bytes = 0;
   std::vector<int> connections;
   std::vector<std::thread> handlers;
-  int open_connections = 0;
+  int connected = 0;        // connections being served, proven or not
+  int open_connections = 0;  // the proven ones, which the server waits for before it stops
   bool stopping = false;
 
   void serve_connection(int fd) {
+    bool proven = false;
     try {
-      serve_requests(fd);
+      proven = hello(fd);
+      if (proven) {
+        {
+          std::lock_guard lock(mutex);
+          ++open_connections;
+        }
+        serve_requests(fd);
+      }
     } catch (const std::exception&) {
       // Out of memory for one client's request: that client loses its connection, nobody else.
     }
     ::shutdown(fd, SHUT_RDWR);  // the client sees the end (closed by stop_server)
     std::lock_guard lock(mutex);
-    --open_connections;
+    --connected;
+    if (proven) --open_connections;
     changed.notify_all();
+  }
+
+  // True when the client proved the secret within kHelloTimeout (then answered).
+  bool hello(int fd) {
+    set_io_timeout(fd, kHelloTimeout);
+    std::uint32_t magic = 0, len = 0;
+    if (!read_value(fd, magic) || magic != kHello || !read_value(fd, len) || len > 4096)
+      return false;
+    std::string given(len, '\0');
+    if (!read_all(fd, given.data(), len) || !same_secret(given, secret)) return false;
+    set_io_timeout(fd, std::chrono::microseconds(0));  // a proven client may idle
+    const std::uint8_t ok = 1;
+    return write_all(fd, &ok, 1);
   }
 
   // Returns when the client hangs up or breaks the protocol.
@@ -111,11 +168,19 @@ struct TcpStore::Impl {
         if (!read_value(fd, len) || len > kMaxLength) return;
         Bytes value(len);
         if (!read_all(fd, value.data(), len)) return;
+        std::uint8_t ok = 1;
         {
           std::lock_guard lock(mutex);
-          values[key] = std::move(value);
+          auto it = values.find(key);
+          const std::uint64_t before = it == values.end() ? 0 : key.size() + it->second.size();
+          const std::uint64_t after = stored_bytes - before + key.size() + len;
+          if (after > kMaxStoredBytes || (it == values.end() && values.size() >= kMaxKeys)) {
+            ok = 0;
+          } else {
+            stored_bytes = after;
+            values[key] = std::move(value);
+          }
         }
-        const std::uint8_t ok = 1;
         if (!write_all(fd, &ok, 1)) return;
       } else if (command == kGet) {
         Bytes value;
@@ -149,27 +214,46 @@ struct TcpStore::Impl {
         ::close(fd);
         return;
       }
+      if (connected >= kMaxConnections) {
+        ::close(fd);
+        continue;
+      }
       connections.push_back(fd);
-      ++open_connections;
+      ++connected;
       handlers.emplace_back([this, fd] { serve_connection(fd); });
     }
   }
 
+  // Listens on bind_address (or host): the one interface the job's clients use.
   void start_server() {
+    const std::string& where = bind_address.empty() ? host : bind_address;
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(where.c_str(), nullptr, &hints, &found);
+    MESHFUSE_CHECK(rc == 0 && found, ErrorCode::CommunicationFailure,
+                   "TcpStore: cannot serve on '{}': {} (an IPv4 address or host name)", where,
+                   rc ? ::gai_strerror(rc) : "no address");
+    sockaddr_in addr = *reinterpret_cast<const sockaddr_in*>(found->ai_addr);
+    ::freeaddrinfo(found);
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
     listener = ::socket(AF_INET, SOCK_STREAM, 0);
     MESHFUSE_CHECK(listener >= 0, ErrorCode::CommunicationFailure, "TcpStore: socket: {}",
                    std::strerror(errno));
     const int one = 1;
     ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
     if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
         ::listen(listener, 1024) != 0) {
       const std::string why = std::strerror(errno);
       ::close(listener);
-      fail(ErrorCode::CommunicationFailure, "TcpStore: cannot serve on port {}: {}", port, why);
+      char ip[INET_ADDRSTRLEN] = "?";
+      ::inet_ntop(AF_INET, &addr.sin_addr, ip, sizeof(ip));
+      fail(ErrorCode::CommunicationFailure,
+           "TcpStore: cannot serve on {}:{} ('{}'): {}; the address must be one of this "
+           "machine's (MESHFUSE_STORE_BIND=0.0.0.0 serves on every interface)",
+           ip, port, where, why);
     }
     socklen_t len = sizeof(addr);
     ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -227,13 +311,24 @@ struct TcpStore::Impl {
     }
     const int one = 1;
     ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    // A server that stops answering: reads and writes give up after the timeout (a zero timeval
-    // would mean never, hence at least 1 us).
-    const auto us = std::max<std::int64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(timeout).count(), 1);
-    const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
-    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    // A server that stops answering: reads and writes give up after the timeout.
+    set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout) +
+                               std::chrono::microseconds(1));
+    const auto len = static_cast<std::uint32_t>(secret.size());
+    std::uint8_t ok = 0;
+    if (!write_all(client, &kHello, 4) || !write_all(client, &len, 4) ||
+        !write_all(client, secret.data(), secret.size()))
+      lost();
+    if (!read_value(client, ok)) {
+      if (errno == ECONNRESET) {
+        ::shutdown(client, SHUT_RDWR);
+        fail(ErrorCode::CommunicationFailure,
+             "TcpStore: {}:{} refused this process's secret (MESHFUSE_STORE_SECRET differs from "
+             "the server's, or the server is not this job's store)",
+             host, port);
+      }
+      lost();
+    }
   }
 
   // A request failed (errno says why): the connection is out of step, so later requests fail too.
@@ -274,11 +369,18 @@ struct TcpStore::Impl {
   }
 };
 
-TcpStore::TcpStore(std::string host, int port, bool is_server, std::chrono::milliseconds timeout)
+TcpStore::TcpStore(std::string host, int port, bool is_server, std::string secret,
+                   std::chrono::milliseconds timeout, std::string bind_address)
     : Store(timeout), impl_(std::make_unique<Impl>()) {
+  MESHFUSE_CHECK(!secret.empty() && secret.size() <= 4096, ErrorCode::InvalidArgument,
+                 "TcpStore: secret: expected 1 to 4096 bytes shared by the job's processes, got "
+                 "{} bytes",
+                 secret.size());
   impl_->host = std::move(host);
   impl_->port = port;
   impl_->timeout = timeout;
+  impl_->secret = std::move(secret);
+  impl_->bind_address = std::move(bind_address);
   if (is_server) impl_->start_server();
   try {
     impl_->connect_client();
@@ -307,6 +409,10 @@ void TcpStore::set(const std::string& key, const Bytes& value) {
       !write_all(impl_->client, key.data(), key.size()) || !write_all(impl_->client, &len, 8) ||
       !write_all(impl_->client, value.data(), len) || !read_value(impl_->client, ok))
     impl_->lost();
+  MESHFUSE_CHECK(ok == 1, ErrorCode::InvalidArgument,
+                 "TcpStore: cannot set '{}': the store is full (at most {} keys and {} bytes in "
+                 "all)",
+                 key, kMaxKeys, kMaxStoredBytes);
 }
 
 Store::Bytes TcpStore::get(const std::string& key) {

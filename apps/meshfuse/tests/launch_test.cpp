@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -97,18 +98,33 @@ TEST(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
   }
 }
 
-TEST(Launch, DefaultPortIsOneFreePortSharedByAllRanksAndNoPrefixLeavesLinesAlone) {
+// The port and the store's secret: the same for every rank, a fresh secret per job.
+TEST(Launch, DefaultPortAndSecretAreSharedByAllRanksAndNoPrefixLeavesLinesAlone) {
   const Scratch dir;
-  const LaunchResult r =
-      launch(dir, "-n 2 --no-prefix", "echo \"$MASTER_PORT $MESHFUSE_BACKEND.\"");
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  std::istringstream lines(r.out);
-  std::string first, second;
-  std::getline(lines, first);
-  std::getline(lines, second);
-  EXPECT_EQ(first, second);
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+  const auto run = [&] {
+    const LaunchResult r = launch(dir, "-n 2 --no-prefix",
+                                  "echo \"$MASTER_PORT $MESHFUSE_STORE_SECRET $MESHFUSE_BACKEND.\"");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    std::istringstream lines(r.out);
+    std::string first, second;
+    std::getline(lines, first);
+    std::getline(lines, second);
+    EXPECT_EQ(first, second);
+    return first;
+  };
+  const std::string first = run();
   EXPECT_GT(std::stoi(first), 0) << first;
   EXPECT_TRUE(first.ends_with(" .")) << "no MESHFUSE_BACKEND without --backend: " << first;
+  std::istringstream words(first);
+  std::string port, secret;
+  words >> port >> secret;
+  EXPECT_EQ(secret.size(), 32u) << "128 random bits in hex: " << first;
+  EXPECT_EQ(secret.find_first_not_of("0123456789abcdef"), std::string::npos) << secret;
+  EXPECT_EQ(run().find(" " + secret + " "), std::string::npos) << "each job its own secret";
+  ::setenv("MESHFUSE_STORE_SECRET", "given", 1);
+  EXPECT_NE(run().find(" given ."), std::string::npos) << "a secret given to launch is kept";
+  ::unsetenv("MESHFUSE_STORE_SECRET");
 }
 
 TEST(Launch, FailingRankFailsTheLaunchNamingItAndStopsTheOthersAndTheirChildren) {

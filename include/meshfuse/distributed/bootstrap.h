@@ -55,7 +55,9 @@ LaunchInfo launch_info_from_env();
 
 // The rendezvous store of a launch:
 //   MESHFUSE_STORE_PATH set      -> FileStore at that directory (shared by all ranks);
-//   MASTER_ADDR and MASTER_PORT  -> TcpStore at MASTER_ADDR:MASTER_PORT, served by world rank 0;
+//   MASTER_ADDR and MASTER_PORT  -> TcpStore at MASTER_ADDR:MASTER_PORT, served by world rank 0
+//                                   on MASTER_ADDR's interface (MESHFUSE_STORE_BIND: another
+//                                   address, 0.0.0.0 for every one), with store_secret_from_env();
 //                                   under torchrun's agent store
 //                                   (TORCHELASTIC_USE_AGENT_STORE=True: torchrun's own store, whose
 //                                   protocol meshfuse does not speak, holds MASTER_PORT) rank 0
@@ -64,5 +66,10 @@ LaunchInfo launch_info_from_env();
 //                                   and for a single process).
 std::shared_ptr<Store> store_from_env(const LaunchInfo& launch,
                                       std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+// The job's store secret: MESHFUSE_STORE_SECRET, else the content of MESHFUSE_STORE_SECRET_FILE
+// (owned by this user, no group or other permissions; trailing newlines dropped). Error
+// (InvalidArgument) saying how to set one when neither is set, or naming the file's problem.
+std::string store_secret_from_env();
 
 }  // namespace meshfuse

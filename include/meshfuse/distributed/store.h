@@ -68,7 +68,7 @@ class HashStore : public Store {
 
 // One file per key under a directory every rank can reach (a shared filesystem across machines,
 // or /tmp on one machine). Writes are atomic (write a temporary file, then rename). The directory
-// is created if missing; the files are left for the caller to remove. Give every job a fresh
+// is created if missing, readable by its owner only (its permissions are what keeps others out); the files are left for the caller to remove. Give every job a fresh
 // directory: keys left by an earlier job would be read as this one's.
 class FileStore : public Store {
  public:
@@ -88,14 +88,24 @@ class FileStore : public Store {
 // process, the server included, talks to it as a client. The server keeps serving until it is
 // destroyed; its destructor waits (up to timeout()) for the connected clients to hang up, so a
 // fast rank 0 does not pull the store from under slower ranks.
-// Keys and values are at most 1 GiB. Errors: CommunicationFailure when the port cannot be bound or
-// the server not reached (clients retry connecting until the timeout) or the connection is lost,
+//
+// Only the job gets in: the server listens on `bind_address`, or when that is empty on `host`'s
+// address (the one its clients reach: loopback for a job on one host), never on every interface
+// unless told ("0.0.0.0"). Every connection proves `secret` (1 to 4096 bytes, the same in every
+// process of the job; meshfuse launch makes one) before any request, within 10 s; the others are
+// dropped unanswered. The secret is sent in the clear: it keeps out whoever can reach the port,
+// not whoever can read the network. A job keeps at most 2^20 keys and 2 GiB; keys and values are
+// at most 1 GiB each; a client that breaks the protocol loses its connection, nobody else.
+// Errors: CommunicationFailure when the address cannot be served or the server not reached
+// (clients retry connecting until the timeout), the secret is refused or the connection is lost;
 // Timeout as Store and when the server does not answer a request within the timeout given at
-// construction (the connection is then unusable), InvalidArgument for a key or value over 1 GiB.
+// construction (the connection is then unusable); InvalidArgument for an empty or oversized
+// secret, a key or value over 1 GiB, or a set into a full store.
 class TcpStore : public Store {
  public:
-  TcpStore(std::string host, int port, bool is_server,
-           std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  TcpStore(std::string host, int port, bool is_server, std::string secret,
+           std::chrono::milliseconds timeout = std::chrono::minutes(5),
+           std::string bind_address = {});
   ~TcpStore() override;
   void set(const std::string& key, const Bytes& value) override;
   using Store::set;
