@@ -39,8 +39,14 @@ for step in "${steps[@]}"; do
       # handle a hardware exception", even with them filtered out of its checks), which leaves the
       # process's context unusable for every later test. Their other kernels are cross_entropy's
       # and linear's grad_bias column sum, race-checked by their own tests (LinearGradBias
-      # calls no cuBLAS). Skipped tests are listed: four fused linear cross-entropy cases are
-      # for 16-bit weights only.
+      # calls no cuBLAS). The overlapped MLP block on local ranks is left out of racecheck too:
+      # its bf16 GEMMs pick cuBLAS nvjet kernels in which racecheck reports hazards (cuBLAS's
+      # own shared memory; meshfuse's kernels in the same test report none under memcheck and
+      # the rest of racecheck). memcheck runs with --report-api-errors no: NCCL probes its
+      # kernels at ncclCommInitRank and gets cudaErrorNoKernelImageForDevice, which memcheck
+      # would count as errors; meshfuse checks every CUDA call's status itself and throws.
+      # Skipped tests are listed: four fused linear cross-entropy cases are for 16-bit weights
+      # only.
       shards=${MESHFUSE_SANITIZE_SHARDS:-6}
       ((shards >= 1)) || { echo "gpu_check: MESHFUSE_SANITIZE_SHARDS must be >= 1" >&2; exit 2; }
       # The GPUs this script was given: CUDA_VISIBLE_DEVICES when set, else every one.
@@ -55,10 +61,13 @@ for step in "${steps[@]}"; do
         filter='*Cuda*:*cuda*'
         if [[ $tool == racecheck ]]; then
           filter='*Cuda*:*cuda*:-*2To31*:*TwoToThe31*:*Gemm*:*FusedLinear*'
+          filter+=':*OverlappedMlpBlockOnLocalRanks*'
         fi
+        api_errors=()
+        [[ $tool == memcheck ]] && api_errors=(--report-api-errors no)
         for ((i = 0; i < shards; ++i)); do
           CUDA_VISIBLE_DEVICES=${gpus[${#pids[@]} % ${#gpus[@]}]} GTEST_TOTAL_SHARDS=$shards \
-            GTEST_SHARD_INDEX=$i compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            GTEST_SHARD_INDEX=$i compute-sanitizer --tool "$tool" "${api_errors[@]}" --error-exitcode 1 \
             "$build/tests/meshfuse_tests" --gtest_filter="$filter" --gtest_brief=1 \
             > "$out/sanitize-$tool-$i.log" 2>&1 &
           pids+=($!)
