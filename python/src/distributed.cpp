@@ -270,29 +270,38 @@ void bind_communicator(nb::module_& m) {
   m.def(
       "run_local",
       [](int size, nb::callable fn, double timeout, bool check) {
-        // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn makes
-        // of it, a MultiDeviceExecutor, may keep it, and the Python object then owns it past
-        // run_local.
-        nb::gil_scoped_release release;
-        run_local(
-            size,
-            [&](const std::shared_ptr<Communicator>& comm) {
-              nb::gil_scoped_acquire acquire;
-              try {
-                fn(comm);
-              } catch (nb::python_error& e) {
-                // The rank's Python exception as an Error (its message kept), which run_local
-                // rethrows for the lowest rank that raised; converted here, with the GIL held.
-                throw Error(ErrorCode::Internal,
-                            "rank " + std::to_string(comm->rank()) + ": " + e.what());
-              }
-            },
-            options("", timeout, check));
+        std::vector<nb::object> results(size);
+        {
+          // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn
+          // makes of it, a MultiDeviceExecutor, may keep it, and the Python object then owns it
+          // past run_local.
+          nb::gil_scoped_release release;
+          run_local(
+              size,
+              [&](const std::shared_ptr<Communicator>& comm) {
+                nb::gil_scoped_acquire acquire;
+                try {
+                  results[comm->rank()] = fn(comm);
+                } catch (nb::python_error& e) {
+                  // The rank's own exception goes on (run_local rethrows the lowest rank's), its
+                  // type kept; a note says which rank raised it.
+                  const nb::object add_note = nb::getattr(e.value(), "add_note", nb::none());
+                  if (!add_note.is_none())
+                    add_note("raised by rank " + std::to_string(comm->rank()) + " of run_local");
+                  throw;
+                }
+              },
+              options("", timeout, check));
+        }
+        nb::list out;
+        for (const nb::object& result : results) out.append(result);
+        return out;
       },
       "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
-      "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld and joins them; "
-      "re-raises the error of the lowest rank that raised. The communicators stay valid after "
-      "fn returns (e.g. kept by a MultiDeviceExecutor).");
+      "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld, joins them and "
+      "returns the list of their results, rank by rank; re-raises the exception of the lowest "
+      "rank that raised, as it was raised (type and message), with a note naming the rank. The "
+      "communicators stay valid after fn returns (e.g. kept by a MultiDeviceExecutor).");
 }
 
 }  // namespace

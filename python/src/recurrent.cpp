@@ -14,7 +14,7 @@ namespace {
 
 using namespace nb::literals;
 using In = nb::ndarray<nb::ro>;
-using Out = nb::ndarray<>;
+using Out = Output;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
 
@@ -24,7 +24,7 @@ void bind_recurrent(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
   m.def("rnn", [](In input, In weight, OptIn input_state, Out output, OptOut final_state,
                   OptIn cu_seqlens, std::int64_t max_seqlen, std::uintptr_t stream) {
-    rnn(view(input), view(weight), view(input_state), view(output), view(final_state),
+    rnn(view(input), view(weight), view(input_state), view(output, "output"), view(final_state, "final_state"),
         view(cu_seqlens), max_seqlen, stream_on(device_of(input), stream));
   }, "input"_a, "weight"_a, "input_state"_a.none(), "output"_a, "final_state"_a.none(),
      "cu_seqlens"_a.none() = nb::none(), "max_seqlen"_a = -1, "stream"_a = 0, release);
@@ -34,8 +34,8 @@ void bind_recurrent(nb::module_& m) {
            std::optional<double> gradient_clipping, OptIn cu_seqlens, std::int64_t max_seqlen,
            std::uintptr_t stream) {
           rnn_backward(view(grad_output), view(grad_final_state), view(output), view(weight),
-                       view(input_state), view(grad_input), view(grad_weight),
-                       view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
+                       view(input_state), view(grad_input, "grad_input"), view(grad_weight, "grad_weight"),
+                       view(grad_input_state, "grad_input_state"), gradient_clipping, view(cu_seqlens), max_seqlen,
                        stream_on(device_of(output), stream));
         },
         "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "weight"_a,
@@ -48,7 +48,7 @@ void bind_recurrent(nb::module_& m) {
            std::int64_t max_seqlen, std::uintptr_t stream) {
           gru({view(input), view(weight), view(forget_input), view(forget_weight),
                view(reset_input), view(reset_weight)},
-              view(input_state), view(output), view(final_state), view(cu_seqlens), max_seqlen,
+              view(input_state), view(output, "output"), view(final_state, "final_state"), view(cu_seqlens), max_seqlen,
               stream_on(device_of(input), stream));
         },
         "input"_a, "weight"_a, "forget_input"_a, "forget_weight"_a, "reset_input"_a,
@@ -65,10 +65,10 @@ void bind_recurrent(nb::module_& m) {
                        {view(input), view(weight), view(forget_input), view(forget_weight),
                         view(reset_input), view(reset_weight)},
                        view(input_state),
-                       {view(grad_input), view(grad_weight), view(grad_forget_input),
-                        view(grad_forget_weight), view(grad_reset_input),
-                        view(grad_reset_weight)},
-                       view(grad_input_state), gradient_clipping, view(cu_seqlens), max_seqlen,
+                       {view(grad_input, "grad_input"), view(grad_weight, "grad_weight"), view(grad_forget_input, "grad_forget_input"),
+                        view(grad_forget_weight, "grad_forget_weight"), view(grad_reset_input, "grad_reset_input"),
+                        view(grad_reset_weight, "grad_reset_weight")},
+                       view(grad_input_state, "grad_input_state"), gradient_clipping, view(cu_seqlens), max_seqlen,
                        stream_on(device_of(output), stream));
         },
         "grad_output"_a.none(), "grad_final_state"_a.none(), "output"_a, "input"_a, "weight"_a,

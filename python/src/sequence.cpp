@@ -15,7 +15,7 @@ namespace {
 
 using namespace nb::literals;
 using In = nb::ndarray<nb::ro>;
-using Out = nb::ndarray<>;
+using Out = Output;
 
 PaddingSide parse_padding_side(const char* op, const std::string& name) {
   if (name == "left") return PaddingSide::Left;
@@ -30,18 +30,18 @@ void bind_sequence(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
   m.def("pack_sequence", [](In x, In cu_seqlens, Out out, const std::string& padding_side,
                             std::uintptr_t stream) {
-    pack_sequence(view(x), view(cu_seqlens), view(out),
+    pack_sequence(view(x), view(cu_seqlens), view(out, "out"),
                   parse_padding_side("pack_sequence", padding_side),
                   stream_on(device_of(x), stream));
   }, "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release);
   m.def("unpack_sequence", [](In x, In cu_seqlens, Out out, const std::string& padding_side,
                               std::uintptr_t stream) {
-    unpack_sequence(view(x), view(cu_seqlens), view(out),
+    unpack_sequence(view(x), view(cu_seqlens), view(out, "out"),
                     parse_padding_side("unpack_sequence", padding_side),
                     stream_on(device_of(x), stream));
   }, "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release);
   m.def("continuous_count", [](In x, Out out, std::uintptr_t stream) {
-    continuous_count(view(x), view(out), stream_on(device_of(x), stream));
+    continuous_count(view(x), view(out, "out"), stream_on(device_of(x), stream));
   }, "x"_a, "out"_a, "stream"_a = 0, release);
 }
 
