@@ -10,14 +10,18 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
+import meshfuse  # noqa: E402
 import meshfuse.torch as mt  # noqa: E402
 
 ops = torch.ops.meshfuse
+_cuda = pytest.mark.skipif(not (meshfuse.built_with_cuda() and torch.cuda.is_available()),
+                           reason="needs a CUDA build of meshfuse and a GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=_cuda)]
 
 
-def _randn(*shape, seed, dtype=torch.float64, grad=False):
+def _randn(*shape, seed, dtype=torch.float64, grad=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
+    return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(grad)
 
 
 def _opcheck(op, args):
@@ -34,35 +38,39 @@ def test_every_op_is_a_custom_op():
     assert all(hasattr(ops, name) for name in names)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad", [True, False])
-def test_opcheck_swiglu_rmsnorm_softmax(grad):
-    x = _randn(3, 16, seed=1, grad=grad)
-    y = _randn(3, 16, seed=2, grad=grad)
-    w = _randn(16, seed=3, grad=grad)
+def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
+    x = _randn(3, 16, seed=1, grad=grad, device=device)
+    y = _randn(3, 16, seed=2, grad=grad, device=device)
+    w = _randn(16, seed=3, grad=grad, device=device)
     _opcheck(ops.swiglu.default, (x, y))
     _opcheck(ops.rmsnorm.default, (x, None, w, 1e-6, 1.0))
     _opcheck(ops.rmsnorm.default, (x, y, w, 1e-6, 0.5))
     _opcheck(ops.rmsnorm.default, (x, y, None, 1e-6, 1.0))
     _opcheck(ops.softmax.default, (x, 0.5))
     if not grad:
-        rstd = torch.rand(3, dtype=torch.float32) + 0.5
+        rstd = torch.rand(3, dtype=torch.float32, device=device) + 0.5
         _opcheck(ops.swiglu_backward.default, (x, x, y))
         _opcheck(ops.rmsnorm_backward.default, (x, None, y, w, rstd, False, 1.0, True))
         _opcheck(ops.rmsnorm_backward.default, (x, y, y, w, rstd, True, 0.5, True))
         _opcheck(ops.softmax_backward.default, (x, torch.softmax(y, -1), 1.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction):
-    logits = _randn(6, 20, seed=4, grad=True)
-    labels = torch.tensor([1, -100, 19, 0, 7, 3])
+def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device):
+    logits = _randn(6, 20, seed=4, grad=True, device=device)
+    labels = torch.tensor([1, -100, 19, 0, 7, 3], device=device)
     options = (-100, reduction, 0.1, 1.0, 1e-3)
     _opcheck(ops.cross_entropy.default, (logits, labels, *options, None))
-    x, w, b = _randn(6, 8, seed=5, grad=True), _randn(20, 8, seed=6, grad=True), None
-    upstream = torch.ones(()) if reduction != "none" else None
+    x = _randn(6, 8, seed=5, grad=True, device=device)
+    w, b = _randn(20, 8, seed=6, grad=True, device=device), None
+    upstream = (torch.ones((), dtype=torch.float64, device=device) if reduction != "none"
+                else None)
     wants = (True, True, False) if reduction != "none" else (False, False, False)
     _opcheck(ops.fused_linear_cross_entropy.default,
-             (x, w, b, labels, upstream and upstream.double(), *wants, *options, None, 4))
+             (x, w, b, labels, upstream, *wants, *options, None, 4))
     loss, lse = ops.cross_entropy(logits.detach(), labels, *options, None)
     _opcheck(ops.cross_entropy_backward.default,
              (torch.ones_like(loss), logits.detach(), labels, lse, *options))
@@ -114,12 +122,13 @@ class _Block(torch.nn.Module):
                 self.loss(self.head(rows), labels))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backend):
+def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backend, device):
     torch.manual_seed(0)
-    block = _Block()
-    x = torch.randn(2, 6, 32)
-    labels = torch.randint(0, 50, (2, 6))
+    block = _Block().to(device)
+    x = torch.randn(2, 6, 32, device=device)
+    labels = torch.randint(0, 50, (2, 6), device=device)
     labels[0, 2] = -100
 
     def step(model):
