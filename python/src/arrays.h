@@ -194,7 +194,8 @@ namespace nanobind::detail {
 
 template <>
 struct type_caster<meshfuse::python::Output> {
-  NB_TYPE_CASTER(meshfuse::python::Output, const_name("ndarray"))
+  // Named as nanobind names an array, so that stubgen writes a type checkers know.
+  NB_TYPE_CASTER(meshfuse::python::Output, const_name("numpy.typing.NDArray"))
 
   bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
     if (try_cast(src, value.array, false)) return true;
