@@ -36,14 +36,15 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _stream(t):
-    # Called inside the custom ops only, so torch.compile never traces it (dynamo's torch.Stream
-    # has no cuda_stream).
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    # The current stream's cudaStream_t, as torch.compile's generated code reads it (no Stream
+    # object made per call). Called inside the custom ops only, so torch.compile never traces it
+    # (dynamo's torch.Stream has no cuda_stream).
+    return torch._C._cuda_getCurrentRawStream(t.device.index) if t.is_cuda else 0
 
 
 def _d(t):
     # DLPack refuses tensors that require grad; the kernels never record autograd history.
-    return None if t is None else t.detach()
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _rows(x):
