@@ -27,10 +27,12 @@ if ((${#missing[@]})); then
 fi
 
 # Python: the bindings (nanobind), `pip install .` without build isolation (scikit-build-core) and
-# the tests (pytest, numpy, torch). PyPI's torch for x86-64 Linux is the CUDA build: about 5 GB with
-# its nvidia-* wheels, 7 minutes to install on a 2-core machine; its tests run on the CPU.
-python_packages=(nanobind scikit-build-core pytest numpy torch)
-if ! python3 -c "import nanobind, scikit_build_core, pytest, numpy, torch" 2>/dev/null; then
+# the tests (pytest, numpy, torch, transformers for meshfuse.torch.patch). PyPI's torch for x86-64
+# Linux is the CUDA build: about 5 GB with its nvidia-* wheels, 7 minutes to install on a 2-core
+# machine; its tests run on the CPU.
+python_packages=(nanobind scikit-build-core pytest numpy torch transformers)
+if ! python3 -c "import nanobind, scikit_build_core, pytest, numpy, torch, transformers" \
+  2>/dev/null; then
   echo "setup: pip installing ${python_packages[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${python_packages[@]}"
 fi

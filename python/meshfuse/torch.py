@@ -943,3 +943,12 @@ class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
                                           self.reduction, self.label_smoothing,
                                           self.logits_multiplier, self.z_loss_scale,
                                           self.loss_dtype, self.chunk_rows)
+
+
+def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
+    """Puts meshfuse's RMSNorm, SwiGLU MLP and fused linear cross-entropy loss into a Hugging Face
+    transformers Llama, Mistral, Qwen2 or Mixtral model, in place; returns the model. See
+    :mod:`meshfuse.hf` for what is swapped and how."""
+    from .hf import patch as hf_patch  # imports this module: resolved at the call
+
+    return hf_patch(model, rms_norm, swiglu, fused_linear_cross_entropy)
