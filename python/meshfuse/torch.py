@@ -52,6 +52,18 @@ def _rows(x):
     return math.prod(x.shape[:-1])
 
 
+def _untraced(*tensors):
+    # Whether a call may take the raw kernel instead of the custom op: eager, on plain tensors
+    # (not fake or functional ones, which only the op's fake implementation takes), and not
+    # recorded by autograd. The op's dispatch costs ~15 us per call on tiny inputs
+    # (bench/python_overhead.py): most of a call there, as in decoding.
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or type(t) is torch.Tensor and not (grad and t.requires_grad)
+               for t in tensors)
+
+
 def _empty_like(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -119,6 +131,8 @@ def swiglu(gate, up):
     and device. Returns a contiguous tensor like gate. Raises ShapeMismatchError (ValueError),
     DTypeMismatchError (TypeError), DeviceMismatchError (RuntimeError). Spec:
     include/meshfuse/ops/swiglu.h."""
+    if _untraced(gate, up):
+        return swiglu_forward(gate, up)
     return _swiglu(gate, up)
 
 
@@ -239,6 +253,8 @@ def rmsnorm(x, weight=None, eps=None):
     16-bit inputs, else of x's dtype. Returns a contiguous tensor like x. Raises
     ShapeMismatchError, InvalidArgumentError (ValueError: eps < 0), DTypeMismatchError
     (TypeError), DeviceMismatchError (RuntimeError). Spec: include/meshfuse/ops/rmsnorm.h."""
+    if _untraced(x, weight):
+        return rmsnorm_forward(x, weight, _eps(x, eps))[0]
     return _rmsnorm(x, None, weight, _eps(x, eps), 1.0)[0]
 
 
@@ -307,6 +323,8 @@ def softmax(x, logits_multiplier=1.0):
     contiguous tensor like x; a row entirely -inf gives NaN, as PyTorch. Raises
     InvalidArgumentError (ValueError), DTypeMismatchError (TypeError). Spec:
     include/meshfuse/ops/softmax.h."""
+    if _untraced(x):
+        return softmax_forward(x, logits_multiplier)
     return _softmax(x, logits_multiplier)
 
 
@@ -411,8 +429,11 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     label out of range, label_smoothing outside [0, 1], an unknown reduction),
     ShapeMismatchError (ValueError), DTypeMismatchError (TypeError). Spec:
     include/meshfuse/ops/cross_entropy.h."""
-    return _cross_entropy(logits, labels, ignore_index, reduction, label_smoothing,
-                          logits_multiplier, z_loss_scale, loss_dtype)[0]
+    options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
+               loss_dtype)
+    if _untraced(logits, labels):
+        return cross_entropy_forward(logits, labels, *options)[0]
+    return _cross_entropy(logits, labels, *options)[0]
 
 
 # --- fused_linear_cross_entropy ------------------------------------------------------------------

@@ -146,6 +146,20 @@ def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backe
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
 
+def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
+    # Eager calls without autograd skip the custom op's dispatch (the same kernels, the same
+    # result); torch.compile still sees the ops, with no graph break.
+    torch.manual_seed(2)
+    block = _Block()
+    x, labels = torch.randn(2, 6, 32), torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        eager = block(x, labels)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, labels)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager, block(x, labels).detach())
+
+
 def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
     # Small values: an eps of bf16's machine epsilon instead of fp32's would show.
     x = torch.randn(4, 3, 16, dtype=torch.bfloat16) * 0.01
