@@ -79,8 +79,8 @@ inline TensorView view(const Output& out, std::string_view name) {
     case Output::Problem::NotAnArray:  // a bad type
       break;
   }
-  throw nb::type_error((what + "must be a writable DLPack array (PyTorch, NumPy, CuPy, JAX), got " +
-                        out.type).c_str());
+  throw nb::type_error((what + "must be a writable array of a DLPack dtype (PyTorch, NumPy, "
+                        "CuPy), got " + out.type).c_str());
 }
 
 inline TensorView view(const std::optional<Output>& out, std::string_view name) {
@@ -198,12 +198,33 @@ struct type_caster<meshfuse::python::Output> {
   NB_TYPE_CASTER(meshfuse::python::Output, const_name("numpy.typing.NDArray"))
 
   bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
-    if (try_cast(src, value.array, false)) return true;
-    ndarray<ro> readonly;
-    value.problem = try_cast(src, readonly, false) ? meshfuse::python::Output::Problem::ReadOnly
-                                                   : meshfuse::python::Output::Problem::NotAnArray;
+    using Problem = meshfuse::python::Output::Problem;
     value.type = Py_TYPE(src.ptr())->tp_name;
+    if (try_cast(src, value.array, false)) {
+      // A JAX array is immutable but exports DLPack without the read-only flag: written in
+      // place, it would change a value JAX may share or reuse.
+      if (is_jax(src)) value.problem = Problem::ReadOnly;
+      return true;
+    }
+    ndarray<ro> readonly;
+    value.problem = try_cast(src, readonly, false) ? Problem::ReadOnly : Problem::NotAnArray;
     return true;
+  }
+
+ private:
+  static bool is_jax(handle src) noexcept {
+    PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(src.ptr())),
+                                              "__module__");
+    if (!module) {
+      PyErr_Clear();
+      return false;
+    }
+    const char* name = PyUnicode_Check(module) ? PyUnicode_AsUTF8(module) : nullptr;
+    if (!name) PyErr_Clear();
+    const bool jax = name && (std::string_view(name).starts_with("jax.") ||
+                              std::string_view(name).starts_with("jaxlib."));
+    Py_DECREF(module);
+    return jax;
   }
 };
 

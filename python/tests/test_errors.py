@@ -52,7 +52,7 @@ def test_a_read_only_or_wrong_kind_output_names_the_argument():
     y.flags.writeable = False
     with pytest.raises(ValueError, match=r"output 'y' is a read-only"):
         meshfuse.rmsnorm(x, w, y, None, 1e-5)
-    with pytest.raises(TypeError, match=r"output 'rstd' must be a writable DLPack array.*list"):
+    with pytest.raises(TypeError, match=r"output 'rstd' must be a writable array.*list"):
         meshfuse.rmsnorm(x, w, np.empty_like(x), [0.0] * 4, 1e-5)
 
 
@@ -87,3 +87,16 @@ def test_a_collective_that_waits_too_long_raises_timeout_error():
     with pytest.raises(TimeoutError) as e:
         meshfuse.run_local(2, rank_fn, timeout=0.5)
     assert isinstance(e.value, meshfuse.CommunicationTimeoutError)
+
+
+def test_jax_arrays_are_inputs_but_never_outputs():
+    # JAX arrays are immutable (their DLPack export carries no read-only flag): an output that is
+    # one is refused as read-only rather than written.
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8), np.float32))
+    y = np.empty((4, 8), np.float32)
+    meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), y, None, 1e-5)
+    expected = np.asarray(x) / np.sqrt((np.asarray(x) ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, expected, rtol=1e-5)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="output 'y' is a read-only"):
+        meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), jnp.zeros((4, 8), jnp.float32), None, 1e-5)
