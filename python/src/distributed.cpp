@@ -24,6 +24,7 @@ namespace {
 using namespace nb::literals;
 using Array = nb::ndarray<>;
 using OptArray = std::optional<Array>;
+using Out = Output;  // an array the collective writes: a read-only one is named (arrays.h)
 using Splits = std::optional<std::vector<std::int64_t>>;
 
 // A Work and the arrays it reads and writes.
@@ -134,45 +135,48 @@ void bind_communicator(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def(
           "all_reduce",
-          [](Communicator& c, Array t, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t);
+          [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); }, {t});
+            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "broadcast",
-          [](Communicator& c, Array t, int root, std::uintptr_t stream) {
-            const TensorView v = view(t);
-            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); }, {t});
+          [](Communicator& c, Out t, int root, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
+            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "root"_a, "stream"_a = 0)
       .def(
           "reduce",
-          [](Communicator& c, Array t, int root, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t);
+          [](Communicator& c, Out t, int root, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); }, {t});
+            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "all_gather",
-          [](Communicator& c, Array input, Array output, const Splits& splits,
+          [](Communicator& c, Array input, Out output, const Splits& splits,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
                   return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "reduce_scatter",
-          [](Communicator& c, Array input, Array output, const Splits& splits,
+          [](Communicator& c, Array input, Out output, const Splits& splits,
              const std::string& op, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             const ReduceOp r = parse_reduce_op(op);
             const Stream s = stream_on(in.device(), stream);
             return run(
@@ -180,26 +184,26 @@ void bind_communicator(nb::module_& m) {
                   return splits ? c.reduce_scatter(in, out, *splits, r, s)
                                 : c.reduce_scatter(in, out, r, s);
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
       .def(
           "gather",
-          [](Communicator& c, Array input, const OptArray& output, int root,
+          [](Communicator& c, Array input, const std::optional<Out>& output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
-                       present({&output}));
+                       output ? std::vector<Array>{output->array} : std::vector<Array>{});
           },
           "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
           "output is only used on the root (None elsewhere).")
       .def(
           "scatter",
-          [](Communicator& c, const OptArray& input, Array output, int root,
+          [](Communicator& c, const OptArray& input, Out output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             std::vector<Array> keep = present({&input});
-            keep.push_back(output);
+            keep.push_back(output.array);
             return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
                        std::move(keep));
           },
@@ -207,16 +211,16 @@ void bind_communicator(nb::module_& m) {
           "input is only used on the root (None elsewhere).")
       .def(
           "all_to_all",
-          [](Communicator& c, Array input, Array output, const Splits& in_splits,
+          [](Communicator& c, Array input, Out output, const Splits& in_splits,
              const Splits& out_splits, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             return run(
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
                                       out_splits.value_or(std::vector<std::int64_t>{}),
                                       stream_on(in.device(), stream));
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(),
           "output_split_sizes"_a = nb::none(), "stream"_a = 0)
@@ -229,9 +233,10 @@ void bind_communicator(nb::module_& m) {
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "recv",
-          [](Communicator& c, Array t, int src, int tag, std::uintptr_t stream) {
-            const TensorView v = view(t);
-            return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); }, {t});
+          [](Communicator& c, Out t, int src, int tag, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
+            return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
       .def(

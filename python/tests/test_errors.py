@@ -100,3 +100,13 @@ def test_jax_arrays_are_inputs_but_never_outputs():
     np.testing.assert_allclose(y, expected, rtol=1e-5)
     with pytest.raises(meshfuse.InvalidArgumentError, match="output 'y' is a read-only"):
         meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), jnp.zeros((4, 8), jnp.float32), None, 1e-5)
+
+
+def test_a_collective_names_a_read_only_array_it_would_write():
+    def rank_fn(comm):
+        x = np.ones(4, np.float32)
+        x.flags.writeable = False
+        comm.all_reduce(x).wait()
+
+    with pytest.raises(meshfuse.InvalidArgumentError, match="output 'tensor' is a read-only"):
+        meshfuse.run_local(1, rank_fn)
