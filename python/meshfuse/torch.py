@@ -60,8 +60,11 @@ def _untraced(*tensors):
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or type(t) is torch.Tensor and not (grad and t.requires_grad)
+    return all(t is None or type(t) in _PLAIN and not (grad and t.requires_grad)
                for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a module's weights are Parameters
 
 
 def _empty_like(x):

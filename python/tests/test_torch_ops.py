@@ -158,6 +158,9 @@ def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
         compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, labels)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(eager, block(x, labels).detach())
+    with torch.no_grad():  # parameters are plain tensors to the fast path
+        assert mt._untraced(x, block.norm1.weight)
+        assert not mt._untraced(torch._subclasses.FakeTensorMode().from_tensor(x))
 
 
 def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
