@@ -517,11 +517,16 @@ def _flce_grad(ctx, grad_loss, *_):
         _, *grads = _fused_linear_cross_entropy(x, weight, bias, labels, grad_loss.contiguous(),
                                                 *wants, *ctx.options)
     else:
-        # Out of place (a weight-sized temporary for a moment): an in-place scaling of saved
-        # forward outputs cannot be traced by AOTAutograd, and would scale again on a second
-        # backward (retain_graph).
-        wants = ctx.computed
-        grads = [g * grad_loss if want else None for g, want in zip(ctx.saved_tensors, wants)]
+        wants, saved = ctx.computed, ctx.saved_tensors
+        if all(type(g) is torch.Tensor for g in saved):
+            # Eager: scaled in place, so that a large head needs no second weight-sized fp32
+            # buffer. A second backward (retain_graph) is then refused by autograd's version
+            # check of the saved tensors.
+            grads = [g.mul_(grad_loss) if want else None for g, want in zip(saved, wants)]
+        else:
+            # Traced (torch.compile, opcheck): out of place, as AOTAutograd cannot trace an
+            # in-place scaling of saved forward outputs.
+            grads = [g * grad_loss if want else None for g, want in zip(saved, wants)]
     grads = [g.to(dtype) if want else None for g, want, dtype in zip(grads, wants, ctx.dtypes)]
     return (*grads, *[None] * 12)
 
