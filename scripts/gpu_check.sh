@@ -6,15 +6,19 @@
 #   bench     `meshfuse bench --device cuda` at llama-3.1-8b, 16384 tokens, bf16
 #   compare   bench/torch_compare.py: meshfuse vs PyTorch eager and torch.compile (needs torch)
 #   numerics  bench/numerics.py: meshfuse's and PyTorch's error against fp64 (needs torch)
+#   python    `pip install .` from this build folder (nothing compiles again), then the Python
+#             tests (opcheck, torch.compile on CUDA) against the installed package
 # Installs nothing (GPU machines are often offline): it needs what scripts/setup.sh installs,
-# plus nvcc; run scripts/setup.sh first where the package registries are reachable.
+# plus nvcc; run scripts/setup.sh first where the package registries are reachable. The python
+# step needs scikit-build-core: installed, or its wheels in .whl/ (pip download -d .whl
+# scikit-build-core, where PyPI is reachable).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-results}
 build=${MESHFUSE_GPU_BUILD:-$root/build-gpu}
 mkdir -p "$out"
 steps=("$@")
-((${#steps[@]})) || steps=(test sanitize bench compare numerics)
+((${#steps[@]})) || steps=(test sanitize bench compare numerics python)
 
 "$root/scripts/build.sh" "$build" -DMESHFUSE_CUDA=ON -DMESHFUSE_BUILD_BENCH=OFF
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
@@ -90,8 +94,17 @@ for step in "${steps[@]}"; do
     numerics)
       PYTHONPATH="$build/python" python3 "$root/bench/numerics.py" --device cuda --loss-dtype f32 \
         --json "$out/numerics-cuda.json" 2>&1 | tee "$out/numerics-cuda.txt" || status=1 ;;
+    python)
+      python3 -c "import scikit_build_core" 2>/dev/null ||
+        python3 -m pip install --quiet --no-index --find-links "$root/.whl" scikit-build-core
+      # The build's own options again (CUDA on, bench off), so that nothing is rebuilt.
+      python3 -m pip install --quiet --no-build-isolation --no-index -Cbuild-dir="$build" \
+        -Ccmake.define.MESHFUSE_CUDA=ON -Ccmake.define.MESHFUSE_BUILD_TESTS=ON \
+        -Ccmake.define.MESHFUSE_BUILD_BENCH=OFF "$root" 2>&1 | tee "$out/pip.log" || status=1
+      (cd "$root" && python3 -m pytest -q -p no:cacheprovider python/tests) 2>&1 \
+        | tee "$out/pytest.log" || status=1 ;;
     *)
-      echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare, numerics)" >&2
+      echo "gpu_check: unknown step '$step' (test, sanitize, bench, compare, numerics, python)" >&2
       exit 2 ;;
   esac
 done

@@ -26,10 +26,13 @@ if ((${#missing[@]})); then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# Python: the bindings (nanobind) and their tests (pytest, numpy). PyTorch is not installed here:
-# the torch tests skip without it; bench/requirements.txt installs it for the benchmarks.
-python_packages=(nanobind pytest numpy)
-if ! python3 -c "import nanobind, pytest, numpy" 2>/dev/null; then
+# Python: the bindings (nanobind), `pip install .` without build isolation (scikit-build-core) and
+# the tests (pytest, numpy, torch, transformers for meshfuse.torch.patch). PyPI's torch for x86-64
+# Linux is the CUDA build: about 5 GB with its nvidia-* wheels, 7 minutes to install on a 2-core
+# machine; its tests run on the CPU.
+python_packages=(nanobind scikit-build-core pytest numpy torch transformers)
+if ! python3 -c "import nanobind, scikit_build_core, pytest, numpy, torch, transformers" \
+  2>/dev/null; then
   echo "setup: pip installing ${python_packages[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${python_packages[@]}"
 fi

@@ -7,7 +7,15 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 
 echo "== build and test =="
 "$root/scripts/build.sh" "$root/build"
-ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
+# The Python package as `pip install .` installs it, from the build folder just built: scikit-build-
+# core configures it again with the same options and finds nothing to compile. The Python tests then
+# run against the installed package (from the repository root, which has no meshfuse package), and
+# ctest runs the rest (its python_tests is the build tree's, for a build without an install).
+python3 -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+  -Cbuild-dir="$root/build" -Ccmake.define.MESHFUSE_BUILD_TESTS=ON \
+  -Ccmake.define.MESHFUSE_BUILD_BENCH=ON "$root"
+ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)" -E '^python_tests$'
+(cd "$root" && python3 -m pytest -q python/tests)
 
 echo "== build and test under ASan + UBSan =="
 # The C++ tests and the CLI's; not the Python extension (an ASan library cannot be loaded into an

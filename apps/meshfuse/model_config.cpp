@@ -33,7 +33,11 @@ std::int64_t positive_int(const json& config, const std::string& source, const c
 }  // namespace
 
 std::vector<fs::path> model_config_dirs() {
-  return {MESHFUSE_CONFIG_DIR, MESHFUSE_INSTALLED_CONFIG_DIR};
+  // The source tree's, then an install's: <prefix>/bin/meshfuse reads <prefix>/share/meshfuse/
+  // models, and a pip install's meshfuse/bin/meshfuse reads meshfuse/share/meshfuse/models.
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return {MESHFUSE_CONFIG_DIR, exe.parent_path().parent_path() / "share" / "meshfuse" / "models"};
 }
 
 std::vector<std::string> known_models() {

@@ -10,8 +10,10 @@ as PyTorch functions that allocate their outputs and take the current CUDA strea
 ``grad`` build a program on global shapes and run it sharded over a mesh of ranks, taking and
 returning DLPack arrays (docs/DISTRIBUTED.md, "From Python").
 
-Errors raise ``meshfuse.Error`` (a RuntimeError) whose message names the op, the argument, what
-was expected and what came.
+Errors raise a ``meshfuse.Error`` subclass per kind, each also the built-in exception of its kind
+(``ShapeMismatchError`` is a ValueError, ``DTypeMismatchError`` a TypeError, ...; docs/PYTHON.md
+lists them), whose message names the op, the argument, what was expected and what came.
+``meshfuse.info()`` says what this build has (what ``meshfuse info`` prints).
 """
 
 import ctypes as _ctypes

@@ -1,26 +1,50 @@
-"""PyTorch adapter: meshfuse ops as differentiable torch functions.
+"""PyTorch adapter: meshfuse's ops as PyTorch custom operators, with autograd and modules.
 
-Each function allocates its outputs with torch, runs on the current CUDA stream of the inputs'
-device (or the CPU), and has a ``torch.autograd.Function`` whose backward calls meshfuse's
-backward kernel. The ``*_forward`` / ``*_backward`` pairs are the raw kernels (no autograd), for
-benchmarks and custom training loops. Semantics follow ``torch.nn.functional``; shapes, dtypes and
-errors are documented in include/meshfuse/ops/*.h.
+Every op is a ``torch.library.custom_op`` in the ``meshfuse`` namespace (``torch.ops.meshfuse.*``)
+with a fake (meta) implementation and an autograd formula, so ``torch.compile`` sees each as one
+opaque node: no graph break, and the backward kernel in the backward graph. An op allocates its
+outputs with torch and runs on the current CUDA stream of its inputs' device (or the CPU).
+
+Three layers:
+
+- functions (``swiglu``, ``rmsnorm``, ``softmax``, ``cross_entropy``,
+  ``fused_linear_cross_entropy``, ...): differentiable, the semantics of the matching
+  ``torch.nn.functional`` call;
+- modules (``RMSNorm``, ``SwiGLUMLP``, ``CrossEntropyLoss``, ``FusedLinearCrossEntropyLoss``)
+  with PyTorch's constructor arguments;
+- the raw kernels, ``*_forward`` / ``*_backward`` (no autograd, no custom op), for benchmarks and
+  hand-written training loops.
+
+Shapes, dtypes, the math and its source are specified in include/meshfuse/ops/*.h; errors are
+``meshfuse.Error`` subclasses (``ValueError`` for a bad argument or shape, ``TypeError`` for a
+dtype, ``RuntimeError`` for a device or backend).
 """
 
 import math
+from typing import Optional, Sequence
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as e:  # a bare "No module named 'torch'" does not say who wants it
+    raise ModuleNotFoundError("meshfuse.torch needs PyTorch: pip install torch "
+                              "(or pip install 'meshfuse[torch]')", name="torch") from e
+from torch import Tensor
 
 from . import _meshfuse as _C
 
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
 
 def _stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    # The current stream's cudaStream_t, as torch.compile's generated code reads it (no Stream
+    # object made per call). Called inside the custom ops only, so torch.compile never traces it
+    # (dynamo's torch.Stream has no cuda_stream).
+    return torch._C._cuda_getCurrentRawStream(t.device.index) if t.is_cuda else 0
 
 
 def _d(t):
     # DLPack refuses tensors that require grad; the kernels never record autograd history.
-    return None if t is None else t.detach()
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _rows(x):
@@ -28,41 +52,107 @@ def _rows(x):
     return math.prod(x.shape[:-1])
 
 
+def _untraced(*tensors):
+    # Whether a call may take the raw kernel instead of the custom op: eager, on plain tensors
+    # (not fake or functional ones, which only the op's fake implementation takes), and not
+    # recorded by autograd. The op's dispatch costs ~15 us per call on tiny inputs
+    # (bench/python_overhead.py): most of a call there, as in decoding.
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or type(t) in _PLAIN and not (grad and t.requires_grad)
+               for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a module's weights are Parameters
+
+
+def _empty_like(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# A custom op returns tensors, never None: an output not computed is _nothing(), a (0,) tensor.
+def _nothing(like):
+    return like.new_empty(0)
+
+
+def _none_if_empty(t):
+    return None if t.shape == (0,) else t
+
+
 # --- swiglu ----------------------------------------------------------------------------------
 def swiglu_forward(gate, up):
-    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    """The raw kernel of :func:`swiglu`: returns ``up * silu(gate)``."""
+    out = _empty_like(gate)
     _C.swiglu(_d(gate), _d(up), out, stream=_stream(gate))
     return out
 
 
 def swiglu_backward(grad_out, gate, up):
-    grad_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    grad_up = torch.empty_like(up, memory_format=torch.contiguous_format)
+    """The raw backward of :func:`swiglu`: returns (grad_gate, grad_up)."""
+    grad_gate, grad_up = _empty_like(gate), _empty_like(up)
     _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), grad_gate, grad_up, stream=_stream(gate))
     return grad_gate, grad_up
 
 
-class _Swiglu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+@torch.library.custom_op("meshfuse::swiglu", mutates_args=())
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return swiglu_forward(gate, up)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        return swiglu_backward(grad_out.contiguous(), gate, up)
+
+@_swiglu.register_fake
+def _(gate, up):
+    return _empty_like(gate)
+
+
+@torch.library.custom_op("meshfuse::swiglu_backward", mutates_args=())
+def _swiglu_backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return swiglu_backward(grad_out, gate, up)
+
+
+@_swiglu_backward.register_fake
+def _(grad_out, gate, up):
+    return _empty_like(gate), _empty_like(up)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx, grad_out):
+    return _swiglu_backward(grad_out, *ctx.saved_tensors)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 
 
 def swiglu(gate, up):
-    """``up * silu(gate)`` (Shazeer 2020); gate, up: (..., I), same dtype and device."""
-    return _Swiglu.apply(gate, up)
+    """``up * silu(gate)``, the SwiGLU activation (Shazeer 2020, "GLU Variants Improve
+    Transformer", arXiv:2002.05202): ``F.silu(gate) * up``.
+
+    gate, up: (..., I), one dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32)
+    and device. Returns a contiguous tensor like gate. Raises ShapeMismatchError (ValueError),
+    DTypeMismatchError (TypeError), DeviceMismatchError (RuntimeError). Spec:
+    include/meshfuse/ops/swiglu.h."""
+    if _untraced(gate, up):
+        return swiglu_forward(gate, up)
+    return _swiglu(gate, up)
 
 
 # --- rmsnorm and fused residual-add rmsnorm ----------------------------------------------------
+def _eps(x, eps):
+    # torch.nn.functional.rms_norm's default: the machine epsilon of the computation type (fp32
+    # for 16-bit inputs, as PyTorch's opmath).
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float32 if x.dtype in _SIXTEEN_BIT else x.dtype).eps
+
+
 def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0):
-    """Returns (y, r or None, rstd); r = x * multiplier + residual when a residual is given."""
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """The raw kernel of :func:`rmsnorm` and :func:`fused_residual_add_rmsnorm`: returns
+    (y, r or None, rstd (rows,) float32); r = x * multiplier + residual when a residual is
+    given."""
+    y = _empty_like(x)
     rstd = torch.empty(_rows(x), dtype=torch.float32, device=x.device)
     if residual is None and multiplier == 1.0:
         _C.rmsnorm(_d(x), _d(weight), y, rstd, eps, stream=_stream(x))
@@ -73,11 +163,13 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0):
     return y, r, rstd
 
 
-def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0, grad_r=None):
-    """saved: r when a residual was given, else x. Returns (dx, dresidual or None, dweight);
-    with a residual and multiplier 1, dresidual is dx itself (the same tensor)."""
-    dx = torch.empty_like(saved, memory_format=torch.contiguous_format)
-    dweight = None if weight is None else torch.empty_like(weight)
+def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0, grad_r=None,
+                     need_dweight=True):
+    """The raw backward. saved: r when a residual was given, else x. Returns (dx, dresidual or
+    None, dweight or None); with a residual and multiplier 1, dresidual is dx itself (the same
+    tensor: the kernel writes it once)."""
+    dx = _empty_like(saved)
+    dweight = torch.empty_like(weight) if weight is not None and need_dweight else None
     if not residual_given and multiplier == 1.0:
         _C.rmsnorm_backward(_d(grad_y), _d(saved), _d(weight), rstd, dx, dweight,
                             stream=_stream(saved))
@@ -94,65 +186,149 @@ def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0
     return dx, dresidual, dweight
 
 
-class _RmsNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, multiplier):
-        y, r, rstd = rmsnorm_forward(x, weight, eps, residual, multiplier)
-        ctx.residual_given = residual is not None
-        ctx.multiplier = multiplier
-        ctx.save_for_backward(r if r is not None else x, weight, rstd)
-        return (y, r) if r is not None else (y, y.new_empty(0))
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_r):
-        saved, weight, rstd = ctx.saved_tensors
-        grad_r = grad_r.contiguous() if ctx.residual_given else None
-        dx, dresidual, dweight = rmsnorm_backward(grad_y.contiguous(), saved, weight, rstd,
-                                                  ctx.residual_given, ctx.multiplier, grad_r)
-        return dx, dresidual, dweight, None, None
+# One op pair for both: rmsnorm is the fused op without residual and with multiplier 1. The op
+# returns (y, r, rstd), r empty without a residual; its backward returns (dx, dresidual, dweight),
+# dresidual empty when it is dx (a custom op's outputs may not alias).
+@torch.library.custom_op("meshfuse::rmsnorm", mutates_args=())
+def _rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+             multiplier: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, r, rstd = rmsnorm_forward(x, weight, eps, residual, multiplier)
+    return y, _nothing(x) if r is None else r, rstd
 
 
-def rmsnorm(x, weight=None, eps=1e-6):
-    """``torch.nn.functional.rms_norm(x, (H,), weight, eps)`` over the last dim."""
-    return _RmsNorm.apply(x, None, weight, eps, 1.0)[0]
+@_rmsnorm.register_fake
+def _(x, residual, weight, eps, multiplier):
+    r = _nothing(x) if residual is None else _empty_like(x)
+    return _empty_like(x), r, x.new_empty(_rows(x), dtype=torch.float32)
 
 
-def fused_residual_add_rmsnorm(x, residual, weight=None, eps=1e-6, multiplier=1.0):
-    """Returns (y, r): r = x * multiplier + residual, y = rmsnorm(r) * weight."""
-    return _RmsNorm.apply(x, residual, weight, eps, multiplier)
+@torch.library.custom_op("meshfuse::rmsnorm_backward", mutates_args=())
+def _rmsnorm_backward(grad_y: Tensor, grad_r: Optional[Tensor], saved: Tensor,
+                      weight: Optional[Tensor], rstd: Tensor, residual_given: bool,
+                      multiplier: float, need_dweight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dresidual, dweight = rmsnorm_backward(grad_y, saved, weight, rstd, residual_given,
+                                              multiplier, grad_r, need_dweight)
+    return (dx, _nothing(dx) if dresidual is None or dresidual is dx else dresidual,
+            _nothing(dx) if dweight is None else dweight)
+
+
+@_rmsnorm_backward.register_fake
+def _(grad_y, grad_r, saved, weight, rstd, residual_given, multiplier, need_dweight):
+    dresidual = (_empty_like(saved) if residual_given and multiplier != 1.0
+                 else _nothing(saved))
+    dweight = (torch.empty_like(weight) if weight is not None and need_dweight
+               else _nothing(saved))
+    return _empty_like(saved), dresidual, dweight
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, residual, weight, _, multiplier = inputs
+    _, r, rstd = output
+    ctx.residual_given = residual is not None
+    ctx.multiplier = multiplier
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(r if ctx.residual_given else x, weight, rstd)
+
+
+def _rmsnorm_grad(ctx, grad_y, grad_r, _):
+    saved, weight, rstd = ctx.saved_tensors
+    grad_r = grad_r.contiguous() if ctx.residual_given and grad_r is not None else None
+    dx, dresidual, dweight = _rmsnorm_backward(
+        grad_y.contiguous(), grad_r, saved, weight, rstd, ctx.residual_given, ctx.multiplier,
+        weight is not None and ctx.needs_input_grad[2])
+    if ctx.residual_given:
+        dresidual = dx if ctx.multiplier == 1.0 else dresidual
+    else:
+        dresidual = None
+    return dx, dresidual, _none_if_empty(dweight), None, None
+
+
+_rmsnorm.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)
+
+
+def rmsnorm(x, weight=None, eps=None):
+    """RMSNorm over the last dim (Zhang & Sennrich 2019, arXiv:1910.07467):
+    ``torch.nn.functional.rms_norm(x, (H,), weight, eps)``, i.e.
+    ``x / sqrt(mean(x**2, -1) + eps) * weight``.
+
+    x: (..., H); weight: (H,) or None; float32, float64, bfloat16 or float16 (16-bit computed in
+    fp32), one dtype and device. eps None: PyTorch's default, the machine epsilon of fp32 for
+    16-bit inputs, else of x's dtype. Returns a contiguous tensor like x. Raises
+    ShapeMismatchError, InvalidArgumentError (ValueError: eps < 0), DTypeMismatchError
+    (TypeError), DeviceMismatchError (RuntimeError). Spec: include/meshfuse/ops/rmsnorm.h."""
+    if _untraced(x, weight):
+        return rmsnorm_forward(x, weight, _eps(x, eps))[0]
+    return _rmsnorm(x, None, weight, _eps(x, eps), 1.0)[0]
+
+
+def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.0):
+    """``r = x * multiplier + residual; y = rmsnorm(r, weight, eps)`` in one pass; returns (y, r)
+    (r: the residual stream of the next layer; an empty tensor when residual is None).
+
+    x, residual: (..., H); weight (H,) or None; dtypes, eps and errors as :func:`rmsnorm`."""
+    y, r, _ = _rmsnorm(x, residual, weight, _eps(x, eps), multiplier)
+    return y, r
 
 
 # --- softmax -------------------------------------------------------------------------------------
 def softmax_forward(x, logits_multiplier=1.0):
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """The raw kernel of :func:`softmax`."""
+    y = _empty_like(x)
     _C.softmax(_d(x), y, logits_multiplier=logits_multiplier, stream=_stream(x))
     return y
 
 
 def softmax_backward(grad_y, y, logits_multiplier=1.0):
-    grad_x = torch.empty_like(y, memory_format=torch.contiguous_format)
+    """The raw backward of :func:`softmax`: grad_x from the forward's output y."""
+    grad_x = _empty_like(y)
     _C.softmax_backward(_d(grad_y), _d(y), grad_x, logits_multiplier=logits_multiplier,
                         stream=_stream(y))
     return grad_x
 
 
-class _Softmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, logits_multiplier):
-        y = softmax_forward(x, logits_multiplier)
-        ctx.logits_multiplier = logits_multiplier
-        ctx.save_for_backward(y)
-        return y
+@torch.library.custom_op("meshfuse::softmax", mutates_args=())
+def _softmax(x: Tensor, logits_multiplier: float) -> Tensor:
+    return softmax_forward(x, logits_multiplier)
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        (y,) = ctx.saved_tensors
-        return softmax_backward(grad_y.contiguous(), y, ctx.logits_multiplier), None
+
+@_softmax.register_fake
+def _(x, logits_multiplier):
+    return _empty_like(x)
+
+
+@torch.library.custom_op("meshfuse::softmax_backward", mutates_args=())
+def _softmax_backward(grad_y: Tensor, y: Tensor, logits_multiplier: float) -> Tensor:
+    return softmax_backward(grad_y, y, logits_multiplier)
+
+
+@_softmax_backward.register_fake
+def _(grad_y, y, logits_multiplier):
+    return _empty_like(y)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.logits_multiplier = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softmax_grad(ctx, grad_y):
+    (y,) = ctx.saved_tensors
+    return _softmax_backward(grad_y.contiguous(), y, ctx.logits_multiplier), None
+
+
+_softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 
 
 def softmax(x, logits_multiplier=1.0):
-    """``torch.softmax(x * logits_multiplier, dim=-1)``."""
-    return _Softmax.apply(x, logits_multiplier)
+    """``torch.softmax(x * logits_multiplier, dim=-1)``.
+
+    x: (..., V), float32, float64, bfloat16 or float16 (16-bit computed in fp32). Returns a
+    contiguous tensor like x; a row entirely -inf gives NaN, as PyTorch. Raises
+    InvalidArgumentError (ValueError), DTypeMismatchError (TypeError). Spec:
+    include/meshfuse/ops/softmax.h."""
+    if _untraced(x):
+        return softmax_forward(x, logits_multiplier)
+    return _softmax(x, logits_multiplier)
 
 
 # --- cross_entropy -------------------------------------------------------------------------------
@@ -163,16 +339,15 @@ def _loss_shape(n, reduction):
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                           loss_dtype=None, vocab_start=0, vocab_size=0):
-    """Returns (loss, lse); loss is () for mean/sum and (N,) for none, in ``loss_dtype`` (the
-    logits' dtype by default, or float32 for 16-bit logits); lse is f32 for 16-bit logits, f64
-    for f32 and f64 ones. ``vocab_size`` != 0: the logits are the columns
-    ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a shard;
-    meshfuse/ops/cross_entropy.h says how shards combine)."""
+    """The raw kernel of :func:`cross_entropy`: returns (loss, lse); loss is () for mean/sum and
+    (N,) for none, in ``loss_dtype`` (the logits' dtype by default, or float32 for 16-bit
+    logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones. ``vocab_size`` != 0: the
+    logits are the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size``
+    classes (a shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
     n = logits.shape[0]
     loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
-    sixteen_bit = logits.dtype in (torch.bfloat16, torch.float16)
-    lse_dtype = torch.float32 if sixteen_bit else torch.float64
+    lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
     lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
     _C.cross_entropy(_d(logits), _d(labels), loss, lse, ignore_index=ignore_index,
                      reduction=reduction, label_smoothing=label_smoothing,
@@ -184,10 +359,10 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
 def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, reduction="mean",
                            label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                            vocab_start=0, vocab_size=0):
-    """grad_loss: the loss's shape, in the logits' dtype or float32 for 16-bit logits. For a
-    shard (``vocab_start``, ``vocab_size`` as in :func:`cross_entropy_forward`), lse is the whole
-    vocabulary's."""
-    grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    """The raw backward: grad_logits (N, V). grad_loss: the loss's shape, in the logits' dtype
+    or float32 for 16-bit logits. For a shard (``vocab_start``, ``vocab_size`` as in
+    :func:`cross_entropy_forward`), lse is the whole vocabulary's."""
+    grad_logits = _empty_like(logits)
     _C.cross_entropy_backward(_d(grad_loss).contiguous(), _d(logits), _d(labels), lse,
                               grad_logits, ignore_index=ignore_index, reduction=reduction,
                               label_smoothing=label_smoothing,
@@ -197,35 +372,78 @@ def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, re
     return grad_logits
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, options, loss_dtype):
-        loss, lse = cross_entropy_forward(logits, labels, **options, loss_dtype=loss_dtype)
-        ctx.options = options
-        ctx.save_for_backward(logits, labels, lse)
-        return loss
+@torch.library.custom_op("meshfuse::cross_entropy", mutates_args=())
+def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction: str,
+                   label_smoothing: float, logits_multiplier: float, z_loss_scale: float,
+                   loss_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    return cross_entropy_forward(logits, labels, ignore_index, reduction, label_smoothing,
+                                 logits_multiplier, z_loss_scale, loss_dtype)
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, labels, lse = ctx.saved_tensors
-        grad = cross_entropy_backward(grad_loss, logits, labels, lse, **ctx.options)
-        return grad, None, None, None
+
+@_cross_entropy.register_fake
+def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
+      z_loss_scale, loss_dtype):
+    n = logits.shape[0]
+    lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
+    return (logits.new_empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype),
+            logits.new_empty((n,), dtype=lse_dtype))
+
+
+@torch.library.custom_op("meshfuse::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor,
+                            ignore_index: int, reduction: str, label_smoothing: float,
+                            logits_multiplier: float, z_loss_scale: float) -> Tensor:
+    return cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index, reduction,
+                                  label_smoothing, logits_multiplier, z_loss_scale)
+
+
+@_cross_entropy_backward.register_fake
+def _(grad_loss, logits, labels, lse, *options):
+    return _empty_like(logits)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, labels, *options, _ = inputs
+    ctx.options = options
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, labels, output[1])
+
+
+def _cross_entropy_grad(ctx, grad_loss, _):
+    logits, labels, lse = ctx.saved_tensors
+    grad = _cross_entropy_backward(grad_loss, logits, labels, lse, *ctx.options)
+    return grad, None, None, None, None, None, None, None
+
+
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
 def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                   logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None):
-    """``torch.nn.functional.cross_entropy(logits * logits_multiplier, labels, ...)`` plus an
-    optional z-loss ``z_loss_scale * lse**2`` per row not ignored; logits (N, V), labels (N,).
-    The loss has the logits' dtype, as PyTorch's, unless ``loss_dtype=torch.float32`` is given for
-    16-bit logits (Megatron-LM's fp32 loss: the per-row losses are summed in double and rounded
-    once to it)."""
-    options = dict(ignore_index=ignore_index, reduction=reduction,
-                   label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
-                   z_loss_scale=z_loss_scale)
-    return _CrossEntropy.apply(logits, labels, options, loss_dtype)
+    """``torch.nn.functional.cross_entropy(logits * logits_multiplier, labels, ignore_index=,
+    reduction=, label_smoothing=)`` plus PaLM's z-loss ``z_loss_scale * lse**2`` per row not
+    ignored (Chowdhery et al. 2022, arXiv:2204.02311).
+
+    logits (N, V) float32, float64, bfloat16 or float16; labels (N,) int32 or int64, in [0, V)
+    or ignore_index. Returns the loss, () for mean and sum, (N,) for none. Its dtype is the
+    logits', as PyTorch's, unless ``loss_dtype=torch.float32`` is given for 16-bit logits
+    (Megatron-LM's fp32 loss: the per-row losses are summed in double and rounded once to it);
+    the backward then takes an fp32 upstream gradient. Raises InvalidArgumentError (ValueError: a
+    label out of range, label_smoothing outside [0, 1], an unknown reduction),
+    ShapeMismatchError (ValueError), DTypeMismatchError (TypeError). Spec:
+    include/meshfuse/ops/cross_entropy.h."""
+    options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
+               loss_dtype)
+    if _untraced(logits, labels):
+        return cross_entropy_forward(logits, labels, *options)[0]
+    return _cross_entropy(logits, labels, *options)[0]
 
 
 # --- fused_linear_cross_entropy ------------------------------------------------------------------
+def _wide(dtype):
+    return torch.float32 if dtype in _SIXTEEN_BIT else dtype
+
+
 def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=None,
                                        grad_x=False, grad_weight=False, grad_bias=False,
                                        ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -237,10 +455,10 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
     inputs' dtype; the loss is in ``loss_dtype`` (the inputs' dtype by default)."""
     if grad_bias and bias is None:
         raise ValueError("fused_linear_cross_entropy: grad_bias=True needs a bias")
-    wide = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    wide = _wide(x.dtype)
     loss = torch.empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype,
                        device=x.device)
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if grad_x else None
+    dx = _empty_like(x) if grad_x else None
     dw = torch.empty(weight.shape, dtype=wide, device=x.device) if grad_weight else None
     db = torch.empty(bias.shape, dtype=wide, device=x.device) if grad_bias else None
     _C.fused_linear_cross_entropy(
@@ -251,55 +469,91 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
     return loss, dx, dw, db
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    # mean and sum: the gradients are computed with the loss (upstream 1) and scaled in place by
-    # the real upstream in backward (they are linear in it), so backward runs once per forward.
-    # A 16-bit grad_x is then rounded twice (at upstream 1, and after the scaling) unless the
-    # upstream is a power of two. none: the upstream is per row, so backward runs the op again
-    # with it (the logits are recomputed; nothing of size N x V is kept).
-    @staticmethod
-    def forward(ctx, x, weight, bias, labels, options, grad_enabled):
-        ctx.options = options
-        # needs_input_grad says requires_grad even under torch.no_grad(): no gradients then.
-        ctx.wants = tuple(w and grad_enabled for w in ctx.needs_input_grad[:3])
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        eager = options["reduction"] != "none" and any(ctx.wants)
-        one = (torch.ones((), dtype=options["loss_dtype"] or x.dtype, device=x.device)
-               if eager else None)
-        loss, *ctx.grads = fused_linear_cross_entropy_forward(
-            x, weight, labels, bias, one, *(ctx.wants if eager else (False,) * 3), **options)
-        if not eager:
-            ctx.save_for_backward(x, weight, bias, labels)
-        return loss
+# The op computes the gradients it is asked for with the loss. For mean and sum the caller asks
+# with grad_loss 1 (a training framework's loss is the graph's output) and the backward scales
+# them by the real upstream (they are linear in it): one pass over the logits for forward and
+# backward. For none the upstream is per row: the forward computes the loss only and the backward
+# runs the op again with it (the logits are recomputed; nothing of size N x V is kept).
+@torch.library.custom_op("meshfuse::fused_linear_cross_entropy", mutates_args=())
+def _fused_linear_cross_entropy(
+        x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+        grad_loss: Optional[Tensor], grad_x: bool, grad_weight: bool, grad_bias: bool,
+        ignore_index: int, reduction: str, label_smoothing: float, logits_multiplier: float,
+        z_loss_scale: float, loss_dtype: Optional[torch.dtype],
+        chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    loss, *grads = fused_linear_cross_entropy_forward(
+        x, weight, labels, bias, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
+        reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows)
+    return (loss, *[_nothing(x) if g is None else g for g in grads])
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if ctx.options["reduction"] == "none":
-            x, weight, bias, labels = ctx.saved_tensors
-            _, *grads = fused_linear_cross_entropy_forward(
-                x, weight, labels, bias, grad_loss.contiguous(), *ctx.wants, **ctx.options)
+
+@_fused_linear_cross_entropy.register_fake
+def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
+      reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows):
+    wide = _wide(x.dtype)
+    loss = x.new_empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype)
+    dx = _empty_like(x) if grad_x else _nothing(x)
+    dw = x.new_empty(weight.shape, dtype=wide) if grad_weight else _nothing(x)
+    db = x.new_empty(bias.shape, dtype=wide) if grad_bias else _nothing(x)
+    return loss, dx, dw, db
+
+
+def _flce_setup(ctx, inputs, output):
+    x, weight, bias, labels, _, *computed = inputs[:8]
+    ctx.options = inputs[8:]
+    ctx.computed = computed  # the gradients the forward computed (mean and sum)
+    ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+    if ctx.options[1] == "none":  # reduction
+        ctx.save_for_backward(x, weight, bias, labels)
+    else:
+        ctx.save_for_backward(*output[1:])
+
+
+def _flce_grad(ctx, grad_loss, *_):
+    if ctx.options[1] == "none":
+        x, weight, bias, labels = ctx.saved_tensors
+        wants = [w and t is not None for w, t in zip(ctx.needs_input_grad, (x, weight, bias))]
+        _, *grads = _fused_linear_cross_entropy(x, weight, bias, labels, grad_loss.contiguous(),
+                                                *wants, *ctx.options)
+    else:
+        wants, saved = ctx.computed, ctx.saved_tensors
+        if all(type(g) is torch.Tensor for g in saved):
+            # Eager: scaled in place, so that a large head needs no second weight-sized fp32
+            # buffer. A second backward (retain_graph) is then refused by autograd's version
+            # check of the saved tensors.
+            grads = [g.mul_(grad_loss) if want else None for g, want in zip(saved, wants)]
         else:
-            if ctx.grads is None:
-                raise RuntimeError("fused_linear_cross_entropy: backward runs once per forward "
-                                   "for reduction mean and sum (the forward computed the "
-                                   "gradients)")
-            grads = [None if g is None else g.mul_(grad_loss) for g in ctx.grads]
-            ctx.grads = None
-        grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return grads[0], grads[1], grads[2], None, None, None
+            # Traced (torch.compile, opcheck): out of place, as AOTAutograd cannot trace an
+            # in-place scaling of saved forward outputs.
+            grads = [g * grad_loss if want else None for g, want in zip(saved, wants)]
+    grads = [g.to(dtype) if want else None for g, want, dtype in zip(grads, wants, ctx.dtypes)]
+    return (*grads, *[None] * 12)
+
+
+_fused_linear_cross_entropy.register_autograd(_flce_grad, setup_context=_flce_setup)
 
 
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                                loss_dtype=None, chunk_rows=0):
     """``cross_entropy(torch.nn.functional.linear(x, weight, bias), labels, ...)`` without the
-    (N, V) logits in memory: x (N, H), weight (V, H), bias (V,) or None, labels (N,). Options and
-    ``loss_dtype`` as in :func:`cross_entropy`; ``chunk_rows`` 0 picks the device's default."""
-    options = dict(ignore_index=ignore_index, reduction=reduction,
-                   label_smoothing=label_smoothing, logits_multiplier=logits_multiplier,
-                   z_loss_scale=z_loss_scale, loss_dtype=loss_dtype, chunk_rows=chunk_rows)
-    return _FusedLinearCrossEntropy.apply(x, weight, bias, labels, options,
-                                          torch.is_grad_enabled())
+    (N, V) logits in memory: the logits are made and consumed in chunks of rows (as Liger's and
+    Apple's Cut Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009, avoid them).
+
+    x (N, H); weight (V, H); bias (V,) or None: one dtype (float32, float64, bfloat16,
+    float16); labels (N,) int32 or int64. Options and ``loss_dtype`` as :func:`cross_entropy`;
+    ``chunk_rows`` 0 picks the device's default. For mean and sum, the gradients are computed in
+    the forward (when autograd wants them) and scaled by the upstream in the backward; the
+    weight's and bias's are accumulated in fp32 for 16-bit inputs and rounded once. Errors as
+    :func:`cross_entropy`. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    # Under torch.no_grad() requires_grad still says True: no gradients then.
+    grad = torch.is_grad_enabled() and reduction != "none"
+    wants = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
+    one = torch.ones((), dtype=loss_dtype or x.dtype, device=x.device) if any(wants) else None
+    return _fused_linear_cross_entropy(x, weight, bias, labels, one, *wants, ignore_index,
+                                       reduction, label_smoothing, logits_multiplier,
+                                       z_loss_scale, loss_dtype, chunk_rows)[0]
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------
@@ -342,37 +596,6 @@ def rnn_backward(grad_output, grad_final_state, output, input_shape, weight, inp
     return grad_input, grad_weight, grad_input_state
 
 
-class _Rnn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen):
-        output, final_state = rnn_forward(input, weight, input_state, cu_seqlens, max_seqlen)
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (zeros)
-        ctx.save_for_backward(output, weight, input_state, cu_seqlens)
-        ctx.options = (input.shape, gradient_clipping, max_seqlen)
-        return output, final_state
-
-    @staticmethod
-    def backward(ctx, grad_output, grad_final_state):
-        output, weight, input_state, cu_seqlens = ctx.saved_tensors
-        input_shape, gradient_clipping, max_seqlen = ctx.options
-        grads = rnn_backward(grad_output, grad_final_state, output, input_shape, weight,
-                             input_state, gradient_clipping, cu_seqlens, max_seqlen,
-                             need_input_state_grad=ctx.needs_input_grad[2])
-        return (*grads, None, None, None)
-
-
-def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None,
-        max_seqlen=None):
-    """Multi-head RNN, per head n: ``h_t = tanh(h_{t-1} @ weight[n] + input_t)``.
-
-    input (B, S, N, H), or packed (T, N, H) with cu_seqlens (B+1,) int32/uint32/int64; weight
-    (N, H, H); input_state (B, N, H) or None (zeros). Inputs and weights may have fewer heads than
-    N when their count divides N (broadcast). gradient_clipping = c clamps the state's gradient to
-    [-c, c] at every step of the backward. Returns (output like input with N heads,
-    final_state (B, N, H))."""
-    return _Rnn.apply(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen)
-
-
 def gru_forward(input, weight, forget_input, forget_weight, reset_input, reset_weight,
                 input_state=None, cu_seqlens=None, max_seqlen=None):
     """Returns (output, final_state); see gru()."""
@@ -403,94 +626,358 @@ def gru_backward(grad_output, grad_final_state, output, input, weight, forget_in
     return (*grads, grad_input_state)
 
 
-class _Gru(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, weight, forget_input, forget_weight, reset_input, reset_weight,
-                input_state, gradient_clipping, cu_seqlens, max_seqlen):
-        params = (input, weight, forget_input, forget_weight, reset_input, reset_weight)
-        output, final_state = gru_forward(*params, input_state, cu_seqlens, max_seqlen)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(output, *params, input_state, cu_seqlens)
-        ctx.options = (gradient_clipping, max_seqlen)
-        return output, final_state
+# gradient_clipping changes only the backward; it is an argument of the forward op so that the
+# autograd formula gets it. The upstream gradient of an output nobody used is None (zeros): the
+# kernels take it as undefined.
+@torch.library.custom_op("meshfuse::rnn", mutates_args=())
+def _rnn(input: Tensor, weight: Tensor, input_state: Optional[Tensor],
+         gradient_clipping: Optional[float], cu_seqlens: Optional[Tensor],
+         max_seqlen: Optional[int]) -> tuple[Tensor, Tensor]:
+    return rnn_forward(input, weight, input_state, cu_seqlens, max_seqlen)
 
-    @staticmethod
-    def backward(ctx, grad_output, grad_final_state):
-        output, *params, input_state, cu_seqlens = ctx.saved_tensors
-        gradient_clipping, max_seqlen = ctx.options
-        grads = gru_backward(grad_output, grad_final_state, output, *params, input_state,
-                             gradient_clipping, cu_seqlens, max_seqlen,
-                             need_input_state_grad=ctx.needs_input_grad[6])
-        return (*grads, None, None, None)
+
+@_rnn.register_fake
+def _(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen):
+    out_shape, state_shape = _recurrent_shapes([input], [weight], input_state, cu_seqlens)
+    return input.new_empty(out_shape), input.new_empty(state_shape)
+
+
+@torch.library.custom_op("meshfuse::rnn_backward", mutates_args=())
+def _rnn_backward(grad_output: Optional[Tensor], grad_final_state: Optional[Tensor],
+                  output: Tensor, input_shape: Sequence[int], weight: Tensor,
+                  input_state: Optional[Tensor], gradient_clipping: Optional[float],
+                  cu_seqlens: Optional[Tensor], max_seqlen: Optional[int],
+                  need_input_state_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    grad_input, grad_weight, grad_state = rnn_backward(
+        grad_output, grad_final_state, output, input_shape, weight, input_state,
+        gradient_clipping, cu_seqlens, max_seqlen, need_input_state_grad)
+    return grad_input, grad_weight, _nothing(output) if grad_state is None else grad_state
+
+
+@_rnn_backward.register_fake
+def _(grad_output, grad_final_state, output, input_shape, weight, input_state,
+      gradient_clipping, cu_seqlens, max_seqlen, need_input_state_grad):
+    state = (_empty_like(input_state) if input_state is not None and need_input_state_grad
+             else _nothing(output))
+    return output.new_empty(input_shape), _empty_like(weight), state
+
+
+def _rnn_setup(ctx, inputs, output):
+    input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen = inputs
+    ctx.save_for_backward(output[0], weight, input_state, cu_seqlens)
+    ctx.input_shape, ctx.gradient_clipping, ctx.max_seqlen = (input.shape, gradient_clipping,
+                                                              max_seqlen)
+
+
+def _rnn_grad(ctx, grad_output, grad_final_state):
+    output, weight, input_state, cu_seqlens = ctx.saved_tensors
+    grads = _rnn_backward(grad_output, grad_final_state, output, ctx.input_shape, weight,
+                          input_state, ctx.gradient_clipping, cu_seqlens, ctx.max_seqlen,
+                          ctx.needs_input_grad[2])
+    return grads[0], grads[1], _none_if_empty(grads[2]), None, None, None
+
+
+_rnn.register_autograd(_rnn_grad, setup_context=_rnn_setup)
+
+
+def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None,
+        max_seqlen=None):
+    """Multi-head RNN, per head n: ``h_t = tanh(h_{t-1} @ weight[n] + input_t)`` (Elman 1990).
+
+    input (B, S, N, H), or packed (T, N, H) with cu_seqlens (B+1,) int32/uint32/int64; weight
+    (N, H, H); input_state (B, N, H) or None (zeros); float32, float64, bfloat16 or float16.
+    Inputs and weights may have fewer heads than N when their count divides N (broadcast).
+    gradient_clipping = c clamps the state's gradient to [-c, c] at every step of the backward.
+    Returns (output like input with N heads, final_state (B, N, H)). Raises ShapeMismatchError,
+    InvalidArgumentError (ValueError), DTypeMismatchError (TypeError). Spec:
+    include/meshfuse/ops/recurrent.h."""
+    return _rnn(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen)
+
+
+@torch.library.custom_op("meshfuse::gru", mutates_args=())
+def _gru(input: Tensor, weight: Tensor, forget_input: Tensor, forget_weight: Tensor,
+         reset_input: Tensor, reset_weight: Tensor, input_state: Optional[Tensor],
+         gradient_clipping: Optional[float], cu_seqlens: Optional[Tensor],
+         max_seqlen: Optional[int]) -> tuple[Tensor, Tensor]:
+    return gru_forward(input, weight, forget_input, forget_weight, reset_input, reset_weight,
+                       input_state, cu_seqlens, max_seqlen)
+
+
+@_gru.register_fake
+def _(input, weight, forget_input, forget_weight, reset_input, reset_weight, input_state,
+      gradient_clipping, cu_seqlens, max_seqlen):
+    out_shape, state_shape = _recurrent_shapes([input, forget_input, reset_input],
+                                               [weight, forget_weight, reset_weight],
+                                               input_state, cu_seqlens)
+    return input.new_empty(out_shape), input.new_empty(state_shape)
+
+
+@torch.library.custom_op("meshfuse::gru_backward", mutates_args=())
+def _gru_backward(grad_output: Optional[Tensor], grad_final_state: Optional[Tensor],
+                  output: Tensor, input: Tensor, weight: Tensor, forget_input: Tensor,
+                  forget_weight: Tensor, reset_input: Tensor, reset_weight: Tensor,
+                  input_state: Optional[Tensor], gradient_clipping: Optional[float],
+                  cu_seqlens: Optional[Tensor], max_seqlen: Optional[int],
+                  need_input_state_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                         Tensor, Tensor]:
+    *grads, grad_state = gru_backward(
+        grad_output, grad_final_state, output, input, weight, forget_input, forget_weight,
+        reset_input, reset_weight, input_state, gradient_clipping, cu_seqlens, max_seqlen,
+        need_input_state_grad)
+    return (*grads, _nothing(output) if grad_state is None else grad_state)
+
+
+@_gru_backward.register_fake
+def _(grad_output, grad_final_state, output, *params_and_options):
+    params, (input_state, _, _, _, need_input_state_grad) = (params_and_options[:6],
+                                                              params_and_options[6:])
+    state = (_empty_like(input_state) if input_state is not None and need_input_state_grad
+             else _nothing(output))
+    return (*[_empty_like(p) for p in params], state)
+
+
+def _gru_setup(ctx, inputs, output):
+    *params, input_state, gradient_clipping, cu_seqlens, max_seqlen = inputs
+    ctx.save_for_backward(output[0], *params, input_state, cu_seqlens)
+    ctx.gradient_clipping, ctx.max_seqlen = gradient_clipping, max_seqlen
+
+
+def _gru_grad(ctx, grad_output, grad_final_state):
+    output, *params, input_state, cu_seqlens = ctx.saved_tensors
+    *grads, grad_state = _gru_backward(grad_output, grad_final_state, output, *params,
+                                       input_state, ctx.gradient_clipping, cu_seqlens,
+                                       ctx.max_seqlen, ctx.needs_input_grad[6])
+    return (*grads, _none_if_empty(grad_state), None, None, None)
+
+
+_gru.register_autograd(_gru_grad, setup_context=_gru_setup)
 
 
 def gru(input, weight, forget_input, forget_weight, reset_input, reset_weight, input_state=None,
         gradient_clipping=None, cu_seqlens=None, max_seqlen=None):
-    """Multi-head GRU (Cho et al. 2014, row-vector form), per head n and step:
+    """Multi-head GRU (Cho et al. 2014, arXiv:1406.1078, row-vector form), per head n and step:
     ``f = sigmoid(h @ forget_weight[n] + forget_input_t)``,
     ``r = sigmoid(h @ reset_weight[n] + reset_input_t)``,
     ``z = tanh((h * r) @ weight[n] + input_t)``, ``h = f * h + (1 - f) * z``.
-    Shapes, head broadcasting, packing and gradient_clipping as for rnn(); returns
-    (output, final_state)."""
-    return _Gru.apply(input, weight, forget_input, forget_weight, reset_input, reset_weight,
-                      input_state, gradient_clipping, cu_seqlens, max_seqlen)
+    Shapes, dtypes, head broadcasting, packing, gradient_clipping and errors as :func:`rnn`;
+    returns (output, final_state)."""
+    return _gru(input, weight, forget_input, forget_weight, reset_input, reset_weight,
+                input_state, gradient_clipping, cu_seqlens, max_seqlen)
 
 
 # --- pack_sequence, unpack_sequence, continuous_count -------------------------------------------
 def pack_sequence_forward(x, cu_seqlens, padding_side="left"):
+    """The raw kernel of :func:`pack_sequence`."""
     out = x.new_empty((int(cu_seqlens[-1]), *x.shape[2:]))
     _C.pack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
     return out
 
 
 def unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
+    """The raw kernel of :func:`unpack_sequence`."""
     out = x.new_empty((batch_size, sequence_length, *x.shape[1:]))
     _C.unpack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
     return out
 
 
-class _PackSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cu_seqlens, padding_side):
-        ctx.save_for_backward(cu_seqlens)
-        ctx.options = (x.shape[0], x.shape[1], padding_side)
-        return pack_sequence_forward(x, cu_seqlens, padding_side)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (cu_seqlens,) = ctx.saved_tensors
-        return unpack_sequence_forward(grad, cu_seqlens, *ctx.options), None, None
+@torch.library.custom_op("meshfuse::pack_sequence", mutates_args=())
+def _pack_sequence(x: Tensor, cu_seqlens: Tensor, padding_side: str) -> Tensor:
+    return pack_sequence_forward(x, cu_seqlens, padding_side)
 
 
-class _UnpackSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cu_seqlens, batch_size, sequence_length, padding_side):
-        ctx.save_for_backward(cu_seqlens)
-        ctx.padding_side = padding_side
-        return unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side)
+@_pack_sequence.register_fake
+def _(x, cu_seqlens, padding_side):
+    # The token count is cu_seqlens[-1], a value of the data: a dynamic size to the compiler.
+    tokens = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((tokens, *x.shape[2:]))
 
-    @staticmethod
-    def backward(ctx, grad):
-        (cu_seqlens,) = ctx.saved_tensors
-        return pack_sequence_forward(grad, cu_seqlens, ctx.padding_side), None, None, None, None
+
+@torch.library.custom_op("meshfuse::unpack_sequence", mutates_args=())
+def _unpack_sequence(x: Tensor, cu_seqlens: Tensor, batch_size: int, sequence_length: int,
+                     padding_side: str) -> Tensor:
+    return unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side)
+
+
+@_unpack_sequence.register_fake
+def _(x, cu_seqlens, batch_size, sequence_length, padding_side):
+    return x.new_empty((batch_size, sequence_length, *x.shape[1:]))
+
+
+# Each is the other's backward.
+def _pack_setup(ctx, inputs, output):
+    x, cu_seqlens, ctx.padding_side = inputs
+    ctx.shape = x.shape[:2]
+    ctx.save_for_backward(cu_seqlens)
+
+
+def _pack_grad(ctx, grad):
+    (cu_seqlens,) = ctx.saved_tensors
+    return _unpack_sequence(grad, cu_seqlens, *ctx.shape, ctx.padding_side), None, None
+
+
+def _unpack_setup(ctx, inputs, output):
+    ctx.padding_side = inputs[4]
+    ctx.save_for_backward(inputs[1])
+
+
+def _unpack_grad(ctx, grad):
+    (cu_seqlens,) = ctx.saved_tensors
+    return _pack_sequence(grad, cu_seqlens, ctx.padding_side), None, None, None, None
+
+
+_pack_sequence.register_autograd(_pack_grad, setup_context=_pack_setup)
+_unpack_sequence.register_autograd(_unpack_grad, setup_context=_unpack_setup)
 
 
 def pack_sequence(x, cu_seqlens, padding_side="left"):
     """(B, S, ...) -> (T, ...): the tokens of each padded row, sequence after sequence, as
-    cu_seqlens (B+1,) int32/uint32/int64 gives them ('left': the tokens sit at the end of each row).
-    Any dtype; the backward is unpack_sequence."""
-    return _PackSequence.apply(x, cu_seqlens, padding_side)
+    cu_seqlens (B+1,) int32/uint32/int64 gives them ('left': the tokens sit at the end of each
+    row; T = cu_seqlens[-1]). Any dtype; the backward is unpack_sequence. Raises
+    InvalidArgumentError (ValueError: cu_seqlens not increasing, a sequence longer than S),
+    ShapeMismatchError. Spec: include/meshfuse/ops/pack_sequence.h."""
+    return _pack_sequence(x, cu_seqlens, padding_side)
 
 
 def unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
     """(T, ...) -> (batch_size, sequence_length, ...), the padding zero-filled; the inverse of
-    pack_sequence, whose forward is its backward."""
-    return _UnpackSequence.apply(x, cu_seqlens, batch_size, sequence_length, padding_side)
+    :func:`pack_sequence`, whose forward is its backward. Errors as pack_sequence."""
+    return _unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side)
+
+
+@torch.library.custom_op("meshfuse::continuous_count", mutates_args=())
+def _continuous_count(x: Tensor, bins: int) -> Tensor:
+    out = torch.empty(bins, dtype=torch.int64, device=x.device)
+    _C.continuous_count(x, out, stream=_stream(x))
+    return out
+
+
+@_continuous_count.register_fake
+def _(x, bins):
+    return x.new_empty(bins, dtype=torch.int64)
 
 
 def continuous_count(x, bins):
     """int64 counts (bins,) of each value of the 1-D int32/int64 x in [0, bins); values outside
-    are ignored (torch.bincount(x, minlength=bins) when all are in range)."""
-    out = torch.empty(bins, dtype=torch.int64, device=x.device)
-    _C.continuous_count(x, out, stream=_stream(x))
-    return out
+    are ignored (``torch.bincount(x, minlength=bins)`` when all are in range). No gradient.
+    Raises DTypeMismatchError (TypeError), ShapeMismatchError (ValueError). Spec:
+    include/meshfuse/ops/continuous_count.h."""
+    return _continuous_count(x, bins)
+
+
+# --- modules -------------------------------------------------------------------------------------
+class RMSNorm(torch.nn.Module):
+    """``torch.nn.RMSNorm`` on meshfuse's kernel: the same arguments, parameters and state dict.
+
+    normalized_shape: int or the trailing shape to normalise over (several trailing dims are
+    flattened into one row); eps None: PyTorch's default (see :func:`rmsnorm`);
+    elementwise_affine: a learnable ``weight`` of normalized_shape, initialised to ones."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
+                 dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(
+                torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x):
+        dims = len(self.normalized_shape)
+        if tuple(x.shape[-dims:]) != self.normalized_shape:
+            raise ValueError(f"RMSNorm: expected the input's trailing shape "
+                             f"{list(self.normalized_shape)}, got {list(x.shape)}")
+        if dims == 1:
+            return rmsnorm(x, self.weight, self.eps)
+        weight = None if self.weight is None else self.weight.reshape(-1)
+        rows = x.reshape(*x.shape[:-dims], -1)
+        return rmsnorm(rows, weight, self.eps).reshape(x.shape)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None,
+               down_bias=None):
+    """The SwiGLU feed-forward block of Llama, Mistral and Qwen2:
+    ``F.linear(swiglu(F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)),
+    down_weight, down_bias)``. x (..., H); gate_weight, up_weight (I, H); down_weight (H, I)."""
+    gate = torch.nn.functional.linear(x, gate_weight, gate_bias)
+    up = torch.nn.functional.linear(x, up_weight, up_bias)
+    return torch.nn.functional.linear(swiglu(gate, up), down_weight, down_bias)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """The SwiGLU feed-forward block (:func:`swiglu_mlp`) with Hugging Face's Llama MLP parameter
+    names (``gate_proj``, ``up_proj``, ``down_proj``, ``torch.nn.Linear`` each), so a Llama
+    MLP's state dict loads as it is."""
+
+    def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
+        super().__init__()
+        options = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **options)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **options)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **options)
+
+    def forward(self, x):
+        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                          self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+
+
+def _no_class_weights(weight):
+    if weight is not None:
+        raise NotImplementedError("meshfuse's cross-entropy has no class weights (weight=None)")
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """``torch.nn.CrossEntropyLoss`` on meshfuse's kernel (:func:`cross_entropy`), with its
+    arguments (class weights are not supported: weight must be None) and meshfuse's
+    ``logits_multiplier``, ``z_loss_scale`` and ``loss_dtype``. forward(input (N, V), target
+    (N,))."""
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None):
+        super().__init__()
+        _no_class_weights(weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.logits_multiplier = label_smoothing, logits_multiplier
+        self.z_loss_scale, self.loss_dtype = z_loss_scale, loss_dtype
+
+    def forward(self, input, target):
+        return cross_entropy(input, target, self.ignore_index, self.reduction,
+                             self.label_smoothing, self.logits_multiplier, self.z_loss_scale,
+                             self.loss_dtype)
+
+
+class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
+    """The cross-entropy of a linear layer's output without the logits in memory
+    (:func:`fused_linear_cross_entropy`): forward(input (N, H), weight (V, H), target (N,),
+    bias=None) equals ``CrossEntropyLoss(...)(F.linear(input, weight, bias), target)``. Arguments
+    as :class:`CrossEntropyLoss`, plus ``chunk_rows`` (0: the device's default)."""
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, chunk_rows=0):
+        super().__init__(weight, ignore_index, reduction, label_smoothing,
+                         logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
+                         loss_dtype=loss_dtype)
+        self.chunk_rows = chunk_rows
+
+    def forward(self, input, weight, target, bias=None):
+        return fused_linear_cross_entropy(input, weight, target, bias, self.ignore_index,
+                                          self.reduction, self.label_smoothing,
+                                          self.logits_multiplier, self.z_loss_scale,
+                                          self.loss_dtype, self.chunk_rows)
+
+
+def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
+    """Puts meshfuse's RMSNorm, SwiGLU MLP and fused linear cross-entropy loss into a Hugging Face
+    transformers Llama, Mistral, Qwen2 or Mixtral model, in place; returns the model. See
+    :mod:`meshfuse.hf` for what is swapped and how."""
+    from .hf import patch as hf_patch  # imports this module: resolved at the call
+
+    return hf_patch(model, rms_norm, swiglu, fused_linear_cross_entropy)

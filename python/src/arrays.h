@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,35 @@ TensorView view(const nb::ndarray<Ts...>& a) {
   }
   return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype()),
           std::move(shape), std::move(strides), to_device(a.device_type(), a.device_id())};
+}
+
+// An output argument: a writable array, converted with the other arguments (the GIL held). A
+// conversion that fails is kept and raised by view(out, name), naming the argument, instead of
+// nanobind's "incompatible function arguments" for the whole call.
+struct Output {
+  enum class Problem { None, ReadOnly, NotAnArray };
+  nb::ndarray<> array;
+  Problem problem = Problem::None;
+  std::string type;  // the Python type that came, for the message
+};
+
+inline TensorView view(const Output& out, std::string_view name) {
+  const std::string what = "output '" + std::string(name) + "' ";
+  switch (out.problem) {
+    case Output::Problem::None:
+      return view(out.array);
+    case Output::Problem::ReadOnly:  // a bad value, as NumPy's ValueError for one
+      throw Error(ErrorCode::InvalidArgument,
+                  what + "is a read-only " + out.type + " (outputs are written in place)");
+    case Output::Problem::NotAnArray:  // a bad type
+      break;
+  }
+  throw nb::type_error((what + "must be a writable array of a DLPack dtype (PyTorch, NumPy, "
+                        "CuPy), got " + out.type).c_str());
+}
+
+inline TensorView view(const std::optional<Output>& out, std::string_view name) {
+  return out ? view(*out, name) : TensorView{};
 }
 
 template <typename A>
@@ -159,3 +189,43 @@ inline nb::object to_array(Tensor tensor, ArrayKind kind) {
 }
 
 }  // namespace meshfuse::python
+
+namespace nanobind::detail {
+
+template <>
+struct type_caster<meshfuse::python::Output> {
+  // Named as nanobind names an array, so that stubgen writes a type checkers know.
+  NB_TYPE_CASTER(meshfuse::python::Output, const_name("numpy.typing.NDArray"))
+
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    using Problem = meshfuse::python::Output::Problem;
+    value.type = Py_TYPE(src.ptr())->tp_name;
+    if (try_cast(src, value.array, false)) {
+      // A JAX array is immutable but exports DLPack without the read-only flag: written in
+      // place, it would change a value JAX may share or reuse.
+      if (is_jax(src)) value.problem = Problem::ReadOnly;
+      return true;
+    }
+    ndarray<ro> readonly;
+    value.problem = try_cast(src, readonly, false) ? Problem::ReadOnly : Problem::NotAnArray;
+    return true;
+  }
+
+ private:
+  static bool is_jax(handle src) noexcept {
+    PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(src.ptr())),
+                                              "__module__");
+    if (!module) {
+      PyErr_Clear();
+      return false;
+    }
+    const char* name = PyUnicode_Check(module) ? PyUnicode_AsUTF8(module) : nullptr;
+    if (!name) PyErr_Clear();
+    const bool jax = name && (std::string_view(name).starts_with("jax.") ||
+                              std::string_view(name).starts_with("jaxlib."));
+    Py_DECREF(module);
+    return jax;
+  }
+};
+
+}  // namespace nanobind::detail

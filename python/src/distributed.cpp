@@ -24,6 +24,7 @@ namespace {
 using namespace nb::literals;
 using Array = nb::ndarray<>;
 using OptArray = std::optional<Array>;
+using Out = Output;  // an array the collective writes: a read-only one is named (arrays.h)
 using Splits = std::optional<std::vector<std::int64_t>>;
 
 // A Work and the arrays it reads and writes.
@@ -135,45 +136,48 @@ void bind_communicator(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def(
           "all_reduce",
-          [](Communicator& c, Array t, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t);
+          [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); }, {t});
+            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "broadcast",
-          [](Communicator& c, Array t, int root, std::uintptr_t stream) {
-            const TensorView v = view(t);
-            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); }, {t});
+          [](Communicator& c, Out t, int root, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
+            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "root"_a, "stream"_a = 0)
       .def(
           "reduce",
-          [](Communicator& c, Array t, int root, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t);
+          [](Communicator& c, Out t, int root, const std::string& op, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
             const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); }, {t});
+            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "all_gather",
-          [](Communicator& c, Array input, Array output, const Splits& splits,
+          [](Communicator& c, Array input, Out output, const Splits& splits,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
                   return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "reduce_scatter",
-          [](Communicator& c, Array input, Array output, const Splits& splits,
+          [](Communicator& c, Array input, Out output, const Splits& splits,
              const std::string& op, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             const ReduceOp r = parse_reduce_op(op);
             const Stream s = stream_on(in.device(), stream);
             return run(
@@ -181,26 +185,26 @@ void bind_communicator(nb::module_& m) {
                   return splits ? c.reduce_scatter(in, out, *splits, r, s)
                                 : c.reduce_scatter(in, out, r, s);
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
       .def(
           "gather",
-          [](Communicator& c, Array input, const OptArray& output, int root,
+          [](Communicator& c, Array input, const std::optional<Out>& output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
-                       present({&output}));
+                       output ? std::vector<Array>{output->array} : std::vector<Array>{});
           },
           "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
           "output is only used on the root (None elsewhere).")
       .def(
           "scatter",
-          [](Communicator& c, const OptArray& input, Array output, int root,
+          [](Communicator& c, const OptArray& input, Out output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             std::vector<Array> keep = present({&input});
-            keep.push_back(output);
+            keep.push_back(output.array);
             return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
                        std::move(keep));
           },
@@ -208,16 +212,16 @@ void bind_communicator(nb::module_& m) {
           "input is only used on the root (None elsewhere).")
       .def(
           "all_to_all",
-          [](Communicator& c, Array input, Array output, const Splits& in_splits,
+          [](Communicator& c, Array input, Out output, const Splits& in_splits,
              const Splits& out_splits, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output);
+            const TensorView in = view(input), out = view(output, "output");
             return run(
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
                                       out_splits.value_or(std::vector<std::int64_t>{}),
                                       stream_on(in.device(), stream));
                 },
-                {input, output});
+                {input, output.array});
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(),
           "output_split_sizes"_a = nb::none(), "stream"_a = 0)
@@ -230,9 +234,10 @@ void bind_communicator(nb::module_& m) {
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "recv",
-          [](Communicator& c, Array t, int src, int tag, std::uintptr_t stream) {
-            const TensorView v = view(t);
-            return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); }, {t});
+          [](Communicator& c, Out t, int src, int tag, std::uintptr_t stream) {
+            const TensorView v = view(t, "tensor");
+            return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); },
+                       {t.array});
           },
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
@@ -285,29 +290,38 @@ void bind_communicator(nb::module_& m) {
   m.def(
       "run_local",
       [](int size, nb::callable fn, double timeout, bool check) {
-        // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn makes
-        // of it, a MultiDeviceExecutor, may keep it, and the Python object then owns it past
-        // run_local.
-        nb::gil_scoped_release release;
-        run_local(
-            size,
-            [&](const std::shared_ptr<Communicator>& comm) {
-              nb::gil_scoped_acquire acquire;
-              try {
-                fn(comm);
-              } catch (nb::python_error& e) {
-                // The rank's Python exception as an Error (its message kept), which run_local
-                // rethrows for the lowest rank that raised; converted here, with the GIL held.
-                throw Error(ErrorCode::Internal,
-                            "rank " + std::to_string(comm->rank()) + ": " + e.what());
-              }
-            },
-            options("", timeout, check));
+        std::vector<nb::object> results(size);
+        {
+          // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn
+          // makes of it, a MultiDeviceExecutor, may keep it, and the Python object then owns it
+          // past run_local.
+          nb::gil_scoped_release release;
+          run_local(
+              size,
+              [&](const std::shared_ptr<Communicator>& comm) {
+                nb::gil_scoped_acquire acquire;
+                try {
+                  results[comm->rank()] = fn(comm);
+                } catch (nb::python_error& e) {
+                  // The rank's own exception goes on (run_local rethrows the lowest rank's), its
+                  // type kept; a note says which rank raised it.
+                  const nb::object add_note = nb::getattr(e.value(), "add_note", nb::none());
+                  if (!add_note.is_none())
+                    add_note("raised by rank " + std::to_string(comm->rank()) + " of run_local");
+                  throw;
+                }
+              },
+              options("", timeout, check));
+        }
+        nb::list out;
+        for (const nb::object& result : results) out.append(result);
+        return out;
       },
       "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
-      "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld and joins them; "
-      "re-raises the error of the lowest rank that raised. The communicators stay valid after "
-      "fn returns (e.g. kept by a MultiDeviceExecutor).");
+      "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld, joins them and "
+      "returns the list of their results, rank by rank; re-raises the exception of the lowest "
+      "rank that raised, as it was raised (type and message), with a note naming the rank. The "
+      "communicators stay valid after fn returns (e.g. kept by a MultiDeviceExecutor).");
 }
 
 }  // namespace

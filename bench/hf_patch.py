@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""A training step of a few-layer llama-3.1-8b-shaped Hugging Face model (random weights, nothing
+downloaded), unpatched and patched with meshfuse.torch.patch (and with Liger-Kernel's
+apply_liger_kernel_to_llama when liger_kernel is installed): tokens/s and peak memory.
+
+Each variant gets a fresh model from the same seed; a step is forward + backward + zeroing the
+gradients (no optimizer: its memory is the same for all). Timed over --steps steps after
+--warmup, on CUDA events; peak memory is torch.cuda.max_memory_allocated over the timed steps.
+
+    python3 bench/hf_patch.py --layers 2 --tokens 8192 --json hf_patch.json
+"""
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+import meshfuse.torch as mt
+
+
+def llama_8b_config(layers):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16")
+
+
+def variants():
+    out = {"unpatched": lambda model: model, "meshfuse": mt.patch}
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        out["liger"] = lambda model: _apply_liger_kernel_to_instance(model=model) or model
+    except ImportError:
+        pass
+    return out
+
+
+def run(name, patch, args):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(llama_8b_config(args.layers))
+    model = patch(model.to(device="cuda", dtype=torch.bfloat16))
+    model.train()
+    batch = args.tokens // args.sequence
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.sequence), device="cuda")
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        loss = step()
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / args.steps
+    return {"variant": name, "layers": args.layers, "tokens": batch * args.sequence,
+            "tokens_per_s": batch * args.sequence / seconds, "step_ms": seconds * 1e3,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--sequence", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("hf_patch: no CUDA device; nothing to measure")
+        return 0
+    rows = []
+    for name, patch in variants().items():  # Liger's, an instance patch too, last
+        rows.append(run(name, patch, args))
+        gc.collect()  # the last variant's model, before the next one's peak
+        torch.cuda.empty_cache()
+    print(f"{'variant':<10} {'tokens/s':>10} {'step ms':>9} {'peak GiB':>9} {'loss':>8}")
+    for r in rows:
+        print(f"{r['variant']:<10} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
+              f"{r['peak_gib']:>9.2f} {r['loss']:>8.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Errors as Python code expects them: meshfuse.Error subclasses by code, each also the built-in
+exception of its kind; outputs that cannot be written named; a rank's exception kept whole."""
+
+import numpy as np
+import pytest
+
+import meshfuse
+
+
+def test_each_code_is_a_subclass_of_error_and_of_its_builtin():
+    expected = {
+        meshfuse.InvalidArgumentError: ValueError,
+        meshfuse.ShapeMismatchError: ValueError,
+        meshfuse.DTypeMismatchError: TypeError,
+        meshfuse.DeviceMismatchError: RuntimeError,
+        meshfuse.UnsupportedError: NotImplementedError,
+        meshfuse.BackendUnavailableError: RuntimeError,
+        meshfuse.CommunicationError: RuntimeError,
+        meshfuse.CommunicationTimeoutError: TimeoutError,
+        meshfuse.OutOfMemoryError: RuntimeError,
+        meshfuse.InternalError: RuntimeError,
+    }
+    for cls, builtin in expected.items():
+        assert issubclass(cls, meshfuse.Error) and issubclass(cls, builtin), cls
+    assert meshfuse.ShapeMismatchError.code == "shape mismatch"
+    assert not issubclass(meshfuse.ShapeMismatchError, RuntimeError)
+
+
+def test_shape_dtype_and_argument_errors_raise_value_and_type_errors_with_the_message():
+    x, w = np.ones((4, 8), np.float32), np.ones(8, np.float32)
+    y, rstd = np.empty_like(x), np.empty(4, np.float32)
+    with pytest.raises(ValueError, match=r"^\[shape mismatch\] rmsnorm: .*'weight'") as e:
+        meshfuse.rmsnorm(x, np.ones(7, np.float32), y, rstd, 1e-5)
+    assert type(e.value) is meshfuse.ShapeMismatchError
+    with pytest.raises(TypeError, match=r"\[dtype mismatch\] rmsnorm: output 'rstd'"):
+        meshfuse.rmsnorm(x, w, y, np.empty(4, np.float64), 1e-5)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="eps"):
+        meshfuse.rmsnorm(x, w, y, rstd, -1.0)
+
+
+def test_a_backend_that_cannot_run_raises_a_runtime_error():
+    x = np.ones((4, 8), np.float32)
+    with meshfuse.force_kernel_backend("cuda"):
+        with pytest.raises(RuntimeError) as e:
+            meshfuse.swiglu(x, x, np.empty_like(x))
+    assert isinstance(e.value, meshfuse.Error)
+
+
+def test_a_read_only_or_wrong_kind_output_names_the_argument():
+    x, w = np.ones((4, 8), np.float32), np.ones(8, np.float32)
+    y = np.empty_like(x)
+    y.flags.writeable = False
+    with pytest.raises(ValueError, match=r"output 'y' is a read-only"):
+        meshfuse.rmsnorm(x, w, y, None, 1e-5)
+    with pytest.raises(TypeError, match=r"output 'rstd' must be a writable array.*list"):
+        meshfuse.rmsnorm(x, w, np.empty_like(x), [0.0] * 4, 1e-5)
+
+
+def test_run_local_returns_each_ranks_result():
+    assert meshfuse.run_local(3, lambda comm: comm.rank * 10) == [0, 10, 20]
+
+
+def test_an_exception_in_a_rank_keeps_its_type_and_says_the_rank():
+    def rank_fn(comm):
+        if comm.rank == 1:
+            raise KeyError("missing")
+        return comm.rank
+
+    with pytest.raises(KeyError, match="missing") as e:
+        meshfuse.run_local(2, rank_fn)
+    if hasattr(e.value, "add_note"):  # Python 3.11
+        assert e.value.__notes__ == ["raised by rank 1 of run_local"]
+
+    def bad_shape(comm):
+        x = np.ones((2, 4), np.float32)
+        meshfuse.swiglu(x, np.ones((2, 5), np.float32), np.empty_like(x))
+
+    with pytest.raises(meshfuse.ShapeMismatchError, match=r"swiglu"):
+        meshfuse.run_local(2, bad_shape)
+
+
+def test_a_collective_that_waits_too_long_raises_timeout_error():
+    def rank_fn(comm):
+        if comm.rank == 0:  # rank 1 never joins
+            comm.all_reduce(np.ones(4, np.float32)).wait()
+
+    with pytest.raises(TimeoutError) as e:
+        meshfuse.run_local(2, rank_fn, timeout=0.5)
+    assert isinstance(e.value, meshfuse.CommunicationTimeoutError)
+
+
+def test_jax_arrays_are_inputs_but_never_outputs():
+    # JAX arrays are immutable (their DLPack export carries no read-only flag): an output that is
+    # one is refused as read-only rather than written.
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8), np.float32))
+    y = np.empty((4, 8), np.float32)
+    meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), y, None, 1e-5)
+    expected = np.asarray(x) / np.sqrt((np.asarray(x) ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, expected, rtol=1e-5)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="output 'y' is a read-only"):
+        meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), jnp.zeros((4, 8), jnp.float32), None, 1e-5)
+
+
+def test_a_collective_names_a_read_only_array_it_would_write():
+    def rank_fn(comm):
+        x = np.ones(4, np.float32)
+        x.flags.writeable = False
+        comm.all_reduce(x).wait()
+
+    with pytest.raises(meshfuse.InvalidArgumentError, match="output 'tensor' is a read-only"):
+        meshfuse.run_local(1, rank_fn)

@@ -1,0 +1,223 @@
+"""meshfuse.torch's ops as torch custom ops: torch.library.opcheck on each, a transformer block
+under torch.compile(fullgraph=True) against eager, and the modules against PyTorch's (skipped
+without torch)."""
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import meshfuse  # noqa: E402
+import meshfuse.torch as mt  # noqa: E402
+
+ops = torch.ops.meshfuse
+_cuda = pytest.mark.skipif(not (meshfuse.built_with_cuda() and torch.cuda.is_available()),
+                           reason="needs a CUDA build of meshfuse and a GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=_cuda)]
+
+
+def _randn(*shape, seed, dtype=torch.float64, grad=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(grad)
+
+
+def _opcheck(op, args):
+    # The default tests: schema, autograd registration, fake tensors, AOT dispatch (static and
+    # dynamic shapes).
+    torch.library.opcheck(op, args)
+
+
+def test_every_op_is_a_custom_op():
+    names = {"swiglu", "swiglu_backward", "rmsnorm", "rmsnorm_backward", "softmax",
+             "softmax_backward", "cross_entropy", "cross_entropy_backward",
+             "fused_linear_cross_entropy", "rnn", "rnn_backward", "gru", "gru_backward",
+             "pack_sequence", "unpack_sequence", "continuous_count"}
+    assert all(hasattr(ops, name) for name in names)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad", [True, False])
+def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
+    x = _randn(3, 16, seed=1, grad=grad, device=device)
+    y = _randn(3, 16, seed=2, grad=grad, device=device)
+    w = _randn(16, seed=3, grad=grad, device=device)
+    _opcheck(ops.swiglu.default, (x, y))
+    _opcheck(ops.rmsnorm.default, (x, None, w, 1e-6, 1.0))
+    _opcheck(ops.rmsnorm.default, (x, y, w, 1e-6, 0.5))
+    _opcheck(ops.rmsnorm.default, (x, y, None, 1e-6, 1.0))
+    _opcheck(ops.softmax.default, (x, 0.5))
+    if not grad:
+        rstd = torch.rand(3, dtype=torch.float32, device=device) + 0.5
+        _opcheck(ops.swiglu_backward.default, (x, x, y))
+        _opcheck(ops.rmsnorm_backward.default, (x, None, y, w, rstd, False, 1.0, True))
+        _opcheck(ops.rmsnorm_backward.default, (x, y, y, w, rstd, True, 0.5, True))
+        _opcheck(ops.softmax_backward.default, (x, torch.softmax(y, -1), 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device):
+    logits = _randn(6, 20, seed=4, grad=True, device=device)
+    labels = torch.tensor([1, -100, 19, 0, 7, 3], device=device)
+    options = (-100, reduction, 0.1, 1.0, 1e-3)
+    _opcheck(ops.cross_entropy.default, (logits, labels, *options, None))
+    x = _randn(6, 8, seed=5, grad=True, device=device)
+    w, b = _randn(20, 8, seed=6, grad=True, device=device), None
+    upstream = (torch.ones((), dtype=torch.float64, device=device) if reduction != "none"
+                else None)
+    wants = (True, True, False) if reduction != "none" else (False, False, False)
+    _opcheck(ops.fused_linear_cross_entropy.default,
+             (x, w, b, labels, upstream, *wants, *options, None, 4))
+    loss, lse = ops.cross_entropy(logits.detach(), labels, *options, None)
+    _opcheck(ops.cross_entropy_backward.default,
+             (torch.ones_like(loss), logits.detach(), labels, lse, *options))
+
+
+def test_opcheck_recurrent_and_sequence_ops():
+    x, w = _randn(2, 5, 2, 4, seed=7, grad=True), _randn(2, 4, 4, seed=8, grad=True) * 0.3
+    h0 = _randn(2, 2, 4, seed=9, grad=True)
+    _opcheck(ops.rnn.default, (x, w.detach().requires_grad_(), h0, 1.0, None, None))
+    gates = [_randn(2, 5, 2, 4, seed=10 + i, grad=True) for i in range(2)]
+    weights = [(_randn(2, 4, 4, seed=20 + i) * 0.3).requires_grad_() for i in range(3)]
+    _opcheck(ops.gru.default, (x, weights[0], gates[0], weights[1], gates[1], weights[2], h0,
+                               None, None, None))
+    padded = _randn(3, 4, 2, seed=30, grad=True)
+    cu_seqlens = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    _opcheck(ops.pack_sequence.default, (padded, cu_seqlens, "left"))
+    _opcheck(ops.unpack_sequence.default, (_randn(7, 2, seed=31, grad=True), cu_seqlens, 3, 4,
+                                           "right"))
+    _opcheck(ops.continuous_count.default, (torch.tensor([0, 3, 3, 9, -1]), 5))
+
+
+class _Block(torch.nn.Module):
+    # A pre-norm causal self-attention + SwiGLU block and an LM head, meshfuse wherever it has the
+    # op: RMSNorm, softmax, fused residual-add RMSNorm, the SwiGLU MLP and both losses.
+    def __init__(self, hidden=32, heads=4, intermediate=64, vocab=50):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = mt.RMSNorm(hidden, eps=1e-6)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = torch.nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = mt.RMSNorm(hidden, eps=1e-6)
+        self.mlp = mt.SwiGLUMLP(hidden, intermediate)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.fused_loss = mt.FusedLinearCrossEntropyLoss(label_smoothing=0.1, chunk_rows=5)
+        self.loss = mt.CrossEntropyLoss(z_loss_scale=1e-3)
+
+    def forward(self, x, labels):
+        b, s, h = x.shape
+        d = h // self.heads
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        p = mt.softmax(scores.masked_fill(causal, float("-inf")), logits_multiplier=d ** -0.5)
+        attention = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, h)
+        y, r = mt.fused_residual_add_rmsnorm(self.out(attention), x, self.norm2.weight, eps=1e-6)
+        x = r + self.mlp(y)
+        rows, labels = x.reshape(-1, h), labels.reshape(-1)
+        return (self.fused_loss(rows, self.head.weight, labels) +
+                self.loss(self.head(rows), labels))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backend, device):
+    torch.manual_seed(0)
+    block = _Block().to(device)
+    x = torch.randn(2, 6, 32, device=device)
+    labels = torch.randint(0, 50, (2, 6), device=device)
+    labels[0, 2] = -100
+
+    def step(model):
+        model.zero_grad()
+        loss = model(x, labels)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager_grads = step(block)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)  # a graph break raises
+    loss, grads = step(compiled)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
+    # Eager calls without autograd skip the custom op's dispatch (the same kernels, the same
+    # result); torch.compile still sees the ops, with no graph break.
+    torch.manual_seed(2)
+    block = _Block()
+    x, labels = torch.randn(2, 6, 32), torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        eager = block(x, labels)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, labels)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager, block(x, labels).detach())
+    with torch.no_grad():  # parameters are plain tensors to the fast path
+        assert mt._untraced(x, block.norm1.weight)
+        assert not mt._untraced(torch._subclasses.FakeTensorMode().from_tensor(x))
+
+
+def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
+    # Small values: an eps of bf16's machine epsilon instead of fp32's would show.
+    x = torch.randn(4, 3, 16, dtype=torch.bfloat16) * 0.01
+    ours, theirs = mt.RMSNorm(16, dtype=torch.bfloat16), torch.nn.RMSNorm(16, dtype=torch.bfloat16)
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+    two = mt.RMSNorm((3, 16), eps=1e-5, dtype=torch.float64)
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(two(x), F.rms_norm(x, (3, 16), two.weight, 1e-5))
+    with pytest.raises(ValueError, match="trailing shape"):
+        two(torch.randn(4, 16, dtype=torch.float64))
+    assert "eps=1e-05" in repr(two)
+
+
+def test_swiglu_mlp_module_and_losses_match_torch():
+    torch.manual_seed(1)
+    mlp = mt.SwiGLUMLP(16, 40, dtype=torch.float64)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    expected = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), expected)
+    logits, labels = torch.randn(5, 9, dtype=torch.float64), torch.tensor([0, 8, -100, 3, 3])
+    for reduction in ("mean", "sum", "none"):
+        ours = mt.CrossEntropyLoss(reduction=reduction, label_smoothing=0.2)(logits, labels)
+        theirs = torch.nn.CrossEntropyLoss(reduction=reduction, label_smoothing=0.2)(logits, labels)
+        torch.testing.assert_close(ours, theirs)
+    weight = torch.randn(9, 16, dtype=torch.float64)
+    hidden = torch.randn(5, 16, dtype=torch.float64)
+    torch.testing.assert_close(mt.FusedLinearCrossEntropyLoss()(hidden, weight, labels),
+                               F.cross_entropy(F.linear(hidden, weight), labels))
+    with pytest.raises(NotImplementedError, match="class weights"):
+        mt.CrossEntropyLoss(weight=torch.ones(9))
+
+
+def test_fp32_loss_of_16_bit_logits_matches_the_reference_backend():
+    # loss_dtype=float32 on the cpu backend against the reference (double) backend, both losses.
+    import meshfuse
+
+    logits = torch.randn(16, 300, dtype=torch.bfloat16)
+    labels = torch.randint(0, 300, (16,))
+    x, w = torch.randn(16, 32, dtype=torch.float16), torch.randn(300, 32, dtype=torch.float16)
+    for reduction in ("mean", "sum", "none"):
+        ours = (mt.cross_entropy(logits, labels, reduction=reduction, loss_dtype=torch.float32),
+                mt.fused_linear_cross_entropy(x, w, labels, reduction=reduction,
+                                              loss_dtype=torch.float32))
+        with meshfuse.force_kernel_backend("reference"):
+            ref = (mt.cross_entropy(logits, labels, reduction=reduction, loss_dtype=torch.float32),
+                   mt.fused_linear_cross_entropy(x, w, labels, reduction=reduction,
+                                                 loss_dtype=torch.float32))
+        for a, b in zip(ours, ref):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_import_error_without_torch_says_what_to_install():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import meshfuse.torch\nexcept ModuleNotFoundError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "meshfuse.torch needs PyTorch" in out.stdout
