@@ -56,7 +56,7 @@ ModelConfig parse_model_config(std::string_view text, const std::string& source)
   json config;
   try {
     config = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large
     fail(ErrorCode::InvalidArgument, "model config {}: not valid JSON ({})", source, e.what());
   }
   MESHFUSE_CHECK(config.is_object(), ErrorCode::InvalidArgument,

@@ -193,9 +193,16 @@ struct TcpStore::Impl {
             value = it->second;
           }
         }
+        // One write: with separate ones, Nagle's algorithm holds the second until the client's
+        // delayed ACK of the first (40 ms a get).
         const std::uint64_t len = value.size();
-        if (!write_all(fd, &found, 1)) return;
-        if (found && (!write_all(fd, &len, 8) || !write_all(fd, value.data(), len))) return;
+        Bytes reply(1 + (found ? 8 + len : 0));
+        reply[0] = found;
+        if (found) {
+          std::memcpy(reply.data() + 1, &len, 8);
+          std::memcpy(reply.data() + 9, value.data(), len);
+        }
+        if (!write_all(fd, reply.data(), reply.size())) return;
       } else {
         return;  // not a client of ours
       }
@@ -218,6 +225,8 @@ struct TcpStore::Impl {
         ::close(fd);
         continue;
       }
+      const int one = 1;  // replies go out at once
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       connections.push_back(fd);
       ++connected;
       handlers.emplace_back([this, fd] { serve_connection(fd); });

@@ -33,7 +33,9 @@ std::pair<std::int64_t, std::int64_t> linear_shape(std::string_view name, const 
 }
 
 std::vector<Direction> linear_directions(const BenchSetup& s, std::string_view name) {
-  const auto [n, k] = linear_shape(name, s.model);
+  // Not a structured binding: the lambdas below capture n and k, which clang before 16 refuses.
+  const std::pair<std::int64_t, std::int64_t> shape = linear_shape(name, s.model);
+  const std::int64_t n = shape.first, k = shape.second;
   const std::int64_t t = s.tokens;
   const std::int64_t rows = std::min(t, kCheckRows), features = std::min(n, kCheckRows);
   std::vector<std::string> notes;

@@ -101,6 +101,13 @@ TEST(ModelConfig, MalformedJsonSaysSo) {
   EXPECT_NE(msg.find("model config cfg.json: not valid JSON"), std::string::npos) << msg;
 }
 
+// Found by fuzz/model_config.cpp: nlohmann's out_of_range escaped as an internal error.
+TEST(ModelConfig, ANumberTooLargeForADoubleIsMalformedJson) {
+  const std::string what = error_of([] { parse_model_config(R"({"hidden_size": 8e9999})", "t"); });
+  EXPECT_NE(what.find("not valid JSON"), std::string::npos) << what;
+  EXPECT_NE(what.find("number overflow"), std::string::npos) << what;
+}
+
 TEST(ModelConfig, JsonThatIsNotAnObjectSaysWhatCame) {
   const std::string msg = error_of([] { parse_model_config("[1, 2]", "cfg.json"); });
   EXPECT_NE(msg.find("expected a JSON object"), std::string::npos) << msg;

@@ -101,7 +101,8 @@ void run(std::int64_t block_floats, const FusedLinearCrossEntropyShape& s, DType
   // grad_weight in A (f32 / f64, or f32 for 16-bit weights): the GEMMs accumulate in it.
   A* const dw_acc = a.grad_weight_dtype == dtype_of<A>() ? static_cast<A*>(a.grad_weight) : nullptr;
 
-  const auto logits = scratch<A>(p.logits), lse = scratch<lse_t<A>>(p.lse);
+  const auto logits = scratch<A>(p.logits);
+  const auto lse = scratch<lse_t<A>>(p.lse);
   const auto x32 = scratch<A>(p.x_chunk), dx32 = scratch<A>(p.grad_x_chunk),
              w32 = scratch<A>(p.weight_block), b32 = scratch<A>(p.bias);
   std::vector<double> row_loss(static_cast<std::size_t>(p.row_loss)), row_grad;

@@ -25,9 +25,10 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
       // stays in L2 until the output is written (streamed past the last-level cache).
       std::vector<A> scratch(static_cast<std::size_t>(s.cols));
       A* e = scratch.data();
-      const auto row = [&](std::int64_t r) {
-        return static_cast<const T*>(x) + row_offset(r, s.cols);
-      };
+      // x is read through a local: clang 14 cannot reach the function's parameter from a lambda
+      // in an OpenMP region of a generic lambda.
+      const T* const rows = static_cast<const T*>(x);
+      const auto row = [&](std::int64_t r) { return rows + row_offset(r, s.cols); };
       const auto [begin, end] = thread_rows(s.rows);
       A max = begin < end ? row_max(row(begin), s.cols, m).max : A(0);
       for (std::int64_t r = begin; r < end; ++r) {

@@ -1,0 +1,80 @@
+// The TcpStore server's side of its protocol on arbitrary bytes: each input is sent on a fresh
+// connection to a server on loopback, with the job's hello in front when the first byte is odd,
+// then the connection is closed. The server must drop what it cannot serve without harm to the
+// others: afterwards a genuine client still sets and gets, and a key that only the job wrote is
+// unchanged unless the input proved the secret.
+#include <fuzzer/FuzzedDataProvider.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "meshfuse/distributed/store.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+constexpr const char* kSecret = "fuzz secret";
+
+struct Job {
+  meshfuse::TcpStore server{"127.0.0.1", 0, true, kSecret, 5s};
+  meshfuse::TcpStore client{"127.0.0.1", server.port(), false, kSecret, 5s};
+  int inputs = 0;
+};
+
+// A fresh store every few thousand inputs: what proven inputs set stays within memory.
+Job& job() {
+  static std::unique_ptr<Job> j;
+  if (!j || ++j->inputs > 4096) {
+    j.reset();
+    j = std::make_unique<Job>();
+    j->client.set("guard", std::string("the job's"));
+  }
+  return *j;
+}
+
+void send_and_hang_up(int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
+  const timeval tv{5, 0};  // a server that neither answers nor hangs up within 5 s is stuck
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
+  }
+  if (n < 0) std::abort();
+  ::close(fd);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider in(data, size);
+  const bool proven = in.ConsumeBool();
+  std::string bytes;
+  if (proven) {
+    const std::uint32_t magic = 0x3153464d, len = std::string(kSecret).size();
+    bytes.append(reinterpret_cast<const char*>(&magic), 4);
+    bytes.append(reinterpret_cast<const char*>(&len), 4);
+    bytes += kSecret;
+  }
+  bytes += in.ConsumeRemainingBytesAsString();
+  Job& j = job();
+  send_and_hang_up(j.server.port(), bytes);
+  j.client.set("alive", std::string("yes"));
+  if (j.client.get_string("alive") != "yes") std::abort();
+  if (!proven && j.client.get_string("guard") != "the job's") std::abort();
+  if (proven) j.client.set("guard", std::string("the job's"));
+  return 0;
+}
