@@ -501,6 +501,41 @@ TEST(DistStore, TcpStoreLetsNoStrangerReadOrChangeAKey) {
                ErrorCode::CommunicationFailure, {"refused this process's secret"});
 }
 
+int open_descriptors() {
+  return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/fd"),
+                                        std::filesystem::directory_iterator{}));
+}
+
+// Strangers who come and go leave nothing behind (their sockets closed, their threads joined),
+// one who trickles its hello is dropped at the deadline, and those who hold the slots for
+// unproven connections make the job's client wait, not fail.
+TEST(DistStore, TcpStoreOutlastsStrangersWhoHoldOrWasteConnections) {
+  TcpStore server("127.0.0.1", 0, true, kSecret, 1s);  // unproven connections dropped after 1 s
+  const int before = open_descriptors();
+  for (int i = 0; i < 300; ++i) {
+    const int fd = local_socket(server.port(), false);
+    exchange_raw(fd, "garbage");
+    ::close(fd);
+  }
+  EXPECT_LT(open_descriptors(), before + 10) << "the server keeps the strangers' sockets";
+
+  const int slow = local_socket(server.port(), false);
+  const auto start = std::chrono::steady_clock::now();
+  ::send(slow, "M", 1, MSG_NOSIGNAL);  // a hello that never completes
+  char byte = 0;
+  EXPECT_EQ(::recv(slow, &byte, 1, 0), 0) << "dropped";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  ::close(slow);
+
+  std::vector<int> holders;
+  for (int i = 0; i < 70; ++i) holders.push_back(local_socket(server.port(), false));
+  std::this_thread::sleep_for(50ms);  // every holder accepted, the last ones told "busy"
+  TcpStore client("127.0.0.1", server.port(), false, kSecret, 5s);
+  client.set("k", std::string("in"));
+  EXPECT_EQ(server.get_string("k"), "in");
+  for (int fd : holders) ::close(fd);
+}
+
 TEST(DistStore, TcpStoreClientTimesOutWhenTheServerNeverAnswers) {
   const int silent = local_socket(0, true);  // accepts connections (backlog), never reads
   expect_error([&] { TcpStore("127.0.0.1", port_of(silent), false, kSecret, 100ms); },

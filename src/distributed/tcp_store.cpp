@@ -1,20 +1,25 @@
 // TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
 //
 // Protocol: a connection opens with [u32 kHello][u32 secret length][secret]; the server answers
-// [u8 1] when the secret is the job's, and otherwise hangs up without a word. Then a request is
-// [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET replies [u8 1], or
-// [u8 0] when the store is full; GET replies [u8 found] and, when found, [u64 length][value].
-// Clients poll GET until the key is set, so the server never blocks on a missing key. Keys and
-// values are at most kMaxLength bytes: the server hangs up on a client that announces more.
+// [u8 1] when the secret is the job's, and otherwise hangs up without a word; [u8 2] instead
+// says it is busy (too many connections still to prove themselves: the client tries again).
+// Then a request is [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET
+// replies [u8 1], or [u8 0] when the store is full; GET replies [u8 found] and, when found,
+// [u64 length][value]. Clients poll GET until the key is set, so the server never blocks on a
+// missing key. Keys are at most kMaxKeyLength bytes and values kMaxLength: the server hangs up on
+// a client that announces more, and reads a value as it arrives rather than allocating it first.
 //
 // Who gets in: the server listens on one address (the one its clients are given, unless told
-// otherwise), drops a connection that has not proven the secret within kHelloTimeout, and serves
-// at most kMaxConnections. The secret keeps out whoever can reach the port; it is sent in the
-// clear, as is everything after it: on a network others can read, give the job a private one.
+// otherwise), drops a connection that has not proven the secret within kHelloTimeout (a deadline
+// for the whole hello, however slowly it trickles in), serves at most kMaxUnproven connections
+// that have not proven it yet and kMaxConnections in all, and closes and reaps each connection
+// as it ends. The secret keeps out whoever can reach the port; it is sent in the clear, as is
+// everything after it: on a network others can read, give the job a private one.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -26,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "distributed/store_wait.h"
@@ -42,20 +48,48 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
+enum : std::uint8_t { kRefused = 0, kWelcome = 1, kBusy = 2 };  // a hello's answers (none: refused)
 constexpr std::uint32_t kHello = 0x3153464d;  // "MFS1"
 constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
+constexpr std::uint32_t kMaxKeyLength = 1 << 16;
+constexpr std::size_t kReadStep = std::size_t{1} << 20;  // a value grows by this as it arrives
 // What one job may keep in its store: far above what rendezvous needs (a few keys a rank).
 constexpr std::size_t kMaxKeys = std::size_t{1} << 20;
 constexpr std::uint64_t kMaxStoredBytes = std::uint64_t{2} << 30;
 constexpr int kMaxConnections = 4096;
+constexpr int kMaxUnproven = 64;
 constexpr std::chrono::seconds kHelloTimeout{10};
 
 void set_io_timeout(int fd, std::chrono::microseconds t) {
-  // A zero timeval means never, hence at least 1 us where a limit is wanted.
-  const std::int64_t us = t.count() == 0 ? 0 : std::max<std::int64_t>(t.count(), 1);
+  const std::int64_t us = std::max<std::int64_t>(t.count(), 1);  // a zero timeval means never
   const timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Reads n bytes by `deadline` (for the whole read, not per recv); false on timeout or hang-up.
+bool read_by(int fd, void* data, std::size_t n, Clock::time_point deadline) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd ready{fd, POLLIN, 0};
+    const int r = ::poll(&ready, 1, static_cast<int>(left));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    const ssize_t got = ::recv(fd, p, n, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    p += got;
+    n -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+// Whether `name` says loopback itself, as opposed to a host name that resolves to it.
+bool names_loopback(const std::string& name) {
+  return name == "localhost" || name.rfind("127.", 0) == 0 || name == "::1";
 }
 
 // Constant time in the secret's content, so that timing does not reveal a matching prefix.
@@ -115,9 +149,11 @@ struct TcpStore::Impl {
   std::condition_variable changed;
   std::map<std::string, Bytes> values;
   std::uint64_t stored_bytes = 0;
-  std::vector<int> connections;
-  std::vector<std::thread> handlers;
-  int connected = 0;        // connections being served, proven or not
+  // Connections being served, each by its thread; a thread that ends closes its socket and
+  // leaves its id in `finished`, to be joined by the acceptor (or by stop_server).
+  std::map<int, std::thread> handlers;  // by socket
+  std::vector<std::thread> finished;
+  int unproven = 0;          // connections still to prove the secret
   int open_connections = 0;  // the proven ones, which the server waits for before it stops
   bool stopping = false;
 
@@ -125,33 +161,36 @@ struct TcpStore::Impl {
     bool proven = false;
     try {
       proven = hello(fd);
-      if (proven) {
-        {
-          std::lock_guard lock(mutex);
-          ++open_connections;
-        }
-        serve_requests(fd);
+      {
+        std::lock_guard lock(mutex);
+        --unproven;
+        open_connections += proven;
       }
+      if (proven) serve_requests(fd);
     } catch (const std::exception&) {
       // Out of memory for one client's request: that client loses its connection, nobody else.
     }
-    ::shutdown(fd, SHUT_RDWR);  // the client sees the end (closed by stop_server)
     std::lock_guard lock(mutex);
-    --connected;
-    if (proven) --open_connections;
+    open_connections -= proven;
+    // Closed under the lock, so that stop_server never shuts down a number reused since.
+    ::close(fd);
+    auto it = handlers.find(fd);
+    finished.push_back(std::move(it->second));
+    handlers.erase(it);
     changed.notify_all();
   }
 
-  // True when the client proved the secret within kHelloTimeout (then answered).
+  // True when the client proved the secret within kHelloTimeout, or the store's timeout when that
+  // is shorter (then answered).
   bool hello(int fd) {
-    set_io_timeout(fd, kHelloTimeout);
+    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, kHelloTimeout);
     std::uint32_t magic = 0, len = 0;
-    if (!read_value(fd, magic) || magic != kHello || !read_value(fd, len) || len > 4096)
+    if (!read_by(fd, &magic, 4, deadline) || magic != kHello || !read_by(fd, &len, 4, deadline) ||
+        len > 4096)
       return false;
     std::string given(len, '\0');
-    if (!read_all(fd, given.data(), len) || !same_secret(given, secret)) return false;
-    set_io_timeout(fd, std::chrono::microseconds(0));  // a proven client may idle
-    const std::uint8_t ok = 1;
+    if (!read_by(fd, given.data(), len, deadline) || !same_secret(given, secret)) return false;
+    const std::uint8_t ok = kWelcome;
     return write_all(fd, &ok, 1);
   }
 
@@ -160,14 +199,18 @@ struct TcpStore::Impl {
     for (;;) {
       std::uint8_t command = 0;
       std::uint32_t key_len = 0;
-      if (!read_value(fd, command) || !read_value(fd, key_len) || key_len > kMaxLength) return;
+      if (!read_value(fd, command) || !read_value(fd, key_len) || key_len > kMaxKeyLength) return;
       std::string key(key_len, '\0');
       if (!read_all(fd, key.data(), key_len)) return;
       if (command == kSet) {
         std::uint64_t len = 0;
         if (!read_value(fd, len) || len > kMaxLength) return;
-        Bytes value(len);
-        if (!read_all(fd, value.data(), len)) return;
+        Bytes value;
+        while (value.size() < len) {
+          const std::size_t at = value.size();
+          value.resize(at + std::min<std::uint64_t>(kReadStep, len - at));
+          if (!read_all(fd, value.data() + at, value.size() - at)) return;
+        }
         std::uint8_t ok = 1;
         {
           std::lock_guard lock(mutex);
@@ -213,27 +256,49 @@ struct TcpStore::Impl {
     for (;;) {
       const int fd = ::accept(listener, nullptr, nullptr);
       if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;  // the listener was shut down
-      }
-      std::lock_guard lock(mutex);
-      if (stopping) {
-        ::close(fd);
+        const int error = errno;
+        {
+          std::lock_guard lock(mutex);
+          if (stopping) return;
+        }
+        if (error == EINTR || error == ECONNABORTED) continue;
+        // Out of descriptors or memory, for now: keep serving those who are in.
+        if (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          continue;
+        }
         return;
       }
-      if (connected >= kMaxConnections) {
-        ::close(fd);
-        continue;
+      std::vector<std::thread> done;
+      {
+        std::lock_guard lock(mutex);
+        done.swap(finished);
+        if (stopping) {
+          ::close(fd);
+          return;
+        }
+        if (unproven >= kMaxUnproven || static_cast<int>(handlers.size()) >= kMaxConnections) {
+          const std::uint8_t busy = kBusy;
+          ::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+          ::close(fd);
+        } else {
+          const int one = 1;  // replies go out at once
+          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+          try {
+            handlers.emplace(fd, std::thread([this, fd] { serve_connection(fd); }));
+            ++unproven;
+          } catch (const std::system_error&) {  // no thread to be had: this one is turned away
+            ::close(fd);
+          }
+        }
       }
-      const int one = 1;  // replies go out at once
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      connections.push_back(fd);
-      ++connected;
-      handlers.emplace_back([this, fd] { serve_connection(fd); });
+      for (std::thread& t : done) t.join();
     }
   }
 
-  // Listens on bind_address (or host): the one interface the job's clients use.
+  // Listens on bind_address (or host): the one interface the job's clients use. A host name that
+  // resolves to loopback (Debian maps the machine's own name to 127.0.1.1) is still how the
+  // job's other hosts reach it, over the network: then every interface.
   void start_server() {
     const std::string& where = bind_address.empty() ? host : bind_address;
     addrinfo hints{};
@@ -247,6 +312,8 @@ struct TcpStore::Impl {
                    rc ? ::gai_strerror(rc) : "no address");
     sockaddr_in addr = *reinterpret_cast<const sockaddr_in*>(found->ai_addr);
     ::freeaddrinfo(found);
+    if (bind_address.empty() && (ntohl(addr.sin_addr.s_addr) >> 24) == 127 && !names_loopback(host))
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
     listener = ::socket(AF_INET, SOCK_STREAM, 0);
     MESHFUSE_CHECK(listener >= 0, ErrorCode::CommunicationFailure, "TcpStore: socket: {}",
@@ -270,72 +337,88 @@ struct TcpStore::Impl {
     acceptor = std::thread([this] { accept_loop(); });
   }
 
-  void stop_server() {
+  // wait_for_clients: let the other ranks finish with the store before it goes away.
+  void stop_server(bool wait_for_clients) {
     {
-      // Let the other ranks finish with the store before it goes away.
       std::unique_lock lock(mutex);
-      changed.wait_for(lock, timeout, [&] { return open_connections == 0; });
+      if (wait_for_clients)
+        changed.wait_for(lock, timeout, [&] { return open_connections == 0; });
       stopping = true;
-      for (int fd : connections) ::shutdown(fd, SHUT_RDWR);
+      for (auto& [fd, thread] : handlers) ::shutdown(fd, SHUT_RDWR);
     }
     ::shutdown(listener, SHUT_RDWR);
     acceptor.join();
-    for (std::thread& t : handlers) t.join();
-    for (int fd : connections) ::close(fd);
+    // The handlers end once their sockets are shut down; each moves itself to `finished`.
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return handlers.empty(); });
+    std::vector<std::thread> done;
+    done.swap(finished);
+    lock.unlock();
+    for (std::thread& t : done) t.join();
     ::close(listener);
   }
 
-  // Connects, retrying until the deadline: the server may start after its clients.
-  void connect_client() {
+  // A connected socket, or -1 with `why` set.
+  int connect_once(std::string& why) const {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+    if (rc != 0) {
+      why = ::gai_strerror(rc);
+      return -1;
+    }
+    int connected = -1;
+    for (addrinfo* a = found; a && connected < 0; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+      if (fd < 0) continue;
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        connected = fd;
+      } else {
+        why = std::strerror(errno);
+        ::close(fd);
+      }
+    }
+    ::freeaddrinfo(found);
+    return connected;
+  }
+
+  // Connects and proves the secret, retrying until the deadline while the server is not up yet
+  // (it may start after its clients) or is busy.
+  void connect_client() {
     const auto deadline = Clock::now() + timeout;
     std::string why;
     auto sleep = std::chrono::milliseconds(5);
-    for (;;) {
-      addrinfo* found = nullptr;
-      const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-      if (rc != 0) {
-        why = ::gai_strerror(rc);
-      } else {
-        for (addrinfo* a = found; a && client < 0; a = a->ai_next) {
-          const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-          if (fd < 0) continue;
-          if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-            client = fd;
-          } else {
-            why = std::strerror(errno);
-            ::close(fd);
-          }
-        }
-        ::freeaddrinfo(found);
-      }
-      if (client >= 0) break;
+    for (;; std::this_thread::sleep_for(sleep), sleep = std::min(sleep * 2, std::chrono::milliseconds(200))) {
       MESHFUSE_CHECK(Clock::now() < deadline, ErrorCode::CommunicationFailure,
-                     "TcpStore: cannot reach {}:{} within {} ms: {}", host, port, timeout.count(),
-                     why);
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::milliseconds(200));
-    }
-    const int one = 1;
-    ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    // A server that stops answering: reads and writes give up after the timeout.
-    set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout) +
-                               std::chrono::microseconds(1));
-    const auto len = static_cast<std::uint32_t>(secret.size());
-    std::uint8_t ok = 0;
-    if (!write_all(client, &kHello, 4) || !write_all(client, &len, 4) ||
-        !write_all(client, secret.data(), secret.size()))
-      lost();
-    if (!read_value(client, ok)) {
-      if (errno == ECONNRESET) {
-        ::shutdown(client, SHUT_RDWR);
-        fail(ErrorCode::CommunicationFailure,
-             "TcpStore: {}:{} refused this process's secret (MESHFUSE_STORE_SECRET differs from "
-             "the server's, or the server is not this job's store)",
-             host, port);
+                     "TcpStore: cannot reach {}:{} within {} ms: {} (rank 0 serves on "
+                     "MASTER_ADDR's interface; MESHFUSE_STORE_BIND=0.0.0.0 serves on every one)",
+                     host, port, timeout.count(), why);
+      client = connect_once(why);
+      if (client < 0) continue;
+      const int one = 1;
+      ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      // A server that stops answering: reads and writes give up after the timeout.
+      set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout));
+      const auto len = static_cast<std::uint32_t>(secret.size());
+      std::uint8_t answer = kRefused;
+      if (!write_all(client, &kHello, 4) || !write_all(client, &len, 4) ||
+          !write_all(client, secret.data(), secret.size()))
+        lost();
+      if (read_value(client, answer) && answer == kWelcome) return;
+      const int error = errno;
+      ::close(client);
+      client = -1;
+      if (answer == kBusy) {
+        why = "the server is busy";
+        continue;
       }
+      errno = error;
+      MESHFUSE_CHECK(error != ECONNRESET, ErrorCode::CommunicationFailure,
+                     "TcpStore: {}:{} refused this process's secret (MESHFUSE_STORE_SECRET "
+                     "differs from the server's, or the server is not this job's store)",
+                     host, port);
       lost();
     }
   }
@@ -343,20 +426,20 @@ struct TcpStore::Impl {
   // A request failed (errno says why): the connection is out of step, so later requests fail too.
   [[noreturn]] void lost() {
     const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
-    ::shutdown(client, SHUT_RDWR);
+    if (client >= 0) ::shutdown(client, SHUT_RDWR);
     if (timed_out)
       fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
            timeout.count());
     fail(ErrorCode::CommunicationFailure, "TcpStore: lost the connection to {}:{}", host, port);
   }
 
-  static void check_length(const char* what, std::uint64_t n) {
-    MESHFUSE_CHECK(n <= kMaxLength, ErrorCode::InvalidArgument,
-                   "TcpStore: {} of {} bytes; the most is {} (1 GiB)", what, n, kMaxLength);
+  static void check_length(const char* what, std::uint64_t n, std::uint64_t most) {
+    MESHFUSE_CHECK(n <= most, ErrorCode::InvalidArgument,
+                   "TcpStore: {} of {} bytes; the most is {}", what, n, most);
   }
 
   std::optional<Bytes> request_get(const std::string& key) {
-    check_length("key", key.size());
+    check_length("key", key.size(), kMaxKeyLength);
     std::lock_guard lock(client_mutex);
     const std::uint8_t command = kGet;
     const auto key_len = static_cast<std::uint32_t>(key.size());
@@ -394,21 +477,21 @@ TcpStore::TcpStore(std::string host, int port, bool is_server, std::string secre
   try {
     impl_->connect_client();
   } catch (...) {
-    if (impl_->listener >= 0) impl_->stop_server();
+    if (impl_->listener >= 0) impl_->stop_server(false);
     throw;
   }
 }
 
 TcpStore::~TcpStore() {
   ::close(impl_->client);
-  if (impl_->listener >= 0) impl_->stop_server();
+  if (impl_->listener >= 0) impl_->stop_server(true);
 }
 
 int TcpStore::port() const { return impl_->port; }
 
 void TcpStore::set(const std::string& key, const Bytes& value) {
-  Impl::check_length("key", key.size());
-  Impl::check_length("value", value.size());
+  Impl::check_length("key", key.size(), kMaxKeyLength);
+  Impl::check_length("value", value.size(), kMaxLength);
   std::lock_guard lock(impl_->client_mutex);
   const std::uint8_t command = kSet;
   const auto key_len = static_cast<std::uint32_t>(key.size());

@@ -90,17 +90,22 @@ class FileStore : public Store {
 // fast rank 0 does not pull the store from under slower ranks.
 //
 // Only the job gets in: the server listens on `bind_address`, or when that is empty on `host`'s
-// address (the one its clients reach: loopback for a job on one host), never on every interface
-// unless told ("0.0.0.0"). Every connection proves `secret` (1 to 4096 bytes, the same in every
-// process of the job; meshfuse launch makes one) before any request, within 10 s; the others are
-// dropped unanswered. The secret is sent in the clear: it keeps out whoever can reach the port,
-// not whoever can read the network. A job keeps at most 2^20 keys and 2 GiB; keys and values are
-// at most 1 GiB each; a client that breaks the protocol loses its connection, nobody else.
+// address (the one its clients reach: loopback for a job on one host; every interface when host
+// is a name that resolves to loopback, as Debian's own host name does, since the job's other
+// hosts reach it by that name), never on every interface otherwise unless told ("0.0.0.0").
+// Every connection proves `secret` (1 to 4096 bytes, the same in every process of the job;
+// meshfuse launch makes one) within 10 s of connecting (or the timeout, if shorter), before any
+// request; the others are
+// dropped unanswered, and at most 64 may be waiting to prove it at once (more are told the
+// server is busy: a client tries again until its timeout). The secret is sent in the clear: it
+// keeps out whoever can reach the port, not whoever can read the network. A job keeps at most
+// 2^20 keys and 2 GiB; keys are at most 64 KiB and values 1 GiB; a client that breaks the
+// protocol loses its connection, nobody else.
 // Errors: CommunicationFailure when the address cannot be served or the server not reached
 // (clients retry connecting until the timeout), the secret is refused or the connection is lost;
 // Timeout as Store and when the server does not answer a request within the timeout given at
 // construction (the connection is then unusable); InvalidArgument for an empty or oversized
-// secret, a key or value over 1 GiB, or a set into a full store.
+// secret, an oversized key or value, or a set into a full store.
 class TcpStore : public Store {
  public:
   TcpStore(std::string host, int port, bool is_server, std::string secret,
