@@ -110,3 +110,14 @@ def test_a_collective_names_a_read_only_array_it_would_write():
 
     with pytest.raises(meshfuse.InvalidArgumentError, match="output 'tensor' is a read-only"):
         meshfuse.run_local(1, rank_fn)
+
+
+def test_send_recv_names_a_read_only_receive_buffer():
+    def rank_fn(comm):
+        recv = np.zeros(4, np.float32)
+        recv.flags.writeable = False
+        comm.send_recv(np.ones(4, np.float32), 0, recv, 0).wait()
+
+    with pytest.raises(meshfuse.InvalidArgumentError,
+                       match="output 'recv_tensor' is a read-only"):
+        meshfuse.run_local(1, rank_fn)
