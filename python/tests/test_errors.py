@@ -24,6 +24,10 @@ def test_each_code_is_a_subclass_of_error_and_of_its_builtin():
         assert issubclass(cls, meshfuse.Error) and issubclass(cls, builtin), cls
     assert meshfuse.ShapeMismatchError.code == "shape mismatch"
     assert not issubclass(meshfuse.ShapeMismatchError, RuntimeError)
+    # docs/PYTHON.md's upgrading note: Error itself is no RuntimeError any more.
+    assert not issubclass(meshfuse.Error, RuntimeError)
+    assert not issubclass(meshfuse.DTypeMismatchError, RuntimeError)
+    assert not issubclass(meshfuse.CommunicationTimeoutError, RuntimeError)
 
 
 def test_shape_dtype_and_argument_errors_raise_value_and_type_errors_with_the_message():
