@@ -11,9 +11,13 @@ echo "== build and test =="
 # core configures it again with the same options and finds nothing to compile. The Python tests then
 # run against the installed package (from the repository root, which has no meshfuse package), and
 # ctest runs the rest (its python_tests is the build tree's, for a build without an install).
+# Python_EXECUTABLE as build.sh passes it: scikit-build-core would set sys.executable, which can
+# name the same interpreter by another path (a pyenv shim on PATH, the real binary in
+# sys.executable) and so reconfigure and rebuild the extension.
 python3 -m pip install --quiet --disable-pip-version-check --no-build-isolation \
   -Cbuild-dir="$root/build" -Ccmake.define.MESHFUSE_BUILD_TESTS=ON \
-  -Ccmake.define.MESHFUSE_BUILD_BENCH=ON "$root"
+  -Ccmake.define.MESHFUSE_BUILD_BENCH=ON \
+  -Ccmake.define.Python_EXECUTABLE="$(command -v python3)" "$root"
 ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)" -E '^python_tests$'
 (cd "$root" && python3 -m pytest -q python/tests)
 

@@ -6,17 +6,26 @@ It swaps, on the model's own modules (no copy, the weights untouched):
 - each ``*RMSNorm`` (``weight``, ``variance_epsilon``) for :func:`meshfuse.torch.rmsnorm`;
 - each MLP with ``gate_proj`` / ``up_proj`` / ``down_proj`` and a SiLU activation for
   :func:`meshfuse.torch.swiglu_mlp` (Mixtral's experts are left as they are);
-- the causal-LM loss: with ``labels`` (or ``shift_labels``), the forward runs the base model and
+- the causal-LM loss of a training step (``model.training`` and grad enabled): with ``labels`` (or
+  ``shift_labels``), the forward runs the base model and
   :func:`meshfuse.torch.fused_linear_cross_entropy` over its last hidden state and ``lm_head``, with
   transformers' label shift, ignore index and ``num_items_in_batch`` scaling, and an fp32 loss as
   transformers' (which upcasts the logits). The (tokens, vocabulary) logits are then never made:
-  the output's ``logits`` is None. Without labels the forward is transformers' own.
-  Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``).
+  the output's ``logits`` is None (and absent from the tuple of ``return_dict=False``, as
+  transformers' ``to_tuple`` drops None fields). Without labels, in eval mode or under no_grad
+  (evaluation and prediction, which want the logits) the forward is the model's own.
+  Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``,
+  in the call or else in the config).
+
+Every path meshfuse does not take calls the forward the module had before ``patch``. Models with
+accelerate hooks (dispatched by ``device_map=`` over several devices, or offloaded) are refused:
+the fused forwards read the weights directly, around the hooks that move or load them.
 
 The same idea as Liger-Kernel's ``apply_liger_kernel_to_llama``, written against transformers'
 module structure rather than each model's source.
 """
 
+import dataclasses
 import inspect
 import types
 
@@ -26,10 +35,18 @@ from . import torch as mt
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
 
+# The forward each patched module had before patch (a bound method, kept on the module so that a
+# deepcopy of the model rebinds it to the copy): the paths meshfuse does not take call it.
+_UNPATCHED = "_meshfuse_unpatched_forward"
+
+
+def _unpatched(module):
+    return getattr(module, _UNPATCHED)
+
 
 def _rmsnorm_forward(self, hidden_states):
     if hidden_states.dtype != self.weight.dtype:  # meshfuse takes one dtype: transformers' then
-        return type(self).forward(self, hidden_states)
+        return _unpatched(self)(hidden_states)
     return mt.rmsnorm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -38,7 +55,27 @@ def _mlp_forward(self, x):
                          self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
 
 
+def _output_class(forward):
+    # The output class the model's own forward returns (its return annotation:
+    # MoeCausalLMOutputWithPast for Mixtral), CausalLMOutputWithPast when it names none.
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    annotation = inspect.signature(forward).return_annotation
+    if isinstance(annotation, str):  # postponed annotations: a name in the forward's module
+        annotation = getattr(inspect.unwrap(forward), "__globals__", {}).get(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, ModelOutput):
+        return annotation
+    return CausalLMOutputWithPast
+
+
 def _causal_lm_forward(self, *args, **kwargs):
+    unpatched = _unpatched(self)
+    # Only a training step takes the fused loss: evaluation and prediction (HF Trainer's
+    # prediction_step, compute_metrics, perplexity scripts) need the logits, and eval mode or
+    # no_grad is where they are asked for.
+    if not (self.training and torch.is_grad_enabled()):
+        return unpatched(*args, **kwargs)
     original = type(self).forward
     signature = inspect.signature(original)
     arguments = dict(signature.bind(self, *args, **kwargs).arguments)
@@ -49,11 +86,25 @@ def _causal_lm_forward(self, *args, **kwargs):
     labels = arguments.pop("labels", None)
     shift_labels = arguments.pop("shift_labels", None)
     if labels is None and shift_labels is None:
-        return original(self, *args, **kwargs)
+        return unpatched(*args, **kwargs)
+    # Mixtral adds the router's auxiliary loss to the loss when output_router_logits is set, in
+    # the call or else in the config: its own forward (and loss) then.
+    router_logits = arguments.get("output_router_logits")
+    if router_logits is None:
+        router_logits = getattr(self.config, "output_router_logits", False)
+    if router_logits:
+        return unpatched(*args, **kwargs)
+    return_dict = arguments.pop("return_dict", None)  # as transformers' can_return_tuple
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
     arguments.pop("logits_to_keep", None)
     num_items_in_batch = arguments.pop("num_items_in_batch", None)
-    outputs = self.model(**arguments)
-    hidden = outputs.last_hidden_state
+    outputs = self.model(**arguments, return_dict=True)
+    if isinstance(outputs, tuple):  # a base model that ignores return_dict
+        hidden, rest = outputs[0], {}
+    else:
+        hidden = outputs.last_hidden_state
+        rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if shift_labels is None:  # transformers' ForCausalLMLoss: tokens < n predict n
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     sixteen_bit = hidden.dtype in (torch.bfloat16, torch.float16)
@@ -64,14 +115,33 @@ def _causal_lm_forward(self, *args, **kwargs):
         loss_dtype=torch.float32 if sixteen_bit else None)
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
-    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    return _causal_lm_output(loss=loss, logits=None, **rest)
+    output_class = _output_class(original)
+    fields = {f.name for f in dataclasses.fields(output_class)}
+    output = output_class(loss=loss, logits=None,
+                          **{k: v for k, v in rest.items() if k in fields})
+    return output if return_dict else output.to_tuple()  # to_tuple: as can_return_tuple
 
 
-def _causal_lm_output(**fields):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _replace_forward(module, forward):
+    # The module's current forward (bound), for the paths meshfuse leaves to it; a second patch
+    # keeps the first one's.
+    if not hasattr(module, _UNPATCHED):
+        setattr(module, _UNPATCHED, module.forward)
+    module.forward = types.MethodType(forward, module)
 
-    return CausalLMOutputWithPast(**fields)
+
+def _refuse_hooks(model):
+    # accelerate's hooks (a model loaded with device_map= over several devices, or offloaded)
+    # live in the module's instance forward, move its inputs and load its offloaded weights
+    # before it runs; meshfuse's forwards read the weights of the module and of its children
+    # (gate_proj, lm_head, ...) directly, around those hooks.
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            raise ValueError(
+                f"meshfuse.torch.patch: module {name or type(module).__name__!r} has accelerate "
+                "hooks (a model dispatched with device_map= over several devices, or offloaded), "
+                "which meshfuse's forwards would bypass; patch a model on one device (loaded "
+                "with device_map=None or a single device)")
 
 
 def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
@@ -79,21 +149,23 @@ def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
     ``*ForCausalLM`` or its base model), in place; returns the model.
 
     rms_norm, swiglu, fused_linear_cross_entropy: which swaps to make (module docstring). Raises
-    ValueError for another architecture (``model.config.model_type``)."""
+    ValueError for another architecture (``model.config.model_type``) and for a model with
+    accelerate hooks (``device_map=`` over several devices, offloading), before changing
+    anything."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(f"meshfuse.torch.patch: model_type {model_type!r} is not one of "
                          f"{', '.join(ARCHITECTURES)}")
+    _refuse_hooks(model)
     config = model.config
     silu = getattr(config, "hidden_act", "silu") in ("silu", "swish")
     for module in model.modules():
         if rms_norm and type(module).__name__.endswith("RMSNorm") and \
                 hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_rmsnorm_forward, module)
+            _replace_forward(module, _rmsnorm_forward)
         elif swiglu and silu and all(hasattr(module, name) for name in
                                      ("gate_proj", "up_proj", "down_proj")):
-            module.forward = types.MethodType(_mlp_forward, module)
-    router_loss = model_type == "mixtral" and getattr(config, "output_router_logits", False)
-    if fused_linear_cross_entropy and hasattr(model, "lm_head") and not router_loss:
-        model.forward = types.MethodType(_causal_lm_forward, model)
+            _replace_forward(module, _mlp_forward)
+    if fused_linear_cross_entropy and hasattr(model, "lm_head"):
+        _replace_forward(model, _causal_lm_forward)
     return model

@@ -242,14 +242,14 @@ void bind_communicator(nb::module_& m) {
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "send_recv",
-          [](Communicator& c, Array send, int dst, Array recv, int src, int tag,
+          [](Communicator& c, Array send, int dst, Out recv, int src, int tag,
              std::uintptr_t stream) {
-            const TensorView out = view(send), in = view(recv);
+            const TensorView out = view(send), in = view(recv, "recv_tensor");
             return run(
                 [&] {
                   return c.send_recv(out, dst, in, src, tag, stream_on(out.device(), stream));
                 },
-                {send, recv});
+                {send, recv.array});
           },
           "send_tensor"_a, "dst"_a, "recv_tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0,
           "Sends send_tensor to dst and receives recv_tensor from src as one operation (a ring "

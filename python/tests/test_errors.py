@@ -24,6 +24,10 @@ def test_each_code_is_a_subclass_of_error_and_of_its_builtin():
         assert issubclass(cls, meshfuse.Error) and issubclass(cls, builtin), cls
     assert meshfuse.ShapeMismatchError.code == "shape mismatch"
     assert not issubclass(meshfuse.ShapeMismatchError, RuntimeError)
+    # docs/PYTHON.md's upgrading note: Error itself is no RuntimeError any more.
+    assert not issubclass(meshfuse.Error, RuntimeError)
+    assert not issubclass(meshfuse.DTypeMismatchError, RuntimeError)
+    assert not issubclass(meshfuse.CommunicationTimeoutError, RuntimeError)
 
 
 def test_shape_dtype_and_argument_errors_raise_value_and_type_errors_with_the_message():
@@ -109,4 +113,15 @@ def test_a_collective_names_a_read_only_array_it_would_write():
         comm.all_reduce(x).wait()
 
     with pytest.raises(meshfuse.InvalidArgumentError, match="output 'tensor' is a read-only"):
+        meshfuse.run_local(1, rank_fn)
+
+
+def test_send_recv_names_a_read_only_receive_buffer():
+    def rank_fn(comm):
+        recv = np.zeros(4, np.float32)
+        recv.flags.writeable = False
+        comm.send_recv(np.ones(4, np.float32), 0, recv, 0).wait()
+
+    with pytest.raises(meshfuse.InvalidArgumentError,
+                       match="output 'recv_tensor' is a read-only"):
         meshfuse.run_local(1, rank_fn)

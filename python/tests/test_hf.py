@@ -64,3 +64,88 @@ def test_patch_swaps_the_modules_and_refuses_other_architectures():
     gpt2 = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         mt.patch(transformers.AutoModelForCausalLM.from_config(gpt2))
+
+
+def _pair(name, seed=0):
+    torch.manual_seed(seed)
+    reference = transformers.AutoModelForCausalLM.from_config(_config(name))
+    ids = torch.randint(0, 64, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return reference, mt.patch(copy.deepcopy(reference)), ids, labels
+
+
+def test_evaluation_and_no_grad_give_the_logits_and_the_same_loss():
+    # HF Trainer's evaluation and prediction (eval mode, no_grad), compute_metrics and perplexity
+    # scripts pass labels and read the logits: only a training step takes the fused loss.
+    reference, patched, ids, labels = _pair("llama")
+    with torch.no_grad():  # training mode, no grad
+        ours, theirs = patched(ids, labels=labels), reference(ids, labels=labels)
+        torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    patched.eval()
+    reference.eval()
+    ours, theirs = patched(ids, labels=labels), reference(ids, labels=labels)  # eval, grad on
+    assert ours.logits is not None
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    patched.train()
+    fused = patched(ids, labels=labels)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_return_dict_false_gives_transformers_tuple():
+    reference, patched, ids, labels = _pair("qwen2")
+    ours = patched(ids, labels=labels, return_dict=False)
+    theirs = reference(ids, labels=labels, return_dict=False)
+    assert isinstance(ours, tuple)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    # The logits (theirs[1]) are not made: to_tuple drops the None field, as transformers' does.
+    assert len(ours) == len(theirs) - 1
+    patched.eval()
+    torch.testing.assert_close(patched(ids, return_dict=False)[0],
+                               reference(ids, return_dict=False)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_mixtral_router_logits_asked_in_the_call_keep_mixtrals_loss():
+    reference, patched, ids, labels = _pair("mixtral")
+    ours = patched(ids, labels=labels, output_router_logits=True)
+    theirs = reference(ids, labels=labels, output_router_logits=True)
+    assert type(ours) is type(theirs) and ours.router_logits is not None
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-5, atol=1e-6)
+    fused = patched(ids, labels=labels)  # without: the fused loss, in Mixtral's output class
+    assert type(fused) is type(theirs) and fused.logits is None
+    torch.testing.assert_close(fused.loss, reference(ids, labels=labels).loss, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_patch_keeps_the_forward_it_replaces_and_refuses_accelerate_hooks():
+    reference, patched, ids, labels = _pair("mistral")
+    calls = []
+    model = copy.deepcopy(reference)
+    own = model.forward
+
+    def wrapped(*args, **kwargs):  # an instance forward that was there before (a wrapper)
+        calls.append(kwargs.get("labels") is not None)
+        return own(*args, **kwargs)
+
+    model.forward = wrapped
+    mt.patch(model)
+    model(ids)  # without labels: the forward it had
+    assert calls == [False]
+    model(ids, labels=labels).loss.backward()  # the fused loss
+    assert calls == [False]
+    # A copy's fallbacks call the copy's forwards, not the original's.
+    twin = copy.deepcopy(patched)
+    assert twin.model.norm._meshfuse_unpatched_forward.__self__ is twin.model.norm
+    assert twin._meshfuse_unpatched_forward.__self__ is twin
+
+    # accelerate's add_hook_to_module (a device_map= or offloaded model): the hook is the
+    # instance's forward and reads _hf_hook; patch refuses before changing anything.
+    hooked = copy.deepcopy(reference)
+    hooked.model.layers[0].mlp._hf_hook = object()
+    with pytest.raises(ValueError, match="'model.layers.0.mlp' has accelerate hooks"):
+        mt.patch(hooked)
+    assert "forward" not in vars(hooked.model.norm)

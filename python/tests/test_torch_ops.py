@@ -163,6 +163,30 @@ def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
         assert not mt._untraced(torch._subclasses.FakeTensorMode().from_tensor(x))
 
 
+def test_tracers_of_plain_tensors_see_the_op_not_a_constant():
+    # make_fx in real mode and torch.jit.trace run on plain tensors under no_grad, where the eager
+    # fast path would leave the raw kernel's result as a constant in their graph.
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.overrides import TorchFunctionMode
+
+    x, w = torch.randn(3, 8), torch.randn(8)
+
+    def norm(x, w):
+        return mt.rmsnorm(x, w, 1e-5)
+
+    with torch.no_grad():
+        graph = make_fx(norm)(x, w)
+        assert "meshfuse.rmsnorm" in str(graph.graph)
+        x2 = torch.randn(3, 8)  # a constant would give x's result again
+        torch.testing.assert_close(graph(x2, w), F.rms_norm(x2, (8,), w, 1e-5))
+        traced = torch.jit.trace(norm, (x, w), check_trace=False)
+        assert "meshfuse::rmsnorm" in str(traced.graph)
+        torch.testing.assert_close(traced(x2, w), F.rms_norm(x2, (8,), w, 1e-5))
+        with TorchFunctionMode():
+            assert not mt._untraced(x, w)
+        assert mt._untraced(x, w)
+
+
 def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
     # Small values: an eps of bf16's machine epsilon instead of fp32's would show.
     x = torch.randn(4, 3, 16, dtype=torch.bfloat16) * 0.01
