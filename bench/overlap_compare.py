@@ -80,7 +80,7 @@ def torch_layers(args, device, group_name):
 
         def ag_fused():
             torch.ops.symm_mem.fused_all_gather_matmul(x, [w.t()], gather_dim=0,
-                                                       group_name=group_name)
+                                                       group_name=group_name, return_A=False)
 
         # gemm_rs: this rank's columns of x and of w.
         xk = torch.randn(args.m, args.k // d, device=device, dtype=dtype, generator=gen)

@@ -596,7 +596,7 @@ TEST(DistStore, StoreSecretComesFromTheEnvironmentOrAPrivateFile) {
   std::filesystem::permissions(file, std::filesystem::perms::owner_read |
                                          std::filesystem::perms::group_read);
   expect_error([] { store_secret_from_env(); }, ErrorCode::InvalidArgument,
-               {"readable by nobody else", "mode 440"});
+               {"nobody else can read", "mode 440"});
   std::filesystem::permissions(file, std::filesystem::perms::owner_read);
   EXPECT_EQ(store_secret_from_env(), "from a file");
   ::setenv("MESHFUSE_STORE_SECRET", "from the environment", 1);

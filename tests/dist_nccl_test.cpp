@@ -219,13 +219,19 @@ TEST_P(DistNccl, SendReachesTheMatchingRecv) {
   for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], value(0, i)) << i;
 }
 
-// Both ranks send first: separate ncclSend/ncclRecv calls on one stream would deadlock here.
-TEST_P(DistNccl, SendRecvExchangesUnevenPartsBothWays) {
+// Both ranks send first, 64 MiB of f32 (past NCCL's eager buffers): separate ncclSend/ncclRecv
+// calls on one stream would deadlock here. Then parts of different sizes, rank 0's empty.
+TEST_P(DistNccl, SendRecvExchangesLargeUnevenAndEmptyPartsBothWays) {
   const int peer = 1 - rank_;
-  const Tensor mine = input(rank_ + 2);  // rank 0 sends 2 rows, rank 1 three
-  const Tensor got = filled({peer + 2, 3}, -1);
-  const std::vector<double> back = result(comm_->send_recv(mine, peer, got, peer, 0, stream()), got);
-  for (std::size_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], value(peer, i)) << i;
+  for (const auto& [mine_rows, peer_rows] :
+       {std::pair<std::int64_t, std::int64_t>{std::int64_t{1} << 22, std::int64_t{1} << 22},
+        {rank_ * 3, peer * 3}}) {
+    const Tensor mine = input(mine_rows, 4);
+    const Tensor got = filled({peer_rows, 4}, -1);
+    const std::vector<double> back =
+        result(comm_->send_recv(mine, peer, got, peer, 0, stream()), got);
+    for (std::size_t i = 0; i < back.size(); i += 4099) ASSERT_EQ(back[i], value(peer, i)) << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, DistNccl, ::testing::Values(DType::F32, DType::BF16, DType::I64),

@@ -70,6 +70,7 @@ TEST(DistFault, ARankKilledMidwayGivesEveryOtherRankAnErrorWithinTheTimeout) {
     EXPECT_TRUE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure)
         << e.what();
     EXPECT_LT(s, 2.0 * std::chrono::duration<double>(timeout).count()) << e.what();
+    if (::testing::Test::HasFailure()) return;  // expect_rank_killed.sh counts only good reports
     std::printf("rank %d survived rank %d's death in the %s: %s after %.1f s\n", team->rank(),
                 victim, in.c_str(), std::string(to_string(e.code())).c_str(), s);
     std::fflush(stdout);

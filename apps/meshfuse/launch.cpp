@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -17,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
-#include <random>
 #include <string>
 
 #include "meshfuse/core/error.h"
@@ -320,9 +320,11 @@ class Launcher {
 
 std::string job_secret() {
   if (const char* given = std::getenv("MESHFUSE_STORE_SECRET"); given && *given) return given;
-  std::random_device device;  // the kernel's random source
+  unsigned char bytes[16];
+  MESHFUSE_CHECK(getrandom(bytes, sizeof(bytes), 0) == static_cast<ssize_t>(sizeof(bytes)),
+                 ErrorCode::Internal, "launch: getrandom: {}", std::strerror(errno));
   std::string hex;
-  for (int i = 0; i < 4; ++i) hex += fmt::format("{:08x}", device());
+  for (unsigned char b : bytes) hex += fmt::format("{:02x}", b);
   return hex;
 }
 

@@ -1,6 +1,7 @@
 // Launch information from the environment of torchrun, Open MPI and Slurm; the rendezvous store.
 #include "meshfuse/distributed/bootstrap.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,8 +9,6 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <optional>
 
 #include "meshfuse/core/error.h"
@@ -151,16 +150,22 @@ std::string store_secret_from_env() {
                  "string in every process of the job (e.g. export MESHFUSE_STORE_SECRET=$(od -An "
                  "-N16 -tx1 /dev/urandom | tr -d ' \\n') before torchrun, mpirun or srun), or "
                  "MESHFUSE_STORE_SECRET_FILE to a file only you can read; meshfuse launch sets one");
-  struct stat st {};
-  MESHFUSE_CHECK(::stat(file, &st) == 0, ErrorCode::InvalidArgument,
+  // Checked on the open file itself, so that what is read is what was checked.
+  const int fd = ::open(file, O_RDONLY | O_CLOEXEC);
+  MESHFUSE_CHECK(fd >= 0, ErrorCode::InvalidArgument,
                  "rendezvous store: MESHFUSE_STORE_SECRET_FILE={}: {}", file, std::strerror(errno));
-  MESHFUSE_CHECK(st.st_uid == ::getuid() && (st.st_mode & (S_IRWXG | S_IRWXO)) == 0,
-                 ErrorCode::InvalidArgument,
-                 "rendezvous store: MESHFUSE_STORE_SECRET_FILE={} must belong to this user and be "
-                 "readable by nobody else (chmod 600), got mode {:o}",
+  struct stat st {};
+  const bool owned = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::getuid() &&
+                     (st.st_mode & (S_IRWXG | S_IRWXO)) == 0;
+  std::string secret;
+  char buf[4096];
+  for (ssize_t n; owned && (n = ::read(fd, buf, sizeof(buf))) > 0 && secret.size() < 65536;)
+    secret.append(buf, static_cast<std::size_t>(n));
+  ::close(fd);
+  MESHFUSE_CHECK(owned, ErrorCode::InvalidArgument,
+                 "rendezvous store: MESHFUSE_STORE_SECRET_FILE={} must be a file of this user "
+                 "that nobody else can read (chmod 600), got mode {:o}",
                  file, st.st_mode & 07777);
-  std::ifstream in(file, std::ios::binary);
-  std::string secret((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
   MESHFUSE_CHECK(!secret.empty(), ErrorCode::InvalidArgument,
                  "rendezvous store: MESHFUSE_STORE_SECRET_FILE={} is empty", file);

@@ -420,14 +420,18 @@ class NcclComm : public CommImpl {
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int,
                                  const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(nccl().Send(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclSend");
+    if (t.numel() > 0)  // empty transfers are skipped on both sides, as in send_recv
+      check(nccl().Send(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream),
+            "ncclSend");
     return record(stream);
   }
 
   std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int,
                                  const Stream& stream) override {
     const Launch l(*this, t, stream);
-    check(nccl().Recv(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream), "ncclRecv");
+    if (t.numel() > 0)
+      check(nccl().Recv(t.data(), count(t), nccl_type(t.dtype()), peer, comm_, l.stream),
+            "ncclRecv");
     return record(stream);
   }
 

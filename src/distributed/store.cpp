@@ -102,6 +102,15 @@ FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
     std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
   MESHFUSE_CHECK(!ec && std::filesystem::is_directory(path_), ErrorCode::InvalidArgument,
                  "FileStore: cannot create the directory '{}': {}", path_, ec.message());
+  // One that existed already must be as private as one made here: whoever else can write to it
+  // could plant the job's keys.
+  struct stat st {};
+  MESHFUSE_CHECK(::stat(path_.c_str(), &st) == 0 && st.st_uid == ::getuid() &&
+                     (st.st_mode & (S_IWGRP | S_IWOTH)) == 0,
+                 ErrorCode::InvalidArgument,
+                 "FileStore: the directory '{}' must belong to this user and be writable by "
+                 "nobody else, got mode {:o}",
+                 path_, st.st_mode & 07777);
 }
 
 // Keys may hold any byte: everything but [A-Za-z0-9._-] is written as %XX.

@@ -292,7 +292,7 @@ Interpreter::Ring Interpreter::ring_of(const Chunked& ch) const {
 void Interpreter::run_ring_gather(Chunked& ch) {
   const OverlapSegment& seg = ch.seg;
   const Ring ring = ring_of(ch);
-  const auto [d, me, next, prev] = std::array{ring.d, ring.me, ring.next, ring.prev};
+  const int d = ring.d, me = ring.me, next = ring.next, prev = ring.prev;
   const Stream& T = ring.T;
   const Stream& C = ring.C;
   const auto hold =
@@ -332,7 +332,7 @@ void Interpreter::run_ring_gather(Chunked& ch) {
 void Interpreter::run_ring_scatter(Chunked& ch) {
   const OverlapSegment& seg = ch.seg;
   const Ring ring = ring_of(ch);
-  const auto [d, me, next, prev] = std::array{ring.d, ring.me, ring.next, ring.prev};
+  const int d = ring.d, me = ring.me, next = ring.next, prev = ring.prev;
   const bool cuda = device_.type == DeviceType::CUDA;
   const Stream& T = ring.T;
   const Stream& C = ring.C;

@@ -101,6 +101,8 @@ TEST(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
 // The port and the store's secret: the same for every rank, a fresh secret per job.
 TEST(Launch, DefaultPortAndSecretAreSharedByAllRanksAndNoPrefixLeavesLinesAlone) {
   const Scratch dir;
+  const char* callers = std::getenv("MESHFUSE_STORE_SECRET");
+  const std::string restore = callers ? callers : "";
   ::unsetenv("MESHFUSE_STORE_SECRET");
   const auto run = [&] {
     const LaunchResult r = launch(dir, "-n 2 --no-prefix",
@@ -124,7 +126,10 @@ TEST(Launch, DefaultPortAndSecretAreSharedByAllRanksAndNoPrefixLeavesLinesAlone)
   EXPECT_EQ(run().find(" " + secret + " "), std::string::npos) << "each job its own secret";
   ::setenv("MESHFUSE_STORE_SECRET", "given", 1);
   EXPECT_NE(run().find(" given ."), std::string::npos) << "a secret given to launch is kept";
-  ::unsetenv("MESHFUSE_STORE_SECRET");
+  if (callers)
+    ::setenv("MESHFUSE_STORE_SECRET", restore.c_str(), 1);
+  else
+    ::unsetenv("MESHFUSE_STORE_SECRET");
 }
 
 TEST(Launch, FailingRankFailsTheLaunchNamingItAndStopsTheOthersAndTheirChildren) {
