@@ -4,7 +4,8 @@
 // data pointer is not host memory), scalars (eps, multipliers, alpha and beta, label smoothing)
 // and label values (ignored, out of range). The oracle: the cpu backend throws meshfuse::Error,
 // or it succeeds and so does the reference backend on the same arguments, with outputs that agree
-// within a loose tolerance (a wrong element, not a last bit) and NaN where the reference has NaN.
+// within a loose tolerance (a wrong element, not a last bit) and NaN where the reference has NaN
+// (unless a scalar was unusual: see Args::odd_scalar).
 // A backward's saved tensors (rstd, lse, y) come from the reference forward where it accepts the
 // arguments, so that both backends see what a training step would give them.
 #include <fuzzer/FuzzedDataProvider.h>
@@ -15,6 +16,9 @@
 #include <functional>
 #include <limits>
 #include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "meshfuse/meshfuse.h"
 #include "meshfuse/testing.h"
@@ -36,6 +40,10 @@ struct Args {
   std::vector<Tensor> storage;
   std::vector<TensorView> outputs;
   bool on_gpu = false;  // a view is labelled cuda:0 (this build has no GPU: the call must fail)
+  std::string described;  // every tensor made, for the report of a finding
+  // An unusual scalar (0, -1, NaN, inf, 1e30) was drawn: where the op accepts it, the cpu backend
+  // may overflow its dtype where the reference's double does not, so only crashes count then.
+  bool odd_scalar = false;
 
   DType dtype_or(DType usual) {
     return in.ConsumeIntegralInRange(0, 15) == 0 ? kDTypes[in.ConsumeIntegralInRange(0, 6)] : usual;
@@ -119,6 +127,8 @@ struct Args {
       return TensorView(reinterpret_cast<void*>(std::uintptr_t{0x1000}), dtype, shape, strides,
                         Device{DeviceType::CUDA, 0});
     }
+    described += fmt::format("  {} strides [{}]\n", TensorView(data, dtype, shape).str(),
+                             fmt::join(strides, ", "));
     return TensorView(data, dtype, shape, strides);
   }
 
@@ -137,12 +147,14 @@ struct Args {
   }
 
   double scalar(std::initializer_list<double> usual) {
-    if (in.ConsumeIntegralInRange(0, 15) == 0) {
-      const double odd[] = {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
-                            std::numeric_limits<double>::infinity(), 1e30};
-      return odd[in.ConsumeIntegralInRange(0, 4)];
-    }
-    return usual.begin()[in.ConsumeIntegralInRange<std::size_t>(0, usual.size() - 1)];
+    const double odd[] = {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
+                          std::numeric_limits<double>::infinity(), 1e30};
+    const bool unusual = in.ConsumeIntegralInRange(0, 15) == 0;
+    odd_scalar |= unusual;
+    const double x = unusual ? odd[in.ConsumeIntegralInRange(0, 4)]
+                             : usual.begin()[in.ConsumeIntegralInRange<std::size_t>(0, usual.size() - 1)];
+    described += fmt::format("  scalar {}\n", x);
+    return x;
   }
 };
 
@@ -292,10 +304,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     ForceKernelBackend force(KernelBackend::Reference);
     call();
-  } catch (const Error&) {
-    std::abort();  // the cpu backend ran what the reference refuses
+  } catch (const Error& e) {
+    fmt::print(stderr, "op {}: the cpu backend ran what the reference refuses: {}\n{}", op,
+               e.what(), a.described);
+    std::abort();
   }
-  for (std::size_t i = 0; i < a.outputs.size(); ++i)
-    if (!agree(cpu[i], a.outputs[i])) std::abort();
+  for (std::size_t i = 0; i < a.outputs.size() && !a.odd_scalar; ++i)
+    if (!agree(cpu[i], a.outputs[i])) {
+      const testing::Diff d = testing::compare(cpu[i], a.outputs[i], 0, 0);
+      fmt::print(stderr, "op {}: output {} differs from the reference (max abs {}, max rel {}, "
+                 "{} non-finite mismatches)\n{}", op, i, d.max_abs_err, d.max_rel_err,
+                 d.mismatched_nonfinite, a.described);
+      std::abort();
+    }
   return 0;
 }
