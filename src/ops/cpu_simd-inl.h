@@ -44,13 +44,21 @@ inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
 // which rounds subnormal results once and overflows to inf in one instruction (Highway has no op
 // for it: the one intrinsic kept, see docs/kernels/cpu_simd.md); other targets scale by two exact
 // factors 2^(n/2) as the scalar vexp does. Within 2 ulp (subnormal results included); NaN stays
-// NaN (Max keeps its second operand's NaN); -inf gives 0; finite x past ln(FLT_MAX) gives +inf.
+// NaN; -inf gives 0; finite x past ln(FLT_MAX) gives +inf (on AVX-512 +inf itself is outside the
+// domain: every caller passes x <= 0, up to rounding, or -gate, where silu(-inf) is NaN anyway).
 // Highway's own hn::Exp (hwy/contrib/math) measured slower inside the kernels (figures in the doc).
 #define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 HWY_INLINE VF VExp(DF d, VF x) {
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR
+  // maxps / minps return their second operand when either is NaN.
   x = hn::Max(hn::Set(d, -104.0f), x);
 #if !MESHFUSE_HWY_SCALEF
-  x = hn::Min(x, hn::Set(d, 89.0f));  // n stays in [-150, 128]: the two factors are exact
+  x = hn::Min(hn::Set(d, 89.0f), x);  // n stays in [-150, 128]: the two factors are exact
+#endif
+#else
+  // Highway leaves Min and Max of a NaN to the target: compares, which are false for NaN.
+  x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
+  x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
 #endif
   const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
   VF r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);
@@ -61,12 +69,13 @@ HWY_INLINE VF VExp(DF d, VF x) {
   return VF{_mm512_maskz_scalef_ps(0xffff, p.raw, n.raw)};  // (maskz: GCC 12 warns on the plain)
 #else
   const DI di;
-  // 2^k for an integer-valued k in [-126, 127]: k + 127 shifted into the exponent field.
-  const auto pow2 = [&](VF k) {
-    return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, k), hn::Set(di, 127))));
+  // 2^k for an integer k in [-126, 127]: k + 127 shifted into the exponent field.
+  const auto pow2 = [&](hn::Vec<DI> k) {
+    return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k, hn::Set(di, 127))));
   };
-  const VF n1 = hn::Round(hn::Mul(n, hn::Set(d, 0.5f)));
-  return hn::Mul(hn::Mul(p, pow2(n1)), pow2(hn::Sub(n, n1)));
+  const auto ni = hn::ConvertTo(di, n);  // exact: n is integral
+  const auto n1 = hn::ShiftRight<1>(ni);
+  return hn::Mul(hn::Mul(p, pow2(n1)), pow2(hn::Sub(ni, n1)));
 #endif
 }
 
@@ -190,7 +199,9 @@ void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
     std::int64_t i = head;
     for (; i + kLine <= len; i += kLine) {
       if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
+#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
 #pragma omp simd
+#endif
       for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
       StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
     }
@@ -205,7 +216,9 @@ void StreamOut(T* out, std::int64_t n, bool stream, F&& f,
   StreamOutBlocks(
       out, n, stream,
       [&](std::int64_t c0, std::int64_t len, acc_t<T>* buf) {
+#ifdef _OPENMP
 #pragma omp simd
+#endif
         for (std::int64_t i = 0; i < len; ++i) buf[i] = f(c0 + i);
       },
       next, level);
