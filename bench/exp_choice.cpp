@@ -38,7 +38,8 @@ void Measure(const float* x, std::int64_t n, std::int64_t reps, double* rate, do
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *rate = double(n) * double(reps) / s + 0 * LaneSum(d, sum);  // the sum keeps the loop alive
   std::vector<float> out(n);
-  for (std::int64_t i = 0; i < n; i += hn::Lanes(d)) hn::StoreU(exp(hn::LoadU(d, x + i)), d, &out[i]);
+  for (std::int64_t i = 0; i < n; i += hn::Lanes(d))
+    hn::StoreU(exp(hn::LoadU(d, x + i)), d, &out[i]);
   double worst = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const double exact = std::exp(double(x[i]));

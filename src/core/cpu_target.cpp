@@ -73,8 +73,10 @@ const bool kPinned = [] {
     }
     known += (known.empty() ? "" : "|") + target_name(t);
   }
-  std::fprintf(stderr, "meshfuse: MESHFUSE_CPU_TARGET=%s is not a target of this build (%s); "
-                       "ignored\n", env, known.c_str());
+  std::fprintf(stderr,
+               "meshfuse: MESHFUSE_CPU_TARGET=%s is not a target of this build (%s); "
+               "ignored\n",
+               env, known.c_str());
   return false;
 }();
 

@@ -10,12 +10,10 @@
 #endif
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 #include <vector>
@@ -80,9 +78,9 @@ inline std::int64_t max_threads() {
 
 // A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
 // 65536 arguments, indexed by the argument's bits: one gather (Lookup, cpu_simd-inl.h) in place of
-// the arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand entries,
-// which stay in L1); for the exp alone, inside the softmax and cross_entropy forward loops, it
-// measured slower than VExp. 256 KiB.
+// the arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand
+// entries, which stay in L1); for the exp alone, inside the softmax and cross_entropy forward
+// loops, it measured slower than VExp. 256 KiB.
 template <typename T>
 class Table16 {
   static_assert(kSixteenBit<T>);
@@ -140,10 +138,10 @@ inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t 
   return true;
 }
 
-// The cache level StreamOut (cpu_simd-inl.h) brings the next rows to. L2 (prefetcht2) suits a kernel whose next
-// pass reads its rows once more from cache with few operands (rmsnorm forward: prefetches into
-// L1 competed with the streaming stores for fill buffers); kernels that read two or three rows
-// ahead measured faster with L1 (softmax and swiglu backward).
+// The cache level StreamOut (cpu_simd-inl.h) brings the next rows to. L2 (prefetcht2) suits a
+// kernel whose next pass reads its rows once more from cache with few operands (rmsnorm forward:
+// prefetches into L1 competed with the streaming stores for fill buffers); kernels that read two or
+// three rows ahead measured faster with L1 (softmax and swiglu backward).
 enum class PrefetchTo { L1, L2 };
 
 // Values per block of StreamOutBlocks (cpu_simd-inl.h): its L1 buffer's size.

@@ -1,7 +1,8 @@
 // The cpu backend's SIMD building blocks, written in Google Highway's portable ops and compiled
 // once per SIMD target (internal). A kernel file includes it after <hwy/foreach_target.h> and
 // calls it from its own HWY_NAMESPACE; HWY_DYNAMIC_DISPATCH then runs the best target the CPU has
-// (or the one MESHFUSE_CPU_TARGET pins: src/core/cpu_target.cpp). Figures: docs/kernels/cpu_simd.md.
+// (or the one MESHFUSE_CPU_TARGET pins: src/core/cpu_target.cpp). Figures:
+// docs/kernels/cpu_simd.md.
 
 // Per-target include guard (Highway's convention: the toggle flips once per target).
 #if defined(MESHFUSE_OPS_CPU_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -60,7 +61,15 @@ HWY_INLINE VF VExp(DF d, VF x) {
   x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
   x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
 #endif
+#if MESHFUSE_HWY_SCALEF
   const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+#else
+  // n = round(x / ln2) by adding 1.5 * 2^23, whose bits then hold n in the low mantissa bits:
+  // three ops where a Round and a ConvertTo (with Highway's overflow fix-ups) take six.
+  constexpr float kRound = 12582912.0f;
+  const VF t = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), hn::Set(d, kRound));
+  const VF n = hn::Sub(t, hn::Set(d, kRound));
+#endif
   VF r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);
   r = hn::NegMulAdd(n, hn::Set(d, 1.428606765330187045e-06f), r);
   VF p = hn::Set(d, kExpPoly[0]);
@@ -73,7 +82,7 @@ HWY_INLINE VF VExp(DF d, VF x) {
   const auto pow2 = [&](hn::Vec<DI> k) {
     return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k, hn::Set(di, 127))));
   };
-  const auto ni = hn::ConvertTo(di, n);  // exact: n is integral
+  const auto ni = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, hn::Set(d, kRound)));
   const auto n1 = hn::ShiftRight<1>(ni);
   return hn::Mul(hn::Mul(p, pow2(n1)), pow2(hn::Sub(ni, n1)));
 #endif
@@ -168,6 +177,26 @@ HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {
   }
 }
 
+// 32 floats (one 64-byte line of bf16) as bf16, rounded as to_bfloat16: to nearest even, NaN
+// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which the hand-written AVX-512 code
+// used, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per vector of
+// floats and a narrowing.
+HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
+  const hn::CappedTag<float, 32> d;
+  const hn::RebindToUnsigned<decltype(d)> du;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<std::uint16_t, decltype(d)> d16;
+  for (std::size_t k = 0; k < 32; k += hn::Lanes(d)) {
+    const auto u = hn::BitCast(du, hn::LoadU(d, in + k));
+    const auto nan = hn::Gt(hn::And(u, hn::Set(du, 0x7fffffffu)), hn::Set(du, 0x7f800000u));
+    const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+    const auto r = hn::IfThenElse(nan, hn::Or(u, hn::Set(du, 0x400000u)),
+                                  hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, hn::ShiftRight<16>(r))), d16,
+               reinterpret_cast<std::uint16_t*>(out + k));
+  }
+}
+
 // Writes the values f(0) .. f(n - 1) (each an A = acc_t<T>) to out as T, rounded as store_as:
 // blocks of them are computed into an L1 buffer, then converted and stored, whole 64-byte lines
 // with streaming stores when `stream` (see stream_worthwhile). While it writes, it brings the
@@ -199,10 +228,14 @@ void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
     std::int64_t i = head;
     for (; i + kLine <= len; i += kLine) {
       if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        ToBf16Line(buf + i, conv);
+      } else {
 #ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
 #pragma omp simd
 #endif
-      for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
+        for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
+      }
       StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
     }
     for (; i < len; ++i) dst[i] = store_as<T>(buf[i]);

@@ -1,12 +1,11 @@
-// CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
-// forward reads each row twice (max, then exp-sum, the next row's max fused into this row's
-// exp-sum: see cpu_logsumexp-inl.h), the backward reads it and writes the gradient in one pass. f32
-// rows keep the lse in double from the forward's sum to the backward's exps (backward_rows).
-// Compiled once per SIMD target (cpu_simd-inl.h), dispatched at run time.
+// CPU cross-entropy: rows split over OpenMP threads, each row in Highway vectors. The forward
+// reads each row twice (max, then exp-sum, the next row's max fused into this row's exp-sum: see
+// cpu_logsumexp-inl.h), the backward reads it and writes the gradient in one pass. f32 rows keep
+// the lse in double from the forward's sum to the backward's exps (backward_rows). Compiled once
+// per SIMD target (cpu_simd-inl.h), dispatched at run time.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/cross_entropy/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
 
 #include <cmath>
@@ -163,8 +162,8 @@ void dispatch_rows(const CrossEntropyRows& b, std::string_view op, F&& f) {
 
 }  // namespace
 
-void CrossEntropyForwardRows(const CrossEntropyRows& b, const void* logits, const void* labels, void* lse,
-                 double* row_loss, const CrossEntropyOptions& o) {
+void CrossEntropyForwardRows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                             void* lse, double* row_loss, const CrossEntropyOptions& o) {
   dispatch_rows(b, "cross_entropy", [&](auto tag, auto ltag) {
     using T = decltype(tag);
     using L = decltype(ltag);
@@ -174,8 +173,8 @@ void CrossEntropyForwardRows(const CrossEntropyRows& b, const void* logits, cons
 }
 
 void CrossEntropyBackwardRows(const CrossEntropyRows& b, const void* logits, const void* labels,
-                  const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
-                  const CrossEntropyOptions& o) {
+                              const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                              const CrossEntropyOptions& o) {
   dispatch_rows(b, "cross_entropy_backward", [&](auto tag, auto ltag) {
     using T = decltype(tag);
     using L = decltype(ltag);

@@ -7,7 +7,6 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/elementwise/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
 
 #include <algorithm>

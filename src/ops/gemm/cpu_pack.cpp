@@ -3,8 +3,9 @@
 // target (gathers along the source's columns).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/gemm/cpu_pack.cpp"
-#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include "ops/gemm/cpu_pack.h"
 
+#include <hwy/foreach_target.h>  // re-includes this file once per target
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -12,7 +13,6 @@
 
 #include "ops/common.h"
 #include "ops/cpu_simd-inl.h"
-#include "ops/gemm/cpu_pack.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace meshfuse::detail::cpu::HWY_NAMESPACE {

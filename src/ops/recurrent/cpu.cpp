@@ -17,7 +17,6 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/recurrent/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -648,8 +647,9 @@ void rnn_backward(const RecurrentShape& s, const void* grad_output, const void* 
                   const void* output, const void* weight, const void* input_state, void* grad_input,
                   void* grad_weight, void* grad_input_state, double gradient_clipping,
                   const Stream&) {
-  HWY_DYNAMIC_DISPATCH(rnn_backward)(s, grad_output, grad_final_state, output, weight, input_state,
-                                     grad_input, grad_weight, grad_input_state, gradient_clipping);
+  HWY_DYNAMIC_DISPATCH(rnn_backward)
+  (s, grad_output, grad_final_state, output, weight, input_state, grad_input, grad_weight,
+   grad_input_state, gradient_clipping);
 }
 
 void gru_forward(const RecurrentShape& s, const GruPointers& p, const void* input_state,
@@ -661,8 +661,9 @@ void gru_backward(const RecurrentShape& s, const void* grad_output, const void* 
                   const void* output, const GruPointers& p, const void* input_state,
                   const GruGradPointers& grads, void* grad_input_state, double gradient_clipping,
                   const Stream&) {
-  HWY_DYNAMIC_DISPATCH(gru_backward)(s, grad_output, grad_final_state, output, p, input_state,
-                                     grads, grad_input_state, gradient_clipping);
+  HWY_DYNAMIC_DISPATCH(gru_backward)
+  (s, grad_output, grad_final_state, output, p, input_state, grads, grad_input_state,
+   gradient_clipping);
 }
 
 }  // namespace meshfuse::detail::cpu

@@ -19,7 +19,6 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/rmsnorm/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -106,16 +105,16 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + a.eps));
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
-      StreamOut(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
-                 [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)},
-                 PrefetchTo::L2);
+      StreamOut(
+          static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
+          [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)}, PrefetchTo::L2);
     }
     hwy::FlushStream();
   }
 }
 
-// One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row that
-// follows (itself for the last row), brought into cache while this row's outputs are written.
+// One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row
+// that follows (itself for the last row), brought into cache while this row's outputs are written.
 template <typename T, bool kGradR, bool kDresidual, bool kDweight, typename A = acc_t<T>>
 void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* w, std::int64_t row,
                   std::int64_t next, bool stream, double* dw_partial) {
@@ -152,7 +151,7 @@ void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* 
     StreamOut(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; }, {next_in, next_gr});
   } else {
     StreamOut(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; },
-               {next_dy, next_in, next_gr});
+              {next_dy, next_in, next_gr});
   }
 }
 

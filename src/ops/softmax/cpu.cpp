@@ -6,8 +6,8 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/softmax/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
+
 #include <vector>
 
 #include "ops/common.h"
@@ -47,7 +47,7 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
         StreamOut(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
-                   [&](std::int64_t c) { return e[c] * inv; });
+                  [&](std::int64_t c) { return e[c] * inv; });
       }
       hwy::FlushStream();
     }

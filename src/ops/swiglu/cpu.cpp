@@ -8,7 +8,6 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -67,7 +66,7 @@ const Table16<T>* silu_grad_table() {
 }
 
 }  // namespace
-}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+}  // namespace meshfuse::detail::cpu
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
@@ -117,26 +116,26 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
       const T* u = row<T>(up, r);
       for (std::int64_t c0 = 0; c0 < s.cols; c0 += kBlock) {
         const std::int64_t len = std::min(kBlock, s.cols - c0);
-        StreamOutBlocks(
-            row<T>(dup, r) + c0, len, stream, [&](std::int64_t, std::int64_t n, float* du_block) {
-              const DF df;
-              const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
-              for (std::int64_t c = 0; c < n; c += lanes) {
-                const std::int64_t j = c0 + c;
-                if (j * std::int64_t{sizeof(T)} % 64 == 0) {
-                  PrefetchAhead(d + j);
-                  PrefetchAhead(g + j);
-                  PrefetchAhead(u + j);
-                }
-                const bool full = c + lanes <= n;
-                const auto k = static_cast<std::size_t>(n - c);
-                const VF dv = full ? LoadF(df, d + j) : LoadFTail(df, d + j, k);
-                const VF uv = full ? LoadF(df, u + j) : LoadFTail(df, u + j, k);
-                hn::Store(hn::Mul(dv, Lookup(df, silu, g + j, k)), df, du_block + c);
-                hn::Store(hn::Mul(hn::Mul(dv, uv), Lookup(df, silu_grad, g + j, k)), df,
-                          dg_block + c);
-              }
-            });
+        StreamOutBlocks(row<T>(dup, r) + c0, len, stream,
+                        [&](std::int64_t, std::int64_t n, float* du_block) {
+                          const DF df;
+                          const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
+                          for (std::int64_t c = 0; c < n; c += lanes) {
+                            const std::int64_t j = c0 + c;
+                            if (j * std::int64_t{sizeof(T)} % 64 == 0) {
+                              PrefetchAhead(d + j);
+                              PrefetchAhead(g + j);
+                              PrefetchAhead(u + j);
+                            }
+                            const bool full = c + lanes <= n;
+                            const auto k = static_cast<std::size_t>(n - c);
+                            const VF dv = full ? LoadF(df, d + j) : LoadFTail(df, d + j, k);
+                            const VF uv = full ? LoadF(df, u + j) : LoadFTail(df, u + j, k);
+                            hn::Store(hn::Mul(dv, Lookup(df, silu, g + j, k)), df, du_block + c);
+                            hn::Store(hn::Mul(hn::Mul(dv, uv), Lookup(df, silu_grad, g + j, k)), df,
+                                      dg_block + c);
+                          }
+                        });
         StreamOutBlocks(row<T>(dgate, r) + c0, len, stream,
                         [&](std::int64_t, std::int64_t n, float* block) {
                           std::copy(dg_block, dg_block + n, block);
