@@ -43,11 +43,12 @@ inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
 // exp(x) on the lanes of x: the reduction and polynomial of the scalar vexp (cpu_math.h),
 // x = n ln2 + r with |r| <= ln2/2, exp(r) by kExpPoly; then 2^n. AVX-512 scales by vscalefps,
 // which rounds subnormal results once and overflows to inf in one instruction (Highway has no op
-// for it: the one intrinsic kept, see docs/kernels/cpu_simd.md); other targets scale by two exact
-// factors 2^(n/2) as the scalar vexp does. Within 2 ulp (subnormal results included); NaN stays
-// NaN; -inf gives 0; finite x past ln(FLT_MAX) gives +inf (on AVX-512 +inf itself is outside the
-// domain: every caller passes x <= 0, up to rounding, or -gate, where silu(-inf) is NaN anyway).
-// Highway's own hn::Exp (hwy/contrib/math) measured slower inside the kernels (figures in the doc).
+// for it: one of the two intrinsics kept, see docs/kernels/cpu_simd.md); other targets scale by
+// two exact factors 2^(n/2) as the scalar vexp does. Within 2 ulp (subnormal results included); NaN
+// stays NaN; -inf gives 0; finite x past ln(FLT_MAX) gives +inf (on AVX-512 +inf itself is outside
+// the domain: every caller passes x <= 0, up to rounding, or -gate, where silu(-inf) is NaN
+// anyway). Highway's own hn::Exp (hwy/contrib/math) measured slower on every target, and gives 0
+// for NaN (bench/exp_choice; figures in docs/kernels/cpu_simd.md).
 #define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 HWY_INLINE VF VExp(DF d, VF x) {
 #if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR
