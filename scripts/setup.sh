@@ -5,11 +5,12 @@ set -euo pipefail
 
 # libdnnl-dev: oneDNN, the CPU GEMM; its CMake config also wants OpenCL (ocl-icd-opencl-dev), as
 # Debian builds it with the OpenCL GPU runtime. libgloo-dev, libopenmpi-dev, openmpi-bin: the gloo
-# and mpi communicator backends.
+# and mpi communicator backends. libhwy-dev: Google Highway, the cpu kernels' portable SIMD.
 packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libhwy-dev
   libgloo-dev libopenmpi-dev openmpi-bin
 )
 

@@ -1,18 +1,79 @@
+// The cpu backend's math helpers, the SIMD ones on every target this build has and the CPU allows
+// (compiled here per target as the kernels compile them).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu_math_test.cpp"
 #include "ops/cpu_math.h"
+
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "ops/cpu_simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
+
+// VExp of in[0, n) into out (n a multiple of the lanes, at most 16).
+void VExpOf(const float* in, float* out, std::size_t n) {
+  const DF d;
+  for (std::size_t i = 0; i < n; i += hn::Lanes(d))
+    hn::StoreU(VExp(d, hn::LoadU(d, in + i)), d, out + i);
+}
+
+// StreamOut of v[i] to dst[0, n) as T, then the fence.
+template <typename T>
+void StreamOutOf(const std::vector<float>& v, T* dst, std::int64_t n, bool stream, const T* next) {
+  StreamOut(dst, n, stream, [&](std::int64_t i) { return v[i]; }, {next, nullptr});
+  hwy::FlushStream();
+}
+void StreamOutBf16(const std::vector<float>& v, bfloat16* dst, std::int64_t n, bool stream,
+                   const bfloat16* next) {
+  StreamOutOf(v, dst, n, stream, next);
+}
+void StreamOutF16(const std::vector<float>& v, float16* dst, std::int64_t n, bool stream) {
+  StreamOutOf(v, dst, n, stream, static_cast<const float16*>(nullptr));
+}
+void StreamOutF32(const std::vector<float>& v, float* dst, std::int64_t n, bool stream) {
+  StreamOutOf(v, dst, n, stream, static_cast<const float*>(nullptr));
+}
+
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 #include "test_util.h"
+
+namespace meshfuse::detail::cpu {
+HWY_EXPORT(VExpOf);
+HWY_EXPORT(StreamOutBf16);
+HWY_EXPORT(StreamOutF16);
+HWY_EXPORT(StreamOutF32);
+}  // namespace meshfuse::detail::cpu
 
 namespace meshfuse {
 namespace {
 
-using detail::cpu::stream_out;
 using detail::cpu::vexp;
+
+// Runs f once on each target this build has and the CPU allows, that target pinned.
+template <typename F>
+void on_every_target(F&& f) {
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    f();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// VExp of 16 values.
+void vexp16(const float* in, float* out) { HWY_DYNAMIC_DISPATCH(detail::cpu::VExpOf)(in, out, 16); }
 
 TEST(CpuMath, VexpIsWithinTwoUlpFromSubnormalToOverflow) {
   double worst = 0;
@@ -36,56 +97,58 @@ TEST(CpuMath, VexpHandlesInfNanAndTheRangeEnds) {
   EXPECT_EQ(vexp(0.0f), 1.0f);
 }
 
-#if defined(__AVX512F__)
-// vexp16 on every 997th float bit pattern (all exponents, both signs, NaNs; not the infinities,
+// VExp on every 997th float bit pattern (all exponents, both signs, NaNs; not the infinities,
 // which the next test takes) against exp in double: within 2 ulp of the exact value; results
 // below half the smallest subnormal give 0.
-TEST(CpuMath, Vexp16IsWithinTwoUlpOverTheWholeFloatRange) {
-  double worst = 0;
-  std::int64_t wrong_specials = 0;
-  alignas(64) float in[16], out[16];
-  for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 16 * 997) {
-    for (int i = 0; i < 16; ++i)
-      in[i] = std::bit_cast<float>(static_cast<std::uint32_t>(b + i * 997));
-    _mm512_store_ps(out, detail::cpu::vexp16(_mm512_load_ps(in)));
-    for (int i = 0; i < 16; ++i) {
-      const double exact = std::exp(static_cast<double>(in[i]));
-      if (std::isnan(in[i]) || exact > 3.4028234663852886e38) {
-        wrong_specials += std::isnan(in[i]) ? !std::isnan(out[i]) : out[i] != INFINITY;
-        continue;
+TEST(CpuMath, VExpIsWithinTwoUlpOverTheWholeFloatRangeOnEveryTarget) {
+  on_every_target([] {
+    double worst = 0;
+    std::int64_t wrong_specials = 0;
+    alignas(64) float in[16], out[16];
+    for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 16 * 997) {
+      for (int i = 0; i < 16; ++i)
+        in[i] = std::bit_cast<float>(static_cast<std::uint32_t>(b + i * 997));
+      vexp16(in, out);
+      for (int i = 0; i < 16; ++i) {
+        const double exact = std::exp(static_cast<double>(in[i]));
+        if (std::isnan(in[i]) || exact > 3.4028234663852886e38) {
+          wrong_specials += std::isnan(in[i]) ? !std::isnan(out[i]) : out[i] != INFINITY;
+          continue;
+        }
+        const double ulp = std::ldexp(1.0, std::max(std::ilogb(exact), -126) - 23);
+        worst = std::max(worst, std::fabs(out[i] - exact) / ulp);
       }
-      const double ulp = std::ldexp(1.0, std::max(std::ilogb(exact), -126) - 23);
-      worst = std::max(worst, std::fabs(out[i] - exact) / ulp);
     }
-  }
-  EXPECT_LE(worst, 2.0);
-  EXPECT_EQ(wrong_specials, 0);
+    EXPECT_LE(worst, 2.0);
+    EXPECT_EQ(wrong_specials, 0);
+  });
 }
 
-TEST(CpuMath, Vexp16HandlesMinusInfNanSubnormalsAndTheRangeEnds) {
-  const float inf = std::numeric_limits<float>::infinity();
-  alignas(64) float in[16] = {-inf,  3e38f,          100.0f, -104.5f, -100.0f, std::nanf(""),
-                              0.0f,  -0.0f,          88.72f, -87.5f,  -103.0f, 1.0f,
-                              -1.0f, -std::nanf(""), 89.0f,  -104.0f};
-  alignas(64) float out[16];
-  _mm512_store_ps(out, detail::cpu::vexp16(_mm512_load_ps(in)));
-  EXPECT_TRUE(std::isnan(out[5]));
-  EXPECT_TRUE(std::isnan(out[13]));
-  EXPECT_EQ(out[6], 1.0f);
-  EXPECT_EQ(out[7], 1.0f);
-  EXPECT_EQ(out[14], inf);   // past ln(FLT_MAX)
-  EXPECT_EQ(out[15], 0.0f);  // below half the smallest subnormal
-  EXPECT_GT(out[10], 0.0f);  // subnormal
-  EXPECT_EQ(out[0], 0.0f);
-  EXPECT_EQ(out[1], inf);  // large finite inputs too (+inf is outside vexp16's domain)
-  EXPECT_EQ(out[2], inf);
-  EXPECT_EQ(out[3], 0.0f);
-  EXPECT_NEAR(out[4], std::exp(-100.0), 1.5e-45);  // a subnormal float
+TEST(CpuMath, VExpHandlesMinusInfNanSubnormalsAndTheRangeEndsOnEveryTarget) {
+  on_every_target([] {
+    const float inf = std::numeric_limits<float>::infinity();
+    alignas(64) float in[16] = {-inf,  3e38f,          100.0f, -104.5f, -100.0f, std::nanf(""),
+                                0.0f,  -0.0f,          88.72f, -87.5f,  -103.0f, 1.0f,
+                                -1.0f, -std::nanf(""), 89.0f,  -104.0f};
+    alignas(64) float out[16];
+    vexp16(in, out);
+    EXPECT_TRUE(std::isnan(out[5]));
+    EXPECT_TRUE(std::isnan(out[13]));
+    EXPECT_EQ(out[6], 1.0f);
+    EXPECT_EQ(out[7], 1.0f);
+    EXPECT_EQ(out[14], inf);   // past ln(FLT_MAX)
+    EXPECT_EQ(out[15], 0.0f);  // below half the smallest subnormal
+    EXPECT_GT(out[10], 0.0f);  // subnormal
+    EXPECT_EQ(out[0], 0.0f);
+    EXPECT_EQ(out[1], inf);  // large finite inputs too (+inf is outside VExp's domain)
+    EXPECT_EQ(out[2], inf);
+    EXPECT_EQ(out[3], 0.0f);
+    EXPECT_NEAR(out[4], std::exp(-100.0), 1.5e-45);  // a subnormal float
+  });
 }
-#endif
 
 // Every bf16 above and below each rounding boundary: ties, NaN payloads, inf, subnormals (which the
-// AVX512-BF16 conversion would flush; stream_out must not).
+// AVX512-BF16 conversion would flush; StreamOut must not).
 std::vector<float> bf16_boundary_values() {
   std::vector<float> v;
   for (std::uint32_t hi = 0; hi < 0x10000u; ++hi)
@@ -94,36 +157,38 @@ std::vector<float> bf16_boundary_values() {
   return v;
 }
 
-TEST(CpuMath, StreamOutStoresAsStoreAsStreamedOrNotAtAnyAlignment) {
-  const std::vector<float> v = bf16_boundary_values();
-  const auto n = static_cast<std::int64_t>(v.size());
-  std::vector<bfloat16> next(v.size() + 1);
-  for (const bool stream : {false, true})
-    for (const std::int64_t skew : {0, 1, 7}) {  // out misaligned by `skew` elements
-      std::vector<bfloat16> out(v.size() + 64);
-      bfloat16* dst = out.data() + skew;
-      stream_out(dst, n - skew, stream, [&](std::int64_t i) { return v[i]; },
-                 {next.data(), nullptr});
-      detail::cpu::stream_fence();
-      for (std::int64_t i = 0; i < n - skew; ++i)
-        ASSERT_EQ(dst[i].bits, to_bfloat16(v[i]).bits)
-            << "value bits " << std::hex << std::bit_cast<std::uint32_t>(v[i]);
-    }
+TEST(CpuMath, StreamOutStoresAsStoreAsStreamedOrNotAtAnyAlignmentOnEveryTarget) {
+  on_every_target([] {
+    const std::vector<float> v = bf16_boundary_values();
+    const auto n = static_cast<std::int64_t>(v.size());
+    std::vector<bfloat16> next(v.size() + 1);
+    for (const bool stream : {false, true})
+      for (const std::int64_t skew : {0, 1, 7}) {  // out misaligned by `skew` elements
+        std::vector<bfloat16> out(v.size() + 64);
+        bfloat16* dst = out.data() + skew;
+        HWY_DYNAMIC_DISPATCH(detail::cpu::StreamOutBf16)(v, dst, n - skew, stream, next.data());
+        for (std::int64_t i = 0; i < n - skew; ++i)
+          ASSERT_EQ(dst[i].bits, to_bfloat16(v[i]).bits)
+              << "value bits " << std::hex << std::bit_cast<std::uint32_t>(v[i]);
+      }
+  });
 }
 
-TEST(CpuMath, StreamOutStoresF32AndF16AsStoreAs) {
-  const std::vector<float> v = bf16_boundary_values();
-  const auto n = static_cast<std::int64_t>(v.size()) - 3;
-  std::vector<float> f32(v.size());
-  std::vector<float16> f16(v.size());
-  stream_out(f32.data() + 3, n, true, [&](std::int64_t i) { return v[i]; });
-  stream_out(f16.data() + 3, n, true, [&](std::int64_t i) { return v[i]; });
-  detail::cpu::stream_fence();
-  for (std::int64_t i = 0; i < n; ++i) {
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(f32[3 + i]), std::bit_cast<std::uint32_t>(v[i]));
-    ASSERT_EQ(f16[3 + i].bits, to_float16(v[i]).bits);
-  }
+TEST(CpuMath, StreamOutStoresF32AndF16AsStoreAsOnEveryTarget) {
+  on_every_target([] {
+    const std::vector<float> v = bf16_boundary_values();
+    const auto n = static_cast<std::int64_t>(v.size()) - 3;
+    std::vector<float> f32(v.size());
+    std::vector<float16> f16(v.size());
+    HWY_DYNAMIC_DISPATCH(detail::cpu::StreamOutF32)(v, f32.data() + 3, n, true);
+    HWY_DYNAMIC_DISPATCH(detail::cpu::StreamOutF16)(v, f16.data() + 3, n, true);
+    for (std::int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(f32[3 + i]), std::bit_cast<std::uint32_t>(v[i]));
+      ASSERT_EQ(f16[3 + i].bits, to_float16(v[i]).bits);
+    }
+  });
 }
 
 }  // namespace
 }  // namespace meshfuse
+#endif  // HWY_ONCE

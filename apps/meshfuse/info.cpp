@@ -31,6 +31,8 @@ void print_info(std::ostream& out) {
   const std::vector<KernelInfo> kernels = registered_kernels();
   out << fmt::format("meshfuse {}\n", version());
   out << fmt::format("build: {} cuda={}\n", build_info(), built_with_cuda() ? "ON" : "OFF");
+  out << fmt::format("cpu simd: {} (built for {}; MESHFUSE_CPU_TARGET pins a lower one)\n",
+                     cpu_simd_target(), fmt::join(cpu_simd_targets(), " "));
 
   out << "devices and their kernel backends:\n";
   for (const Device& device : available_devices()) {

@@ -1,18 +1,26 @@
-// CPU cross-entropy: rows split over OpenMP threads, each row vectorised by the compiler. The
-// forward reads each row twice (max, then exp-sum, the next row's max fused into this row's
-// exp-sum: see cpu_logsumexp.h), the backward reads it and writes the gradient in one pass. f32
-// rows keep the lse in double from the forward's sum to the backward's exps (backward_rows).
+// CPU cross-entropy: rows split over OpenMP threads, each row in Highway vectors. The forward
+// reads each row twice (max, then exp-sum, the next row's max fused into this row's exp-sum: see
+// cpu_logsumexp-inl.h), the backward reads it and writes the gradient in one pass. f32 rows keep
+// the lse in double from the forward's sum to the backward's exps (backward_rows). Compiled once
+// per SIMD target (cpu_simd-inl.h), dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cross_entropy/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <cmath>
 #include <type_traits>
 #include <vector>
 
 #include "ops/common.h"
+#include "ops/cpu_logsumexp-inl.h"
 #include "ops/cpu_math.h"
+#include "ops/cpu_simd-inl.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
-#include "ops/cpu_logsumexp.h"
 #include "ops/softmax/softmax_kernels.h"
 
-namespace meshfuse::detail::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
 template <typename T, typename L>
@@ -117,27 +125,30 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
           label_grad = static_cast<A>(cd * (p * p_scale - smooth_d - (1 - o.label_smoothing)));
         }
       }
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      if constexpr (std::is_same_v<A, float>) {  // bound by the exp: vexp16 (cpu_math.h)
-        stream_out_blocks(dx, b.vocab, stream, [&](std::int64_t j0, std::int64_t len, A* buf) {
-          const __m512 vm = _mm512_set1_ps(m), vshift = _mm512_set1_ps(shift);
-          const __m512 vc = _mm512_set1_ps(c), vpf = _mm512_set1_ps(pf), voff = _mm512_set1_ps(off);
-          for (std::int64_t j = 0; j < len; j += 16) {
-            const __mmask16 k = tail_mask(j, len);
-            const __m512 e = vexp16(_mm512_fmsub_ps(load16(x + j0 + j, k), vm, vshift));
-            const __m512 d = _mm512_fmsub_ps(e, vpf, voff);
-            _mm512_mask_storeu_ps(buf + j, k, kSixteenBit<T> ? _mm512_mul_ps(vc, d) : d);
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (std::is_same_v<A, float>) {  // bound by the exp: VExp (cpu_simd-inl.h)
+        StreamOutBlocks(dx, b.vocab, stream, [&](std::int64_t j0, std::int64_t len, A* buf) {
+          const DF d;
+          const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+          const VF vm = hn::Set(d, m), vshift = hn::Set(d, shift);
+          const VF vc = hn::Set(d, c), vpf = hn::Set(d, pf), voff = hn::Set(d, off);
+          for (std::int64_t j = 0; j < len; j += lanes) {
+            const T* xj = x + j0 + j;
+            const VF v = j + lanes <= len ? LoadF(d, xj) : LoadFTail(d, xj, len - j);
+            const VF e = VExp(d, hn::MulSub(v, vm, vshift));
+            const VF g = hn::MulSub(e, vpf, voff);
+            hn::Store(kSixteenBit<T> ? hn::Mul(vc, g) : g, d, buf + j);  // buf: whole vectors
           }
         });
       } else
 #endif
-        stream_out(dx, b.vocab, stream, [&](std::int64_t j) {
+        StreamOut(dx, b.vocab, stream, [&](std::int64_t j) {
           const A d = vexp(A(to_float(x[j])) * m - shift) * pf - off;
           return kSixteenBit<T> ? c * d : d;
         });
       if (here) dx[col] = store_as<T>(label_grad);
     }
-    stream_fence();
+    hwy::FlushStream();
   }
 }
 
@@ -151,8 +162,8 @@ void dispatch_rows(const CrossEntropyRows& b, std::string_view op, F&& f) {
 
 }  // namespace
 
-void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
-                                void* lse, double* row_loss, const CrossEntropyOptions& o) {
+void CrossEntropyForwardRows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                             void* lse, double* row_loss, const CrossEntropyOptions& o) {
   dispatch_rows(b, "cross_entropy", [&](auto tag, auto ltag) {
     using T = decltype(tag);
     using L = decltype(ltag);
@@ -161,15 +172,35 @@ void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, c
   });
 }
 
-void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
-                                 const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
-                                 const CrossEntropyOptions& o) {
+void CrossEntropyBackwardRows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                              const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                              const CrossEntropyOptions& o) {
   dispatch_rows(b, "cross_entropy_backward", [&](auto tag, auto ltag) {
     using T = decltype(tag);
     using L = decltype(ltag);
     backward_rows(b, static_cast<const T*>(logits), static_cast<const L*>(labels),
                   static_cast<const lse_t<T>*>(lse), upstream, static_cast<T*>(grad_logits), o);
   });
+}
+
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(CrossEntropyForwardRows);
+HWY_EXPORT(CrossEntropyBackwardRows);
+
+void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                void* lse, double* row_loss, const CrossEntropyOptions& o) {
+  HWY_DYNAMIC_DISPATCH(CrossEntropyForwardRows)(b, logits, labels, lse, row_loss, o);
+}
+
+void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
+                                 const void* lse, CrossEntropyUpstream upstream, void* grad_logits,
+                                 const CrossEntropyOptions& o) {
+  HWY_DYNAMIC_DISPATCH(CrossEntropyBackwardRows)(b, logits, labels, lse, upstream, grad_logits, o);
 }
 
 void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const void* labels,
@@ -192,3 +223,4 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
 }
 
 }  // namespace meshfuse::detail::cpu
+#endif

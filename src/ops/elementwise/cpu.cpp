@@ -1,19 +1,24 @@
 // CPU elementwise ops: OpenMP threads over the output, every loop left to the compiler's
 // vectoriser (no intrinsics): contiguous inputs run one unit-stride loop; strided ones run chunks
 // of the output in runs along the merged layout's innermost dimension. The fma is std::fma, never
-// a contraction the compiler may or may not make; -march=native turns it into vfmadd, vectorised.
+// a contraction the compiler may or may not make: a vfmadd on targets with FMA, the exact libm fma
+// elsewhere, so every target gives the same bits. Compiled once per SIMD target (cpu_simd-inl.h),
+// dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/elementwise/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "ops/common.h"
+#include "ops/cpu_simd-inl.h"
 #include "ops/elementwise/elementwise_kernels.h"
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-namespace meshfuse::detail::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
 // Calls smaller than this stay on the calling thread (a parallel region costs microseconds).
@@ -26,28 +31,28 @@ const T* typed(const ElementwiseInput& in) {
   return static_cast<const T*>(in.data);
 }
 
-#if defined(__F16C__)
+#if MESHFUSE_HWY_F16_HARDWARE && HWY_TARGET != HWY_SCALAR
 // GCC (12) leaves loops over _Float16 conversions scalar where the CPU lacks AVX512-FP16, at a
-// third of the bf16 rate; so contiguous f16 is converted 8 elements at a time by F16C into fp32
-// blocks, computed by a loop the compiler vectorises, and converted back. vcvtph2ps and vcvtps2ph
-// (round to nearest even) are what to_float and to_float16 compile to one element at a time, so
-// the bits are the same.
+// third of the bf16 rate; so contiguous f16 is converted a vector at a time by Highway (F16C's
+// vcvtph2ps and vcvtps2ph, round to nearest even: the bits of to_float and to_float16) into fp32
+// blocks, computed by a loop the compiler vectorises, and converted back.
 constexpr std::int64_t kF16Block = 512;
 
 void widen(const float16* p, std::int64_t n, float* x) {
+  const DF d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
   std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_store_ps(x + j,
-                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
+  for (; j + lanes <= n; j += lanes) hn::Store(LoadF(d, p + j), d, x + j);
   for (; j < n; ++j) x[j] = to_float(p[j]);
 }
 
 void narrow(const float* y, std::int64_t n, float16* p) {
+  const DF d;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
   std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(p + j),
-        _mm256_cvtps_ph(_mm256_load_ps(y + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; j + lanes <= n; j += lanes)
+    hn::StoreU(hn::DemoteTo(dh, hn::Load(d, y + j)), dh, reinterpret_cast<hwy::float16_t*>(p + j));
   for (; j < n; ++j) p[j] = to_float16(y[j]);
 }
 
@@ -57,8 +62,8 @@ void linear_f16(const float16* const* in, float16* out, std::int64_t n, F f) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (std::int64_t block = 0; block < blocks; ++block) {
     const std::int64_t i = block * kF16Block, len = std::min(kF16Block, n - i);
-    alignas(32) float x[K][kF16Block];
-    alignas(32) float y[kF16Block];
+    HWY_ALIGN float x[K][kF16Block];
+    HWY_ALIGN float y[kF16Block];
     for (int k = 0; k < K; ++k) widen(in[k] + i, len, x[k]);  // all read before out is written
 #pragma omp simd
     for (std::int64_t c = 0; c < len; ++c) {
@@ -81,7 +86,7 @@ void apply(const ElementwiseShape& s, const ElementwiseInput (&in)[K], T* out, F
     const std::int64_t n = s.numel;
     const T* a = typed<T>(in[0]);
     const T* b = typed<T>(in[K - 1]);
-#if defined(__F16C__)
+#if MESHFUSE_HWY_F16_HARDWARE && HWY_TARGET != HWY_SCALAR
     if constexpr (std::is_same_v<T, float16>) {
       const float16* p[K];
       for (int k = 0; k < K; ++k) p[k] = typed<T>(in[k]);
@@ -141,8 +146,8 @@ void apply(const ElementwiseShape& s, const ElementwiseInput (&in)[K], T* out, F
 
 }  // namespace
 
-void elementwise_add(const ElementwiseShape& s, ElementwiseInput a, ElementwiseInput b, void* out,
-                     double alpha, const Stream&) {
+void ElementwiseAdd(const ElementwiseShape& s, ElementwiseInput a, ElementwiseInput b, void* out,
+                    double alpha) {
   if (s.numel == 0) return;
   dispatch_float(s.dtype, "add", [&](auto tag) {
     using T = decltype(tag);
@@ -153,8 +158,7 @@ void elementwise_add(const ElementwiseShape& s, ElementwiseInput a, ElementwiseI
   });
 }
 
-void elementwise_mul(const ElementwiseShape& s, ElementwiseInput a, void* out, double scalar,
-                     const Stream&) {
+void ElementwiseMul(const ElementwiseShape& s, ElementwiseInput a, void* out, double scalar) {
   if (s.numel == 0) return;
   dispatch_float(s.dtype, "mul", [&](auto tag) {
     using T = decltype(tag);
@@ -165,4 +169,24 @@ void elementwise_mul(const ElementwiseShape& s, ElementwiseInput a, void* out, d
   });
 }
 
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(ElementwiseAdd);
+HWY_EXPORT(ElementwiseMul);
+
+void elementwise_add(const ElementwiseShape& s, ElementwiseInput a, ElementwiseInput b, void* out,
+                     double alpha, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(ElementwiseAdd)(s, a, b, out, alpha);
+}
+
+void elementwise_mul(const ElementwiseShape& s, ElementwiseInput a, void* out, double scalar,
+                     const Stream&) {
+  HWY_DYNAMIC_DISPATCH(ElementwiseMul)(s, a, out, scalar);
+}
+
 }  // namespace meshfuse::detail::cpu
+#endif

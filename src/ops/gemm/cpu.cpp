@@ -15,6 +15,7 @@
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
+#include "ops/gemm/cpu_pack.h"
 #include "ops/gemm/gemm_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -111,69 +112,13 @@ void copy_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d) {
 // MiB allocation per GEMM is fresh pages from the kernel every time (mmap, or the heap trimmed
 // after the free), and faulting them in costs a noticeable part of a linear.
 float* scratch(int slot, std::int64_t n) {
-  thread_local Tensor buffers[3];  // 64-byte aligned, for transpose_tile's streaming stores
+  thread_local Tensor buffers[3];  // 64-byte aligned, for pack_f32's streaming stores
   Tensor& b = buffers[slot];
   if (!b.defined() || b.numel() < n) {
     b = Tensor();                 // release the old block before taking the larger one
     b = Tensor({n}, DType::F32);  // not zeroed: written before read
   }
   return b.data_ptr<float>();
-}
-
-// out[i * ldo + j] = src[j * ld + i] as f32, for i < ni <= 16 and j < nj <= 16. With AVX-512, a
-// transpose in registers, whose whole 64-byte rows go out as streaming stores: ordinary ones first
-// read each line of out, a power of two floats apart, and the reads do not overlap. A scalar
-// transpose through memory was several times slower.
-template <typename T>
-void transpose_tile(const T* src, std::int64_t ld, std::int64_t ni, std::int64_t nj, float* out,
-                    std::int64_t ldo, bool stream) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  // The maskz_ forms with every lane kept: GCC 12 warns on the plain ones' undefined passthrough.
-  constexpr __mmask16 k = 0xffff;
-  constexpr __mmask8 k8 = 0xff;
-  const auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(k8, _mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  const auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(k8, _mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  __m512 r[16], t[16];
-  for (int j = 0; j < 16; ++j)
-    r[j] = j < nj ? load16(src + j * ld, tail_mask(0, ni)) : _mm512_setzero_ps();
-  // Pairs of rows interleaved by 1, then 2 elements, then 4 (the 128-bit lanes) twice.
-  for (int j = 0; j < 16; j += 2) {
-    t[j] = _mm512_maskz_unpacklo_ps(k, r[j], r[j + 1]);
-    t[j + 1] = _mm512_maskz_unpackhi_ps(k, r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 16; j += 4) {
-    r[j] = lo(t[j], t[j + 2]);
-    r[j + 1] = hi(t[j], t[j + 2]);
-    r[j + 2] = lo(t[j + 1], t[j + 3]);
-    r[j + 3] = hi(t[j + 1], t[j + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_maskz_shuffle_f32x4(k, r[j], r[j + 4], 0x88);
-    t[j + 4] = _mm512_maskz_shuffle_f32x4(k, r[j], r[j + 4], 0xdd);
-    t[j + 8] = _mm512_maskz_shuffle_f32x4(k, r[j + 8], r[j + 12], 0x88);
-    t[j + 12] = _mm512_maskz_shuffle_f32x4(k, r[j + 8], r[j + 12], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_maskz_shuffle_f32x4(k, t[j], t[j + 8], 0x88);
-    r[j + 4] = _mm512_maskz_shuffle_f32x4(k, t[j + 4], t[j + 12], 0x88);
-    r[j + 8] = _mm512_maskz_shuffle_f32x4(k, t[j], t[j + 8], 0xdd);
-    r[j + 12] = _mm512_maskz_shuffle_f32x4(k, t[j + 4], t[j + 12], 0xdd);
-  }
-  const bool whole_lines = nj == 16 && ldo % 16 == 0;  // out is 64-byte aligned (scratch)
-  for (int i = 0; i < ni; ++i)
-    if (stream && whole_lines)
-      _mm512_stream_ps(out + i * ldo, r[i]);
-    else
-      _mm512_mask_storeu_ps(out + i * ldo, tail_mask(0, nj), r[i]);
-#else
-  (void)stream;
-  for (std::int64_t i = 0; i < ni; ++i)
-    for (std::int64_t j = 0; j < nj; ++j) out[i * ldo + j] = to_float(src[j * ld + i]);
-#endif
 }
 
 // Rows [r0, r0 + rows) x cols [c0, c0 + cols) of batch item l of x as a row-major f32 block with
@@ -194,38 +139,7 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
   float* const out = scratch(slot, rows * cols);
   const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
                                         rows * cols * 4);
-  if (!x.transposed) {
-#pragma omp parallel if (rows * cols >= kParallelMin)
-    {
-#pragma omp for schedule(static) nowait
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const T* src = base + (r0 + i) * x.ld + c0;
-        float* dst = out + i * cols;
-        std::int64_t j = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-        if (stream && cols % 16 == 0)  // whole aligned lines (scratch is 64-byte aligned)
-          for (; j < cols; j += 16) _mm512_stream_ps(dst + j, load16(src + j, 0xffff));
-#endif
-#pragma omp simd
-        for (std::int64_t t = j; t < cols; ++t) dst[t] = to_float(src[t]);
-      }
-      stream_fence();
-    }
-  } else {
-    // 256 x 256 blocks (their pages fit the TLB) of 16 x 16 tiles.
-    constexpr std::int64_t kBlock = 256, kTile = 16;
-#pragma omp parallel if (rows * cols >= kParallelMin)
-    {
-#pragma omp for collapse(2) schedule(static) nowait
-      for (std::int64_t ib = 0; ib < rows; ib += kBlock)
-        for (std::int64_t jb = 0; jb < cols; jb += kBlock)
-          for (std::int64_t i0 = ib; i0 < std::min(rows, ib + kBlock); i0 += kTile)
-            for (std::int64_t j0 = jb; j0 < std::min(cols, jb + kBlock); j0 += kTile)
-              transpose_tile(base + (c0 + j0) * x.ld + r0 + i0, x.ld, std::min(kTile, rows - i0),
-                             std::min(kTile, cols - j0), out + i0 * cols + j0, cols, stream);
-      stream_fence();
-    }
-  }
+  pack_f32(dtype_of<T>(), base, x.ld, x.transposed, r0, rows, c0, cols, out, stream);
   return out;
 }
 

@@ -12,6 +12,13 @@
 // the end, so the result does not depend on the number of threads. Input gradients of a head
 // serving one input head are stored directly; a broadcast input head (serving several heads)
 // takes the sum over its heads, which one task walks one after another into an fp32 buffer.
+// Compiled once per SIMD target (cpu_simd-inl.h) for the compiler to vectorise the loops for each,
+// dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/recurrent/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -23,10 +30,13 @@
 #include "ops/recurrent/recurrent_kernels.h"
 #include "ops/recurrent/rows.h"
 
-namespace meshfuse::detail::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
-#if defined(__AVX512F__)
+// The register blocks' vector width: AVX-512's, else 32 bytes (two registers where vectors are
+// narrower, which measured no slower than one).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int kVectorBytes = 64;
 #else
 constexpr int kVectorBytes = 32;
@@ -564,7 +574,7 @@ void gru_backward_t(const RecurrentShape& s, const Operands<T, 3>& op,
 }  // namespace
 
 void rnn_forward(const RecurrentShape& s, const void* input, const void* weight,
-                 const void* input_state, void* output, void* final_state, const Stream&) {
+                 const void* input_state, void* output, void* final_state) {
   dispatch_float(s.dtype, "rnn", [&](auto tag) {
     using T = decltype(tag);
     rnn_forward_t<T>(s, operands<T, 1>(&input, &weight), static_cast<const T*>(input_state),
@@ -574,8 +584,7 @@ void rnn_forward(const RecurrentShape& s, const void* input, const void* weight,
 
 void rnn_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
                   const void* output, const void* weight, const void* input_state, void* grad_input,
-                  void* grad_weight, void* grad_input_state, double gradient_clipping,
-                  const Stream&) {
+                  void* grad_weight, void* grad_input_state, double gradient_clipping) {
   dispatch_float(s.dtype, "rnn_backward", [&](auto tag) {
     using T = decltype(tag);
     const void* no_input = nullptr;  // the RNN's backward needs only the outputs
@@ -589,7 +598,7 @@ void rnn_backward(const RecurrentShape& s, const void* grad_output, const void* 
 }
 
 void gru_forward(const RecurrentShape& s, const GruPointers& p, const void* input_state,
-                 void* output, void* final_state, const Stream&) {
+                 void* output, void* final_state) {
   dispatch_float(s.dtype, "gru", [&](auto tag) {
     using T = decltype(tag);
     gru_forward_t<T>(s, operands<T, 3>(p.input, p.weight), static_cast<const T*>(input_state),
@@ -599,8 +608,7 @@ void gru_forward(const RecurrentShape& s, const GruPointers& p, const void* inpu
 
 void gru_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
                   const void* output, const GruPointers& p, const void* input_state,
-                  const GruGradPointers& grads, void* grad_input_state, double gradient_clipping,
-                  const Stream&) {
+                  const GruGradPointers& grads, void* grad_input_state, double gradient_clipping) {
   dispatch_float(s.dtype, "gru_backward", [&](auto tag) {
     using T = decltype(tag);
     BackwardArgs<T, 3> args{static_cast<const T*>(grad_output),
@@ -619,4 +627,44 @@ void gru_backward(const RecurrentShape& s, const void* grad_output, const void* 
   });
 }
 
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(rnn_forward);
+HWY_EXPORT(rnn_backward);
+HWY_EXPORT(gru_forward);
+HWY_EXPORT(gru_backward);
+
+void rnn_forward(const RecurrentShape& s, const void* input, const void* weight,
+                 const void* input_state, void* output, void* final_state, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(rnn_forward)(s, input, weight, input_state, output, final_state);
+}
+
+void rnn_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
+                  const void* output, const void* weight, const void* input_state, void* grad_input,
+                  void* grad_weight, void* grad_input_state, double gradient_clipping,
+                  const Stream&) {
+  HWY_DYNAMIC_DISPATCH(rnn_backward)
+  (s, grad_output, grad_final_state, output, weight, input_state, grad_input, grad_weight,
+   grad_input_state, gradient_clipping);
+}
+
+void gru_forward(const RecurrentShape& s, const GruPointers& p, const void* input_state,
+                 void* output, void* final_state, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(gru_forward)(s, p, input_state, output, final_state);
+}
+
+void gru_backward(const RecurrentShape& s, const void* grad_output, const void* grad_final_state,
+                  const void* output, const GruPointers& p, const void* input_state,
+                  const GruGradPointers& grads, void* grad_input_state, double gradient_clipping,
+                  const Stream&) {
+  HWY_DYNAMIC_DISPATCH(gru_backward)
+  (s, grad_output, grad_final_state, output, p, input_state, grads, grad_input_state,
+   gradient_clipping);
+}
+
 }  // namespace meshfuse::detail::cpu
+#endif

@@ -1,6 +1,6 @@
 // CPU RMSNorm: rows split over OpenMP threads; within a row, unit-stride loops vectorised with
 // `#pragma omp simd` (the simd reduction order is fixed by the build, not by the thread count).
-// Two passes per row, which stays in cache: the statistics, then the outputs through stream_out,
+// Two passes per row, which stays in cache: the statistics, then the outputs through StreamOut,
 // which brings the next row into cache meanwhile (into L2 in the forward: see PrefetchTo). The
 // fused forward writes r in its statistics pass, so that both passes move data (faster than r in
 // a pass of its own). The loops are bound by vector arithmetic as much as by memory, hence the
@@ -14,6 +14,13 @@
 // each term dy * n is exact in it and the sums over rows lose nothing that shows in the output, so
 // dweight is the exact sum of the terms rounded once (fp32 sums over thousands of rows drift
 // further from it than PyTorch's; the backward is bound by memory, not by these adds).
+// Compiled once per SIMD target (cpu_simd-inl.h) for the compiler to vectorise the loops for each,
+// dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/rmsnorm/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -21,9 +28,11 @@
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
+#include "ops/cpu_simd-inl.h"
 #include "ops/rmsnorm/rmsnorm_kernels.h"
 
-namespace meshfuse::detail::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
 // Row blocks of the dweight reduction: at least kMinRowsPerBlock rows (a partial row costs as much
@@ -76,7 +85,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       double sum_sq = 0;
       if constexpr (kResidual) {
         // r is written in the statistics pass: the pass then moves data too.
-        stream_out_blocks(
+        StreamOutBlocks(
             static_cast<T*>(a.r) + row * s.cols, s.cols, stream,
             [&](std::int64_t c0, std::int64_t len, A* buf) {
               const T *xb = x + c0, *rb = res + c0;  // locals, or GCC does not vectorise
@@ -96,16 +105,16 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
       const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + a.eps));
       if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
-      stream_out(static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
-                 [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)},
-                 PrefetchTo::L2);
+      StreamOut(
+          static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
+          [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)}, PrefetchTo::L2);
     }
-    stream_fence();
+    hwy::FlushStream();
   }
 }
 
-// One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row that
-// follows (itself for the last row), brought into cache while this row's outputs are written.
+// One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row
+// that follows (itself for the last row), brought into cache while this row's outputs are written.
 template <typename T, bool kGradR, bool kDresidual, bool kDweight, typename A = acc_t<T>>
 void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* w, std::int64_t row,
                   std::int64_t next, bool stream, double* dw_partial) {
@@ -138,11 +147,11 @@ void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* 
   const T* next_gr = kGradR ? in_row(a.grad_r, next) : nullptr;
   T* dx = static_cast<T*>(a.dx) + row * s.cols;
   if constexpr (kDresidual) {
-    stream_out(static_cast<T*>(a.dresidual) + row * s.cols, s.cols, stream, dr, {next_dy});
-    stream_out(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; }, {next_in, next_gr});
+    StreamOut(static_cast<T*>(a.dresidual) + row * s.cols, s.cols, stream, dr, {next_dy});
+    StreamOut(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; }, {next_in, next_gr});
   } else {
-    stream_out(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; },
-               {next_dy, next_in, next_gr});
+    StreamOut(dx, s.cols, stream, [&](std::int64_t c) { return dr(c) * m; },
+              {next_dy, next_in, next_gr});
   }
 }
 
@@ -172,7 +181,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
         backward_row<T, kGradR, kDresidual, kDweight>(
             s, a, weight.data(), row, row + 1 < s.rows ? row + 1 : row, stream, partial);
     }
-    stream_fence();
+    hwy::FlushStream();
   }
   if constexpr (kDweight) {
     T* dw = static_cast<T*>(a.dweight);
@@ -201,7 +210,7 @@ void with_flag(bool flag, F&& f) {
 
 }  // namespace
 
-void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const Stream&) {
+void RmsNormForward(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   dispatch_float(s.dtype, "rmsnorm", [&](auto tag) {
     using T = decltype(tag);
     with_flag(a.residual != nullptr, [&](auto residual) {
@@ -210,7 +219,7 @@ void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const S
   });
 }
 
-void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const Stream&) {
+void RmsNormBackward(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   dispatch_float(s.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = decltype(tag);
     with_flag(a.grad_r != nullptr, [&](auto grad_r) {
@@ -222,4 +231,22 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
   });
 }
 
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(RmsNormForward);
+HWY_EXPORT(RmsNormBackward);
+
+void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(RmsNormForward)(s, a);
+}
+
+void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(RmsNormBackward)(s, a);
+}
+
 }  // namespace meshfuse::detail::cpu
+#endif

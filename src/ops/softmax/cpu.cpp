@@ -1,18 +1,25 @@
 // CPU softmax: rows split over OpenMP threads, each row vectorised by the compiler. The forward
 // makes three passes over a row (max; exp and sum; scale), one exp per element, the max pass of
 // the next row fused into the exp pass (see row_sum_exp_next_max); the backward makes two (dot,
-// then the output); a row stays in L2 between passes.
+// then the output); a row stays in L2 between passes. Compiled once per SIMD target
+// (cpu_simd-inl.h), dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/softmax/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <vector>
 
 #include "ops/common.h"
+#include "ops/cpu_logsumexp-inl.h"
 #include "ops/cpu_math.h"
-#include "ops/cpu_logsumexp.h"
+#include "ops/cpu_simd-inl.h"
 #include "ops/softmax/softmax_kernels.h"
 
-namespace meshfuse::detail::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 
-void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multiplier,
-                     const Stream&) {
+void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multiplier) {
   dispatch_float(s.dtype, "softmax", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -22,8 +29,9 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
 #pragma omp parallel
     {
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
-      // stays in L2 until the output is written (streamed past the last-level cache).
-      std::vector<A> scratch(static_cast<std::size_t>(s.cols));
+      // stays in L2 until the output is written (streamed past the last-level cache). Whole
+      // vectors are stored past the row's end.
+      std::vector<A> scratch(static_cast<std::size_t>(s.cols) + kMaxLanes);
       A* e = scratch.data();
       // x is read through a local: clang 14 cannot reach the function's parameter from a lambda
       // in an OpenMP region of a generic lambda.
@@ -39,16 +47,16 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
         max = next.max;
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
-        stream_out(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
-                   [&](std::int64_t c) { return e[c] * inv; });
+        StreamOut(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
+                  [&](std::int64_t c) { return e[c] * inv; });
       }
-      stream_fence();
+      hwy::FlushStream();
     }
   });
 }
 
-void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, void* grad_x,
-                      double multiplier, const Stream&) {
+void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, void* grad_x,
+                     double multiplier) {
   dispatch_float(s.dtype, "softmax_backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -68,14 +76,34 @@ void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, 
           dot_sum += double(to_float(dyr[c])) * double(to_float(yr[c]));
         const A dot = A(dot_sum);
         const std::int64_t next = row_offset(r + 1 < s.rows ? r + 1 : r, s.cols);
-        stream_out(
+        StreamOut(
             static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
             [&](std::int64_t c) { return m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot); },
             {static_cast<const T*>(grad_y) + next, static_cast<const T*>(y) + next});
       }
-      stream_fence();
+      hwy::FlushStream();
     }
   });
 }
 
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(SoftmaxForward);
+HWY_EXPORT(SoftmaxBackward);
+
+void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multiplier,
+                     const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxForward)(s, x, y, multiplier);
+}
+
+void softmax_backward(const SoftmaxShape& s, const void* grad_y, const void* y, void* grad_x,
+                      double multiplier, const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxBackward)(s, grad_y, y, grad_x, multiplier);
+}
+
 }  // namespace meshfuse::detail::cpu
+#endif

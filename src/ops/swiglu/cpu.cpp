@@ -1,9 +1,15 @@
 // CPU SwiGLU: rows split over OpenMP threads. For 16-bit gates, silu and its derivative come
 // from tables of their 65536 values (silu_table: one gather in place of the exp and the division,
-// faster in both directions); contiguous rows run AVX-512 loops (gathers), strided ones (the
-// interleaved layout) and f32/f64 loops vectorised by the compiler. The AVX-512 loops prefetch
-// their inputs 2 KB ahead into L1 (prefetch_ahead), which measured faster than prefetching the
-// next row while a row's output is written. Figures: docs/kernels/swiglu.md.
+// faster in both directions); contiguous rows run Highway loops (gathers; VExp for f32 gates),
+// strided ones (the interleaved layout) and f64 loops vectorised by the compiler. The Highway loops
+// prefetch their inputs 2 KB ahead into L1 (PrefetchAhead), which measured faster than prefetching
+// the next row while a row's output is written. Compiled once per SIMD target (cpu_simd-inl.h),
+// dispatched at run time. Figures: docs/kernels/swiglu.md.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/swiglu/cpu.cpp"
+#include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/highway.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,8 +17,12 @@
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
+#include "ops/cpu_simd-inl.h"
 #include "ops/swiglu/swiglu_kernels.h"
 
+// The tables are built once, outside the per-target code: every target reads the same ones.
+#ifndef MESHFUSE_OPS_SWIGLU_TABLES_
+#define MESHFUSE_OPS_SWIGLU_TABLES_
 namespace meshfuse::detail::cpu {
 namespace {
 
@@ -55,21 +65,50 @@ const Table16<T>* silu_grad_table() {
   return table_of<T, silu_grad<double>>();
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+}  // namespace
+}  // namespace meshfuse::detail::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(SwigluForward);
+HWY_EXPORT(SwigluBackward);
+
+void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out,
+                    const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SwigluForward)(s, gate, up, out);
+}
+
+void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
+                     SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up,
+                     const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SwigluBackward)(s, grad_out, gate, up, grad_gate, grad_up);
+}
+
+}  // namespace meshfuse::detail::cpu
+#endif
+#endif  // MESHFUSE_OPS_SWIGLU_TABLES_
+
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
+namespace {
+
+#if HWY_TARGET != HWY_SCALAR
 // The backward of 16-bit contiguous rows from the two tables: du = dy silu(g), dg = dy u silu'(g).
 // Both outputs of a block of columns are computed before either is written (an output may share
 // its data with an input), and streamed past the last-level cache.
 template <typename T>
 void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                                SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
-  constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of stream_out_blocks per call
+  constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of StreamOutBlocks per call
   const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   const Table16<T>& silu = *silu_table<T>();
   const Table16<T>& silu_grad = *silu_grad_table<T>();
 #pragma omp parallel
   {
-    alignas(64) float dg_block[kBlock];
+    HWY_ALIGN float dg_block[kBlock];
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* d = row<T>(dy, r);
@@ -77,34 +116,38 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
       const T* u = row<T>(up, r);
       for (std::int64_t c0 = 0; c0 < s.cols; c0 += kBlock) {
         const std::int64_t len = std::min(kBlock, s.cols - c0);
-        stream_out_blocks(
-            row<T>(dup, r) + c0, len, stream, [&](std::int64_t, std::int64_t n, float* du_block) {
-              for (std::int64_t c = 0; c < n; c += 16) {
-                const std::int64_t j = c0 + c;
-                if (j * std::int64_t{sizeof(T)} % 64 == 0) {
-                  prefetch_ahead(d + j);
-                  prefetch_ahead(g + j);
-                  prefetch_ahead(u + j);
-                }
-                const __mmask16 k = tail_mask(c, n);
-                const __m512 dv = load16(d + j, k);
-                _mm512_store_ps(du_block + c, _mm512_mul_ps(dv, silu.lookup16(g + j, k)));
-                _mm512_store_ps(dg_block + c, _mm512_mul_ps(_mm512_mul_ps(dv, load16(u + j, k)),
-                                                            silu_grad.lookup16(g + j, k)));
-              }
-            });
-        stream_out_blocks(row<T>(dgate, r) + c0, len, stream,
-                          [&](std::int64_t, std::int64_t n, float* block) {
-                            std::copy(dg_block, dg_block + n, block);
-                          });
+        StreamOutBlocks(row<T>(dup, r) + c0, len, stream,
+                        [&](std::int64_t, std::int64_t n, float* du_block) {
+                          const DF df;
+                          const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
+                          for (std::int64_t c = 0; c < n; c += lanes) {
+                            const std::int64_t j = c0 + c;
+                            if (j * std::int64_t{sizeof(T)} % 64 == 0) {
+                              PrefetchAhead(d + j);
+                              PrefetchAhead(g + j);
+                              PrefetchAhead(u + j);
+                            }
+                            const bool full = c + lanes <= n;
+                            const auto k = static_cast<std::size_t>(n - c);
+                            const VF dv = full ? LoadF(df, d + j) : LoadFTail(df, d + j, k);
+                            const VF uv = full ? LoadF(df, u + j) : LoadFTail(df, u + j, k);
+                            hn::Store(hn::Mul(dv, Lookup(df, silu, g + j, k)), df, du_block + c);
+                            hn::Store(hn::Mul(hn::Mul(dv, uv), Lookup(df, silu_grad, g + j, k)), df,
+                                      dg_block + c);
+                          }
+                        });
+        StreamOutBlocks(row<T>(dgate, r) + c0, len, stream,
+                        [&](std::int64_t, std::int64_t n, float* block) {
+                          std::copy(dg_block, dg_block + n, block);
+                        });
       }
     }
-    stream_fence();
+    hwy::FlushStream();
   }
 }
 #endif
 
-// The output is contiguous: written through stream_out, streamed past the last-level cache.
+// The output is contiguous: written through StreamOut, streamed past the last-level cache.
 template <typename T, int kIn>
 void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
@@ -117,38 +160,37 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
       const T* u = row<T>(up, r);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if HWY_TARGET != HWY_SCALAR
       if constexpr (std::is_same_v<A, float> && kIn == 1) {
-        // up * silu(gate) of the 16 elements from column c, in the lanes of k.
-        const auto product = [&] {
+        const DF d;
+        const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+        // up * silu(gate) of the elements from column c (k of them, fewer than a vector at the
+        // row's end; the other lanes are not stored in the output).
+        const auto product = [&](std::int64_t c, std::size_t k) {
+          const bool full = k >= static_cast<std::size_t>(lanes);
+          const VF uv = full ? LoadF(d, u + c) : LoadFTail(d, u + c, k);
           if constexpr (std::is_same_v<T, float>) {  // bound by the exp and the division
-            return [&](std::int64_t c, __mmask16 k) {
-              const __m512 gv = load16(g + c, k);
-              const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                             vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-              return _mm512_mul_ps(load16(u + c, k), _mm512_div_ps(gv, d));
-            };
+            const VF gv = full ? LoadF(d, g + c) : LoadFTail(d, g + c, k);
+            const VF e = hn::Add(hn::Set(d, 1.0f), VExp(d, hn::Neg(gv)));
+            return hn::Mul(uv, hn::Div(gv, e));
           } else {
-            return [&](std::int64_t c, __mmask16 k) {
-              return _mm512_mul_ps(load16(u + c, k), silu_t->lookup16(g + c, k));
-            };
+            return hn::Mul(uv, Lookup(d, *silu_t, g + c, k));
           }
-        }();
-        stream_out_blocks(
+        };
+        StreamOutBlocks(
             row<T>(out, r), s.cols, stream, [&](std::int64_t c0, std::int64_t len, A* buf) {
-              for (std::int64_t c = 0; c < len; c += 16) {
+              for (std::int64_t c = 0; c < len; c += lanes) {
                 if (c * std::int64_t{sizeof(T)} % 64 == 0) {
-                  prefetch_ahead(g + c0 + c);
-                  prefetch_ahead(u + c0 + c);
+                  PrefetchAhead(g + c0 + c);
+                  PrefetchAhead(u + c0 + c);
                 }
-                const __mmask16 k = tail_mask(c, len);
-                _mm512_mask_storeu_ps(buf + c, k, product(c0 + c, k));
+                hn::Store(product(c0 + c, static_cast<std::size_t>(len - c)), d, buf + c);
               }
             });
         continue;
       }
 #endif
-      stream_out(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
+      StreamOut(row<T>(out, r), s.cols, stream, [&](std::int64_t c) {
         const A uv = to_float(u[c * kIn]);
         if constexpr (kSixteenBit<T>)
           return uv * (*silu_t)[g[c * kIn]];
@@ -156,7 +198,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
           return uv * silu(g[c * kIn]);
       });
     }
-    stream_fence();
+    hwy::FlushStream();
   }
 }
 
@@ -164,7 +206,7 @@ template <typename T, int kIn, int kOut>
 void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, SwigluOperand up,
                    SwigluOperand dgate, SwigluOperand dup) {
   using A = acc_t<T>;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if HWY_TARGET != HWY_SCALAR
   if constexpr (kSixteenBit<T> && kIn == 1 && kOut == 1)
     return backward_rows_from_tables<T>(s, dy, gate, up, dgate, dup);
 #endif
@@ -195,8 +237,7 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
 
 }  // namespace
 
-void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out,
-                    const Stream&) {
+void SwigluForward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   dispatch_float(s.dtype, "swiglu", [&](auto tag) {
     using T = decltype(tag);
     if (gate.col_stride == 1)
@@ -206,9 +247,8 @@ void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, 
   });
 }
 
-void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
-                     SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up,
-                     const Stream&) {
+void SwigluBackward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
+                    SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up) {
   dispatch_float(s.dtype, "swiglu_backward", [&](auto tag) {
     using T = decltype(tag);
     if (gate.col_stride == 1)
@@ -218,4 +258,25 @@ void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand
   });
 }
 
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace meshfuse::detail::cpu {
+
+HWY_EXPORT(SwigluForward);
+HWY_EXPORT(SwigluBackward);
+
+void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out,
+                    const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SwigluForward)(s, gate, up, out);
+}
+
+void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
+                     SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up,
+                     const Stream&) {
+  HWY_DYNAMIC_DISPATCH(SwigluBackward)(s, grad_out, gate, up, grad_gate, grad_up);
+}
+
 }  // namespace meshfuse::detail::cpu
+#endif

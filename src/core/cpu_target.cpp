@@ -1,0 +1,99 @@
+// The SIMD target of the cpu kernels: Highway's dynamic dispatch picks the best one this build has
+// (HWY_TARGETS, the same in every kernel file: one set of flags) and the CPU allows;
+// MESHFUSE_CPU_TARGET lowers it, through hwy::DisableTargets (Highway's call for "the best
+// available target is undesirable"), applied when the library is loaded, before any kernel runs.
+#include <hwy/highway.h>
+#include <hwy/targets.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "meshfuse/core/platform.h"
+
+namespace meshfuse {
+namespace {
+
+// meshfuse's name of a Highway target (MESHFUSE_CPU_TARGET takes these).
+std::string target_name(std::int64_t target) {
+  switch (target) {
+#if HWY_ARCH_X86
+    case HWY_AVX3:
+    case HWY_AVX3_DL:
+      return "avx512";
+    case HWY_AVX2:
+      return "avx2";
+    case HWY_SSE4:
+      return "sse4";
+    case HWY_SSSE3:
+      return "ssse3";
+#endif
+#if HWY_ARCH_ARM
+    case HWY_NEON:
+      return "neon";
+    case HWY_SVE:
+    case HWY_SVE_256:
+      return "sve";
+    case HWY_SVE2:
+    case HWY_SVE2_128:
+      return "sve2";
+#endif
+    case HWY_EMU128:
+    case HWY_SCALAR:
+      return "scalar";
+    default: {
+      std::string name = hwy::TargetName(target);
+      for (char& c : name) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+      return name;
+    }
+  }
+}
+
+// The targets this build has, best first.
+std::vector<std::int64_t> compiled_targets() {
+  std::vector<std::int64_t> targets;
+  for (std::int64_t t = HWY_TARGETS; t != 0; t &= t - 1) targets.push_back(t & -t);
+  return targets;
+}
+
+// Applies MESHFUSE_CPU_TARGET: every target better than the best one of that name is disabled.
+// An unknown name leaves the choice alone and says so (the library cannot throw while loading);
+// a target the CPU lacks leaves the best one below it.
+const bool kPinned = [] {
+  const char* env = std::getenv("MESHFUSE_CPU_TARGET");
+  if (!env || !*env) return false;
+  std::string known;
+  for (const std::int64_t t : compiled_targets()) {
+    if (target_name(t) == env) {
+      hwy::DisableTargets(t - 1);  // the bits below t are the better targets
+      return true;
+    }
+    known += (known.empty() ? "" : "|") + target_name(t);
+  }
+  std::fprintf(stderr,
+               "meshfuse: MESHFUSE_CPU_TARGET=%s is not a target of this build (%s); "
+               "ignored\n",
+               env, known.c_str());
+  return false;
+}();
+
+}  // namespace
+
+std::string cpu_simd_target() {
+  const std::int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
+  return target_name(usable & -usable);
+}
+
+std::vector<std::string> cpu_simd_targets() {
+  std::vector<std::string> names;
+  for (const std::int64_t t : compiled_targets()) {
+    const std::string name = target_name(t);
+    if (names.empty() || names.back() != name) names.push_back(name);
+  }
+  return names;
+}
+
+}  // namespace meshfuse

@@ -1,0 +1,301 @@
+// The cpu backend's SIMD building blocks, written in Google Highway's portable ops and compiled
+// once per SIMD target (internal). A kernel file includes it after <hwy/foreach_target.h> and
+// calls it from its own HWY_NAMESPACE; HWY_DYNAMIC_DISPATCH then runs the best target the CPU has
+// (or the one MESHFUSE_CPU_TARGET pins: src/core/cpu_target.cpp). Figures:
+// docs/kernels/cpu_simd.md.
+
+// Per-target include guard (Highway's convention: the toggle flips once per target).
+#if defined(MESHFUSE_OPS_CPU_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MESHFUSE_OPS_CPU_SIMD_INL_H_
+#undef MESHFUSE_OPS_CPU_SIMD_INL_H_
+#else
+#define MESHFUSE_OPS_CPU_SIMD_INL_H_
+#endif
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
+#include "ops/common.h"
+#include "ops/cpu_math.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace meshfuse::detail::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Full vectors of f32 and the matching integer vectors.
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+using DI = hn::RebindToSigned<DF>;
+using DU = hn::RebindToUnsigned<DF>;
+// The vector's lanes as elements of type T (16-bit types: half a vector's bytes).
+template <typename T>
+using DOf = hn::Rebind<std::conditional_t<sizeof(T) == 2, std::uint16_t, float>, DF>;
+
+// The most lanes a vector of DF has (on SVE a bound, not the run-time count): stack buffers' size.
+inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
+
+// exp(x) on the lanes of x: the reduction and polynomial of the scalar vexp (cpu_math.h),
+// x = n ln2 + r with |r| <= ln2/2, exp(r) by kExpPoly; then 2^n. AVX-512 scales by vscalefps,
+// which rounds subnormal results once and overflows to inf in one instruction (Highway has no op
+// for it: one of the two intrinsics kept, see docs/kernels/cpu_simd.md); other targets scale by
+// two exact factors 2^(n/2) as the scalar vexp does. Within 2 ulp (subnormal results included); NaN
+// stays NaN; -inf gives 0; finite x past ln(FLT_MAX) gives +inf (on AVX-512 +inf itself is outside
+// the domain: every caller passes x <= 0, up to rounding, or -gate, where silu(-inf) is NaN
+// anyway). Highway's own hn::Exp (hwy/contrib/math) measured slower on every target, and gives 0
+// for NaN (bench/exp_choice; figures in docs/kernels/cpu_simd.md).
+#define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+HWY_INLINE VF VExp(DF d, VF x) {
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR
+  // maxps / minps return their second operand when either is NaN.
+  x = hn::Max(hn::Set(d, -104.0f), x);
+#if !MESHFUSE_HWY_SCALEF
+  x = hn::Min(hn::Set(d, 89.0f), x);  // n stays in [-150, 128]: the two factors are exact
+#endif
+#else
+  // Highway leaves Min and Max of a NaN to the target: compares, which are false for NaN.
+  x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
+  x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
+#endif
+#if MESHFUSE_HWY_SCALEF
+  const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+#else
+  // n = round(x / ln2) by adding 1.5 * 2^23, whose bits then hold n in the low mantissa bits:
+  // three ops where a Round and a ConvertTo (with Highway's overflow fix-ups) take six.
+  constexpr float kRound = 12582912.0f;
+  const VF t = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), hn::Set(d, kRound));
+  const VF n = hn::Sub(t, hn::Set(d, kRound));
+#endif
+  VF r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);
+  r = hn::NegMulAdd(n, hn::Set(d, 1.428606765330187045e-06f), r);
+  VF p = hn::Set(d, kExpPoly[0]);
+  for (std::size_t i = 1; i < kExpPoly.size(); ++i) p = hn::MulAdd(p, r, hn::Set(d, kExpPoly[i]));
+#if MESHFUSE_HWY_SCALEF
+  return VF{_mm512_maskz_scalef_ps(0xffff, p.raw, n.raw)};  // (maskz: GCC 12 warns on the plain)
+#else
+  const DI di;
+  // 2^k for an integer k in [-126, 127]: k + 127 shifted into the exponent field.
+  const auto pow2 = [&](hn::Vec<DI> k) {
+    return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k, hn::Set(di, 127))));
+  };
+  const auto ni = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, hn::Set(d, kRound)));
+  const auto n1 = hn::ShiftRight<1>(ni);
+  return hn::Mul(hn::Mul(p, pow2(n1)), pow2(hn::Sub(ni, n1)));
+#endif
+}
+
+// Whether Highway converts f16 with instructions (x86: F16C, from AVX2 up; Arm). Its x86 fallback
+// mishandles infinities and NaNs and truncates where it should round: those targets convert with
+// to_float / to_float16 (meshfuse/core/dtype.h) one element at a time.
+#define MESHFUSE_HWY_F16_HARDWARE (!HWY_ARCH_X86 || HWY_TARGET < HWY_SSE4)
+
+// Lanes(d) elements of T from p as floats.
+template <typename T>
+HWY_INLINE VF LoadF(DF d, const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(d, p);
+  } else {
+    const DOf<T> d16;
+    const auto bits = hn::LoadU(d16, reinterpret_cast<const std::uint16_t*>(p));
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(DU(), bits)));
+    } else {
+#if MESHFUSE_HWY_F16_HARDWARE
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      return hn::PromoteTo(d, hn::BitCast(dh, bits));
+#else
+      HWY_ALIGN float wide[kMaxLanes];
+      for (std::size_t i = 0; i < hn::Lanes(d); ++i) wide[i] = to_float(p[i]);
+      return hn::Load(d, wide);
+#endif
+    }
+  }
+}
+
+// The first n < Lanes(d) elements of T from p as floats, the other lanes 0; reads nothing past
+// p + n (Highway's MaskedLoad may read the whole vector for 16-bit lanes).
+template <typename T>
+HWY_INLINE VF LoadFTail(DF d, const T* p, std::size_t n) {
+  HWY_ALIGN T buf[kMaxLanes] = {};
+  std::memcpy(buf, p, n * sizeof(T));
+  return LoadF(d, buf);
+}
+
+// The lanes' sum (or max) in lane order, independent of the compiler's reduction tree.
+template <class D>
+HWY_INLINE hn::TFromD<D> LaneSum(D d, hn::Vec<D> v) {
+  HWY_ALIGN hn::TFromD<D> lane[hn::MaxLanes(D())];
+  hn::Store(v, d, lane);
+  hn::TFromD<D> sum = 0;
+  for (std::size_t i = 0; i < hn::Lanes(d); ++i) sum += lane[i];
+  return sum;
+}
+HWY_INLINE float LaneMax(DF d, VF v) {
+  HWY_ALIGN float lane[kMaxLanes];
+  hn::Store(v, d, lane);
+  float max = lane[0];
+  for (std::size_t i = 0; i < hn::Lanes(d); ++i) max = lane[i] > max ? lane[i] : max;
+  return max;
+}
+
+// Brings the line 2 KB past p into L1: a loop that streams a row from memory while it computes
+// calls it once per 64 bytes (the hardware prefetchers alone left the memory reads idle). The
+// address is formed as an integer: past the end of the tensor it points nowhere, which a prefetch
+// (it never faults) may do but C++ pointer arithmetic may not.
+HWY_INLINE void PrefetchAhead(const void* p) {
+  constexpr std::uintptr_t kAheadBytes = 2048;
+  hwy::Prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + kAheadBytes));
+}
+
+// f(elements [p, p + Lanes)) from a Table16, one gather; n < Lanes reads only n elements (the
+// other lanes look up entry 0).
+template <typename T>
+HWY_INLINE VF Lookup(DF d, const Table16<T>& table, const T* p, std::size_t n) {
+  const DOf<T> d16;
+  HWY_ALIGN std::uint16_t buf[kMaxLanes] = {};
+  const std::uint16_t* bits = reinterpret_cast<const std::uint16_t*>(p);
+  if (n < hn::Lanes(d)) bits = static_cast<const std::uint16_t*>(std::memcpy(buf, p, n * 2));
+  const auto index = hn::BitCast(DI(), hn::PromoteTo(DU(), hn::LoadU(d16, bits)));
+  return hn::GatherIndex(d, table.data(), index);
+}
+
+// Stores one 64-byte line with an ordinary or a streaming store (dst 64-byte aligned).
+HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {
+  const hn::ScalableTag<std::uint8_t> d8;
+  const std::size_t step = std::min<std::size_t>(hn::Lanes(d8), 64);
+  const hn::CappedTag<std::uint8_t, 64> dc;
+  for (std::size_t b = 0; b < 64; b += step) {
+    const auto v = hn::LoadU(dc, static_cast<const std::uint8_t*>(line) + b);
+    if (stream)
+      hn::Stream(v, dc, reinterpret_cast<std::uint8_t*>(dst + b));
+    else
+      hn::StoreU(v, dc, reinterpret_cast<std::uint8_t*>(dst + b));
+  }
+}
+
+// 32 floats (one 64-byte line of bf16) as bf16, rounded as to_bfloat16: to nearest even, NaN
+// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which the hand-written AVX-512 code
+// used, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per vector of
+// floats and a narrowing.
+HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
+  const hn::CappedTag<float, 32> d;
+  const hn::RebindToUnsigned<decltype(d)> du;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<std::uint16_t, decltype(d)> d16;
+  for (std::size_t k = 0; k < 32; k += hn::Lanes(d)) {
+    const auto u = hn::BitCast(du, hn::LoadU(d, in + k));
+    const auto nan = hn::Gt(hn::And(u, hn::Set(du, 0x7fffffffu)), hn::Set(du, 0x7f800000u));
+    const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+    const auto r = hn::IfThenElse(nan, hn::Or(u, hn::Set(du, 0x400000u)),
+                                  hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, hn::ShiftRight<16>(r))), d16,
+               reinterpret_cast<std::uint16_t*>(out + k));
+  }
+}
+
+#if MESHFUSE_HWY_SCALEF
+// AVX512-BF16 (Cooper Lake, Zen 4) rounds 32 floats to bf16 in one vcvtne2ps2bf16, as to_bfloat16
+// does, except that it flushes subnormal inputs: 32 floats holding one take to_bfloat16. Highway
+// 1.0.3's AVX-512 target lacks AVX512-BF16, so this function alone is compiled for it and called
+// where the CPU has it (HasAvx512Bf16): ToBf16Line in its place made the bf16 forwards of rmsnorm,
+// swiglu and softmax 1.3-1.5x slower (docs/kernels/cpu_simd.md). n is a multiple of 32.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) HWY_NOINLINE inline void
+ToBf16Avx512Bf16(const float* in, bfloat16* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(in + i), hi = _mm512_loadu_ps(in + i + 16);
+    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
+      for (int k = 0; k < 32; ++k) out[i + k] = to_bfloat16(in[i + k]);
+    } else {
+      _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+inline bool HasAvx512Bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+// Writes the values f(0) .. f(n - 1) (each an A = acc_t<T>) to out as T, rounded as store_as:
+// blocks of them are computed into an L1 buffer, then converted and stored, whole 64-byte lines
+// with streaming stores when `stream` (see stream_worthwhile). While it writes, it brings the
+// same elements of each `next` row into cache: a kernel that makes several passes over a row
+// passes its next row's inputs, so that they load while this row's output is written (its last
+// pass would otherwise leave memory reads idle).
+// StreamOutBlocks(out, n, stream, fill, next) does the same with fill(c0, len, buf) writing the
+// values f(c0) .. f(c0 + len - 1) into buf, for kernels that compute a block with vectors; buf
+// holds kStreamOutBlock values, so fill may store whole vectors past len.
+template <typename T, typename Fill>
+void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
+                     std::initializer_list<const std::type_identity_t<T>*> next = {},
+                     PrefetchTo level = PrefetchTo::L1) {
+  using A = acc_t<T>;
+  constexpr std::int64_t kBlock = kStreamOutBlock;
+  constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
+  HWY_ALIGN A buf[kBlock];
+  HWY_ALIGN T conv[kLine];
+  HWY_ALIGN T lines[std::is_same_v<T, bfloat16> ? kBlock : 1];  // bf16 by AVX512-BF16
+  for (std::int64_t c0 = 0; c0 < n; c0 += kBlock) {
+    const std::int64_t len = std::min(kBlock, n - c0);
+    fill(c0, len, buf);
+    T* dst = out + c0;
+    const Prefetch<T> prefetch(next, c0, level);
+    // Ordinary stores up to the first line boundary, then whole lines, then the tail.
+    const std::int64_t head = std::min(
+        len, std::int64_t(-reinterpret_cast<std::intptr_t>(dst) & 63) / std::int64_t{sizeof(T)});
+    for (std::int64_t i = 0; i < head; ++i) dst[i] = store_as<T>(buf[i]);
+    prefetch(0);
+    [[maybe_unused]] bool block_converted = false;  // the whole lines' bf16 already in `lines`
+#if MESHFUSE_HWY_SCALEF
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (HasAvx512Bf16()) {
+        ToBf16Avx512Bf16(buf + head, lines + head, (len - head) / kLine * kLine);
+        block_converted = true;
+      }
+    }
+#endif
+    std::int64_t i = head;
+    for (; i + kLine <= len; i += kLine) {
+      if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        if (block_converted) {
+          StoreLine(reinterpret_cast<char*>(dst + i), lines + i, stream);
+          continue;
+        }
+        ToBf16Line(buf + i, conv);
+      } else {
+#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
+#pragma omp simd
+#endif
+        for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
+      }
+      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
+    }
+    for (; i < len; ++i) dst[i] = store_as<T>(buf[i]);
+  }
+}
+
+template <typename T, typename F>
+void StreamOut(T* out, std::int64_t n, bool stream, F&& f,
+               std::initializer_list<const std::type_identity_t<T>*> next = {},
+               PrefetchTo level = PrefetchTo::L1) {
+  StreamOutBlocks(
+      out, n, stream,
+      [&](std::int64_t c0, std::int64_t len, acc_t<T>* buf) {
+#ifdef _OPENMP
+#pragma omp simd
+#endif
+        for (std::int64_t i = 0; i < len; ++i) buf[i] = f(c0 + i);
+      },
+      next, level);
+}
+
+}  // namespace meshfuse::detail::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MESHFUSE_OPS_CPU_SIMD_INL_H_
