@@ -36,9 +36,10 @@ bool floating(DType d) {
 
 // The tensors of one call: every view's storage, kept alive, and the outputs to compare.
 struct Args {
+  explicit Args(FuzzedDataProvider& data) : in(data) {}
   FuzzedDataProvider& in;
-  std::vector<Tensor> storage;
-  std::vector<TensorView> outputs;
+  std::vector<Tensor> storage = {};
+  std::vector<TensorView> outputs = {};
   bool on_gpu = false;  // a view is labelled cuda:0 (this build has no GPU: the call must fail)
   std::string described;  // every tensor made, for the report of a finding
   // An unusual scalar (0, -1, NaN, inf, 1e30) was drawn: where the op accepts it, the cpu backend
@@ -175,7 +176,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const DType dt = kDTypes[in.ConsumeIntegralInRange(0, 3)];  // the op's floating dtype
   const std::int64_t n = in.ConsumeIntegralInRange(0, 5), h = in.ConsumeIntegralInRange(0, 9),
                      v = in.ConsumeIntegralInRange(0, 9);
-  Args a{in, {}, {}};
+  Args a{in};
   CrossEntropyOptions ce;
   std::function<void()> call;
   switch (op) {

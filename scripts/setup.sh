@@ -5,12 +5,14 @@ set -euo pipefail
 
 # libdnnl-dev: oneDNN, the CPU GEMM; its CMake config also wants OpenCL (ocl-icd-opencl-dev), as
 # Debian builds it with the OpenCL GPU runtime. libgloo-dev, libopenmpi-dev, openmpi-bin: the gloo
-# and mpi communicator backends. libhwy-dev: Google Highway, the cpu kernels' portable SIMD.
+# and mpi communicator backends. libhwy-dev: Google Highway, the cpu kernels' portable SIMD. clang
+# with its runtimes (libFuzzer, the sanitizers) and OpenMP: the fuzz targets (scripts/fuzz.sh).
 packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libhwy-dev
+  clang libclang-rt-14-dev libomp-14-dev
   libgloo-dev libopenmpi-dev openmpi-bin
 )
 

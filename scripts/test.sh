@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: set up, build, run every test, then build again with AddressSanitizer and
-# UndefinedBehaviorSanitizer and run the C++ tests once more.
+# UndefinedBehaviorSanitizer and run the C++ tests once more, then a short run of each fuzz target.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
@@ -28,3 +28,7 @@ echo "== build and test under ASan + UBSan =="
   -DMESHFUSE_CUDA=OFF -DMESHFUSE_BUILD_PYTHON=OFF -DMESHFUSE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "$root/build-sanitize" --output-on-failure -j "$(nproc)"
+
+echo "== fuzz =="
+# Each libFuzzer target for 20 s (scripts/fuzz.sh; longer runs: scripts/fuzz.sh SECONDS).
+"$root/scripts/fuzz.sh" 20

@@ -96,14 +96,21 @@ def test_a_collective_that_waits_too_long_raises_timeout_error():
 def test_jax_arrays_are_inputs_but_never_outputs():
     # JAX arrays are immutable (their DLPack export carries no read-only flag): an output that is
     # one is refused as read-only rather than written.
-    jnp = pytest.importorskip("jax.numpy")
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8), np.float32))
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    cpu = jax.devices("cpu")[0]  # beside the NumPy output, also where JAX's default is a GPU
+
+    def on_cpu(a):
+        return jax.device_put(a, cpu)
+
+    x = on_cpu(jnp.asarray(np.random.default_rng(1).standard_normal((4, 8), np.float32)))
+    w = on_cpu(jnp.ones(8, jnp.float32))
     y = np.empty((4, 8), np.float32)
-    meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), y, None, 1e-5)
+    meshfuse.rmsnorm(x, w, y, None, 1e-5)
     expected = np.asarray(x) / np.sqrt((np.asarray(x) ** 2).mean(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(y, expected, rtol=1e-5)
     with pytest.raises(meshfuse.InvalidArgumentError, match="output 'y' is a read-only"):
-        meshfuse.rmsnorm(x, jnp.ones(8, jnp.float32), jnp.zeros((4, 8), jnp.float32), None, 1e-5)
+        meshfuse.rmsnorm(x, w, on_cpu(jnp.zeros((4, 8), jnp.float32)), None, 1e-5)
 
 
 def test_a_collective_names_a_read_only_array_it_would_write():

@@ -243,7 +243,7 @@ struct TcpStore::Impl {
         reply[0] = found;
         if (found) {
           std::memcpy(reply.data() + 1, &len, 8);
-          std::memcpy(reply.data() + 9, value.data(), len);
+          if (len > 0) std::memcpy(reply.data() + 9, value.data(), len);  // an empty one has no data
         }
         if (!write_all(fd, reply.data(), reply.size())) return;
       } else {

@@ -67,27 +67,6 @@ const Table16<T>* silu_grad_table() {
 
 }  // namespace
 }  // namespace meshfuse::detail::cpu
-HWY_AFTER_NAMESPACE();
-
-#if HWY_ONCE
-namespace meshfuse::detail::cpu {
-
-HWY_EXPORT(SwigluForward);
-HWY_EXPORT(SwigluBackward);
-
-void swiglu_forward(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out,
-                    const Stream&) {
-  HWY_DYNAMIC_DISPATCH(SwigluForward)(s, gate, up, out);
-}
-
-void swiglu_backward(const SwigluShape& s, SwigluOperand grad_out, SwigluOperand gate,
-                     SwigluOperand up, SwigluOperand grad_gate, SwigluOperand grad_up,
-                     const Stream&) {
-  HWY_DYNAMIC_DISPATCH(SwigluBackward)(s, grad_out, gate, up, grad_gate, grad_up);
-}
-
-}  // namespace meshfuse::detail::cpu
-#endif
 #endif  // MESHFUSE_OPS_SWIGLU_TABLES_
 
 HWY_BEFORE_NAMESPACE();
