@@ -401,24 +401,29 @@ struct TcpStore::Impl {
       ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       // A server that stops answering: reads and writes give up after the timeout.
       set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout));
+      // The answer: welcome; busy, or a reset (a busy server closes on the hello unread), both to
+      // be tried again; the end of the stream, a refusal (the server read the whole hello).
       const auto len = static_cast<std::uint32_t>(secret.size());
       std::uint8_t answer = kRefused;
-      if (!write_all(client, &kHello, 4) || !write_all(client, &len, 4) ||
-          !write_all(client, secret.data(), secret.size()))
-        lost();
-      if (read_value(client, answer) && answer == kWelcome) return;
+      ssize_t got = -1;
+      if (write_all(client, &kHello, 4) && write_all(client, &len, 4) &&
+          write_all(client, secret.data(), secret.size()))
+        do got = ::recv(client, &answer, 1, 0);
+        while (got < 0 && errno == EINTR);
       const int error = errno;
+      if (got == 1 && answer == kWelcome) return;
       ::close(client);
       client = -1;
-      if (answer == kBusy) {
+      if ((got == 1 && answer == kBusy) ||
+          (got < 0 && (error == ECONNRESET || error == EPIPE))) {
         why = "the server is busy";
         continue;
       }
-      errno = error;
-      MESHFUSE_CHECK(error != ECONNRESET, ErrorCode::CommunicationFailure,
+      MESHFUSE_CHECK(got != 0, ErrorCode::CommunicationFailure,
                      "TcpStore: {}:{} refused this process's secret (MESHFUSE_STORE_SECRET "
                      "differs from the server's, or the server is not this job's store)",
                      host, port);
+      errno = error;
       lost();
     }
   }
