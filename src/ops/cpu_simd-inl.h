@@ -51,15 +51,11 @@ inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
 // for NaN (bench/exp_choice; figures in docs/kernels/cpu_simd.md).
 #define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 HWY_INLINE VF VExp(DF d, VF x) {
-#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR
-  // maxps / minps return their second operand when either is NaN.
-  x = hn::Max(hn::Set(d, -104.0f), x);
-#if !MESHFUSE_HWY_SCALEF
-  x = hn::Min(hn::Set(d, 89.0f), x);  // n stays in [-150, 128]: the two factors are exact
-#endif
-#else
-  // Highway leaves Min and Max of a NaN to the target: compares, which are false for NaN.
+  // Clamped with compares, which are false for NaN, so a NaN passes through: Highway leaves Min
+  // and Max of a NaN to the target and compiler (relying on maxps returning its second operand
+  // gave numbers for NaN on an Intel Xeon's build). n stays in [-150, 128]: the factors are exact.
   x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
+#if !MESHFUSE_HWY_SCALEF
   x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
 #endif
 #if MESHFUSE_HWY_SCALEF
