@@ -22,12 +22,11 @@ scripts/comm_compare.sh runs it on a machine with two GPUs.
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
+
+from rank_child import free_port, quantile, run_rank_child
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -38,14 +37,6 @@ def parse_bytes(text):
     units = {"": 0, "K": 10, "M": 20, "G": 30}
     digits = text.rstrip("KMGkmg")
     return int(digits) << units[text[len(digits):].upper()]
-
-
-def quantile(samples, p):
-    s = sorted(samples)
-    pos = p * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (pos - lo) * (s[hi] - s[lo])
 
 
 def torch_bench(op, sizes, dtype, iters, warmup, device):
@@ -91,24 +82,13 @@ def torch_bench(op, sizes, dtype, iters, warmup, device):
     return rows
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def meshfuse_bench(args, op, port):
     """This rank's part of `meshfuse comm-bench`; rank 0 gets the JSON records."""
-    env = dict(os.environ, MASTER_PORT=str(port), MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # meshfuse serves its own store on MASTER_PORT
     command = [args.meshfuse, "comm-bench", "--backend", "nccl", "--op", op, "--dtype", args.dtype,
                "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--iters",
                str(args.iters), "--warmup", str(args.warmup), "--format", "json",
                "--no-copy-bandwidth"]
-    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        sys.exit(f"comm_compare: {' '.join(command)} failed with status {result.returncode}")
-    return json.loads(result.stdout) if result.stdout.strip() else []
+    return run_rank_child(command, port, "comm_compare")
 
 
 def main():

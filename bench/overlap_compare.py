@@ -22,23 +22,15 @@ Keep NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 set (scripts/two_
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from rank_child import free_port, quantile, run_rank_child
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-
-
-def quantile(samples, p):
-    s = sorted(samples)
-    pos = p * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (pos - lo) * (s[hi] - s[lo])
 
 
 def spread(ms):
@@ -108,24 +100,12 @@ def torch_layers(args, device, group_name):
     return rows
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def meshfuse_layers(args, port):
     """This rank's part of bench/overlap on nccl; rank 0 gets its JSON records."""
-    env = dict(os.environ, MASTER_PORT=str(port),
-               MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # meshfuse serves its own store on MASTER_PORT
     command = [args.overlap, "--backend", "nccl", "--device", "cuda", "--json", "--m", str(args.m),
                "--k", str(args.k), "--n", ",".join(map(str, args.n)), "--chunks", str(args.chunks),
                "--repeats", str(args.repeats), "--dtype", args.dtype]
-    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-        sys.exit(f"overlap_compare: {' '.join(command)} failed with status {result.returncode}")
-    return json.loads(result.stdout) if result.stdout.strip() else []
+    return run_rank_child(command, port, "overlap_compare")
 
 
 def main():
