@@ -34,6 +34,7 @@
 #include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 #include <unistd.h>
+#include <signal.h>
 
 #include <condition_variable>
 #include <cstdlib>
@@ -106,6 +107,13 @@ std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch)
   static std::weak_ptr<gloo::transport::Device> cached;
   std::lock_guard lock(mutex);
   if (auto device = cached.lock()) return device;
+  // Gloo writes with writev, which raises SIGPIPE once a peer has died; its default action
+  // would kill this rank instead of letting Gloo report the broken pair as an error. A
+  // handler the program installed itself is left alone (Python already ignores SIGPIPE).
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   gloo::transport::tcp::attr attr;
   if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface) {
     attr.iface = iface;
