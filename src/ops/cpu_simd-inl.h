@@ -40,6 +40,15 @@ using DOf = hn::Rebind<std::conditional_t<sizeof(T) == 2, std::uint16_t, float>,
 // The most lanes a vector of DF has (on SVE a bound, not the run-time count): stack buffers' size.
 inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
 
+#define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+// exp(r) for |r| <= ln2/2 given x and n = round(x / ln2): the Cody-Waite split and kExpPoly.
+HWY_INLINE VF ExpReduced(DF d, VF x, VF n) {
+  VF r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);
+  r = hn::NegMulAdd(n, hn::Set(d, 1.428606765330187045e-06f), r);
+  VF p = hn::Set(d, kExpPoly[0]);
+  for (std::size_t i = 1; i < kExpPoly.size(); ++i) p = hn::MulAdd(p, r, hn::Set(d, kExpPoly[i]));
+  return p;
+}
 // exp(x) on the lanes of x: the reduction and polynomial of the scalar vexp (cpu_math.h),
 // x = n ln2 + r with |r| <= ln2/2, exp(r) by kExpPoly; then 2^n. AVX-512 scales by vscalefps,
 // which rounds subnormal results once and overflows to inf in one instruction (Highway has no op
@@ -49,37 +58,43 @@ inline constexpr std::size_t kMaxLanes = hn::MaxLanes(DF());
 // the domain: every caller passes x <= 0, up to rounding, or -gate, where silu(-inf) is NaN
 // anyway). Highway's own hn::Exp (hwy/contrib/math) measured slower on every target, and gives 0
 // for NaN (bench/exp_choice; figures in docs/kernels/cpu_simd.md).
-#define MESHFUSE_HWY_SCALEF (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 HWY_INLINE VF VExp(DF d, VF x) {
-  // Clamped with compares, which are false for NaN, so a NaN passes through: Highway leaves Min
-  // and Max of a NaN to the target and compiler (relying on maxps returning its second operand
-  // gave numbers for NaN on an Intel Xeon's build). n stays in [-150, 128]: the factors are exact.
-  x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
-#if !MESHFUSE_HWY_SCALEF
-  x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
-#endif
 #if MESHFUSE_HWY_SCALEF
+  // Clamped with a compare, which is false for NaN, so a NaN passes through (Highway leaves Min
+  // and Max of a NaN to the target and compiler: relying on maxps returning its second operand
+  // gave numbers for NaN on an Intel Xeon's build).
+  x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
   const VF n = hn::Round(hn::Mul(x, hn::Set(d, 1.44269504088896341f)));
+  const VF p = ExpReduced(d, x, n);
+  return VF{_mm512_maskz_scalef_ps(0xffff, p.raw, n.raw)};  // (maskz: GCC 12 warns on the plain)
 #else
   // n = round(x / ln2) by adding 1.5 * 2^23, whose bits then hold n in the low mantissa bits:
   // three ops where a Round and a ConvertTo (with Highway's overflow fix-ups) take six.
   constexpr float kRound = 12582912.0f;
-  const VF t = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), hn::Set(d, kRound));
-  const VF n = hn::Sub(t, hn::Set(d, kRound));
-#endif
-  VF r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), x);
-  r = hn::NegMulAdd(n, hn::Set(d, 1.428606765330187045e-06f), r);
-  VF p = hn::Set(d, kExpPoly[0]);
-  for (std::size_t i = 1; i < kExpPoly.size(); ++i) p = hn::MulAdd(p, r, hn::Set(d, kExpPoly[i]));
-#if MESHFUSE_HWY_SCALEF
-  return VF{_mm512_maskz_scalef_ps(0xffff, p.raw, n.raw)};  // (maskz: GCC 12 warns on the plain)
-#else
   const DI di;
+  const VF vround = hn::Set(d, kRound), log2e = hn::Set(d, 1.44269504088896341f);
+  VF t = hn::MulAdd(x, log2e, vround);
+  VF n = hn::Sub(t, vround);
+  // Every lane with |n| <= 125 (false for NaN and +-inf): 2^n is normal and so is p * 2^n, which
+  // is then n added to p's exponent field, exactly the two-factor product below. Seven ops fewer
+  // than the general path, whose clamps and second factor only results outside [2^-125, 2^126]
+  // need; rows of shifted logits rarely have one.
+  if (HWY_LIKELY(hn::AllTrue(d, hn::Le(hn::Abs(n), hn::Set(d, 125.0f))))) {
+    const auto ni = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, vround));
+    return hn::BitCast(d, hn::Add(hn::BitCast(di, ExpReduced(d, x, n)), hn::ShiftLeft<23>(ni)));
+  }
+  // Clamped with compares, as above, so that n stays in [-150, 128] and both factors 2^(n/2) are
+  // exact: the scalar vexp's scaling.
+  x = hn::IfThenElse(hn::Lt(x, hn::Set(d, -104.0f)), hn::Set(d, -104.0f), x);
+  x = hn::IfThenElse(hn::Gt(x, hn::Set(d, 89.0f)), hn::Set(d, 89.0f), x);
+  t = hn::MulAdd(x, log2e, vround);
+  n = hn::Sub(t, vround);
+  const VF p = ExpReduced(d, x, n);
   // 2^k for an integer k in [-126, 127]: k + 127 shifted into the exponent field.
   const auto pow2 = [&](hn::Vec<DI> k) {
     return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k, hn::Set(di, 127))));
   };
-  const auto ni = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, hn::Set(d, kRound)));
+  const auto ni = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, vround));
   const auto n1 = hn::ShiftRight<1>(ni);
   return hn::Mul(hn::Mul(p, pow2(n1)), pow2(hn::Sub(ni, n1)));
 #endif
