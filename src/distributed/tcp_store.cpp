@@ -272,11 +272,11 @@ struct TcpStore::Impl {
       std::vector<std::thread> done;
       {
         std::lock_guard lock(mutex);
-        done.swap(finished);
-        if (stopping) {
+        if (stopping) {  // before the swap: stop_server joins what `finished` holds
           ::close(fd);
           return;
         }
+        done.swap(finished);
         if (unproven >= kMaxUnproven || static_cast<int>(handlers.size()) >= kMaxConnections) {
           const std::uint8_t busy = kBusy;
           ::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
