@@ -12,9 +12,9 @@
 # continuous count, CpuMath, CpuTargets), without the CUDA and torch cases. Not the communicator,
 # executor and multi-process tests: they are no kernel code, and their ranks, sockets and timeouts
 # test the host's processes more than the emulated CPU. qemu runs the tests some 50x slower than the
-# CPU would, and the double-precision reference of a few large shapes dominates: $slow (25 minutes
-# a run, every other op test 5) is left out unless ARM64_ALL=1; the same kernels run at the
-# smaller shapes.
+# CPU would, and the double-precision reference of a few large shapes dominates: $slow (most of a
+# 45-minute run on a busy 2-core VM) is left out unless ARM64_ALL=1; the same kernels run at the
+# smaller shapes. docs/kernels/cpu_simd.md (Arm64) says what ran and what it found.
 # Installs what is missing first (apt, like scripts/setup.sh). CI does not run it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
