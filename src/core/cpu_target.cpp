@@ -5,6 +5,7 @@
 #include <hwy/highway.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -59,20 +60,26 @@ std::vector<std::int64_t> compiled_targets() {
   return targets;
 }
 
-// Applies MESHFUSE_CPU_TARGET: every target better than the best one of that name is disabled.
+// Applies MESHFUSE_CPU_TARGET: every target better than the ones of that name is disabled, except
+// those of that name. (Arm's names interleave, best first: SVE2_128 "sve2", SVE_256 "sve", SVE2
+// "sve2", SVE "sve", NEON: "sve" keeps SVE_256 and SVE, and disables SVE2_128 and SVE2.)
 // An unknown name leaves the choice alone and says so (the library cannot throw while loading);
 // a target the CPU lacks leaves the best one below it.
 const bool kPinned = [] {
   const char* env = std::getenv("MESHFUSE_CPU_TARGET");
   if (!env || !*env) return false;
-  std::string known;
+  std::int64_t named = 0, worst = 0;  // the targets of that name, the last (worst) of them
   for (const std::int64_t t : compiled_targets()) {
-    if (target_name(t) == env) {
-      hwy::DisableTargets(t - 1);  // the bits below t are the better targets
-      return true;
-    }
-    known += (known.empty() ? "" : "|") + target_name(t);
+    if (target_name(t) != env) continue;
+    named |= t;
+    worst = t;
   }
+  if (named) {
+    hwy::DisableTargets((worst - 1) & ~named);  // the bits below a target are the better ones
+    return true;
+  }
+  std::string known;
+  for (const std::string& name : cpu_simd_targets()) known += (known.empty() ? "" : "|") + name;
   std::fprintf(stderr,
                "meshfuse: MESHFUSE_CPU_TARGET=%s is not a target of this build (%s); "
                "ignored\n",
@@ -91,7 +98,7 @@ std::vector<std::string> cpu_simd_targets() {
   std::vector<std::string> names;
   for (const std::int64_t t : compiled_targets()) {
     const std::string name = target_name(t);
-    if (names.empty() || names.back() != name) names.push_back(name);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
   }
   return names;
 }

@@ -43,16 +43,25 @@ inline bfloat16 to_bfloat16(float x) {
   return {static_cast<std::uint16_t>(r >> 16)};
 }
 
-// IEEE binary16. The conversion goes through the compiler's _Float16 where it exists (F16C /
-// AVX512-FP16 instructions on x86-64, round to nearest even); otherwise through the bit-exact
-// software path below, which is also what the tests check the hardware path against.
+// IEEE binary16. The conversion goes through the compiler's half type where it exists (F16C /
+// AVX512-FP16 instructions on x86-64, fcvt on Arm64; round to nearest even); otherwise through the
+// bit-exact software path below, which is also what the tests check the hardware path against.
+// GCC 12 has _Float16 in C++ on x86-64 only (it defines __FLT16_MAX__ on Arm64 too, where C++ gets
+// __fp16: IEEE binary16 there, converted to and from float in one rounding).
 float half_bits_to_float_soft(std::uint16_t bits);
 std::uint16_t float_to_half_bits_soft(float x);
 
-#if defined(__FLT16_MAX__) && !defined(__CUDACC__)
-inline float to_float(float16 x) { return static_cast<float>(std::bit_cast<_Float16>(x.bits)); }
+#if defined(__aarch64__) && !defined(__CUDACC__)
+#define MESHFUSE_NATIVE_HALF __fp16
+#elif defined(__FLT16_MAX__) && !defined(__CUDACC__)
+#define MESHFUSE_NATIVE_HALF _Float16
+#endif
+#ifdef MESHFUSE_NATIVE_HALF
+inline float to_float(float16 x) {
+  return static_cast<float>(std::bit_cast<MESHFUSE_NATIVE_HALF>(x.bits));
+}
 inline float16 to_float16(float x) {
-  return {std::bit_cast<std::uint16_t>(static_cast<_Float16>(x))};
+  return {std::bit_cast<std::uint16_t>(static_cast<MESHFUSE_NATIVE_HALF>(x))};
 }
 #else
 inline float to_float(float16 x) { return half_bits_to_float_soft(x.bits); }

@@ -11,11 +11,16 @@ namespace meshfuse::detail::reference {
 namespace {
 
 // log sum_j exp(m * x_j): -inf for a row entirely -inf (as torch.logsumexp), NaN if a NaN or
-// +inf is in the row (fmax skips NaN, the sum does not).
+// +inf is in the row (the max skips NaN, as fmax would, the sum does not). The max by a compare,
+// not std::fmax: GCC 12.2 for Arm64 crashes vectorising an fmax reduction of floats widened to
+// double (internal compiler error in vect_transform_reduction).
 template <typename T>
 double logsumexp(const T* x, std::int64_t n, double m) {
   double max = -std::numeric_limits<double>::infinity();
-  for (std::int64_t j = 0; j < n; ++j) max = std::fmax(max, m * to_float(x[j]));
+  for (std::int64_t j = 0; j < n; ++j) {
+    const double v = m * to_float(x[j]);
+    max = v > max ? v : max;
+  }
   if (max == -std::numeric_limits<double>::infinity()) return max;
   double sum = 0;
   for (std::int64_t j = 0; j < n; ++j) sum += std::exp(m * to_float(x[j]) - max);

@@ -1,9 +1,10 @@
-// CPU GEMM. f32, bf16 and f16 run on oneDNN's sgemm with both operands row-major (16-bit ones
-// widened to f32 block by block: fp32 products and accumulation, rounded once; gemm_row_major says
-// why); f64 runs on OpenBLAS's dgemm. Why these libraries (bench/blas_choice.cpp): oneDNN's f32
-// GEMMs need no hint of the CPU, where OpenBLAS picks generic kernels unless OPENBLAS_CORETYPE is
-// set; oneDNN's native bf16 matmul is slower than widening to f32; neither library has an f16
-// GEMM, and oneDNN has no f64. Figures: docs/kernels/gemm.md.
+// CPU GEMM. f32, bf16 and f16 run on oneDNN's sgemm (on Arm64 OpenBLAS's: see sgemm) with both
+// operands row-major (16-bit ones widened to f32 block by block: fp32 products and accumulation,
+// rounded once; gemm_row_major says why); f64 runs on OpenBLAS's dgemm. Why these libraries
+// (bench/blas_choice.cpp, on x86-64): oneDNN's f32 GEMMs need no hint of the CPU, where OpenBLAS
+// picks generic kernels unless OPENBLAS_CORETYPE is set; oneDNN's native bf16 matmul is slower
+// than widening to f32; neither library has an f16 GEMM, and oneDNN has no f64. Figures:
+// docs/kernels/gemm.md.
 #include <cblas.h>
 
 #include <algorithm>
@@ -74,13 +75,28 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
 }
 
 // d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major.
+// On Arm64 OpenBLAS's sgemm: oneDNN has no sgemm kernel for Arm (Debian's arm64 build runs
+// dnnl_sgemm on its reference ref_gemm<float>), and that one accumulates long runs of K in one
+// float: at k = 2^15 it was off by up to 15 eps * sum|a*b| (Gemm.GemmLargerThanOneScratchBlock...
+// failed under qemu), where OpenBLAS's blocked kernels, like oneDNN's x86-64 ones, stay under 1.
 void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* d,
            std::int64_t ldd) {
+#if defined(__aarch64__)
+  constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
+  MESHFUSE_CHECK(std::max({m, n, k, lda, ldb, ldd}) <= kMax, ErrorCode::Unsupported,
+                 "gemm: sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} k={} "
+                 "lda={} ldb={} ldd={}",
+                 8 * sizeof(blasint), m, n, k, lda, ldb, ldd);
+  const auto i = [](std::int64_t v) { return static_cast<blasint>(v); };
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i(m), i(n), i(k), alpha, a, i(lda), b,
+              i(ldb), beta, d, i(ldd));
+#else
   const dnnl_status_t status = dnnl_sgemm('N', 'N', m, n, k, alpha, a, lda, b, ldb, beta, d, ldd);
   MESHFUSE_CHECK(status == dnnl_success, ErrorCode::Internal,
                  "gemm: oneDNN sgemm ({} x {} x {}) failed with status {}", m, n, k,
                  static_cast<int>(status));
+#endif
 }
 
 // d = beta * c, or zeros without c: the whole GEMM when alpha = 0 or k = 0.

@@ -90,11 +90,22 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
             [&](std::int64_t c0, std::int64_t len, A* buf) {
               const T *xb = x + c0, *rb = res + c0;  // locals, or GCC does not vectorise
               double part = 0;
+#if HWY_ARCH_ARM_A64
+              // Two loops on Arm: GCC 12.2 leaves the fused one scalar on the SVE2 target and
+              // then drops its sum (the scalar loop's accumulator is never stored into the
+              // "omp simd" lanes that the reduction adds up: rstd came out garbage under qemu).
+#pragma omp simd
+              for (std::int64_t i = 0; i < len; ++i)
+                buf[i] = residual_add<kResidual, kScale>(xb, rb, i, m);
+#pragma omp simd reduction(+ : part)
+              for (std::int64_t i = 0; i < len; ++i) part += double(buf[i]) * double(buf[i]);
+#else
 #pragma omp simd reduction(+ : part)
               for (std::int64_t i = 0; i < len; ++i) {
                 buf[i] = residual_add<kResidual, kScale>(xb, rb, i, m);
                 part += double(buf[i]) * double(buf[i]);
               }
+#endif
               sum_sq += part;
             },
             {in(a.residual, next)}, PrefetchTo::L2);

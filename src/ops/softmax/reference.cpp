@@ -14,9 +14,14 @@ void softmax_forward(const SoftmaxShape& s, const void* x, void* y, double multi
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* xr = static_cast<const T*>(x) + row_offset(r, s.cols);
       T* yr = static_cast<T*>(y) + row_offset(r, s.cols);
-      // fmax would skip NaN; NaN must poison the row, which the sum below takes care of.
+      // The max skips NaN (as fmax would); NaN must poison the row, which the sum below takes
+      // care of. A compare, not std::fmax: GCC 12.2 for Arm64 crashes vectorising an fmax
+      // reduction of floats widened to double (an internal compiler error).
       double max = -std::numeric_limits<double>::infinity();
-      for (std::int64_t c = 0; c < s.cols; ++c) max = std::fmax(max, multiplier * to_float(xr[c]));
+      for (std::int64_t c = 0; c < s.cols; ++c) {
+        const double v = multiplier * to_float(xr[c]);
+        max = v > max ? v : max;
+      }
       double sum = 0;
       for (std::int64_t c = 0; c < s.cols; ++c) sum += std::exp(multiplier * to_float(xr[c]) - max);
       for (std::int64_t c = 0; c < s.cols; ++c)
