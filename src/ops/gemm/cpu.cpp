@@ -74,6 +74,18 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
   }
 }
 
+// OpenBLAS takes its sizes and leading dims as blasint: past its range the call is Unsupported.
+// `what` names the GEMM in the message ("" or "f64 ").
+void check_blas_sizes(const char* what, std::int64_t m, std::int64_t n, std::int64_t k,
+                      std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
+  constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
+  MESHFUSE_CHECK(std::max({m, n, k, lda, ldb, ldd}) <= kMax, ErrorCode::Unsupported,
+                 "gemm: {}sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} "
+                 "k={} lda={} ldb={} ldd={}",
+                 what, 8 * sizeof(blasint), m, n, k, lda, ldb, ldd);
+}
+blasint blas_int(std::int64_t v) { return static_cast<blasint>(v); }
+
 // d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major.
 // On Arm64 OpenBLAS's sgemm: oneDNN has no sgemm kernel for Arm (Debian's arm64 build runs
 // dnnl_sgemm on its reference ref_gemm<float>), and that one accumulates long runs of K in one
@@ -83,12 +95,8 @@ void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const fl
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* d,
            std::int64_t ldd) {
 #if defined(__aarch64__)
-  constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
-  MESHFUSE_CHECK(std::max({m, n, k, lda, ldb, ldd}) <= kMax, ErrorCode::Unsupported,
-                 "gemm: sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} k={} "
-                 "lda={} ldb={} ldd={}",
-                 8 * sizeof(blasint), m, n, k, lda, ldb, ldd);
-  const auto i = [](std::int64_t v) { return static_cast<blasint>(v); };
+  check_blas_sizes("", m, n, k, lda, ldb, ldd);
+  const auto i = blas_int;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i(m), i(n), i(k), alpha, a, i(lda), b,
               i(ldb), beta, d, i(ldd));
 #else
@@ -205,13 +213,9 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
 // is added), then D = alpha * product + beta * C with one fma, for the reason given above.
 void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& c,
               const GemmMatrix& d, bool add_c) {
-  constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
-  MESHFUSE_CHECK(std::max({p.m, p.n, p.k, a.ld, b.ld, d.ld}) <= kMax, ErrorCode::Unsupported,
-                 "gemm: f64 sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} "
-                 "k={} lda={} ldb={} ldd={}",
-                 8 * sizeof(blasint), p.m, p.n, p.k, a.ld, b.ld, d.ld);
+  check_blas_sizes("f64 ", p.m, p.n, p.k, a.ld, b.ld, d.ld);
   const auto op = [](const GemmMatrix& x) { return x.transposed ? CblasTrans : CblasNoTrans; };
-  const auto i = [](std::int64_t v) { return static_cast<blasint>(v); };
+  const auto i = blas_int;
   const bool direct = p.alpha == 1.0 && !add_c;
   Tensor product = direct ? Tensor() : Tensor({p.m * p.n}, DType::F64);
   for (std::int64_t l = 0; l < p.batch; ++l) {
