@@ -57,20 +57,19 @@ cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-
   -DMESHFUSE_GLOO=OFF -DMESHFUSE_MPI=OFF "$@" >/dev/null
 cmake --build "$dir" --target meshfuse_tests  # -j: CMAKE_BUILD_PARALLEL_LEVEL, else ninja's
 
-ops='*Softmax*:*CrossEntropy*:*RmsNorm*:*Swiglu*:*Elementwise*:*Gemm*:*Recurrent*:*PackSequence*'
-ops+=':*FusedLinearCrossEntropy*:*ContinuousCount*:*CpuMath*:*CpuTargets*'
-skip='*Cuda*:*Torch*'
+# The op suites without CUDA and torch cases, as tests/CMakeLists.txt's cpu_target_* runs take them.
+filter=$(<"$dir/tests/op_suites_filter")
 slow='*EveryTransposeWithAndWithoutC*:Gemm.GemmLargerThanOneScratchBlock*:*AtV262144*'
 slow+=':*EveryReductionOptionAndLabelDType*:*WideVocabularyRows*:*DeterministicRunToRun*'
 slow+=':*VocabularyShardsCombine*'
-[[ ${ARM64_ALL:-} == 1 ]] || skip+=:$slow
+[[ ${ARM64_ALL:-} == 1 ]] || filter+=:$slow
 failed=()
 run() {  # name, then VAR=value settings for the run; its output goes to $dir/arm64-<name>.log
   local name=$1 t=$SECONDS
   local log=$dir/arm64-$name.log
   shift
   if env "$@" qemu-aarch64 -L / "$dir/tests/meshfuse_tests" --gtest_brief=1 \
-    --gtest_filter="$ops:-$skip" >"$log" 2>&1; then
+    --gtest_filter="$filter" >"$log" 2>&1; then
     echo "arm64: $name: $(grep -E '^\[  PASSED  \]' "$log"), $(grep -cE ': Skipped$' "$log")" \
       "skipped (no GPU, no torch), $((SECONDS - t)) s"
   else
