@@ -10,6 +10,7 @@ queueing a call (the device keeps up on tiny inputs).
 
     python3 bench/python_overhead.py --device cpu
     python3 bench/python_overhead.py --device cuda --json overhead.json
+    python3 bench/python_overhead.py --device cuda --breakdown   # where a call's time goes
 """
 
 import argparse
@@ -52,6 +53,37 @@ def per_call_us(fn, calls, cuda):
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def breakdown(rows, hidden, dtype, device, calls, cuda):
+    """Each step of meshfuse.torch.rmsnorm's eager path timed alone (us per call), to show where
+    the host time of a call goes; PyTorch's whole call beside it."""
+    from meshfuse import _meshfuse as C
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(hidden, generator=g).to(device=device, dtype=dtype)
+    y, rstd = mt._empty_like(x), torch.empty(rows, dtype=torch.float32, device=device)
+    stream = mt._stream(x)
+    d = mt._d
+    steps = [
+        ("eager-path checks", lambda: mt._untraced(x, w)),
+        ("output allocations (2)", lambda: (mt._empty_like(x),
+                                            torch.empty(rows, dtype=torch.float32,
+                                                        device=device))),
+        ("stream lookup", lambda: mt._stream(x)),
+        ("DLPack export (4 tensors)", lambda: (d(x), d(w), d(y), d(rstd))),
+        ("export + extension call", lambda: C.rmsnorm(d(x), d(w), d(y), d(rstd), 1e-5,
+                                                      stream=stream)),
+        ("Tensor.__dlpack__ (4 tensors)", lambda: (x.__dlpack__(), w.__dlpack__(),
+                                                   y.__dlpack__(), rstd.__dlpack__())),
+        ("meshfuse.torch.rmsnorm", lambda: mt.rmsnorm(x, w, 1e-5)),
+        ("torch rms_norm", lambda: F.rms_norm(x, (hidden,), w, 1e-5)),
+    ]
+    print(f"rmsnorm's host time by step, us per call (device {device}):")
+    for name, fn in steps:
+        fn()
+        t = statistics.median(per_call_us(fn, calls, cuda) for _ in range(5))
+        print(f"  {name:<32} {t:>8.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -61,10 +93,16 @@ def main():
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time each step of rmsnorm's call instead")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.breakdown:
+        with torch.inference_mode():
+            breakdown(args.rows, args.hidden, dtype, device, args.calls, cuda)
+        return
 
     rows = []
     print(f"{'op':<24} {'meshfuse us':>12} {'torch us':>10} {'ratio':>7}  (device {device}, "
@@ -77,8 +115,12 @@ def main():
                 times["meshfuse"].append(per_call_us(ours, args.calls, cuda))
                 times["torch"].append(per_call_us(theirs, args.calls, cuda))
             a, b = statistics.median(times["meshfuse"]), statistics.median(times["torch"])
-            rows.append({"op": name, "device": str(device), "meshfuse_us": a, "torch_us": b,
-                         "ratio": a / b})
+            row = {"op": name, "device": str(device), "shape": [args.rows, args.hidden],
+                   "dtype": args.dtype, "meshfuse_us": a, "torch_us": b, "ratio": a / b}
+            for impl in ("meshfuse", "torch"):  # the spread over rounds
+                q = statistics.quantiles(times[impl], n=5)
+                row[f"{impl}_p20_us"], row[f"{impl}_p80_us"] = q[0], q[-1]
+            rows.append(row)
             print(f"{name:<24} {a:>12.2f} {b:>10.2f} {a / b:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:

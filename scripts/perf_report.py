@@ -9,7 +9,7 @@ A stored run wraps a tool's JSON output with its metadata:
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
 run (`meshfuse run --format json`), torch_compare, recurrent_compare, flce_compare, comm_compare,
 numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json),
-overlap (bench/overlap --json).
+overlap (bench/overlap --json), python_overhead (bench/python_overhead.py --json).
 Standard library only.
 """
 
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 KINDS = ("bench", "comm_bench", "run", "torch_compare", "recurrent_compare", "flce_compare",
-         "comm_compare", "numerics", "executor_overhead", "overlap")
+         "comm_compare", "numerics", "executor_overhead", "overlap", "python_overhead")
 
 
 def guess_kind(results):
@@ -35,6 +35,8 @@ def guess_kind(results):
     first = results[0] if results else {}
     if "executor_us" in first:
         return "executor_overhead"
+    if "meshfuse_us" in first:
+        return "python_overhead"
     if first.get("layer") in ("ag_gemm", "gemm_rs", "chunked_gemm"):
         return "overlap"
     if "meshfuse_err" in first:
@@ -287,8 +289,22 @@ def executor_overhead_section(results):
          "extra us", "extra"], rows)
 
 
+def python_overhead_section(results):
+    """bench/python_overhead.py --json: meshfuse.torch's host time per call against PyTorch's."""
+    rows = [[r["op"], r["dtype"], r["device"], str(r["shape"]), num(r["meshfuse_us"], 2),
+             f"{num(r['meshfuse_p20_us'], 2)}-{num(r['meshfuse_p80_us'], 2)}",
+             num(r["torch_us"], 2), f"{num(r['torch_p20_us'], 2)}-{num(r['torch_p80_us'], 2)}",
+             f"{r['ratio']:.2f}x"] for r in results]
+    return ["Host time per call on tiny inputs (a GPU synchronised once per round of calls), "
+            "median and p20-p80 over rounds, meshfuse.torch against PyTorch's matching call in "
+            "the same run; the goal: a ratio of at most 1.2.", ""] + table(
+        ["op", "dtype", "device", "shape", "meshfuse us", "p20-p80", "torch us", "p20-p80",
+         "ratio"], rows)
+
+
 SECTIONS = {"bench": bench_section, "run": run_section,
             "executor_overhead": executor_overhead_section, "comm_bench": comm_bench_section,
+            "python_overhead": python_overhead_section,
             "overlap": overlap_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,

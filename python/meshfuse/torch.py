@@ -43,8 +43,15 @@ def _stream(t):
 
 
 def _d(t):
-    # DLPack refuses tensors that require grad; the kernels never record autograd history.
-    return t.detach() if t is not None and t.requires_grad else t
+    # A tensor as the DLPack capsule the extension takes: torch's C exporter costs ~0.5 us where
+    # nanobind calling Tensor.__dlpack__ (Python, with its checks) costs ~7 us, for each argument
+    # of every call (bench/python_overhead.py). No stream synchronisation either way (the kernels
+    # run on the current stream, which _stream passes); the kernels record no autograd history,
+    # so a tensor that requires grad goes as it is.
+    return None if t is None else _to_dlpack(t)
+
+
+_to_dlpack = torch.utils.dlpack.to_dlpack
 
 
 def _rows(x):
@@ -92,14 +99,15 @@ def _none_if_empty(t):
 def swiglu_forward(gate, up):
     """The raw kernel of :func:`swiglu`: returns ``up * silu(gate)``."""
     out = _empty_like(gate)
-    _C.swiglu(_d(gate), _d(up), out, stream=_stream(gate))
+    _C.swiglu(_d(gate), _d(up), _d(out), stream=_stream(gate))
     return out
 
 
 def swiglu_backward(grad_out, gate, up):
     """The raw backward of :func:`swiglu`: returns (grad_gate, grad_up)."""
     grad_gate, grad_up = _empty_like(gate), _empty_like(up)
-    _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), grad_gate, grad_up, stream=_stream(gate))
+    _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), _d(grad_gate), _d(grad_up),
+                       stream=_stream(gate))
     return grad_gate, grad_up
 
 
@@ -156,17 +164,17 @@ def _eps(x, eps):
     return torch.finfo(torch.float32 if x.dtype in _SIXTEEN_BIT else x.dtype).eps
 
 
-def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0):
+def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=True):
     """The raw kernel of :func:`rmsnorm` and :func:`fused_residual_add_rmsnorm`: returns
-    (y, r or None, rstd (rows,) float32); r = x * multiplier + residual when a residual is
-    given."""
+    (y, r or None, rstd (rows,) float32, or None when not ``save_rstd``: inference has no
+    backward to save it for); r = x * multiplier + residual when a residual is given."""
     y = _empty_like(x)
-    rstd = torch.empty(_rows(x), dtype=torch.float32, device=x.device)
+    rstd = torch.empty(_rows(x), dtype=torch.float32, device=x.device) if save_rstd else None
     if residual is None and multiplier == 1.0:
-        _C.rmsnorm(_d(x), _d(weight), y, rstd, eps, stream=_stream(x))
+        _C.rmsnorm(_d(x), _d(weight), _d(y), _d(rstd), eps, stream=_stream(x))
         return y, None, rstd
     r = None if residual is None else torch.empty_like(y)
-    _C.fused_residual_add_rmsnorm(_d(x), _d(residual), _d(weight), y, r, rstd, eps,
+    _C.fused_residual_add_rmsnorm(_d(x), _d(residual), _d(weight), _d(y), _d(r), _d(rstd), eps,
                                   multiplier=multiplier, stream=_stream(x))
     return y, r, rstd
 
@@ -179,7 +187,7 @@ def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0
     dx = _empty_like(saved)
     dweight = torch.empty_like(weight) if weight is not None and need_dweight else None
     if not residual_given and multiplier == 1.0:
-        _C.rmsnorm_backward(_d(grad_y), _d(saved), _d(weight), rstd, dx, dweight,
+        _C.rmsnorm_backward(_d(grad_y), _d(saved), _d(weight), _d(rstd), _d(dx), _d(dweight),
                             stream=_stream(saved))
         return dx, None, dweight
     # With multiplier 1 the residual's gradient equals dx: dx itself is passed as dresidual and
@@ -188,9 +196,9 @@ def rmsnorm_backward(grad_y, saved, weight, rstd, residual_given, multiplier=1.0
         dresidual = dx if multiplier == 1.0 else torch.empty_like(dx)
     else:
         dresidual = None
-    _C.fused_residual_add_rmsnorm_backward(_d(grad_y), _d(grad_r), _d(saved), _d(weight), rstd,
-                                           dx, dresidual, dweight, multiplier=multiplier,
-                                           stream=_stream(saved))
+    _C.fused_residual_add_rmsnorm_backward(_d(grad_y), _d(grad_r), _d(saved), _d(weight), _d(rstd),
+                                           _d(dx), _d(dresidual), _d(dweight),
+                                           multiplier=multiplier, stream=_stream(saved))
     return dx, dresidual, dweight
 
 
@@ -265,7 +273,7 @@ def rmsnorm(x, weight=None, eps=None):
     ShapeMismatchError, InvalidArgumentError (ValueError: eps < 0), DTypeMismatchError
     (TypeError), DeviceMismatchError (RuntimeError). Spec: include/meshfuse/ops/rmsnorm.h."""
     if _untraced(x, weight):
-        return rmsnorm_forward(x, weight, _eps(x, eps))[0]
+        return rmsnorm_forward(x, weight, _eps(x, eps), save_rstd=False)[0]
     return _rmsnorm(x, None, weight, _eps(x, eps), 1.0)[0]
 
 
@@ -274,6 +282,9 @@ def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.
     (r: the residual stream of the next layer; an empty tensor when residual is None).
 
     x, residual: (..., H); weight (H,) or None; dtypes, eps and errors as :func:`rmsnorm`."""
+    if _untraced(x, residual, weight):
+        y, r, _ = rmsnorm_forward(x, weight, _eps(x, eps), residual, multiplier, save_rstd=False)
+        return y, _nothing(x) if r is None else r
     y, r, _ = _rmsnorm(x, residual, weight, _eps(x, eps), multiplier)
     return y, r
 
@@ -282,14 +293,14 @@ def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.
 def softmax_forward(x, logits_multiplier=1.0):
     """The raw kernel of :func:`softmax`."""
     y = _empty_like(x)
-    _C.softmax(_d(x), y, logits_multiplier=logits_multiplier, stream=_stream(x))
+    _C.softmax(_d(x), _d(y), logits_multiplier=logits_multiplier, stream=_stream(x))
     return y
 
 
 def softmax_backward(grad_y, y, logits_multiplier=1.0):
     """The raw backward of :func:`softmax`: grad_x from the forward's output y."""
     grad_x = _empty_like(y)
-    _C.softmax_backward(_d(grad_y), _d(y), grad_x, logits_multiplier=logits_multiplier,
+    _C.softmax_backward(_d(grad_y), _d(y), _d(grad_x), logits_multiplier=logits_multiplier,
                         stream=_stream(y))
     return grad_x
 
@@ -357,7 +368,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                        device=logits.device)
     lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
     lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
-    _C.cross_entropy(_d(logits), _d(labels), loss, lse, ignore_index=ignore_index,
+    _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index=ignore_index,
                      reduction=reduction, label_smoothing=label_smoothing,
                      logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                      vocab_start=vocab_start, vocab_size=vocab_size, stream=_stream(logits))
@@ -371,8 +382,8 @@ def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, re
     or float32 for 16-bit logits. For a shard (``vocab_start``, ``vocab_size`` as in
     :func:`cross_entropy_forward`), lse is the whole vocabulary's."""
     grad_logits = _empty_like(logits)
-    _C.cross_entropy_backward(_d(grad_loss).contiguous(), _d(logits), _d(labels), lse,
-                              grad_logits, ignore_index=ignore_index, reduction=reduction,
+    _C.cross_entropy_backward(_d(grad_loss.contiguous()), _d(logits), _d(labels), _d(lse),
+                              _d(grad_logits), ignore_index=ignore_index, reduction=reduction,
                               label_smoothing=label_smoothing,
                               logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                               vocab_start=vocab_start, vocab_size=vocab_size,
@@ -470,7 +481,7 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
     dw = torch.empty(weight.shape, dtype=wide, device=x.device) if grad_weight else None
     db = torch.empty(bias.shape, dtype=wide, device=x.device) if grad_bias else None
     _C.fused_linear_cross_entropy(
-        _d(x), _d(weight), _d(bias), _d(labels), _d(grad_loss), loss, dx, dw, db,
+        _d(x), _d(weight), _d(bias), _d(labels), _d(grad_loss), _d(loss), _d(dx), _d(dw), _d(db),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale, chunk_rows=chunk_rows,
         stream=_stream(x))
@@ -583,7 +594,8 @@ def rnn_forward(input, weight, input_state=None, cu_seqlens=None, max_seqlen=Non
     out_shape, state_shape = _recurrent_shapes([input], [weight], input_state, cu_seqlens)
     output = input.new_empty(out_shape)
     final_state = input.new_empty(state_shape)
-    _C.rnn(_d(input), _d(weight), _d(input_state), output, final_state, cu_seqlens=cu_seqlens,
+    _C.rnn(_d(input), _d(weight), _d(input_state), _d(output), _d(final_state),
+           cu_seqlens=_d(cu_seqlens),
            max_seqlen=_max_seqlen(max_seqlen), stream=_stream(input))
     return output, final_state
 
@@ -598,8 +610,8 @@ def rnn_backward(grad_output, grad_final_state, output, input_shape, weight, inp
     grad_input_state = (None if input_state is None or not need_input_state_grad
                         else torch.empty_like(input_state, memory_format=torch.contiguous_format))
     _C.rnn_backward(_d(grad_output), _d(grad_final_state), _d(output), _d(weight),
-                    _d(input_state), grad_input, grad_weight, grad_input_state,
-                    gradient_clipping=gradient_clipping, cu_seqlens=cu_seqlens,
+                    _d(input_state), _d(grad_input), _d(grad_weight), _d(grad_input_state),
+                    gradient_clipping=gradient_clipping, cu_seqlens=_d(cu_seqlens),
                     max_seqlen=_max_seqlen(max_seqlen), stream=_stream(output))
     return grad_input, grad_weight, grad_input_state
 
@@ -612,7 +624,8 @@ def gru_forward(input, weight, forget_input, forget_weight, reset_input, reset_w
     output = input.new_empty(out_shape)
     final_state = input.new_empty(state_shape)
     _C.gru(_d(input), _d(weight), _d(forget_input), _d(forget_weight), _d(reset_input),
-           _d(reset_weight), _d(input_state), output, final_state, cu_seqlens=cu_seqlens,
+           _d(reset_weight), _d(input_state), _d(output), _d(final_state),
+           cu_seqlens=_d(cu_seqlens),
            max_seqlen=_max_seqlen(max_seqlen), stream=_stream(input))
     return output, final_state
 
@@ -628,8 +641,8 @@ def gru_backward(grad_output, grad_final_state, output, input, weight, forget_in
     grad_input_state = (None if input_state is None or not need_input_state_grad
                         else torch.empty_like(input_state, memory_format=torch.contiguous_format))
     _C.gru_backward(_d(grad_output), _d(grad_final_state), _d(output), *[_d(p) for p in params],
-                    _d(input_state), *grads, grad_input_state,
-                    gradient_clipping=gradient_clipping, cu_seqlens=cu_seqlens,
+                    _d(input_state), *[_d(g) for g in grads], _d(grad_input_state),
+                    gradient_clipping=gradient_clipping, cu_seqlens=_d(cu_seqlens),
                     max_seqlen=_max_seqlen(max_seqlen), stream=_stream(output))
     return (*grads, grad_input_state)
 
@@ -777,14 +790,14 @@ def gru(input, weight, forget_input, forget_weight, reset_input, reset_weight, i
 def pack_sequence_forward(x, cu_seqlens, padding_side="left"):
     """The raw kernel of :func:`pack_sequence`."""
     out = x.new_empty((int(cu_seqlens[-1]), *x.shape[2:]))
-    _C.pack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
+    _C.pack_sequence(_d(x), _d(cu_seqlens), _d(out), padding_side=padding_side, stream=_stream(x))
     return out
 
 
 def unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
     """The raw kernel of :func:`unpack_sequence`."""
     out = x.new_empty((batch_size, sequence_length, *x.shape[1:]))
-    _C.unpack_sequence(_d(x), cu_seqlens, out, padding_side=padding_side, stream=_stream(x))
+    _C.unpack_sequence(_d(x), _d(cu_seqlens), _d(out), padding_side=padding_side, stream=_stream(x))
     return out
 
 
@@ -855,7 +868,7 @@ def unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side="le
 @torch.library.custom_op("meshfuse::continuous_count", mutates_args=())
 def _continuous_count(x: Tensor, bins: int) -> Tensor:
     out = torch.empty(bins, dtype=torch.int64, device=x.device)
-    _C.continuous_count(x, out, stream=_stream(x))
+    _C.continuous_count(_d(x), _d(out), stream=_stream(x))
     return out
 
 

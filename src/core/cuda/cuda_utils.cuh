@@ -6,7 +6,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "core/cuda/runtime.h"
 #include "core/numeric.h"
@@ -21,6 +25,22 @@ void check(cudaError_t status, std::string_view what);
 
 // Checks the launch that was just queued (configuration errors surface here, not later).
 inline void check_launch(std::string_view op) { check(cudaGetLastError(), op); }
+
+// query() for `key` on the current device, asked once per process and then remembered: a driver
+// query (function attributes, occupancy) costs about a launch's host time, and a small op's call
+// is mostly host time (bench/python_overhead.py). One table per call site (the query's type); a
+// query that throws stores nothing.
+template <typename Key, typename Query>
+auto remembered(const Key& key, Query&& query) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, Key>, std::invoke_result_t<Query&>> table;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const std::lock_guard lock(mutex);
+  auto it = table.find({device, key});
+  if (it == table.end()) it = table.emplace(std::pair{device, key}, query()).first;
+  return it->second;
+}
 
 inline cudaStream_t native(const Stream& stream) {
   return static_cast<cudaStream_t>(stream.native);

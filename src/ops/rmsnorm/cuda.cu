@@ -492,9 +492,12 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
       config.attrs = &attribute;
       // Only code compiled for sm_90 or later waits in griddepcontrol.wait: older PTX
       // (CMAKE_CUDA_ARCHITECTURES below 90, JIT-compiled on a newer GPU) gets an ordinary launch.
-      cudaFuncAttributes compiled{};
-      check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
-      config.numAttrs = compiled.ptxVersion >= 90 ? 1 : 0;
+      const int ptx = remembered(reinterpret_cast<const void*>(dweight_kernel<T>), [] {
+        cudaFuncAttributes compiled{};
+        check(cudaFuncGetAttributes(&compiled, dweight_kernel<T>), "rmsnorm_backward");
+        return compiled.ptxVersion;
+      });
+      config.numAttrs = ptx >= 90 ? 1 : 0;
       check(cudaLaunchKernelEx(&config, dweight_kernel<T>, static_cast<const A*>(p), blocks,
                                s.cols, static_cast<T*>(a.dweight)),
             "rmsnorm_backward");

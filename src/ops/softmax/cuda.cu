@@ -372,16 +372,18 @@ struct Limits {
 
 template <typename Kernel>
 Limits limits(Kernel* kernel) {
-  int device = 0, major = 0, optin = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-        "cudaDeviceGetAttribute");
-  cudaFuncAttributes attributes{};
-  check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
-  return {major >= 9 && attributes.binaryVersion >= 90 ? kMaxCluster : 1,
-          static_cast<std::size_t>(optin) - attributes.sharedSizeBytes};
+  return remembered(reinterpret_cast<const void*>(kernel), [&] {
+    int device = 0, major = 0, optin = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+          "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+          "cudaDeviceGetAttribute");
+    cudaFuncAttributes attributes{};
+    check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+    return Limits{major >= 9 && attributes.binaryVersion >= 90 ? kMaxCluster : 1,
+                  static_cast<std::size_t>(optin) - attributes.sharedSizeBytes};
+  });
 }
 
 // How a shared-memory kernel covers a row of nv vectors of `arrays` operands: the fewest blocks
@@ -399,13 +401,18 @@ Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
   return {};
 }
 
-// Lets `kernel` take the plan's dynamic shared memory (past 48 KB it must be allowed first).
+// Lets `kernel` take the plan's dynamic shared memory (past 48 KB it must be allowed first): once
+// per device and kernel, all that the device allows (the attribute caps what a launch may ask
+// for; each launch still gets its plan's bytes).
 template <typename Kernel>
 void allow_shared(Kernel* kernel, const Plan& plan, std::string_view op) {
-  if (plan.shared_bytes > 0)
+  if (plan.shared_bytes == 0) return;
+  remembered(reinterpret_cast<const void*>(kernel), [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(plan.shared_bytes)),
+                               static_cast<int>(limits(kernel).shared_bytes)),
           op);
+    return true;
+  });
 }
 
 // One cluster of `plan.cluster` blocks per `rows_per_cluster` rows (rows beyond the grid loop).
@@ -452,10 +459,13 @@ Plan plan_registers(Kernel* kernel, std::int64_t nv) {
 template <typename T>
 std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
   allow_shared(forward_resident_kernel<T>, plan, "softmax");  // else the occupancy is 0
-  int blocks = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, forward_resident_kernel<T>,
-                                                      plan.threads, plan.shared_bytes),
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int blocks = remembered(std::pair{plan.threads, plan.shared_bytes}, [&] {
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, forward_resident_kernel<T>,
+                                                        plan.threads, plan.shared_bytes),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return n;
+  });
   const std::int64_t resident =
       std::max<std::int64_t>(1, std::int64_t{sm_count()} * blocks / plan.cluster);
   return std::clamp<std::int64_t>(rows / resident, 1, kForwardRows);
