@@ -5,7 +5,7 @@ apply_liger_kernel_to_llama when liger_kernel is installed): tokens/s and peak m
 
 Each variant gets a fresh model from the same seed; a step is forward + backward + zeroing the
 gradients (no optimizer: its memory is the same for all). Timed over --steps steps after
---warmup, on CUDA events; peak memory is torch.cuda.max_memory_allocated over the timed steps.
+--warmup, each on CUDA events (median and p20-p80 over steps); peak memory is torch.cuda.max_memory_allocated over the timed steps.
 
     python3 bench/hf_patch.py --layers 2 --tokens 8192 --json hf_patch.json
 """
@@ -13,6 +13,7 @@ gradients (no optimizer: its memory is the same for all). Timed over --steps ste
 import argparse
 import gc
 import json
+import statistics
 import sys
 
 import torch
@@ -59,15 +60,18 @@ def run(name, patch, args):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.steps):
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+    events[0].record()
+    for e in events[1:]:
         loss = step()
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / args.steps
+        e.record()
+    events[-1].synchronize()
+    ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    q = statistics.quantiles(ms, n=5) if len(ms) > 1 else [ms[0], ms[0]]
+    step_ms = statistics.median(ms)
     return {"variant": name, "layers": args.layers, "tokens": batch * args.sequence,
-            "tokens_per_s": batch * args.sequence / seconds, "step_ms": seconds * 1e3,
+            "tokens_per_s": batch * args.sequence / step_ms * 1e3, "step_ms": step_ms,
+            "step_p20_ms": q[0], "step_p80_ms": q[-1],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
 
 

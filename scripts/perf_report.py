@@ -9,7 +9,8 @@ A stored run wraps a tool's JSON output with its metadata:
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
 run (`meshfuse run --format json`), torch_compare, recurrent_compare, flce_compare, comm_compare,
 numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json),
-overlap (bench/overlap --json), python_overhead (bench/python_overhead.py --json).
+overlap (bench/overlap --json), python_overhead (bench/python_overhead.py --json), hf_patch
+(bench/hf_patch.py --json).
 Standard library only.
 """
 
@@ -25,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 KINDS = ("bench", "comm_bench", "run", "torch_compare", "recurrent_compare", "flce_compare",
-         "comm_compare", "numerics", "executor_overhead", "overlap", "python_overhead")
+         "comm_compare", "numerics", "executor_overhead", "overlap", "python_overhead",
+         "hf_patch")
 
 
 def guess_kind(results):
@@ -37,6 +39,8 @@ def guess_kind(results):
         return "executor_overhead"
     if "meshfuse_us" in first:
         return "python_overhead"
+    if "tokens_per_s" in first:
+        return "hf_patch"
     if first.get("layer") in ("ag_gemm", "gemm_rs", "chunked_gemm"):
         return "overlap"
     if "meshfuse_err" in first:
@@ -302,9 +306,23 @@ def python_overhead_section(results):
          "ratio"], rows)
 
 
+def hf_patch_section(results):
+    """bench/hf_patch.py --json: a Hugging Face model's training step, unpatched and patched."""
+    base = next((r for r in results if r["variant"] == "unpatched"), results[0])
+    rows = [[r["variant"], str(r["layers"]), str(r["tokens"]), num(r["step_ms"], 1),
+             f"{num(r['step_p20_ms'], 1)}-{num(r['step_p80_ms'], 1)}",
+             f"{r['tokens_per_s']:.0f}", f"{base['step_ms'] / r['step_ms']:.2f}x",
+             num(r["peak_gib"], 2), f"{r['loss']:.4f}"] for r in results]
+    return ["A training step (forward, backward, zeroed gradients; random weights) of a "
+            "llama-3.1-8b-shaped model with few layers, median and p20-p80 over steps; speed-up "
+            "against the unpatched model in the same run.", ""] + table(
+        ["variant", "layers", "tokens", "step ms", "p20-p80", "tokens/s", "speed-up",
+         "peak GiB", "loss"], rows)
+
+
 SECTIONS = {"bench": bench_section, "run": run_section,
             "executor_overhead": executor_overhead_section, "comm_bench": comm_bench_section,
-            "python_overhead": python_overhead_section,
+            "python_overhead": python_overhead_section, "hf_patch": hf_patch_section,
             "overlap": overlap_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,
