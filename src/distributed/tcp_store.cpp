@@ -150,7 +150,9 @@ struct TcpStore::Impl {
   std::map<std::string, Bytes> values;
   std::uint64_t stored_bytes = 0;
   // Connections being served, each by its thread; a thread that ends closes its socket and
-  // leaves its id in `finished`, to be joined by the acceptor (or by stop_server).
+  // leaves its id in `finished`, to be joined by the acceptor (or by stop_server). `finished` is
+  // reserved for every thread that can end between two reapings (the acceptor reaps before it
+  // admits one more) and keeps its capacity: an ending thread allocates nothing.
   std::map<int, std::thread> handlers;  // by socket
   std::vector<std::thread> finished;
   int unproven = 0;          // connections still to prove the secret
@@ -269,31 +271,34 @@ struct TcpStore::Impl {
         }
         return;
       }
-      std::vector<std::thread> done;
-      {
-        std::lock_guard lock(mutex);
-        if (stopping) {  // before the swap: stop_server joins what `finished` holds
+      std::lock_guard lock(mutex);
+      if (stopping) {  // stop_server joins what `finished` holds
+        ::close(fd);
+        return;
+      }
+      reap_finished();
+      if (unproven >= kMaxUnproven || static_cast<int>(handlers.size()) >= kMaxConnections) {
+        const std::uint8_t busy = kBusy;
+        ::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::close(fd);
+      } else {
+        const int one = 1;  // replies go out at once
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        try {
+          handlers.emplace(fd, std::thread([this, fd] { serve_connection(fd); }));
+          ++unproven;
+        } catch (const std::system_error&) {  // no thread to be had: this one is turned away
           ::close(fd);
-          return;
-        }
-        done.swap(finished);
-        if (unproven >= kMaxUnproven || static_cast<int>(handlers.size()) >= kMaxConnections) {
-          const std::uint8_t busy = kBusy;
-          ::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-          ::close(fd);
-        } else {
-          const int one = 1;  // replies go out at once
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          try {
-            handlers.emplace(fd, std::thread([this, fd] { serve_connection(fd); }));
-            ++unproven;
-          } catch (const std::system_error&) {  // no thread to be had: this one is turned away
-            ::close(fd);
-          }
         }
       }
-      for (std::thread& t : done) t.join();
     }
+  }
+
+  // Joins the handlers that have ended (under `mutex`: each released it when it listed itself,
+  // and has only its exit left).
+  void reap_finished() {
+    for (std::thread& t : finished) t.join();
+    finished.clear();
   }
 
   // Listens on bind_address (or host): the one interface the job's clients use. A host name that
@@ -334,6 +339,7 @@ struct TcpStore::Impl {
     socklen_t len = sizeof(addr);
     ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
     port = ntohs(addr.sin_port);
+    finished.reserve(kMaxConnections + 1);
     acceptor = std::thread([this] { accept_loop(); });
   }
 
@@ -351,10 +357,8 @@ struct TcpStore::Impl {
     // The handlers end once their sockets are shut down; each moves itself to `finished`.
     std::unique_lock lock(mutex);
     changed.wait(lock, [&] { return handlers.empty(); });
-    std::vector<std::thread> done;
-    done.swap(finished);
+    reap_finished();
     lock.unlock();
-    for (std::thread& t : done) t.join();
     ::close(listener);
   }
 
