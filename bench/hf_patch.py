@@ -72,7 +72,7 @@ def run(name, patch, args):
     return {"variant": name, "layers": args.layers, "tokens": batch * args.sequence,
             "tokens_per_s": batch * args.sequence / step_ms * 1e3, "step_ms": step_ms,
             "step_p20_ms": q[0], "step_p80_ms": q[-1],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach())}
 
 
 def main():
