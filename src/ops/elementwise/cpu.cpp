@@ -21,8 +21,6 @@ HWY_BEFORE_NAMESPACE();
 namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
-// Calls smaller than this stay on the calling thread (a parallel region costs microseconds).
-constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 // Elements per unit of work of the strided loop: big enough to amortise finding a run's start.
 constexpr std::int64_t kChunk = 4096;
 

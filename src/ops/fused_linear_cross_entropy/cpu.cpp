@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
 #include "ops/fused_linear_cross_entropy/fused_linear_cross_entropy_kernels.h"
 #include "ops/gemm/gemm_kernels.h"
@@ -17,9 +18,6 @@
 
 namespace meshfuse::detail::cpu {
 namespace {
-
-// Element-wise passes smaller than this stay on the calling thread.
-constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 
 // n elements, not initialised (each is written before it is read); null for n = 0.
 template <typename U>

@@ -24,9 +24,6 @@ namespace {
 
 // Floats per prepared operand block (32 MiB): bounds the scratch of a GEMM (row_major).
 constexpr std::int64_t kBlockFloats = std::int64_t{1} << 23;
-// Element-wise passes smaller than this stay on the calling thread: waking the OpenMP team costs
-// more than the pass (and far more when the cores are busy).
-constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 
 template <typename T>
 T* item(const GemmMatrix& x, std::int64_t l) {

@@ -18,10 +18,6 @@ HWY_BEFORE_NAMESPACE();
 namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
-// Element-wise passes smaller than this stay on the calling thread: waking the OpenMP team costs
-// more than the pass (and far more when the cores are busy).
-constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
-
 template <typename T>
 void widen_rows(const T* base, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* out,
                 [[maybe_unused]] bool stream) {
