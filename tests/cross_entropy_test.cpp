@@ -316,6 +316,27 @@ TEST_P(CrossEntropyBackends, NonFiniteLogitsBehaveLikeTorchAndTheReference) {
   }
 }
 
+TEST_P(CrossEntropyBackends, InfiniteUpstreamGivesInfiniteGradientsNotNan) {
+  // grad = upstream * (p - onehot): with an infinite upstream every entry is +-inf (p > 0), as
+  // the reference and PyTorch give; the no-smoothing offset must not turn into inf * 0 = NaN.
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Tensor logits = randn({2, 37}, dtype, 3);
+  const Tensor labels = from({2}, DType::I64, {5, 36});
+  const CrossEntropyOptions o{.reduction = Reduction::None};
+  const Forward f = forward(target, logits, labels, o, stream);
+  for (const double up : {-kInf, kInf}) {
+    const std::vector<double> grad =
+        values(backward(target, test::full({2}, dtype, up), logits, labels, f.lse, o, stream));
+    for (std::int64_t r = 0; r < 2; ++r)
+      for (std::int64_t j = 0; j < 37; ++j) {
+        const bool label = j == (r == 0 ? 5 : 36);
+        EXPECT_EQ(grad[r * 37 + j], label ? -up : up) << "row " << r << " col " << j;
+      }
+  }
+}
+
 TEST_P(CrossEntropyBackends, DeterministicRunToRunOnAStream) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);

@@ -119,7 +119,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
         const double fold = double(shift) != l ? std::exp(double(shift) - l) : 1.0;
         const double smooth_d = o.label_smoothing / classes;
         pf = static_cast<A>(cd * p_scale * fold);
-        off = static_cast<A>(cd * smooth_d);
+        off = smooth_d != 0 ? static_cast<A>(cd * smooth_d) : A(0);  // inf * 0 would be NaN
         if (here) {
           const double p = std::exp(double(to_float(x[col])) * double(m) - l);
           label_grad = static_cast<A>(cd * (p * p_scale - smooth_d - (1 - o.label_smoothing)));

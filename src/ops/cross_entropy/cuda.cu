@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     // infinities among them, need none).
     if constexpr (!kBase2<T>)
       if (l_acc != l) p_factor = static_cast<A>(p_factor * exp(static_cast<double>(l_acc) - l));
-    const A offset = cg * smooth, label_offset = cg * (smooth + hit);
+    // Without smoothing the offset is 0, also for an infinite upstream (inf * 0 would be NaN).
+    const A offset = smooth != 0 ? cg * smooth : A(0), label_offset = cg * (smooth + hit);
     const A shift_units = kBase2<T> ? l_acc * A(kLog2e) : l_acc;
     // The label's place in the part's vectors (never matched when it is in another shard).
     const std::int64_t y_part = y - c.vocab_start - part.begin * W;
