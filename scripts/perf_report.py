@@ -299,7 +299,7 @@ def python_overhead_section(results):
              f"{num(r['meshfuse_p20_us'], 2)}-{num(r['meshfuse_p80_us'], 2)}",
              num(r["torch_us"], 2), f"{num(r['torch_p20_us'], 2)}-{num(r['torch_p80_us'], 2)}",
              f"{r['ratio']:.2f}x"] for r in results]
-    return ["Host time per call on tiny inputs (a GPU synchronised once per round of calls), "
+    return ["Host time per call on tiny inputs (on a GPU, synchronised once per round of calls), "
             "median and p20-p80 over rounds, meshfuse.torch against PyTorch's matching call in "
             "the same run; the goal: a ratio of at most 1.2.", ""] + table(
         ["op", "dtype", "device", "shape", "meshfuse us", "p20-p80", "torch us", "p20-p80",

@@ -48,7 +48,7 @@ def _d(t):
     # of every call (bench/python_overhead.py). No stream synchronisation either way (the kernels
     # run on the current stream, which _stream passes); the kernels record no autograd history,
     # so a tensor that requires grad goes as it is.
-    return None if t is None else _to_dlpack(t)
+    return _to_dlpack(t) if isinstance(t, Tensor) else t  # None, or another DLPack array
 
 
 _to_dlpack = torch.utils.dlpack.to_dlpack
@@ -69,7 +69,7 @@ def _untraced(*tensors):
     # function modes that make_fx (real mode), FX proxies and other interposers push. These checks
     # cost ~0.4 us.
     if torch.compiler.is_compiling() or _jit_tracing() or _dispatch_modes() or \
-            _function_modes():
+            _function_modes() or _functorch_transforms():
         return False
     grad = torch.is_grad_enabled()
     return all(t is None or type(t) in _PLAIN and not (grad and t.requires_grad)
@@ -80,6 +80,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a module's weights are Parameters
 _jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing without its is_scripting check
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # active TorchDispatchModes
 _function_modes = torch._C._is_torch_function_mode_enabled  # active TorchFunctionModes
+# vmap and torch.func's grad wrap tensors that keep type Tensor but have no storage to export.
+_functorch_transforms = torch._C._are_functorch_transforms_active
 
 
 def _empty_like(x):

@@ -187,6 +187,21 @@ def test_tracers_of_plain_tensors_see_the_op_not_a_constant():
         assert mt._untraced(x, w)
 
 
+def test_vmap_runs_the_ops_per_sample():
+    # vmap's batched tensors are Tensors with no storage to export: the functions take the op
+    # (and its per-sample fallback), not the raw kernel.
+    x, w = torch.randn(3, 2, 8), torch.randn(8)
+    cases = [
+        (lambda a: mt.rmsnorm(a, w, 1e-5), lambda a: F.rms_norm(a, (8,), w, 1e-5)),
+        (lambda a: mt.fused_residual_add_rmsnorm(a, a, w, 1e-5)[0],
+         lambda a: F.rms_norm(2 * a, (8,), w, 1e-5)),
+        (lambda a: mt.softmax(a), lambda a: torch.softmax(a, -1)),
+        (lambda a: mt.swiglu(a, a), lambda a: F.silu(a) * a),
+    ]
+    for ours, theirs in cases:
+        torch.testing.assert_close(torch.vmap(ours)(x), theirs(x))
+
+
 def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
     # Small values: an eps of bf16's machine epsilon instead of fp32's would show.
     x = torch.randn(4, 3, 16, dtype=torch.bfloat16) * 0.01

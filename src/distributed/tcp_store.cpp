@@ -31,7 +31,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <system_error>
+#include <exception>
 #include <thread>
 
 #include "distributed/store_wait.h"
@@ -160,17 +160,21 @@ struct TcpStore::Impl {
   bool stopping = false;
 
   void serve_connection(int fd) {
+    // Out of memory for one client's hello or request: that client loses its connection, nobody
+    // else.
     bool proven = false;
     try {
       proven = hello(fd);
-      {
-        std::lock_guard lock(mutex);
-        --unproven;
-        open_connections += proven;
-      }
+    } catch (const std::exception&) {
+    }
+    {
+      std::lock_guard lock(mutex);
+      --unproven;
+      open_connections += proven;
+    }
+    try {
       if (proven) serve_requests(fd);
     } catch (const std::exception&) {
-      // Out of memory for one client's request: that client loses its connection, nobody else.
     }
     std::lock_guard lock(mutex);
     open_connections -= proven;
@@ -284,10 +288,18 @@ struct TcpStore::Impl {
       } else {
         const int one = 1;  // replies go out at once
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        // The entry first, so that running out of memory leaves no started thread unowned;
+        // without memory or a thread to be had, this one is turned away.
         try {
-          handlers.emplace(fd, std::thread([this, fd] { serve_connection(fd); }));
+          const auto it = handlers.emplace(fd, std::thread()).first;
+          try {
+            it->second = std::thread([this, fd] { serve_connection(fd); });
+          } catch (...) {
+            handlers.erase(it);
+            throw;
+          }
           ++unproven;
-        } catch (const std::system_error&) {  // no thread to be had: this one is turned away
+        } catch (const std::exception&) {
           ::close(fd);
         }
       }
