@@ -317,23 +317,35 @@ TEST_P(CrossEntropyBackends, NonFiniteLogitsBehaveLikeTorchAndTheReference) {
 }
 
 TEST_P(CrossEntropyBackends, InfiniteUpstreamGivesInfiniteGradientsNotNan) {
-  // grad = upstream * (p - onehot): with an infinite upstream every entry is +-inf (p > 0), as
-  // the reference and PyTorch give; the no-smoothing offset must not turn into inf * 0 = NaN.
+  // grad = upstream * (p - smoothing / V - onehot (1 - smoothing)): with an infinite upstream
+  // every entry is +-inf by the sign of the bracket, as the reference and PyTorch give; folding
+  // the upstream into the terms would give inf - inf (or inf * 0 without smoothing) = NaN.
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
   const Stream stream{target.device};
-  const Tensor logits = randn({2, 37}, dtype, 3);
+  Tensor logits = randn({2, 37}, dtype, 3);
+  // p = 0 (-inf) and p tiny (-30): below the smoothing term, so their gradient has the other sign
+  // (and 0 * inf = NaN without smoothing).
+  copy(test::full({1, 1}, DType::F64, -kInf), logits.view().narrow(0, 0, 1).narrow(1, 7, 1));
+  copy(test::full({1, 1}, DType::F64, -30.0), logits.view().narrow(0, 1, 1).narrow(1, 8, 1));
   const Tensor labels = from({2}, DType::I64, {5, 36});
-  const CrossEntropyOptions o{.reduction = Reduction::None};
-  const Forward f = forward(target, logits, labels, o, stream);
-  for (const double up : {-kInf, kInf}) {
-    const std::vector<double> grad =
-        values(backward(target, test::full({2}, dtype, up), logits, labels, f.lse, o, stream));
-    for (std::int64_t r = 0; r < 2; ++r)
-      for (std::int64_t j = 0; j < 37; ++j) {
-        const bool label = j == (r == 0 ? 5 : 36);
-        EXPECT_EQ(grad[r * 37 + j], label ? -up : up) << "row " << r << " col " << j;
+  for (const double smoothing : {0.0, 0.1}) {
+    const CrossEntropyOptions o{.reduction = Reduction::None, .label_smoothing = smoothing};
+    const Forward f = forward(target, logits, labels, o, stream);
+    for (const double up : {-kInf, kInf}) {
+      const Tensor dl = test::full({2}, dtype, up);
+      const std::vector<double> grad = values(backward(target, dl, logits, labels, f.lse, o, stream));
+      const std::vector<double> ref = values(backward(kOracle, dl, logits, labels, f.lse, o, {}));
+      for (std::size_t j = 0; j < grad.size(); ++j) {
+        const std::string at = fmt::format("smoothing {} upstream {} entry {}", smoothing, up, j);
+        if (smoothing == 0 && j == 7) {  // p = 0 exactly: 0 * inf
+          EXPECT_TRUE(std::isnan(ref[j]) && std::isnan(grad[j])) << at;
+          continue;
+        }
+        ASSERT_TRUE(std::isinf(ref[j])) << at;
+        EXPECT_EQ(grad[j], ref[j]) << at;
       }
+    }
   }
 }
 

@@ -98,8 +98,8 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
       const std::int64_t col = y - o.vocab_start;
       const bool here = col >= 0 && col < b.vocab;
       // dx_j = c (p_j p_scale - smooth - [j = label] (1 - eps)) with p_j = e^(m x_j - l), computed
-      // from e_j = e^(m x_j - shift) as c (e_j pf - off) on 16-bit rows, e_j pf - off on the
-      // others. The label's gradient is computed before the loop: grad_logits may alias logits.
+      // from e_j = e^(m x_j - shift) as c (e_j pf - off). The label's gradient is computed before
+      // the loop: grad_logits may alias logits.
       A shift, c = 1, pf, off, label_grad = 0;
       if constexpr (kSixteenBit<T>) {
         // In float: errors far below their gradient's rounding.
@@ -112,14 +112,19 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
         // f32 rows shift by the double lse rounded to f32 and fold e^(shift - l), the rounding's
         // factor, into pf, so that p_j carries no rounding of the lse (in f32, up to 2^-21 of an
         // lse of 10 to 20, relative to every p_j); equal values (f64 rows, infinities) need no
-        // fold. Each factor is computed in double and rounded once.
+        // fold. Each factor is computed in double and rounded once. The upstream folds into pf
+        // and off too (c = 1, exact) unless it is infinite or NaN: then c carries it, as folded
+        // it would turn the signed difference of two terms into inf - inf.
         shift = static_cast<A>(l);
         const double cd = row_grad * o.logits_multiplier;
+        const bool folded = std::isfinite(cd);
+        const double cf = folded ? cd : 1.0;
+        c = folded ? A(1) : static_cast<A>(cd);
         const double p_scale = o.z_loss_scale != 0 ? 1 + 2 * o.z_loss_scale * l : 1.0;
         const double fold = double(shift) != l ? std::exp(double(shift) - l) : 1.0;
         const double smooth_d = o.label_smoothing / classes;
-        pf = static_cast<A>(cd * p_scale * fold);
-        off = smooth_d != 0 ? static_cast<A>(cd * smooth_d) : A(0);  // inf * 0 would be NaN
+        pf = static_cast<A>(cf * p_scale * fold);
+        off = static_cast<A>(cf * smooth_d);
         if (here) {
           const double p = std::exp(double(to_float(x[col])) * double(m) - l);
           label_grad = static_cast<A>(cd * (p * p_scale - smooth_d - (1 - o.label_smoothing)));
@@ -137,14 +142,13 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
             const VF v = j + lanes <= len ? LoadF(d, xj) : LoadFTail(d, xj, len - j);
             const VF e = VExp(d, hn::MulSub(v, vm, vshift));
             const VF g = hn::MulSub(e, vpf, voff);
-            hn::Store(kSixteenBit<T> ? hn::Mul(vc, g) : g, d, buf + j);  // buf: whole vectors
+            hn::Store(hn::Mul(vc, g), d, buf + j);  // buf: whole vectors
           }
         });
       } else
 #endif
         StreamOut(dx, b.vocab, stream, [&](std::int64_t j) {
-          const A d = vexp(A(to_float(x[j])) * m - shift) * pf - off;
-          return kSixteenBit<T> ? c * d : d;
+          return c * (vexp(A(to_float(x[j])) * m - shift) * pf - off);
         });
       if (here) dx[col] = store_as<T>(label_grad);
     }

@@ -188,14 +188,18 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     const lse_t<T> l = lse[g];
     const A l_acc = static_cast<A>(l);
     const A cg = static_cast<A>(scale * (row_grad ? row_grad[g] : 1.0)) * c.m;
-    A p_factor = cg * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l_acc : A(1));
+    // The upstream folds into the factors (times 1 after, exact) unless it is infinite or NaN:
+    // then it multiplies after, as folded it would turn the signed difference of two terms into
+    // inf - inf.
+    const bool folded = isfinite(cg);
+    const A c_after = folded ? A(1) : cg, cf = folded ? cg : A(1);
+    A p_factor = cf * (c.z != 0 ? A(1) + 2 * static_cast<A>(c.z) * l_acc : A(1));
     // f32 rows shift the exponents by the double lse rounded to f32 and fold e^(l_acc - l), the
     // rounding's factor, into p_factor: p_j carries no rounding of the lse (equal values, the
     // infinities among them, need none).
     if constexpr (!kBase2<T>)
       if (l_acc != l) p_factor = static_cast<A>(p_factor * exp(static_cast<double>(l_acc) - l));
-    // Without smoothing the offset is 0, also for an infinite upstream (inf * 0 would be NaN).
-    const A offset = smooth != 0 ? cg * smooth : A(0), label_offset = cg * (smooth + hit);
+    const A offset = cf * smooth, label_offset = cf * (smooth + hit);
     const A shift_units = kBase2<T> ? l_acc * A(kLog2e) : l_acc;
     // The label's place in the part's vectors (never matched when it is in another shard).
     const std::int64_t y_part = y - c.vocab_start - part.begin * W;
@@ -210,8 +214,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
           A out[W];
 #pragma unroll
           for (int e = 0; e < W; ++e)
-            out[e] = exp_units<T>(v[k][e] * c.scale - shift_units) * p_factor -
-                     (e == label_at ? label_offset : offset);
+            out[e] = c_after * (exp_units<T>(v[k][e] * c.scale - shift_units) * p_factor -
+                                (e == label_at ? label_offset : offset));
           dx[j] = V::from(out);
         }
       }
