@@ -42,6 +42,8 @@
 //
 // Non-finite logits: a row entirely -inf, or with a NaN or +inf, has a NaN loss (as PyTorch);
 // a -inf logit among finite ones has p = 0 (with label smoothing the loss is +inf, as PyTorch).
+// An infinite upstream gradient gives dlogits of +-inf by the sign of the bracket above (NaN where
+// it is exactly 0), as the formula evaluated as written.
 // Ignored rows never read their logits.
 //
 // Dtypes: logits and grad_logits share one dtype, f32, f64, bf16 or f16 (16-bit computed in fp32,
