@@ -6,7 +6,10 @@ called in turn (A B C A B C ...) on the same inputs, GB/s by the byte formulas o
 docs/BENCHMARKING.md, the fraction of the machine's copy bandwidth measured in the same run
 (a torch copy of a buffer far larger than the last-level cache), and meshfuse's speed-up over each
 baseline (ratio of medians). Backward directions time only the backward: meshfuse's backward
-kernel against torch.autograd.grad over a graph built once.
+kernel against torch.autograd.grad over a graph built once. On a CPU, softmax also runs into
+outputs allocated once ("meshfuse out" against "eager out", aten's out= kernels): a fresh output
+of that size costs both sides the same page faults and zeroing, which can take longer than the
+kernel itself (docs/kernels/softmax.md).
 
     python3 bench/torch_compare.py --device cpu --model llama-3.1-8b --tokens 4096
     python3 bench/torch_compare.py --device cuda --model llama-3.1-8b --tokens 16384 --compile
@@ -27,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import meshfuse
 import meshfuse.torch as mt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,12 +170,19 @@ def cases(cfg, tokens, dtype, device, vocab_tokens):
     logits, dyv = randn(NV, V, grad=True), randn(NV, V)
     sm = lambda t: torch.softmax(t, -1)
     ys = mt.softmax_forward(logits)
-    yield ("softmax", "forward", 2 * NV * V * e,
-           {"meshfuse": lambda: mt.softmax_forward(logits), "eager": lambda: sm(logits)}, sm,
-           (logits,))
-    yield ("softmax", "backward", 3 * NV * V * e,
-           {"meshfuse": lambda: mt.softmax_backward(dyv, ys),
-            "eager": grad_of(lambda: sm(logits), (logits,), dyv)}, None, None)
+    forward = {"meshfuse": lambda: mt.softmax_forward(logits), "eager": lambda: sm(logits)}
+    backward = {"meshfuse": lambda: mt.softmax_backward(dyv, ys),
+                "eager": grad_of(lambda: sm(logits), (logits,), dyv)}
+    if device.type == "cpu":
+        # The same kernels into outputs allocated once (see the module's docstring).
+        xd, (y1, y2, g1, g2) = logits.detach(), (torch.empty_like(logits) for _ in range(4))
+        forward["meshfuse out"] = lambda: meshfuse.softmax(xd, y1)
+        forward["eager out"] = lambda: torch.ops.aten._softmax.out(xd, -1, False, out=y2)
+        backward["meshfuse out"] = lambda: meshfuse.softmax_backward(dyv, ys, g1)
+        backward["eager out"] = lambda: torch.ops.aten._softmax_backward_data.out(
+            dyv, ys, -1, dtype, grad_input=g2)
+    yield ("softmax", "forward", 2 * NV * V * e, forward, sm, (logits,))
+    yield ("softmax", "backward", 3 * NV * V * e, backward, None, None)
 
     # cross_entropy
     labels = torch.randint(0, V, (NV,), generator=g, device=device)
@@ -246,7 +257,7 @@ def main():
     print(f"# {a.model} {a.dtype} on {device} (torch {torch.__version__}, {threads} threads); "
           f"hidden-size ops {tokens} rows, vocabulary ops {vocab_tokens} rows; measured copy "
           f"bandwidth {peak:.1f} GB/s", flush=True)
-    print(f"{'op':28} {'dir':8} {'impl':9} {'median ms':>10} {'p20':>9} {'p80':>9} "
+    print(f"{'op':28} {'dir':8} {'impl':12} {'median ms':>10} {'p20':>9} {'p80':>9} "
           f"{'GB/s|TF/s':>8} {'of copy':>8} {'meshfuse x':>10}")
     records = []
     memory_bound = ((c, "bytes") for c in cases(cfg, tokens, dtype, device, vocab_tokens))
@@ -260,14 +271,14 @@ def main():
             compiled = torch.compile(fn)
             impls["compile"] = lambda compiled=compiled, args=args: compiled(*args)
         times = measure(impls, timer, a.calls, a.seconds)
-        base = statistics.median(times["meshfuse"])
         for name, ms in times.items():
             med, p20, p80 = stats(ms)
             rate = work / (med * 1e-3) / (1e9 if unit == "bytes" else 1e12)
-            speedup = med / base
+            speedup = med / statistics.median(
+                times["meshfuse out" if name.endswith(" out") else "meshfuse"])
             rated = (f"{rate:8.1f} {rate / peak:8.1%}" if unit == "bytes"
                      else f"{rate:7.2f}T {'-':>8}")
-            print(f"{op:28} {direction:8} {name:9} {med:10.4f} {p20:9.4f} {p80:9.4f} "
+            print(f"{op:28} {direction:8} {name:12} {med:10.4f} {p20:9.4f} {p80:9.4f} "
                   f"{rated} {speedup:10.2f}", flush=True)
             records.append(dict(op=op, direction=direction, impl=name, device=a.device,
                                 dtype=a.dtype, median_ms=med, p20_ms=p20, p80_ms=p80,
