@@ -640,6 +640,25 @@ TEST(CudaRmsNorm, RowsPastElementTwoToThe31AreAddressedWith64Bits) {
   expect_close(to_cpu(b.dweight, stream), rb.dweight, "dweight");
 }
 
+// f32 rows against the f64 reference on the same inputs: y = x * rstd * weight is rounded once,
+// within half an ulp (a relative 2^-24; f32 arithmetic rounds twice and carries rstd's error).
+// Rows held in registers (4096) and rows streamed twice (65600).
+TEST(CudaRmsNorm, F32OutputsAreTheF64ResultRoundedOnce) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  for (const std::int64_t cols : {4096, 65600}) {
+    const Inputs in = make_inputs({3, cols}, DType::F32, {.weight = true}, 31);
+    const Forward f = forward(on(in, test::kCuda, stream), stream);
+    Inputs wide = in;
+    wide.x = test::converted(in.x, DType::F64);
+    wide.weight = test::converted(in.weight, DType::F64);
+    wide.grad_y = test::converted(in.grad_y, DType::F64);
+    const Forward truth = on_reference([&] { return forward(wide, {}); });
+    test::expect_within_f32_ulps(to_cpu(f.y, stream), truth.y, 0.5 * (1 + 0x1p-10),
+                                 "cols=" + std::to_string(cols));
+  }
+}
+
 #ifdef MESHFUSE_WITH_CUDA
 TEST(CudaRmsNorm, BothOpsHaveACudaKernelForBothDirectionsAndEveryFloatDtype) {
   for (const char* op : {"rmsnorm", "rmsnorm_backward", "fused_residual_add_rmsnorm",

@@ -351,6 +351,25 @@ TEST(CudaSoftmax, ForcedReferenceOnCudaTensorsGivesTheBitsOfTheCpuReference) {
   EXPECT_TRUE(testing::bitwise_equal(to_cpu(staged.grad_x, stream), ref.grad_x));
 }
 
+// f32 rows against the f64 reference on the same inputs: within 4 ulp (the exp's 2, the
+// division's half, the f32 row sum's share) for logits far below their row's max. Logits of
+// std 8 take exp down to about e^-80, where rounding x - max before the exp alone gave up to
+// 40 ulp. One block, a cluster and the streamed kernel.
+TEST(CudaSoftmax, F32OutputsStayWithinFourUlpOfTheF64ResultFarBelowTheMax) {
+  MESHFUSE_REQUIRE_CUDA();
+  const Stream stream{test::kCuda};
+  for (const std::int64_t cols : {4104, 128256, 262144}) {
+    const Tensor x = randn({2, cols}, DType::F32, 21, 8.0);
+    Tensor y({2, cols}, DType::F32, test::kCuda, stream), truth({2, cols}, DType::F64);
+    softmax(on(x, test::kCuda, stream), y, 1.0, stream);
+    {
+      ForceKernelBackend force(KernelBackend::Reference);
+      softmax(test::converted(x, DType::F64), truth, 1.0);
+    }
+    test::expect_within_f32_ulps(to_cpu(y, stream), truth, 4.0, "V=" + std::to_string(cols));
+  }
+}
+
 TEST(CudaSoftmax, RowsPastElement2To31AreAddressedIn64Bits) {
   MESHFUSE_REQUIRE_CUDA();
   const Stream stream{test::kCuda};

@@ -28,6 +28,23 @@ inline Tensor full(Shape shape, DType dtype, double value) {
 
 inline Tensor empty_like(const TensorView& t) { return Tensor(t.shape(), t.dtype()); }
 
+// A CPU copy of t in `dtype`: f32 inputs as f64 give the reference the exact values that an f32
+// result is measured against.
+inline Tensor converted(const TensorView& t, DType dtype) {
+  Tensor out(t.shape(), dtype);
+  copy(t, out);
+  return out;
+}
+
+// Expects every element of `actual` (an f32 result, any device's copy on the CPU) within `ulps`
+// units in the last place of f32 (a relative 2^-23 each) of `truth`, the f64 reference.
+inline void expect_within_f32_ulps(const TensorView& actual, const TensorView& truth, double ulps,
+                                   const std::string& what) {
+  const testing::Diff d = testing::compare(actual, truth, 0x1p-126, ulps * 0x1p-23);
+  EXPECT_EQ(d.violations, 0) << what << ": max relative error " << d.max_rel_err << " (" 
+                             << d.max_rel_err / 0x1p-23 << " of 2^-23)";
+}
+
 // A transposed (non-contiguous) copy of a 2-D tensor holding the same values: the storage is
 // (cols, rows) and the returned view swaps the dims back.
 struct NonContiguous {

@@ -105,9 +105,15 @@ __device__ __forceinline__ A group_sum(A v, A (*scratch)[32], int g, int parity)
   return total;
 }
 
-template <typename A>
-__device__ __forceinline__ A inverse_rms(A sum_sq, std::int64_t cols, A eps) {
-  return A(1) / sqrt(sum_sq / A(cols) + eps);
+// The type of a row's sum of squares and of its rstd: double for f32 rows, so that y = r * rstd *
+// weight is rounded once (write_out) and rstd adds almost nothing to that; 16-bit rows' outputs
+// round far above either. (Summing each thread's squares in f32 first measured no faster.)
+template <typename T>
+using sq_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
+
+template <typename S>
+__device__ __forceinline__ S inverse_rms(S sum_sq, std::int64_t cols, S eps) {
+  return S(1) / sqrt(sum_sq / S(cols) + eps);
 }
 
 // ---- forward ----
@@ -120,14 +126,26 @@ __device__ __forceinline__ void pre_norm(const Chunk<T, N>& x, const Chunk<T, N>
   for (int k = 0; k < N; ++k) r[k] = x[k] * m + (residual ? res[k] : A(0));
 }
 
-// Writes r (when the op outputs it) and y = r * rstd * weight at element offset off.
-template <typename T, int N, typename A>
+// Writes r (when the op outputs it) and y = r * rstd * weight at element offset off. f32 rows
+// round y once: r * w is split exactly into p + p_err (an fma gives the product's rounding) and
+// the double rstd into two floats, and y = p * rstd_hi + (p * rstd_lo + p_err * rstd_hi) in one
+// final fma; the terms left out are below 2^-46 of y. An infinite product takes the plain form.
+template <typename T, int N, typename A, typename S>
 __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int64_t off,
-                                          const A (&r)[N], A rstd, const Chunk<T, N>& w) {
+                                          const A (&r)[N], S rstd, const Chunk<T, N>& w) {
   if (a.r) store_vec<T, N>(a.r, off, r);
   A y[N];
+  if constexpr (std::is_same_v<T, float>) {
+    const float hi = static_cast<float>(rstd), lo = static_cast<float>(rstd - hi);
 #pragma unroll
-  for (int k = 0; k < N; ++k) y[k] = r[k] * rstd * w[k];
+    for (int k = 0; k < N; ++k) {
+      const float p = __fmul_rn(r[k], w[k]), p_err = fmaf(r[k], w[k], -p);
+      y[k] = isfinite(p) ? fmaf(p, hi, fmaf(p, lo, p_err * hi)) : p * hi;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = r[k] * rstd * w[k];
+  }
   store_vec<T, N>(a.y, off, y);
 }
 
@@ -140,8 +158,10 @@ __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int6
 template <typename T, int N, int P, int G, int B>
 __global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwardArgs a) {
   using A = acc_t<T>;
-  __shared__ A scratch[2][32];
-  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+  using S = sq_t<T>;
+  __shared__ S scratch[2][32];
+  const A m = static_cast<A>(a.multiplier);
+  const S eps = static_cast<S>(a.eps);
   // Resident rows are short: 32-bit column offsets.
   const int cols = static_cast<int>(s.cols), g = G > 0 ? G : static_cast<int>(blockDim.x);
   const int t = G > 0 ? threadIdx.x % G : threadIdx.x, per_block = G > 0 ? B / G : 1;
@@ -162,16 +182,16 @@ __global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwa
         x[i] = load_chunk<T, N>(x_row, col(i));
         if (res_row) res[i] = load_chunk<T, N>(res_row, col(i));
       }
-    A sum_sq = 0;
+    S sum_sq = 0;
 #pragma unroll
     for (int i = 0; i < P; ++i)
       if (live && col(i) < cols) {
         A r[N];
         pre_norm<T, N>(x[i], res[i], a.residual != nullptr, m, r);
 #pragma unroll
-        for (int k = 0; k < N; ++k) sum_sq += r[k] * r[k];
+        for (int k = 0; k < N; ++k) sum_sq += S(r[k]) * S(r[k]);
       }
-    const A rstd = inverse_rms(group_sum(sum_sq, scratch, g, parity), s.cols, eps);
+    const S rstd = inverse_rms(group_sum(sum_sq, scratch, g, parity), s.cols, eps);
     if (!live) continue;
     if (a.rstd && t == 0) a.rstd[row] = static_cast<float>(rstd);
 #pragma unroll
@@ -189,8 +209,10 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kForwardThreads)
     forward_streaming_kernel(RmsNormShape s, RmsNormForwardArgs a) {
   using A = acc_t<T>;
-  __shared__ A scratch[32];
-  const A m = static_cast<A>(a.multiplier), eps = static_cast<A>(a.eps);
+  using S = sq_t<T>;
+  __shared__ S scratch[32];
+  const A m = static_cast<A>(a.multiplier);
+  const S eps = static_cast<S>(a.eps);
   const std::int64_t first = std::int64_t{threadIdx.x} * N, step = std::int64_t{blockDim.x} * N;
   const Chunk<T, N> none{};
   const auto load_r = [&](std::int64_t off, A(&r)[N]) {
@@ -200,14 +222,14 @@ __global__ void __launch_bounds__(kForwardThreads)
   };
   for (std::int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const std::int64_t base = row * s.cols;
-    A sum_sq = 0;
+    S sum_sq = 0;
     for (std::int64_t c = first; c < s.cols; c += step) {
       A r[N];
       load_r(base + c, r);
 #pragma unroll
-      for (int k = 0; k < N; ++k) sum_sq += r[k] * r[k];
+      for (int k = 0; k < N; ++k) sum_sq += S(r[k]) * S(r[k]);
     }
-    const A rstd = inverse_rms(block_sum(sum_sq, scratch), s.cols, eps);
+    const S rstd = inverse_rms(block_sum(sum_sq, scratch), s.cols, eps);
     if (a.rstd && threadIdx.x == 0) a.rstd[row] = static_cast<float>(rstd);
     for (std::int64_t c = first; c < s.cols; c += step) {
       A r[N];
