@@ -296,26 +296,39 @@ TEST(Swiglu, EverySixteenBitGateValueMatchesTheReference) {
 
 // f32 rows against the f64 reference on the same inputs: the output and both gradients are
 // rounded once, within half an ulp (a relative 2^-24; f32 arithmetic rounds each five times or
-// more). Vector loads (4096 columns) and one element at a time (1001).
-TEST(CudaSwiglu, F32OutputsAndGradientsAreTheF64ResultRoundedOnce) {
-  MESHFUSE_REQUIRE_CUDA();
-  const Stream stream{test::kCuda};
+// more), on CUDA and on every CPU target (ctest's cpu_target_* runs). Vector loads (4096 columns),
+// a row's tail (1001), gates past exp's range in double (-800) and the interleaved layout.
+class SwigluKernels : public ::testing::TestWithParam<test::Target> {};
+
+TEST_P(SwigluKernels, F32OutputsAndGradientsAreTheF64ResultRoundedOnce) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device dev = target.device;
+  ForceKernelBackend force(target.backend);
   for (const std::int64_t cols : {4096, 1001}) {
-    const Tensor g = randn({4, cols}, DType::F32, 41, 3.0), u = randn({4, cols}, DType::F32, 42),
-                 dy = randn({4, cols}, DType::F32, 43);
-    const Grads cuda = run(on(g, test::kCuda, stream), on(u, test::kCuda, stream),
-                           on(dy, test::kCuda, stream), stream);
-    const Grads truth = run_reference(test::converted(g, DType::F64),
-                                      test::converted(u, DType::F64), test::converted(dy, DType::F64));
+    Tensor g = randn({4, cols}, DType::F32, 41, 3.0);
+    g.data_ptr<float>()[5] = -800.0f;
+    const Tensor u = randn({4, cols}, DType::F32, 42), dy = randn({4, cols}, DType::F32, 43);
+    const Grads got = run(on(g, dev, stream), on(u, dev, stream), on(dy, dev, stream), stream);
+    Grads truth;
+    {
+      ForceKernelBackend reference(KernelBackend::Reference);
+      truth = run(test::converted(g, DType::F64), test::converted(u, DType::F64),
+                  test::converted(dy, DType::F64));
+    }
     const std::string what = "cols=" + std::to_string(cols);
     const double half_ulp = 0.5 * (1 + 0x1p-10);
-    test::expect_within_f32_ulps(to_cpu(cuda.out, stream), truth.out, half_ulp, what + " out");
-    test::expect_within_f32_ulps(to_cpu(cuda.grad_gate, stream), truth.grad_gate, half_ulp,
+    test::expect_within_f32_ulps(to_cpu(got.out, stream), truth.out, half_ulp, what + " out");
+    test::expect_within_f32_ulps(to_cpu(got.grad_gate, stream), truth.grad_gate, half_ulp,
                                  what + " grad_gate");
-    test::expect_within_f32_ulps(to_cpu(cuda.grad_up, stream), truth.grad_up, half_ulp,
+    test::expect_within_f32_ulps(to_cpu(got.grad_up, stream), truth.grad_up, half_ulp,
                                  what + " grad_up");
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(, SwigluKernels, ::testing::ValuesIn(test::kernel_targets()),
+                         test::target_param_name);
 
 TEST(Swiglu, BadArgumentsNameTheOpArgumentAndWhatCame) {
   const Tensor g = randn({2, 8}, DType::F32, 1), u16 = randn({2, 8}, DType::BF16, 2),

@@ -1,13 +1,15 @@
 // CPU SwiGLU: rows split over OpenMP threads. For 16-bit gates, silu and its derivative come
 // from tables of their 65536 values (silu_table: one gather in place of the exp and the division,
-// faster in both directions); contiguous rows run Highway loops (gathers; VExp for f32 gates),
-// strided ones (the interleaved layout) and f64 loops vectorised by the compiler. The Highway loops
+// faster in both directions); contiguous 16-bit rows and every f32 row run Highway loops (gathers;
+// double lanes for f32), strided 16-bit ones (the interleaved layout) and f64 loops vectorised by
+// the compiler. The Highway loops
 // prefetch their inputs 2 KB ahead into L1 (PrefetchAhead), which measured faster than prefetching
 // the next row while a row's output is written. Compiled once per SIMD target (cpu_simd-inl.h),
 // dispatched at run time. Figures: docs/kernels/swiglu.md.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
+#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -74,6 +76,97 @@ namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 namespace {
 
 #if HWY_TARGET != HWY_SCALAR
+// f32 rows compute in double lanes, so that each output is rounded once, as the CUDA kernel's: f32
+// lanes round it five times and more (the exp alone up to 2 ulp), which left the output and grad_up
+// less accurate than PyTorch's F.silu(g) * u (docs/kernels/swiglu.md). Highway's Exp (1 ulp) holds
+// up to 706: past it, e^g underflows every output to 0 (sigmoid 0), but for g = -inf, where
+// silu(-inf) = -inf * 0 is NaN, as the reference and PyTorch give; Exp(NaN) is 0, and a NaN g
+// still makes its outputs NaN.
+using DH = hn::Half<DF>;
+using DD = hn::Rebind<double, DH>;
+using VD = hn::Vec<DD>;
+
+HWY_INLINE VD Sigmoid(DD dd, VD g) {
+  const VD x = hn::Neg(g), limit = hn::Set(dd, 706.0), one = hn::Set(dd, 1.0);
+  const auto past = hn::Gt(x, limit);
+  const VD e = hn::Exp(dd, hn::IfThenElse(past, limit, x));
+  return hn::IfThenZeroElse(past, hn::Div(one, hn::Add(one, e)));
+}
+
+// f of the lower and of the upper half of the lanes of a, b and c (promoted to double); the two
+// results rounded to f32 and joined.
+template <class F>
+HWY_INLINE VF InDouble(DF d, VF a, VF b, VF c, F f) {
+  const DH dh;
+  const DD dd;
+  const auto half = [&](auto part) {
+    return hn::DemoteTo(dh, f(hn::PromoteTo(dd, part(a)), hn::PromoteTo(dd, part(b)),
+                              hn::PromoteTo(dd, part(c))));
+  };
+  return hn::Combine(d, half([&](VF v) { return hn::UpperHalf(dh, v); }),
+                     half([&](VF v) { return hn::LowerHalf(dh, v); }));
+}
+
+// k < Lanes(d) (or all) elements of a row with column stride kIn from p as floats, the other lanes
+// 0: strided (interleaved) rows through a buffer, so that both layouts give the same bits.
+template <int kIn>
+HWY_INLINE VF LoadStrided(DF d, const float* p, std::size_t k) {
+  if constexpr (kIn == 1) {
+    return k >= hn::Lanes(d) ? hn::LoadU(d, p) : LoadFTail(d, p, k);
+  } else {
+    HWY_ALIGN float buf[kMaxLanes] = {};
+    for (std::size_t i = 0; i < std::min(k, hn::Lanes(d)); ++i) buf[i] = p[i * kIn];
+    return hn::Load(d, buf);
+  }
+}
+
+// The f32 backward of rows whose inputs have column stride kIn and outputs kOut: du = dy silu(g),
+// dg = dy u silu'(g), in double (above). A vector's inputs are all read before its outputs are
+// stored: an output may share its data with an input.
+template <int kIn, int kOut>
+void backward_rows_f32(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
+                       SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    const DF d;
+    const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+    const float* dyr = row<float>(dy, r);
+    const float* g = row<float>(gate, r);
+    const float* u = row<float>(up, r);
+    float* dg = row<float>(dgate, r);
+    float* du = row<float>(dup, r);
+    for (std::int64_t c = 0; c < s.cols; c += lanes) {
+      const auto k = static_cast<std::size_t>(s.cols - c);
+      const VF gv = LoadStrided<kIn>(d, g + c * kIn, k), uv = LoadStrided<kIn>(d, u + c * kIn, k),
+               dv = LoadStrided<1>(d, dyr + c, k);
+      // Each half of the lanes in double, one sigmoid for both gradients, stored to a and b.
+      HWY_ALIGN float a[kMaxLanes], b[kMaxLanes];
+      const DH dh;
+      const DD dd;
+      const auto half = [&](auto part, std::size_t offset) {
+        const VD gd = hn::PromoteTo(dd, part(gv)), ud = hn::PromoteTo(dd, part(uv)),
+                 dyd = hn::PromoteTo(dd, part(dv));
+        const VD one = hn::Set(dd, 1.0), sig = Sigmoid(dd, gd);
+        const VD dgd =
+            hn::Mul(hn::Mul(hn::Mul(dyd, ud), sig), hn::MulAdd(gd, hn::Sub(one, sig), one));
+        hn::Store(hn::DemoteTo(dh, dgd), dh, a + offset);
+        hn::Store(hn::DemoteTo(dh, hn::Mul(hn::Mul(dyd, gd), sig)), dh, b + offset);
+      };
+      half([&](VF v) { return hn::LowerHalf(dh, v); }, 0);
+      half([&](VF v) { return hn::UpperHalf(dh, v); }, hn::Lanes(dh));
+      if (kOut == 1 && c + lanes <= s.cols) {
+        hn::StoreU(hn::Load(d, a), d, dg + c);
+        hn::StoreU(hn::Load(d, b), d, du + c);
+        continue;
+      }
+      for (std::int64_t i = 0; i < std::min<std::int64_t>(lanes, s.cols - c); ++i) {
+        dg[(c + i) * kOut] = a[i];
+        du[(c + i) * kOut] = b[i];
+      }
+    }
+  }
+}
+
 // The backward of 16-bit contiguous rows from the two tables: du = dy silu(g), dg = dy u silu'(g).
 // Both outputs of a block of columns are computed before either is written (an output may share
 // its data with an input), and streamed past the last-level cache.
@@ -140,19 +233,21 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
       const T* g = row<T>(gate, r);
       const T* u = row<T>(up, r);
 #if HWY_TARGET != HWY_SCALAR
-      if constexpr (std::is_same_v<A, float> && kIn == 1) {
+      if constexpr (std::is_same_v<T, float> || (std::is_same_v<A, float> && kIn == 1)) {
         const DF d;
         const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
         // up * silu(gate) of the elements from column c (k of them, fewer than a vector at the
         // row's end; the other lanes are not stored in the output).
         const auto product = [&](std::int64_t c, std::size_t k) {
-          const bool full = k >= static_cast<std::size_t>(lanes);
-          const VF uv = full ? LoadF(d, u + c) : LoadFTail(d, u + c, k);
-          if constexpr (std::is_same_v<T, float>) {  // bound by the exp and the division
-            const VF gv = full ? LoadF(d, g + c) : LoadFTail(d, g + c, k);
-            const VF e = hn::Add(hn::Set(d, 1.0f), VExp(d, hn::Neg(gv)));
-            return hn::Mul(uv, hn::Div(gv, e));
+          if constexpr (std::is_same_v<T, float>) {  // in double (above)
+            const VF gv = LoadStrided<kIn>(d, g + c * kIn, k);
+            const VF uv = LoadStrided<kIn>(d, u + c * kIn, k);
+            return InDouble(d, gv, uv, uv, [](VD gd, VD ud, VD) {
+              return hn::Mul(hn::Mul(ud, gd), Sigmoid(DD(), gd));
+            });
           } else {
+            const bool full = k >= static_cast<std::size_t>(lanes);
+            const VF uv = full ? LoadF(d, u + c) : LoadFTail(d, u + c, k);
             return hn::Mul(uv, Lookup(d, *silu_t, g + c, k));
           }
         };
@@ -173,8 +268,8 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
         const A uv = to_float(u[c * kIn]);
         if constexpr (kSixteenBit<T>)
           return uv * (*silu_t)[g[c * kIn]];
-        else
-          return uv * silu(g[c * kIn]);
+        else  // f32 (HWY_SCALAR) and f64: in double, rounded once
+          return static_cast<A>(double(uv) * silu(double(g[c * kIn])));
       });
     }
     hwy::FlushStream();
@@ -188,6 +283,8 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kSixteenBit<T> && kIn == 1 && kOut == 1)
     return backward_rows_from_tables<T>(s, dy, gate, up, dgate, dup);
+  if constexpr (std::is_same_v<T, float>)
+    return backward_rows_f32<kIn, kOut>(s, dy, gate, up, dgate, dup);
 #endif
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
   [[maybe_unused]] const Table16<T>* grad_t = silu_grad_table<T>();
@@ -206,9 +303,10 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
       if constexpr (kSixteenBit<T>) {
         du[c * kOut] = store_as<T>(dv * (*silu_t)[gv]);
         dg[c * kOut] = store_as<T>(dv * uv * (*grad_t)[gv]);
-      } else {
-        du[c * kOut] = store_as<T>(dv * silu(gv));
-        dg[c * kOut] = store_as<T>(dv * uv * silu_grad(gv));
+      } else {  // f32 (HWY_SCALAR) and f64: in double, rounded once
+        const double gd = gv;
+        du[c * kOut] = static_cast<T>(double(dv) * silu(gd));
+        dg[c * kOut] = static_cast<T>(double(dv) * double(uv) * silu_grad(gd));
       }
     }
   }
