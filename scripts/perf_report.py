@@ -150,8 +150,8 @@ def torch_compare_section(results):
     copy = results[0].get("copy_gbps") if results else None
     return table(["op", "direction", "impl", "dtype", "median ms", "p20-p80 ms", "rate", "of copy",
                   "meshfuse speed-up"], rows) + [
-        "", "Speed-up: this implementation's median over meshfuse's (above 1: meshfuse is "
-        "faster)" + (f"; copy bandwidth {copy:.1f} GB/s, measured by the script." if copy else ".")]
+        "", "Speed-up: this implementation's median over meshfuse's, or over \"meshfuse out\"'s "
+        "for the rows into outputs allocated once (above 1: meshfuse is faster)" + (f"; copy bandwidth {copy:.1f} GB/s, measured by the script." if copy else ".")]
 
 
 def recurrent_compare_section(results):

@@ -642,21 +642,34 @@ TEST(CudaRmsNorm, RowsPastElementTwoToThe31AreAddressedWith64Bits) {
 
 // f32 rows against the f64 reference on the same inputs: y = x * rstd * weight is rounded once,
 // within half an ulp (a relative 2^-24; f32 arithmetic rounds twice and carries rstd's error).
-// Rows held in registers (4096) and rows streamed twice (65600).
+// Rows held in registers by groups of threads (1024), one element at a time (1001), by whole
+// blocks (4096) and rows streamed twice (65600); then the ends of f32's range, where the exact
+// split of r * w does not hold: a product past FLT_MAX (2e38 * 2, y = 2) and, with eps = 0, a
+// row of subnormals whose rstd is past FLT_MAX (y = 1).
 TEST(CudaRmsNorm, F32OutputsAreTheF64ResultRoundedOnce) {
   MESHFUSE_REQUIRE_CUDA();
   const Stream stream{test::kCuda};
-  for (const std::int64_t cols : {4096, 65600}) {
-    const Inputs in = make_inputs({3, cols}, DType::F32, {.weight = true}, 31);
+  const auto expect_rounded_once = [&](const Inputs& in, const std::string& what) {
     const Forward f = forward(on(in, test::kCuda, stream), stream);
     Inputs wide = in;
     wide.x = test::converted(in.x, DType::F64);
     wide.weight = test::converted(in.weight, DType::F64);
     wide.grad_y = test::converted(in.grad_y, DType::F64);
     const Forward truth = on_reference([&] { return forward(wide, {}); });
-    test::expect_within_f32_ulps(to_cpu(f.y, stream), truth.y, 0.5 * (1 + 0x1p-10),
-                                 "cols=" + std::to_string(cols));
-  }
+    test::expect_within_f32_ulps(to_cpu(f.y, stream), truth.y, 0.5 * (1 + 0x1p-10), what);
+  };
+  for (const std::int64_t cols : {1024, 1001, 4096, 65600})
+    expect_rounded_once(make_inputs({3, cols}, DType::F32, {.weight = true}, 31),
+                        "cols=" + std::to_string(cols));
+  Inputs huge = make_inputs({1, 1}, DType::F32, {.weight = true}, 32);
+  huge.x = test::from({1, 1}, DType::F32, {2e38});
+  huge.weight = test::from({1}, DType::F32, {2.0});
+  expect_rounded_once(huge, "r * w past FLT_MAX");
+  Inputs tiny = make_inputs({1, 4}, DType::F32, {.weight = true}, 33);
+  tiny.x = test::from({1, 4}, DType::F32, {1e-41, -1e-41, 1e-41, 1e-41});
+  tiny.weight = test::from({4}, DType::F32, {1.0, 1.0, 0.5, -3.0});
+  tiny.eps = 0.0;
+  expect_rounded_once(tiny, "eps 0, subnormal row");
 }
 
 #ifdef MESHFUSE_WITH_CUDA

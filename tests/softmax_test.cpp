@@ -68,7 +68,8 @@ TEST_P(SoftmaxBackends, MatchesTheReferenceFromOneColumnTo262144) {
   MESHFUSE_REQUIRE_TARGET(target);
   // Widths around the cpu backend's vectors (16) and past its 1024-column blocks; on CUDA odd
   // widths take the scalar path, 1000 and 4104 one block, 128256 (LLaMA-3) a cluster for 16-bit
-  // rows, 262144 a cluster of 8 or, for the wide dtypes, the streamed kernels.
+  // rows, 262144 a cluster of 8 (16-bit), of blocks with the device's largest shared memory (f32)
+  // or, for f64, the streamed kernels.
   for (const auto& [cols, rows] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 5},
                                                                                      {7, 5},
                                                                                      {16, 4},
@@ -354,20 +355,27 @@ TEST(CudaSoftmax, ForcedReferenceOnCudaTensorsGivesTheBitsOfTheCpuReference) {
 // f32 rows against the f64 reference on the same inputs: within 4 ulp (the exp's 2, the
 // division's half, the f32 row sum's share) for logits far below their row's max. Logits of
 // std 8 take exp down to about e^-80, where rounding x - max before the exp alone gave up to
-// 40 ulp. One block, a cluster and the streamed kernel.
+// 40 ulp. One block (4104), a cluster (128256) and the streamed kernel (262146: not whole 16-byte
+// vectors); then a multiplier of 0.1 on logits near 10^6, where the product's rounding (half an
+// ulp of 10^5) is larger than the whole argument of the values near the max.
 TEST(CudaSoftmax, F32OutputsStayWithinFourUlpOfTheF64ResultFarBelowTheMax) {
   MESHFUSE_REQUIRE_CUDA();
   const Stream stream{test::kCuda};
-  for (const std::int64_t cols : {4104, 128256, 262144}) {
-    const Tensor x = randn({2, cols}, DType::F32, 21, 8.0);
-    Tensor y({2, cols}, DType::F32, test::kCuda, stream), truth({2, cols}, DType::F64);
-    softmax(on(x, test::kCuda, stream), y, 1.0, stream);
+  const auto expect_accurate = [&](const Tensor& x, double m, const std::string& what) {
+    Tensor y(x.shape(), DType::F32, test::kCuda, stream), truth(x.shape(), DType::F64);
+    softmax(on(x, test::kCuda, stream), y, m, stream);
     {
       ForceKernelBackend force(KernelBackend::Reference);
-      softmax(test::converted(x, DType::F64), truth, 1.0);
+      softmax(test::converted(x, DType::F64), truth, m);
     }
-    test::expect_within_f32_ulps(to_cpu(y, stream), truth, 4.0, "V=" + std::to_string(cols));
-  }
+    test::expect_within_f32_ulps(to_cpu(y, stream), truth, 4.0, what);
+  };
+  for (const std::int64_t cols : {4104, 128256, 262146})
+    expect_accurate(randn({2, cols}, DType::F32, 21, 8.0), 1.0, "V=" + std::to_string(cols));
+  Tensor far = randn({2, 4104}, DType::F32, 22, 80.0);
+  float* v = far.data_ptr<float>();
+  for (std::int64_t i = 0; i < far.numel(); ++i) v[i] += 1e6f;
+  expect_accurate(far, 0.1, "logits near 1e6, multiplier 0.1");
 }
 
 TEST(CudaSoftmax, RowsPastElement2To31AreAddressedIn64Bits) {

@@ -129,7 +129,9 @@ __device__ __forceinline__ void pre_norm(const Chunk<T, N>& x, const Chunk<T, N>
 // Writes r (when the op outputs it) and y = r * rstd * weight at element offset off. f32 rows
 // round y once: r * w is split exactly into p + p_err (an fma gives the product's rounding) and
 // the double rstd into two floats, and y = p * rstd_hi + (p * rstd_lo + p_err * rstd_hi) in one
-// final fma; the terms left out are below 2^-46 of y. An infinite product takes the plain form.
+// final fma; the terms left out are below 2^-46 of y. The split is exact only away from the ends
+// of f32's range: a product that overflows or nears the subnormals, or an rstd past FLT_MAX (eps 0
+// and a row of tiny values), takes y = double(r) * double(w) * rstd, three conversions more.
 template <typename T, int N, typename A, typename S>
 __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int64_t off,
                                           const A (&r)[N], S rstd, const Chunk<T, N>& w) {
@@ -137,10 +139,14 @@ __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int6
   A y[N];
   if constexpr (std::is_same_v<T, float>) {
     const float hi = static_cast<float>(rstd), lo = static_cast<float>(rstd - hi);
+    const bool split_rstd = hi >= 0x1p-100f && hi <= 0x1p100f;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float p = __fmul_rn(r[k], w[k]), p_err = fmaf(r[k], w[k], -p);
-      y[k] = isfinite(p) ? fmaf(p, hi, fmaf(p, lo, p_err * hi)) : p * hi;
+      const float size = fabsf(p);
+      y[k] = split_rstd && size >= 0x1p-100f && size <= 0x1p100f
+                 ? fmaf(p, hi, fmaf(p, lo, p_err * hi))
+                 : static_cast<float>(double(r[k]) * double(w[k]) * rstd);
     }
   } else {
 #pragma unroll

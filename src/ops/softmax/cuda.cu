@@ -135,20 +135,30 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 // exp(v * scale - shift) for an output. f32 and f64 rows correct the rounding of the argument:
 // rounding v * scale - shift moves it by up to half its ulp, which for values far below the max
 // (|v * scale - shift| of 16 and more) is a relative error of 16 * 2^-24 in the exp and so in the
-// output, the largest part of PyTorch's error. Its exact residual (the product's by an fma, the
-// difference's by Knuth's TwoSum, TAOCP 4.2.2; the _rn intrinsics keep the compiler from fusing
-// them) multiplies the exp by (1 + residual). 16-bit rows: far below their output's rounding.
+// output, the largest part of PyTorch's error. The exact residuals (the product's by an fma, the
+// differences' by Knuth's TwoSum, TAOCP 4.2.2; the _rn intrinsics keep the compiler from fusing
+// them) are added back into the argument d2, and what rounding d2 leaves, r, multiplies the exp by
+// (1 + r): with a multiplier other than 1 the product's residual alone can reach half an ulp of a
+// large v * scale, too large for that first-order factor. 16-bit rows: far below their output's
+// rounding.
+template <typename A>
+__device__ __forceinline__ A two_sum_error(A a, A b, A s) {
+  const A back = add_rn(s, -a);
+  return add_rn(add_rn(a, -add_rn(s, -back)), add_rn(b, -back));
+}
+
 template <typename T, typename A>
 __device__ __forceinline__ A exp_shifted(A v, A scale, A shift) {
   if constexpr (kBase2<T>) {
     return exp_units<T>(v * scale - shift);
   } else {
     const A p = mul_rn(v, scale), p_err = fma(v, scale, -p);
-    const A d = add_rn(p, -shift), back = add_rn(d, -p);
-    const A d_err = add_rn(add_rn(p, -add_rn(d, -back)), add_rn(-shift, -back));
-    const A e = exp_units<T>(d);
+    const A d = add_rn(p, -shift);
+    const A t = add_rn(two_sum_error(p, -shift, d), p_err);
+    const A d2 = add_rn(d, t), r = two_sum_error(d, t, d2);
+    const A e = exp_units<T>(d2);
     // An infinite v or shift gives a NaN residual; the exp is then 0, inf or NaN as it is.
-    return isfinite(d) ? fma(e, d_err + p_err, e) : e;
+    return isfinite(d2) ? fma(e, r, e) : e;
   }
 }
 

@@ -50,8 +50,9 @@ __device__ __forceinline__ void load_gate_up(SwigluOperand gate, SwigluOperand u
 constexpr int kThreads = 128;
 
 // The arithmetic of f32 rows is double: each output is then rounded once, where f32 arithmetic
-// rounds it five times (the exp's own error up to 2 ulp), more than PyTorch's F.silu(g) * u; this
-// memory-bound kernel has the FP64 throughput to spare on the GPUs it targets.
+// rounds it five times (the exp's own error up to 2 ulp), more than PyTorch's F.silu(g) * u. It
+// costs the f32 forward its memory-bound speed (the double exp and division bound it on Hopper;
+// the backward, with more bytes per value, stays at the copy's rate): docs/kernels/swiglu.md.
 template <typename T>
 using math_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
 
