@@ -154,10 +154,11 @@ __device__ __forceinline__ A exp_shifted(A v, A scale, A shift) {
   } else {
     const A p = mul_rn(v, scale), p_err = fma(v, scale, -p);
     const A d = add_rn(p, -shift);
-    const A t = add_rn(two_sum_error(p, -shift, d), p_err);
+    // An infinite or NaN argument (v or shift infinite, or a NaN) takes no correction: its
+    // residuals are NaN, and its exp is 0, inf or NaN as it is.
+    const A t = isfinite(d) ? add_rn(two_sum_error(p, -shift, d), p_err) : A(0);
     const A d2 = add_rn(d, t), r = two_sum_error(d, t, d2);
     const A e = exp_units<T>(d2);
-    // An infinite v or shift gives a NaN residual; the exp is then 0, inf or NaN as it is.
     return isfinite(d2) ? fma(e, r, e) : e;
   }
 }
