@@ -9,7 +9,6 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -78,18 +77,39 @@ namespace {
 #if HWY_TARGET != HWY_SCALAR
 // f32 rows compute in double lanes, so that each output is rounded once, as the CUDA kernel's: f32
 // lanes round it five times and more (the exp alone up to 2 ulp), which left the output and grad_up
-// less accurate than PyTorch's F.silu(g) * u (docs/kernels/swiglu.md). Highway's Exp (1 ulp) holds
-// up to 706: past it, e^g underflows every output to 0 (sigmoid 0), but for g = -inf, where
-// silu(-inf) = -inf * 0 is NaN, as the reference and PyTorch give; Exp(NaN) is 0, and a NaN g
-// still makes its outputs NaN.
+// less accurate than PyTorch's F.silu(g) * u (docs/kernels/swiglu.md).
 using DH = hn::Half<DF>;
 using DD = hn::Rebind<double, DH>;
 using VD = hn::Vec<DD>;
 
+// e^x for x in [-708, 706] to a relative 2^-41, where rounding the f32 outputs once needs about
+// 2^-36 (Highway's Exp, to an ulp of double, bound the f32 forward at twice its time without the
+// exp: docs/kernels/swiglu.md). x = n ln2 + r by fdlibm's two-part ln2, n found by adding 1.5 * 2^52
+// (whose low bits then hold it, as VExp does in f32); e^r by Taylor to degree 10 (|r| <= ln2/2:
+// remainder below 2^-41); 2^n into the exponent field. NaN gives NaN.
+HWY_INLINE VD ExpNear(DD dd, VD x) {
+  const hn::RebindToSigned<DD> di;
+  const VD shifter = hn::Set(dd, 0x1.8p52);
+  const VD t = hn::MulAdd(x, hn::Set(dd, 1.4426950408889634), shifter);
+  const VD n = hn::Sub(t, shifter);
+  VD r = hn::NegMulAdd(n, hn::Set(dd, 6.93147180369123816490e-01), x);
+  r = hn::NegMulAdd(n, hn::Set(dd, 1.90821492927058770002e-10), r);
+  VD p = hn::Set(dd, 1.0 / 3628800);
+  for (const double c : {1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24,
+                         1.0 / 6, 0.5, 1.0, 1.0})
+    p = hn::MulAdd(p, r, hn::Set(dd, c));
+  const auto n_bits = hn::Sub(hn::BitCast(di, t), hn::BitCast(di, shifter));
+  return hn::Mul(p, hn::BitCast(dd, hn::ShiftLeft<52>(hn::Add(n_bits, hn::Set(di, 1023)))));
+}
+
+// sigmoid(g) = 1 / (1 + e^-g). Past -g = 706 it is 0: e^g underflows every output to 0 but for
+// g = -inf, where silu(-inf) = -inf * 0 is NaN, as the reference and PyTorch give; below -g = -708
+// e^-g is 0 to double precision. Compares keep a NaN g NaN.
 HWY_INLINE VD Sigmoid(DD dd, VD g) {
-  const VD x = hn::Neg(g), limit = hn::Set(dd, 706.0), one = hn::Set(dd, 1.0);
-  const auto past = hn::Gt(x, limit);
-  const VD e = hn::Exp(dd, hn::IfThenElse(past, limit, x));
+  const VD x = hn::Neg(g), high = hn::Set(dd, 706.0), low = hn::Set(dd, -708.0);
+  const VD one = hn::Set(dd, 1.0);
+  const auto past = hn::Gt(x, high);
+  const VD e = ExpNear(dd, hn::IfThenElse(hn::Lt(x, low), low, hn::IfThenElse(past, high, x)));
   return hn::IfThenZeroElse(past, hn::Div(one, hn::Add(one, e)));
 }
 
