@@ -20,10 +20,11 @@
 HWY_BEFORE_NAMESPACE();
 namespace meshfuse::detail::cpu::HWY_NAMESPACE {
 
-// sum_c a[c] * b[c] in double, each product exact. 16-bit rows multiply in f32 lanes (8- or
-// 11-bit significands: exact) and add in them 16 vectors at a time, then into double lanes: the
-// plain double loop's conversions made the backward compute-bound, slower than PyTorch's on AVX2
-// and AVX-512 (docs/kernels/softmax.md). f32 and f64 rows, and HWY_SCALAR, take that loop.
+// sum_c a[c] * b[c]. 16-bit rows multiply in f32 lanes (8- or 11-bit significands: each product
+// exact) and add there 16 vectors at a time, then into double lanes: a loop converting every
+// element to double made the backward compute-bound, slower than PyTorch's on AVX2 and AVX-512
+// (docs/kernels/softmax.md). f32 and f64 rows, and HWY_SCALAR, take that loop (exact products, the
+// sum in double).
 template <typename T>
 double RowDot(const T* a, const T* b, std::int64_t n) {
 #if HWY_TARGET != HWY_SCALAR

@@ -2,10 +2,9 @@
 // from tables of their 65536 values (silu_table: one gather in place of the exp and the division,
 // faster in both directions); contiguous 16-bit rows and every f32 row run Highway loops (gathers;
 // double lanes for f32), strided 16-bit ones (the interleaved layout) and f64 loops vectorised by
-// the compiler. The Highway loops
-// prefetch their inputs 2 KB ahead into L1 (PrefetchAhead), which measured faster than prefetching
-// the next row while a row's output is written. Compiled once per SIMD target (cpu_simd-inl.h),
-// dispatched at run time. Figures: docs/kernels/swiglu.md.
+// the compiler. The Highway loops prefetch their inputs 2 KB ahead into L1 (PrefetchAhead), which
+// measured faster than prefetching the next row while a row's output is written. Compiled once per
+// SIMD target (cpu_simd-inl.h), dispatched at run time. Figures: docs/kernels/swiglu.md.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/cpu.cpp"
 #include <hwy/foreach_target.h>  // re-includes this file once per target
