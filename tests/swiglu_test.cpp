@@ -297,7 +297,8 @@ TEST(Swiglu, EverySixteenBitGateValueMatchesTheReference) {
 // f32 rows against the f64 reference on the same inputs: the output and both gradients are
 // rounded once, within half an ulp (a relative 2^-24; f32 arithmetic rounds each five times or
 // more), on CUDA and on every CPU target (ctest's cpu_target_* runs). Vector loads (4096 columns),
-// a row's tail (1001), gates past exp's range in double (-800) and the interleaved layout.
+// a row's tail (1001) and a gate past exp's range in double (-800); the interleaved layout gives
+// the same bits (PackedLayoutsGiveTheBitsOfSeparateGateAndUp).
 class SwigluKernels : public ::testing::TestWithParam<test::Target> {};
 
 TEST_P(SwigluKernels, F32OutputsAndGradientsAreTheF64ResultRoundedOnce) {
