@@ -16,6 +16,11 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 template <typename T>
 constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
 
+// The arithmetic type of kernels that round each f32 output once: double for f32 (and f64), float
+// for the 16-bit types, whose outputs round far above f32 arithmetic's error.
+template <typename T>
+using once_t = std::conditional_t<kSixteenBit<T>, float, double>;
+
 // Stores an accumulator value as T (rounding once for 16-bit types).
 template <typename T, typename A>
 inline T store_as(A x) {

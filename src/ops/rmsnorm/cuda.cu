@@ -105,12 +105,9 @@ __device__ __forceinline__ A group_sum(A v, A (*scratch)[32], int g, int parity)
   return total;
 }
 
-// The type of a row's sum of squares and of its rstd: double for f32 rows, so that y = r * rstd *
-// weight is rounded once (write_out) and rstd adds almost nothing to that; 16-bit rows' outputs
-// round far above either. (Summing each thread's squares in f32 first measured no faster.)
-template <typename T>
-using sq_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
-
+// A row's sum of squares and its rstd are once_t: double for f32 rows, so that y = r * rstd *
+// weight is rounded once (write_out) and rstd adds almost nothing to that. (Summing each thread's
+// squares in f32 first measured no faster.)
 template <typename S>
 __device__ __forceinline__ S inverse_rms(S sum_sq, std::int64_t cols, S eps) {
   return S(1) / sqrt(sum_sq / S(cols) + eps);
@@ -164,7 +161,7 @@ __device__ __forceinline__ void write_out(const RmsNormForwardArgs& a, std::int6
 template <typename T, int N, int P, int G, int B>
 __global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwardArgs a) {
   using A = acc_t<T>;
-  using S = sq_t<T>;
+  using S = once_t<T>;
   __shared__ S scratch[2][32];
   const A m = static_cast<A>(a.multiplier);
   const S eps = static_cast<S>(a.eps);
@@ -215,7 +212,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kForwardThreads)
     forward_streaming_kernel(RmsNormShape s, RmsNormForwardArgs a) {
   using A = acc_t<T>;
-  using S = sq_t<T>;
+  using S = once_t<T>;
   __shared__ S scratch[32];
   const A m = static_cast<A>(a.multiplier);
   const S eps = static_cast<S>(a.eps);

@@ -112,15 +112,14 @@ HWY_INLINE VD Sigmoid(DD dd, VD g) {
   return hn::IfThenZeroElse(past, hn::Div(one, hn::Add(one, e)));
 }
 
-// f of the lower and of the upper half of the lanes of a, b and c (promoted to double); the two
+// f of the lower and of the upper half of the lanes of a and b (promoted to double); the two
 // results rounded to f32 and joined.
 template <class F>
-HWY_INLINE VF InDouble(DF d, VF a, VF b, VF c, F f) {
+HWY_INLINE VF InDouble(DF d, VF a, VF b, F f) {
   const DH dh;
   const DD dd;
   const auto half = [&](auto part) {
-    return hn::DemoteTo(dh, f(hn::PromoteTo(dd, part(a)), hn::PromoteTo(dd, part(b)),
-                              hn::PromoteTo(dd, part(c))));
+    return hn::DemoteTo(dh, f(hn::PromoteTo(dd, part(a)), hn::PromoteTo(dd, part(b))));
   };
   return hn::Combine(d, half([&](VF v) { return hn::UpperHalf(dh, v); }),
                      half([&](VF v) { return hn::LowerHalf(dh, v); }));
@@ -261,7 +260,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
           if constexpr (std::is_same_v<T, float>) {  // in double (above)
             const VF gv = LoadStrided<kIn>(d, g + c * kIn, k);
             const VF uv = LoadStrided<kIn>(d, u + c * kIn, k);
-            return InDouble(d, gv, uv, uv, [](VD gd, VD ud, VD) {
+            return InDouble(d, gv, uv, [](VD gd, VD ud) {
               return hn::Mul(hn::Mul(ud, gd), Sigmoid(DD(), gd));
             });
           } else {

@@ -49,12 +49,11 @@ __device__ __forceinline__ void load_gate_up(SwigluOperand gate, SwigluOperand u
 // Threads per block, at most (blocks of up to 128 threads measured fastest, see launch_rows).
 constexpr int kThreads = 128;
 
-// The arithmetic of f32 rows is double: each output is then rounded once, where f32 arithmetic
-// rounds it five times (the exp's own error up to 2 ulp), more than PyTorch's F.silu(g) * u. It
-// costs the f32 forward its memory-bound speed (the double exp and division bound it on Hopper;
-// the backward, with more bytes per value, stays at the copy's rate): docs/kernels/swiglu.md.
-template <typename T>
-using math_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
+// The arithmetic of f32 rows is double (once_t): each output is then rounded once, where f32
+// arithmetic rounds it five times (the exp's own error up to 2 ulp), more than PyTorch's
+// F.silu(g) * u. It costs the f32 forward its memory-bound speed (the double exp and division bound
+// it on Hopper; the backward, with more bytes per value, stays at the copy's rate):
+// docs/kernels/swiglu.md.
 
 // u * silu(g) = u * g / (1 + e^-g), fast for 16-bit outputs (see the top of this file).
 template <typename T, typename A>
@@ -62,7 +61,7 @@ __device__ __forceinline__ A swiglu_value(A g, A u) {
   if constexpr (sizeof(T) == 2) {
     return __fdividef(u * g, A(1) + __expf(-g));
   } else {
-    using M = math_t<T>;
+    using M = once_t<T>;
     return static_cast<A>(M(u) * M(g) / (M(1) + exp(-M(g))));
   }
 }
@@ -96,7 +95,7 @@ __global__ void backward_kernel(SwigluShape s, SwigluOperand dy, SwigluOperand g
     A dg[N], du[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      using M = math_t<T>;
+      using M = once_t<T>;
       const M gm = g[k], sig = M(1) / (M(1) + exp(-gm)), dv = load(d.v[k]);
       du[k] = static_cast<A>(dv * gm * sig);
       dg[k] = static_cast<A>(dv * M(u[k]) * sig * (M(1) + gm * (M(1) - sig)));
