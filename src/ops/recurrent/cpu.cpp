@@ -7,11 +7,12 @@
 //
 // Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
 // The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
-// steps at a time (add_outer_products: one load and store of the gradient per kSteps products)
-// into an fp32 partial per (block of sequences, head); the partials are added in a fixed order at
-// the end, so the result does not depend on the number of threads. Input gradients of a head
-// serving one input head are stored directly; a broadcast input head (serving several heads)
-// takes the sum over its heads, which one task walks one after another into an fp32 buffer.
+// steps at a time (add_outer_products: one load and store of the gradient per kSteps products),
+// each such sum in fp32 added to a partial per (block of sequences, head) kept in double for f32
+// (fp32 for 16-bit types); the partials are added in a fixed order at the end, so the result does
+// not depend on the number of threads. Input gradients of a head serving one input head are stored
+// directly; a broadcast input head (serving several heads) takes the sum over its heads, which one
+// task walks one after another into an fp32 buffer.
 // Compiled once per SIMD target (cpu_simd-inl.h) for the compiler to vectorise the loops for each,
 // dispatched at run time.
 #undef HWY_TARGET_INCLUDE
@@ -129,14 +130,12 @@ void add_vec_mat(const A* v, const A* m, A* a, std::int64_t h) {
   add_mat_mat(v, m, a, 1, h);
 }
 
-// dw[i0, i0 + kRows) x [j0, j0 + kCols) += sum over k < steps of u_k^T v_k (u, v: steps x h).
-template <int kRows, int kCols, typename A>
-inline void add_outer_block(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h,
+// dw[i0, i0 + kRows) x [j0, j0 + kCols) += sum over k < steps of u_k^T v_k (u, v: steps x h): the
+// steps' products summed in A, that sum added to the partial dw in P.
+template <int kRows, int kCols, typename A, typename P>
+inline void add_outer_block(const A* u, const A* v, std::int64_t steps, P* dw, std::int64_t h,
                             std::int64_t i0, std::int64_t j0) {
-  A acc[kRows][kCols];
-  for (int r = 0; r < kRows; ++r)
-#pragma omp simd
-    for (int c = 0; c < kCols; ++c) acc[r][c] = dw[(i0 + r) * h + j0 + c];
+  A acc[kRows][kCols] = {};
   for (std::int64_t k = 0; k < steps; ++k) {
     const A* vk = v + k * h + j0;
     for (int r = 0; r < kRows; ++r) {
@@ -147,11 +146,11 @@ inline void add_outer_block(const A* u, const A* v, std::int64_t steps, A* dw, s
   }
   for (int r = 0; r < kRows; ++r)
 #pragma omp simd
-    for (int c = 0; c < kCols; ++c) dw[(i0 + r) * h + j0 + c] = acc[r][c];
+    for (int c = 0; c < kCols; ++c) dw[(i0 + r) * h + j0 + c] += acc[r][c];
 }
 
-template <int kRows, typename A>
-void add_outer_rows(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h,
+template <int kRows, typename A, typename P>
+void add_outer_rows(const A* u, const A* v, std::int64_t steps, P* dw, std::int64_t h,
                     std::int64_t i0) {
   std::int64_t j = 0;
   for (; j + kBlock<A> <= h; j += kBlock<A>)
@@ -161,8 +160,8 @@ void add_outer_rows(const A* u, const A* v, std::int64_t steps, A* dw, std::int6
 }
 
 // dw += U^T V for the `steps` rows of U and V (steps x h each).
-template <typename A>
-void add_outer_products(const A* u, const A* v, std::int64_t steps, A* dw, std::int64_t h) {
+template <typename A, typename P>
+void add_outer_products(const A* u, const A* v, std::int64_t steps, P* dw, std::int64_t h) {
   std::int64_t i = 0;
   for (; i + 2 <= h; i += 2) add_outer_rows<2>(u, v, steps, dw, h, i);
   if (i < h) add_outer_rows<1>(u, v, steps, dw, h, i);
@@ -393,6 +392,10 @@ template <typename T, int kPairs, int kWork, typename Step>
 void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
                     const BackwardArgs<T, kPairs>& args, Step&& step) {
   using A = acc_t<T>;
+  // The weight-gradient partials' type: double for f32, so that the error does not grow with the
+  // sequence's length (fp32 partials were less accurate than PyTorch's per-step sums; products
+  // in double too cost twice the extra time for little more); fp32 for 16-bit types.
+  using P = once_t<T>;
   const std::int64_t h = s.head_dim, heads = s.heads, hh = h * h;
   std::int64_t divisor = 0;
   for (int k = 0; k < kPairs; ++k) divisor = std::gcd(divisor, s.input_heads[k]);
@@ -403,20 +406,21 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
   // (kMaxPartials x H² per weight) and the sums' order depends on B and N only.
   const std::int64_t block = std::max<std::int64_t>(1, ceil_div(s.batch * heads, kMaxPartials));
   const std::int64_t blocks = ceil_div(s.batch, block);
-  std::vector<std::unique_ptr<A[]>> partial(kPairs);
-  for (auto& p : partial) p.reset(new A[static_cast<std::size_t>(blocks * heads * hh)]);
+  std::vector<std::unique_ptr<P[]>> partial(kPairs);
+  for (auto& p : partial) p.reset(new P[static_cast<std::size_t>(blocks * heads * hh)]);
 
 #pragma omp parallel
   {
     HeadWeights<T, kPairs> weights(h, true);
     std::vector<A> prev(h), y(h), g(h), carry(h), work(kWork * h);
     std::vector<A> u[kPairs], v[kPairs], sums[kPairs];
+    std::vector<P> total(h);
     for (int k = 0; k < kPairs; ++k) u[k].resize(kSteps * h), v[k].resize(kSteps * h);
 #pragma omp for schedule(static)
     for (std::int64_t task = 0; task < heads / group * blocks; ++task) {
       const std::int64_t n0 = task / blocks * group, sb = task % blocks;
       for (int k = 0; k < kPairs; ++k)
-        std::fill_n(partial[k].get() + (sb * heads + n0) * hh, group * hh, A(0));
+        std::fill_n(partial[k].get() + (sb * heads + n0) * hh, group * hh, P(0));
       for (std::int64_t b = sb * block; b < std::min(s.batch, (sb + 1) * block); ++b) {
         const SequenceRows seq = sequence_rows(s, b);
         for (int k = 0; k < kPairs; ++k)
@@ -424,7 +428,7 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
             sums[k].assign(seq.length * (group * s.input_heads[k] / heads) * h, A(0));
         for (std::int64_t n = n0; n < n0 + group; ++n) {
           weights.load(s, op, n);
-          A* dw[kPairs];
+          P* dw[kPairs];
           for (int k = 0; k < kPairs; ++k) dw[k] = partial[k].get() + (sb * heads + n) * hh;
           if (args.grad_final_state != nullptr)
             widen(args.grad_final_state + (b * heads + n) * h, carry.data(), h);
@@ -492,11 +496,11 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
 #pragma omp for schedule(static)
       for (std::int64_t wr = 0; wr < nw * h; ++wr) {
         const std::int64_t w = wr / h, i = wr % h;
-        A* acc = g.data();
-        std::fill(acc, acc + h, A(0));
+        P* acc = total.data();
+        std::fill(acc, acc + h, P(0));
         for (std::int64_t sb = 0; sb < blocks; ++sb)
           for (std::int64_t n = w * served; n < (w + 1) * served; ++n) {
-            const A* p = partial[k].get() + (sb * heads + n) * hh + i * h;
+            const P* p = partial[k].get() + (sb * heads + n) * hh + i * h;
 #pragma omp simd
             for (std::int64_t j = 0; j < h; ++j) acc[j] += p[j];
           }
