@@ -68,9 +68,10 @@ inline float vexp(float x) {
   return (p * pow2(n1)) * pow2(n - n1);
 }
 
-// Elements below which an element-wise pass stays on the calling thread: waking the OpenMP team
-// costs more than the pass (and far more when the cores are busy). The row kernels (softmax,
-// cross-entropy) keep their team even for 4 rows of 4096, where two threads measured faster.
+// Elements below which a pass (element-wise, or over rows) stays on the calling thread: waking the
+// OpenMP team and waiting for it costs more than the work saved (far more when the cores are
+// busy), as PyTorch's at::internal::GRAIN_SIZE. 4 x 4096 bf16 rows, as in decoding, ran faster on
+// one thread in every row kernel (bench/python_overhead.py --device cpu).
 inline constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 
 inline std::int64_t max_threads() {

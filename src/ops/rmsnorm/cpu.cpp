@@ -72,7 +72,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const auto in = [&](const void* p, std::int64_t row) {
     return static_cast<const T*>(p) + row * s.cols;
   };
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < s.rows; ++row) {
@@ -181,7 +181,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   const bool stream =
       stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.dx,
                         s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
 #pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
@@ -196,7 +196,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   }
   if constexpr (kDweight) {
     T* dw = static_cast<T*>(a.dweight);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (blocks * s.cols >= kParallelMin)
     for (std::int64_t c0 = 0; c0 < s.cols; c0 += kCombineCols) {
       const std::int64_t width = std::min(kCombineCols, s.cols - c0);
       double sum[kCombineCols] = {};

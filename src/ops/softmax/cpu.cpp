@@ -62,7 +62,7 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
     const A m = static_cast<A>(multiplier);
     const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)}, y,
                                           s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
     {
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
       // stays in L2 until the output is written (streamed past the last-level cache). Whole
@@ -99,7 +99,7 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
     const A m = static_cast<A>(multiplier);
     const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, grad_x,
                                           s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
     {
 #pragma omp for schedule(static)
       for (std::int64_t r = 0; r < s.rows; ++r) {

@@ -144,7 +144,7 @@ HWY_INLINE VF LoadStrided(DF d, const float* p, std::size_t k) {
 template <int kIn, int kOut>
 void backward_rows_f32(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                        SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
   for (std::int64_t r = 0; r < s.rows; ++r) {
     const DF d;
     const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
@@ -196,7 +196,7 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   const Table16<T>& silu = *silu_table<T>();
   const Table16<T>& silu_grad = *silu_grad_table<T>();
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
     HWY_ALIGN float dg_block[kBlock];
 #pragma omp for schedule(static)
@@ -244,7 +244,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
   const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
-#pragma omp parallel
+#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
@@ -306,7 +306,7 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
 #endif
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
   [[maybe_unused]] const Table16<T>* grad_t = silu_grad_table<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
   for (std::int64_t r = 0; r < s.rows; ++r) {
     const T* d = row<T>(dy, r);
     const T* g = row<T>(gate, r);
