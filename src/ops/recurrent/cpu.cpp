@@ -208,10 +208,10 @@ const T* input_row(const RecurrentShape& s, const Operands<T, kPairs>& op, int k
 // A thread's fp32 copies of the current head's weights (with their transposes for the
 // backward, whose products with W^T then run as products with a matrix), widened again only when
 // the head changes.
-template <typename T, int kPairs>
+template <typename T, int kPairs, typename W = acc_t<T>>
 class HeadWeights {
  public:
-  using A = acc_t<T>;
+  using A = W;
   HeadWeights(std::int64_t h, bool transposed) : h_(h), transposed_(transposed) {
     for (int k = 0; k < kPairs; ++k) {
       w_[k].resize(h * h);
@@ -259,16 +259,18 @@ constexpr std::int64_t kGroup = 8;
 // Runs every (sequence, head) recurrence, a head's sequences kGroup at a time, in lockstep.
 // step(weights, rows, count, n, state, work) advances the fp32 states of the first `count`
 // sequences of the group (count rows of h values) by their steps at token rows rows[0, count);
-// work: kWork blocks of kGroup rows of h scratch values.
-template <typename T, int kPairs, int kWork, typename Step>
+// work: kWork blocks of kGroup rows of h values of M, the type the step's products are summed in
+// (its weights' type).
+template <typename T, typename M, int kPairs, int kWork, typename Step>
 void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const T* input_state,
                    T* output, T* final_state, Step&& step) {
   using A = acc_t<T>;
   const std::int64_t h = s.head_dim, groups = ceil_div(s.batch, kGroup);
 #pragma omp parallel
   {
-    HeadWeights<T, kPairs> weights(h, false);
-    std::vector<A> state(kGroup * h), work(kWork * kGroup * h);
+    HeadWeights<T, kPairs, M> weights(h, false);
+    std::vector<A> state(kGroup * h);
+    std::vector<M> work(kWork * kGroup * h);
 #pragma omp for schedule(static)
     for (std::int64_t task = 0; task < s.heads * groups; ++task) {
       const std::int64_t n = task / groups, b0 = task % groups * kGroup;
@@ -310,50 +312,64 @@ void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const
   }
 }
 
-// h = tanh(h @ W + x)
+// h = tanh(h @ W + x). The pre-activation h @ W + x is summed in once_t (double for f32: exact
+// products, one rounding), so that a step adds little error to the state but tanh's: in fp32 the
+// f32 final state measured 1.5x PyTorch's error, in double 0.5x (bench/numerics.py), for 10-30% of
+// the f32 forward's time (the fp32 states and tanh stay; all of it in double, with a scalar tanh,
+// took 3.5x).
 template <typename T>
 void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* input_state,
                    T* output, T* final_state) {
   using A = acc_t<T>;
-  const std::int64_t h = s.head_dim;
-  const auto step = [&](const HeadWeights<T, 1>& w, const std::int64_t* rows, std::int64_t count,
-                        std::int64_t n, A* state, A* a) {
+  using M = once_t<T>;
+  const std::int64_t h = s.head_dim, block = kGroup * h;
+  const auto step = [&](const HeadWeights<T, 1, M>& w, const std::int64_t* rows, std::int64_t count,
+                        std::int64_t n, A* state, M* work) {
+    M *a = work, *v = work + block;
     for (std::int64_t i = 0; i < count; ++i) widen(input_row(s, op, 0, rows[i], n), a + i * h, h);
-    add_mat_mat(state, w.w(0), a, count, h);
+    widen(state, v, count * h);
+    add_mat_mat(v, w.w(0), a, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < count * h; ++j) state[j] = vtanh(a[j]);
+    for (std::int64_t j = 0; j < count * h; ++j) state[j] = vtanh(A(a[j]));
   };
-  forward_pairs<T, 1, 1>(s, op, input_state, output, final_state, step);
+  forward_pairs<T, M, 1, 2>(s, op, input_state, output, final_state, step);
 }
 
 // f = sigmoid(h @ W_f + x_f), r = sigmoid(h @ W_r + x_r), z = tanh((h * r) @ W + x),
-// h = f * h + (1 - f) * z
+// h = f * h + (1 - f) * z. The products stay in fp32: the GRU's error is its activations' (its
+// convex update damps the rest), and double pre-activations left the f32 error at PyTorch's for a
+// third more time.
 template <typename T>
 void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
                    T* output, T* final_state) {
   using A = acc_t<T>;
+  using M = A;
   const std::int64_t h = s.head_dim, block = kGroup * h;
-  const auto step = [&](const HeadWeights<T, 3>& w, const std::int64_t* rows, std::int64_t count,
-                        std::int64_t n, A* state, A* work) {
-    A *f = work, *r = work + block, *q = work + 2 * block, *z = work + 3 * block;
+  const auto step = [&](const HeadWeights<T, 3, M>& w, const std::int64_t* rows, std::int64_t count,
+                        std::int64_t n, A* state, M* work) {
+    // v: the state, then the reset state q = state * r, as M.
+    M *f = work, *r = work + block, *v = work + 2 * block, *z = work + 3 * block;
     for (std::int64_t i = 0; i < count; ++i) {
       widen(input_row(s, op, 1, rows[i], n), f + i * h, h);
       widen(input_row(s, op, 2, rows[i], n), r + i * h, h);
       widen(input_row(s, op, 0, rows[i], n), z + i * h, h);
     }
-    add_mat_mat(state, w.w(1), f, count, h);
-    add_mat_mat(state, w.w(2), r, count, h);
+    widen(state, v, count * h);
+    add_mat_mat(v, w.w(1), f, count, h);
+    add_mat_mat(v, w.w(2), r, count, h);
 #pragma omp simd
     for (std::int64_t j = 0; j < count * h; ++j) {
-      f[j] = sigmoid(f[j]);
-      q[j] = state[j] * sigmoid(r[j]);
+      f[j] = sigmoid(A(f[j]));
+      v[j] = state[j] * sigmoid(A(r[j]));
     }
-    add_mat_mat(q, w.w(0), z, count, h);
+    add_mat_mat(v, w.w(0), z, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < count * h; ++j)
-      state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
+    for (std::int64_t j = 0; j < count * h; ++j) {
+      const A fj = A(f[j]);
+      state[j] = fj * state[j] + (A(1) - fj) * vtanh(A(z[j]));
+    }
   };
-  forward_pairs<T, 3, 4>(s, op, input_state, output, final_state, step);
+  forward_pairs<T, M, 3, 4>(s, op, input_state, output, final_state, step);
 }
 
 // --- backward ----------------------------------------------------------------------------------
