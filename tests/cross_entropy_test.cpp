@@ -195,6 +195,25 @@ TEST_P(CrossEntropyBackends, OneRowMatchesReference) {
                              std::string(to_string(r)));
 }
 
+TEST_P(CrossEntropyBackends, WithoutLseTheLossIsBitwiseTheLossWithIt) {
+  // Inference leaves lse out (no backward to save it for): same loss, nothing else written.
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Tensor logits = randn({6, 1100}, dtype, 8, 2.0);
+  const Tensor labels = from({6}, DType::I64, {3, -100, 1099, 0, 512, 7});
+  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum})
+    for (const CrossEntropyOptions& o : option_sets(r)) {
+      const Forward with = forward(target, logits, labels, o, stream);
+      ForceKernelBackend force(target.backend);
+      Tensor loss(loss_shape(6, r), dtype, target.device, stream);
+      cross_entropy(on(logits, target.device, stream), on(labels, target.device, stream), loss, {},
+                    o, stream);
+      EXPECT_TRUE(testing::bitwise_equal(to_cpu(loss, stream), with.loss))
+          << to_string(r) << " eps=" << o.label_smoothing;
+    }
+}
+
 TEST_P(CrossEntropyBackends, ZeroRowsGiveEmptyNanMeanAndZeroSum) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);

@@ -39,7 +39,7 @@ def _stream(t):
     # The current stream's cudaStream_t, as torch.compile's generated code reads it (no Stream
     # object made per call). Called inside the custom ops only, so torch.compile never traces it
     # (dynamo's torch.Stream has no cuda_stream).
-    return torch._C._cuda_getCurrentRawStream(t.device.index) if t.is_cuda else 0
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0  # no device object
 
 
 def _d(t):
@@ -359,17 +359,20 @@ def _loss_shape(n, reduction):
 
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                          loss_dtype=None, vocab_start=0, vocab_size=0):
+                          loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True):
     """The raw kernel of :func:`cross_entropy`: returns (loss, lse); loss is () for mean/sum and
     (N,) for none, in ``loss_dtype`` (the logits' dtype by default, or float32 for 16-bit
-    logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones. ``vocab_size`` != 0: the
-    logits are the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size``
-    classes (a shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
+    logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones, or None when not
+    ``save_lse`` (inference has no backward to save it for). ``vocab_size`` != 0: the logits are
+    the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a
+    shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
     n = logits.shape[0]
     loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
-    lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
-    lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
+    lse = None
+    if save_lse:
+        lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
+        lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
     _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index=ignore_index,
                      reduction=reduction, label_smoothing=label_smoothing,
                      logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
@@ -456,7 +459,7 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
                loss_dtype)
     if _untraced(logits, labels):
-        return cross_entropy_forward(logits, labels, *options)[0]
+        return cross_entropy_forward(logits, labels, *options, save_lse=False)[0]
     return _cross_entropy(logits, labels, *options)[0]
 
 

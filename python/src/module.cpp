@@ -380,7 +380,7 @@ void bind_ops(nb::module_& m) {
      "written in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its "
      "default stream).");
 
-  m.def("cross_entropy", [](In logits, In labels, Out loss, Out lse, std::int64_t ignore_index,
+  m.def("cross_entropy", [](In logits, In labels, Out loss, OptOut lse, std::int64_t ignore_index,
                             const std::string& reduction, double label_smoothing,
                             double logits_multiplier, double z_loss_scale,
                             std::int64_t vocab_start, std::int64_t vocab_size,
@@ -389,7 +389,7 @@ void bind_ops(nb::module_& m) {
                   ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                              z_loss_scale, vocab_start, vocab_size),
                   stream_on(device_of(logits), stream));
-  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
+  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100, "reduction"_a = "mean",
      "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
      "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
      "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "

@@ -93,6 +93,10 @@ def test_cross_entropy_mean_skips_ignored_rows():
     kept = [0, 2, 3]
     expected = np.mean([ref_lse[i] - logits[i, labels[i]] for i in kept])
     np.testing.assert_allclose(loss, expected, rtol=1e-12)
+    # lse=None: inference's call, the same loss with nothing else written.
+    alone = np.empty((), np.float64)
+    meshfuse.cross_entropy(logits, labels, alone, None)
+    assert alone == loss
 
 
 def test_cross_entropy_on_vocabulary_shards_combines_into_the_whole_vocabulary():

@@ -91,7 +91,8 @@ struct CrossEntropyOptions {
 
 // logits: (N, V); labels: (N,) i32/i64.
 // Writes loss: () for mean and sum, (N,) for none, dtype of logits or f32; and lse: (N,), the
-// log-sum-exp of each row of m * logits, saved for the backward (0 for ignored rows).
+// log-sum-exp of each row of m * logits, saved for the backward (0 for ignored rows), or nothing
+// when lse is undefined (inference: no backward to save it for).
 void cross_entropy(const TensorView& logits, const TensorView& labels, const TensorView& loss,
                    const TensorView& lse, const CrossEntropyOptions& options = {},
                    const Stream& stream = {});

@@ -41,7 +41,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
       const T* next = row(i + 1 < end ? i + 1 : i);  // the last row reads itself (unused)
       if (y == o.ignore_index) {
         if (i + 1 < end) st = row_max(next, b.vocab, m);
-        lse[g] = 0;
+        if (lse) lse[g] = 0;
         row_loss[g] = 0;
         continue;
       }
@@ -62,7 +62,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
       double loss = (1 - eps) * nll;
       if (eps != 0) loss += eps * (double(l) - double(cur.sum_v) / classes);
       if (z != 0) loss += z * double(l) * double(l);
-      lse[g] = l;
+      if (lse) lse[g] = l;
       row_loss[g] = loss;
     }
   }

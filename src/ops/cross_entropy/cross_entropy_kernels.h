@@ -98,8 +98,8 @@ CrossEntropyBackwardFn cross_entropy_backward;
 // The cpu row-block kernels behind the two above (OpenMP over the block's rows, vectorised over
 // the vocabulary). Labels must have passed check_labels. Neither reads an ignored row's logits.
 //
-// Forward: writes lse[g] and row_loss[g] (the unreduced loss_i of cross_entropy.h in double; 0
-// and lse 0 for ignored rows) for every global row g of the block.
+// Forward: writes lse[g] (unless lse is null) and row_loss[g] (the unreduced loss_i of
+// cross_entropy.h in double; 0 and lse 0 for ignored rows) for every global row g of the block.
 void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
                                 void* lse, double* row_loss, const CrossEntropyOptions& options);
 // Backward: writes the block's grad_logits from its logits, labels and saved lse (zero rows for

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     const std::int64_t g = row_begin + i, y = labels[g];
     if (y == c.ignore_index) {
       if (threadIdx.x == 0 && !(status && status->bad)) {
-        lse[g] = 0;
+        if (lse) lse[g] = 0;
         row_loss[g] = 0;
       }
       continue;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
       double loss = (1 - c.eps) * nll;
       if (c.eps != 0) loss += c.eps * (double(l) - double(st.sum_x * c.m) / double(c.classes));
       if (c.z != 0) loss += c.z * double(l) * double(l);
-      lse[g] = l;
+      if (lse) lse[g] = l;
       row_loss[g] = loss;
     }
   }

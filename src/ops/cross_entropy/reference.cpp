@@ -46,7 +46,7 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
       for (std::int64_t i = 0; i < s.rows; ++i) {
         const std::int64_t y = label_at<L>(labels, i);
         if (y == o.ignore_index) {
-          static_cast<lse_t<T>*>(lse)[i] = 0;
+          if (lse) static_cast<lse_t<T>*>(lse)[i] = 0;
           continue;
         }
         const T* x = static_cast<const T*>(logits) + row_offset(i, s.vocab);
@@ -62,7 +62,7 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
         if (eps != 0) li += eps * (l - mean_v);
         if (o.z_loss_scale != 0) li += o.z_loss_scale * l * l;
         row_loss[i] = li;
-        static_cast<lse_t<T>*>(lse)[i] = static_cast<lse_t<T>>(l);
+        if (lse) static_cast<lse_t<T>*>(lse)[i] = static_cast<lse_t<T>>(l);
       }
     });
   });
