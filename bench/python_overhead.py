@@ -61,6 +61,7 @@ def breakdown(rows, hidden, dtype, device, calls, cuda):
     x = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype)
     w = torch.randn(hidden, generator=g).to(device=device, dtype=dtype)
     y = mt._empty_like(x)
+    x0, y0 = x[:0], y[:0]  # no rows: everything but the kernel's launch
     stream = mt._stream(x)
     d = mt._d
     v1 = (1, 0)  # the versioned capsule nanobind asks a writable array's __dlpack__ for
@@ -72,6 +73,9 @@ def breakdown(rows, hidden, dtype, device, calls, cuda):
         ("DLPack export (3 tensors)", lambda: (d(x), d(w), d(y))),
         ("export + extension call", lambda: C.rmsnorm(d(x), d(w), d(y), None, 1e-5,
                                                       stream=stream)),
+        ("the same on 0 rows (no launch)", lambda: C.rmsnorm(d(x0), d(w), d(y0), None, 1e-5,
+                                                             stream=stream)),
+        ("torch: one launch (y.zero_())", lambda: y.zero_()),
         ("Tensor.__dlpack__ (3 tensors)", lambda: (x.__dlpack__(max_version=v1),
                                                    w.__dlpack__(max_version=v1),
                                                    y.__dlpack__(max_version=v1))),
