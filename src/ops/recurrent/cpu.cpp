@@ -2,8 +2,8 @@
 // take them in static chunks, head-major, so a thread widens each head's weights to fp32 once
 // (16 KiB at H = 64, in L1/L2 for the whole sequence) and carries the states in fp32 buffers. The
 // forward runs a head's sequences kGroup at a time in lockstep, so that a step's products are one
-// matrix product whose weight loads serve several rows (add_mat_mat); a step reads its input rows
-// and writes its output rows from memory.
+// matrix product whose weight loads serve several rows (add_mat_mat; the rnn's summed in double
+// for f32, see rnn_forward_t); a step reads its input rows and writes its output rows from memory.
 //
 // Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
 // The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
