@@ -47,7 +47,8 @@ def _d(t):
     # nanobind calling Tensor.__dlpack__ (Python, with its checks) costs ~7 us, for each argument
     # of every call (bench/python_overhead.py). No stream synchronisation either way (the kernels
     # run on the current stream, which _stream passes); the kernels record no autograd history,
-    # so a tensor that requires grad goes as it is.
+    # so a tensor that requires grad goes as it is. The eager path's calls pass their arguments by
+    # position: nanobind's keyword matching took ~0.9 us of a ~5 us call on the GPU machine.
     return _to_dlpack(t) if isinstance(t, Tensor) else t  # None, or another DLPack array
 
 
@@ -105,7 +106,7 @@ def _none_if_empty(t):
 def swiglu_forward(gate, up):
     """The raw kernel of :func:`swiglu`: returns ``up * silu(gate)``."""
     out = _empty_like(gate)
-    _C.swiglu(_d(gate), _d(up), _d(out), stream=_stream(gate))
+    _C.swiglu(_d(gate), _d(up), _d(out), _stream(gate))
     return out
 
 
@@ -177,7 +178,7 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=Tru
     y = _empty_like(x)
     rstd = torch.empty(_rows(x), dtype=torch.float32, device=x.device) if save_rstd else None
     if residual is None and multiplier == 1.0:
-        _C.rmsnorm(_d(x), _d(weight), _d(y), _d(rstd), eps, stream=_stream(x))
+        _C.rmsnorm(_d(x), _d(weight), _d(y), _d(rstd), eps, _stream(x))
         return y, None, rstd
     r = None if residual is None else torch.empty_like(y)
     _C.fused_residual_add_rmsnorm(_d(x), _d(residual), _d(weight), _d(y), _d(r), _d(rstd), eps,
@@ -299,7 +300,7 @@ def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.
 def softmax_forward(x, logits_multiplier=1.0):
     """The raw kernel of :func:`softmax`."""
     y = _empty_like(x)
-    _C.softmax(_d(x), _d(y), logits_multiplier=logits_multiplier, stream=_stream(x))
+    _C.softmax(_d(x), _d(y), logits_multiplier, _stream(x))
     return y
 
 
@@ -377,10 +378,9 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     if save_lse:
         lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
         lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
-    _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index=ignore_index,
-                     reduction=reduction, label_smoothing=label_smoothing,
-                     logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
-                     vocab_start=vocab_start, vocab_size=vocab_size, stream=_stream(logits))
+    _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index, reduction,
+                     label_smoothing, logits_multiplier, z_loss_scale, vocab_start, vocab_size,
+                     _stream(logits))
     return loss, lse
 
 
