@@ -39,7 +39,8 @@ def _stream(t):
     # The current stream's cudaStream_t, as torch.compile's generated code reads it (no Stream
     # object made per call). Called inside the custom ops only, so torch.compile never traces it
     # (dynamo's torch.Stream has no cuda_stream).
-    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0  # no device object
+    # get_device(): the index without a torch.device object.
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0
 
 
 def _d(t):
@@ -74,7 +75,7 @@ def _untraced(*tensors):
         return False
     grad = _grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or grad and t.requires_grad):
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
             return False
     return True
 
@@ -182,7 +183,7 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=Tru
         return y, None, rstd
     r = None if residual is None else torch.empty_like(y)
     _C.fused_residual_add_rmsnorm(_d(x), _d(residual), _d(weight), _d(y), _d(r), _d(rstd), eps,
-                                  multiplier=multiplier, stream=_stream(x))
+                                  multiplier, _stream(x))
     return y, r, rstd
 
 

@@ -389,11 +389,12 @@ void bind_ops(nb::module_& m) {
                   ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                              z_loss_scale, vocab_start, vocab_size),
                   stream_on(device_of(logits), stream));
-  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100, "reduction"_a = "mean",
-     "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
-     "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
+     "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+     "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
      "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
-     "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h).");
+     "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h). lse None: not written "
+     "(inference; the backward needs it)."),
   m.def("cross_entropy_backward", [](In grad_loss, In logits, In labels, In lse, Out grad_logits,
                                      std::int64_t ignore_index, const std::string& reduction,
                                      double label_smoothing, double logits_multiplier,

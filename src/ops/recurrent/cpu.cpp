@@ -1,9 +1,10 @@
 // CPU RNN and GRU. The recurrences of the (sequence, head) pairs are independent: OpenMP threads
-// take them in static chunks, head-major, so a thread widens each head's weights to fp32 once
-// (16 KiB at H = 64, in L1/L2 for the whole sequence) and carries the states in fp32 buffers. The
-// forward runs a head's sequences kGroup at a time in lockstep, so that a step's products are one
-// matrix product whose weight loads serve several rows (add_mat_mat; the rnn's summed in double
-// for f32, see rnn_forward_t); a step reads its input rows and writes its output rows from memory.
+// take them in static chunks, head-major, so a thread widens each head's weights once (to fp32, 16
+// KiB at H = 64, or to double for the f32 rnn's forward; in L1/L2 for the whole sequence) and
+// carries the states in fp32 buffers. The forward runs a head's sequences kGroup at a time in
+// lockstep, so that a step's products are one matrix product whose weight loads serve several
+// rows (add_mat_mat; the rnn's summed in double for f32, see rnn_forward_t); a step reads its
+// input rows and writes its output rows from memory.
 //
 // Backward: a pair walks its sequence in reverse, recomputing the gates from the stored outputs.
 // The weight gradient of a pair is a sum of outer products u_t^T da_t over its steps, taken kSteps
@@ -205,7 +206,7 @@ const T* input_row(const RecurrentShape& s, const Operands<T, kPairs>& op, int k
   return op.input[k] + (row * heads + source_head(s, heads, n)) * s.head_dim;
 }
 
-// A thread's fp32 copies of the current head's weights (with their transposes for the
+// A thread's copies of the current head's weights in W (with their transposes for the
 // backward, whose products with W^T then run as products with a matrix), widened again only when
 // the head changes.
 template <typename T, int kPairs, typename W = acc_t<T>>
