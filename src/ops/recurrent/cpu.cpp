@@ -344,33 +344,28 @@ template <typename T>
 void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
                    T* output, T* final_state) {
   using A = acc_t<T>;
-  using M = A;
   const std::int64_t h = s.head_dim, block = kGroup * h;
-  const auto step = [&](const HeadWeights<T, 3, M>& w, const std::int64_t* rows, std::int64_t count,
-                        std::int64_t n, A* state, M* work) {
-    // v: the state, then the reset state q = state * r, as M.
-    M *f = work, *r = work + block, *v = work + 2 * block, *z = work + 3 * block;
+  const auto step = [&](const HeadWeights<T, 3>& w, const std::int64_t* rows, std::int64_t count,
+                        std::int64_t n, A* state, A* work) {
+    A *f = work, *r = work + block, *q = work + 2 * block, *z = work + 3 * block;
     for (std::int64_t i = 0; i < count; ++i) {
       widen(input_row(s, op, 1, rows[i], n), f + i * h, h);
       widen(input_row(s, op, 2, rows[i], n), r + i * h, h);
       widen(input_row(s, op, 0, rows[i], n), z + i * h, h);
     }
-    widen(state, v, count * h);
-    add_mat_mat(v, w.w(1), f, count, h);
-    add_mat_mat(v, w.w(2), r, count, h);
+    add_mat_mat(state, w.w(1), f, count, h);
+    add_mat_mat(state, w.w(2), r, count, h);
 #pragma omp simd
     for (std::int64_t j = 0; j < count * h; ++j) {
-      f[j] = sigmoid(A(f[j]));
-      v[j] = state[j] * sigmoid(A(r[j]));
+      f[j] = sigmoid(f[j]);
+      q[j] = state[j] * sigmoid(r[j]);
     }
-    add_mat_mat(v, w.w(0), z, count, h);
+    add_mat_mat(q, w.w(0), z, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < count * h; ++j) {
-      const A fj = A(f[j]);
-      state[j] = fj * state[j] + (A(1) - fj) * vtanh(A(z[j]));
-    }
+    for (std::int64_t j = 0; j < count * h; ++j)
+      state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
   };
-  forward_pairs<T, M, 3, 4>(s, op, input_state, output, final_state, step);
+  forward_pairs<T, A, 3, 4>(s, op, input_state, output, final_state, step);
 }
 
 // --- backward ----------------------------------------------------------------------------------
