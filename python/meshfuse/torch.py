@@ -363,6 +363,11 @@ def _loss_shape(n, reduction):
     return (n,) if reduction == "none" else ()
 
 
+def _lse_dtype(dtype):
+    # As detail::lse_dtype in C++: f32 for 16-bit logits, f64 for f32 and f64 ones.
+    return torch.float32 if dtype in _SIXTEEN_BIT else torch.float64
+
+
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                           loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True):
@@ -375,10 +380,8 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     n = logits.shape[0]
     loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
                        device=logits.device)
-    lse = None
-    if save_lse:
-        lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
-        lse = torch.empty((n,), dtype=lse_dtype, device=logits.device)
+    lse = torch.empty((n,), dtype=_lse_dtype(logits.dtype), device=logits.device) \
+        if save_lse else None
     _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index, reduction,
                      label_smoothing, logits_multiplier, z_loss_scale, vocab_start, vocab_size,
                      _stream(logits))
@@ -413,9 +416,8 @@ def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction:
 def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
       z_loss_scale, loss_dtype):
     n = logits.shape[0]
-    lse_dtype = torch.float32 if logits.dtype in _SIXTEEN_BIT else torch.float64
     return (logits.new_empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype),
-            logits.new_empty((n,), dtype=lse_dtype))
+            logits.new_empty((n,), dtype=_lse_dtype(logits.dtype)))
 
 
 @torch.library.custom_op("meshfuse::cross_entropy_backward", mutates_args=())
