@@ -49,7 +49,7 @@ def _d(t):
     # of every call (bench/python_overhead.py). No stream synchronisation either way (the kernels
     # run on the current stream, which _stream passes); the kernels record no autograd history,
     # so a tensor that requires grad goes as it is. The eager path's calls pass their arguments by
-    # position: nanobind's keyword matching took ~0.9 us of a ~5 us call on the GPU machine.
+    # position: nanobind's keyword matching costs a noticeable part of a call (docs/PYTHON.md).
     return _to_dlpack(t) if isinstance(t, Tensor) else t  # None, or another DLPack array
 
 
@@ -69,7 +69,7 @@ def _untraced(*tensors):
     # Tracers that see plain tensors record only what goes through the dispatcher, so the raw
     # kernel's result would be a constant in their graph: torch.jit.trace, and the dispatch or
     # function modes that make_fx (real mode), FX proxies and other interposers push. These checks
-    # cost ~0.4 us (a loop: a generator expression took twice that).
+    # cost ~0.4 us (a loop: a generator expression cost twice as much).
     if _is_compiling() or _jit_tracing() or _dispatch_modes() or _function_modes() or \
             _functorch_transforms():
         return False

@@ -314,10 +314,9 @@ void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const
 }
 
 // h = tanh(h @ W + x). The pre-activation h @ W + x is summed in once_t (double for f32: exact
-// products, one rounding), so that a step adds little error to the state but tanh's: in fp32 the
-// f32 final state measured 1.5x PyTorch's error, in double 0.5x (bench/numerics.py), for 10-30% of
-// the f32 forward's time (the fp32 states and tanh stay; all of it in double, with a scalar tanh,
-// took 3.5x).
+// products, one rounding), so that a step adds little error to the state but tanh's; the fp32
+// sums left the f32 final state less accurate than PyTorch's. The states and tanh stay fp32 (all
+// in double needs a scalar tanh, far slower). Figures: docs/kernels/recurrent.md.
 template <typename T>
 void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* input_state,
                    T* output, T* final_state) {
@@ -338,8 +337,8 @@ void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* i
 
 // f = sigmoid(h @ W_f + x_f), r = sigmoid(h @ W_r + x_r), z = tanh((h * r) @ W + x),
 // h = f * h + (1 - f) * z. The products stay in fp32: the GRU's error is its activations' (its
-// convex update damps the rest), and double pre-activations left the f32 error at PyTorch's for a
-// third more time.
+// convex update damps the rest), and double pre-activations did not lower it
+// (docs/kernels/recurrent.md).
 template <typename T>
 void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
                    T* output, T* final_state) {
