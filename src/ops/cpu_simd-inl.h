@@ -209,22 +209,61 @@ HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
   }
 }
 
-#if MESHFUSE_HWY_SCALEF
-// AVX512-BF16 (Cooper Lake, Zen 4) rounds 32 floats to bf16 in one vcvtne2ps2bf16, as to_bfloat16
-// does, except that it flushes subnormal inputs: 32 floats holding one take to_bfloat16. Highway
-// 1.0.3's AVX-512 target lacks AVX512-BF16, so this function alone is compiled for it and called
-// where the CPU has it (HasAvx512Bf16): ToBf16Line in its place made the bf16 forwards of rmsnorm,
-// swiglu and softmax 1.3-1.5x slower (docs/kernels/cpu_simd.md). n is a multiple of 32.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) HWY_NOINLINE inline void
-ToBf16Avx512Bf16(const float* in, bfloat16* out, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; i += 32) {
-    const __m512 lo = _mm512_loadu_ps(in + i), hi = _mm512_loadu_ps(in + i + 16);
-    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
-      for (int k = 0; k < 32; ++k) out[i + k] = to_bfloat16(in[i + k]);
+// Stores whole 64-byte lines of T at dst + head, dst + head + kLine, ... up to len from the
+// values buf[head ..] (dst + head 64-byte aligned), each line converted in registers or through
+// one line of L1 and stored with an ordinary or a streaming store; the line after each is
+// prefetched from the `next` rows. Returns the first element not stored.
+template <typename T>
+HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t head, std::int64_t len,
+                                   bool stream, const Prefetch<T>& prefetch) {
+  constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
+  HWY_ALIGN T conv[kLine];
+  std::int64_t i = head;
+  for (; i + kLine <= len; i += kLine) {
+    if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
+    if constexpr (std::is_same_v<T, acc_t<T>>) {
+      StoreLine(reinterpret_cast<char*>(dst + i), buf + i, stream);
+      continue;
+    } else if constexpr (std::is_same_v<T, bfloat16>) {
+      ToBf16Line(buf + i, conv);
     } else {
-      _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
+#pragma omp simd
+#endif
+      for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
     }
+    StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
   }
+  return i;
+}
+
+#if MESHFUSE_HWY_SCALEF
+// StoreLines for bf16 on a CPU with AVX512-BF16 (Cooper Lake, Zen 4): vcvtne2ps2bf16 rounds 32
+// floats in one instruction as to_bfloat16 does, except that it flushes subnormal inputs, so a line
+// holding one takes ToBf16Line. Highway 1.0.3's AVX-512 target lacks AVX512-BF16: this function
+// alone is compiled with it, and called where the CPU has it (HasAvx512Bf16). Converting a block
+// here and copying its lines out afterwards made the bf16 forwards 1.1-1.5x slower than the
+// conversion in registers straight to the output (docs/kernels/cpu_simd.md).
+__attribute__((target(HWY_TARGET_STR ",avx512bf16"))) HWY_NOINLINE inline std::int64_t
+StoreLinesAvx512Bf16(bfloat16* dst, const float* buf, std::int64_t head, std::int64_t len,
+                     bool stream, const Prefetch<bfloat16>& prefetch) {
+  HWY_ALIGN bfloat16 conv[32];
+  std::int64_t i = head;
+  for (; i + 32 <= len; i += 32) {
+    if (i + 32 < len) prefetch((i + 32) * 2);
+    const __m512 lo = _mm512_loadu_ps(buf + i), hi = _mm512_loadu_ps(buf + i + 16);
+    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
+      ToBf16Line(buf + i, conv);
+      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
+      continue;
+    }
+    const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    if (stream)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), v);
+    else
+      _mm512_storeu_si512(dst + i, v);
+  }
+  return i;
 }
 inline bool HasAvx512Bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -247,10 +286,7 @@ void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
                      PrefetchTo level = PrefetchTo::L1) {
   using A = acc_t<T>;
   constexpr std::int64_t kBlock = kStreamOutBlock;
-  constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
   HWY_ALIGN A buf[kBlock];
-  HWY_ALIGN T conv[kLine];
-  HWY_ALIGN T lines[std::is_same_v<T, bfloat16> ? kBlock : 1];  // bf16 by AVX512-BF16
   for (std::int64_t c0 = 0; c0 < n; c0 += kBlock) {
     const std::int64_t len = std::min(kBlock, n - c0);
     fill(c0, len, buf);
@@ -261,32 +297,14 @@ void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
         len, std::int64_t(-reinterpret_cast<std::intptr_t>(dst) & 63) / std::int64_t{sizeof(T)});
     for (std::int64_t i = 0; i < head; ++i) dst[i] = store_as<T>(buf[i]);
     prefetch(0);
-    [[maybe_unused]] bool block_converted = false;  // the whole lines' bf16 already in `lines`
+    std::int64_t i;
 #if MESHFUSE_HWY_SCALEF
-    if constexpr (std::is_same_v<T, bfloat16>) {
-      if (HasAvx512Bf16()) {
-        ToBf16Avx512Bf16(buf + head, lines + head, (len - head) / kLine * kLine);
-        block_converted = true;
-      }
-    }
+    if constexpr (std::is_same_v<T, bfloat16>)
+      i = HasAvx512Bf16() ? StoreLinesAvx512Bf16(dst, buf, head, len, stream, prefetch)
+                          : StoreLines(dst, buf, head, len, stream, prefetch);
+    else
 #endif
-    std::int64_t i = head;
-    for (; i + kLine <= len; i += kLine) {
-      if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
-      if constexpr (std::is_same_v<T, bfloat16>) {
-        if (block_converted) {
-          StoreLine(reinterpret_cast<char*>(dst + i), lines + i, stream);
-          continue;
-        }
-        ToBf16Line(buf + i, conv);
-      } else {
-#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
-#pragma omp simd
-#endif
-        for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
-      }
-      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
-    }
+      i = StoreLines(dst, buf, head, len, stream, prefetch);
     for (; i < len; ++i) dst[i] = store_as<T>(buf[i]);
   }
 }
