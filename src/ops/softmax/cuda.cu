@@ -437,17 +437,34 @@ Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
   return {};
 }
 
-// Lets `kernel` take the plan's dynamic shared memory (past 48 KB it must be allowed first): once
-// per device and kernel, all that the device allows (the attribute caps what a launch may ask
-// for; each launch still gets its plan's bytes).
-template <typename Kernel>
-void allow_shared(Kernel* kernel, const Plan& plan, std::string_view op) {
-  if (plan.shared_bytes == 0) return;
-  remembered(reinterpret_cast<const void*>(kernel), [&] {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(limits(kernel).shared_bytes)),
-          op);
-    return true;
+// A launch of a row-resident kernel: its plan and how many of its clusters the GPU holds at a
+// time (0 when the plan is 0).
+struct Launch {
+  Plan plan;
+  std::int64_t resident_clusters = 0;
+};
+
+// make_plan()'s plan for `kernel` on rows of nv vectors, worked out once per device, kernel and nv:
+// the plan's limits, the shared-memory allowance and the occupancy are driver queries, each about
+// a launch's host time, and a small softmax's call is mostly host time. The kernel is allowed all
+// the dynamic shared memory the device has (past 48 KB it must be allowed first; each launch still
+// asks for its plan's bytes only).
+template <typename Kernel, typename MakePlan>
+Launch launch_for(Kernel* kernel, std::int64_t nv, std::string_view op, MakePlan&& make_plan) {
+  return remembered(std::pair{reinterpret_cast<const void*>(kernel), nv}, [&] {
+    Launch l{make_plan()};
+    if (l.plan.cluster == 0) return l;
+    if (l.plan.shared_bytes > 0)
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(limits(kernel).shared_bytes)),
+            op);
+    int blocks = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, l.plan.threads,
+                                                        l.plan.shared_bytes),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    l.resident_clusters =
+        std::max<std::int64_t>(1, std::int64_t{sm_count()} * blocks / l.plan.cluster);
+    return l;
   });
 }
 
@@ -456,7 +473,6 @@ template <typename... P, typename... Args>
 void launch_resident(void (*kernel)(P...), const Plan& plan, std::int64_t rows,
                      std::int64_t rows_per_cluster, const Stream& stream, std::string_view op,
                      Args... args) {
-  allow_shared(kernel, plan, op);
   cudaLaunchConfig_t config{};
   const std::int64_t clusters = (rows + rows_per_cluster - 1) / rows_per_cluster;
   config.gridDim = dim3(row_blocks(std::min<std::int64_t>(clusters, std::int64_t{1} << 27)) *
@@ -490,34 +506,23 @@ Plan plan_registers(Kernel* kernel, std::int64_t nv) {
   return {};
 }
 
-// kForwardRows once every cluster the GPU holds at a time gets that many rows; fewer for smaller
-// batches, which need all the clusters they can have.
-template <typename T>
-std::int64_t forward_rows_per_cluster(const Plan& plan, std::int64_t rows) {
-  allow_shared(forward_resident_kernel<T>, plan, "softmax");  // else the occupancy is 0
-  const int blocks = remembered(std::pair{plan.threads, plan.shared_bytes}, [&] {
-    int n = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, forward_resident_kernel<T>,
-                                                        plan.threads, plan.shared_bytes),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return n;
-  });
-  const std::int64_t resident =
-      std::max<std::int64_t>(1, std::int64_t{sm_count()} * blocks / plan.cluster);
-  return std::clamp<std::int64_t>(rows / resident, 1, kForwardRows);
-}
-
 template <typename T>
 void forward(const SoftmaxShape& s, const T* x, T* y, double multiplier, const Stream& stream) {
   using A = acc_t<T>;
   const A scale = static_cast<A>(units_scale<T>(multiplier));
   const int w = vector_width<T>(s.cols, {x, y});
   if (w > 1) {
-    const Plan plan = plan_resident(forward_resident_kernel<T>, s.cols / w, 1);
-    if (plan.cluster > 0)
-      return launch_resident(forward_resident_kernel<T>, plan, s.rows,
-                             forward_rows_per_cluster<T>(plan, s.rows), stream, "softmax", x, y,
-                             s.rows, s.cols, plan.cluster, scale);
+    const auto kernel = forward_resident_kernel<T>;
+    const std::int64_t nv = s.cols / w;
+    const Launch l =
+        launch_for(kernel, nv, "softmax", [&] { return plan_resident(kernel, nv, 1); });
+    // kForwardRows rows per cluster once every cluster the GPU holds at a time gets that many;
+    // fewer for smaller batches, which need all the clusters they can have.
+    if (l.plan.cluster > 0)
+      return launch_resident(
+          kernel, l.plan, s.rows,
+          std::clamp<std::int64_t>(s.rows / l.resident_clusters, 1, kForwardRows), stream,
+          "softmax", x, y, s.rows, s.cols, l.plan.cluster, scale);
   }
   const auto launch = [&](auto kernel, int width) {
     kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
@@ -537,14 +542,17 @@ void backward(const SoftmaxShape& s, const T* dy, const T* y, T* dx, double mult
   const int w = vector_width<T>(s.cols, {dy, y, dx});
   if (w > 1) {
     const auto registers = backward_registers_kernel<T, kRegistersPer>;
-    Plan plan = plan_registers(registers, s.cols / w);
-    if (plan.cluster > 0)
-      return launch_resident(registers, plan, s.rows, 1, stream, "softmax_backward", dy, y, dx,
-                             s.rows, s.cols, plan.cluster, m);
-    plan = plan_resident(backward_resident_kernel<T>, s.cols / w, 2);
-    if (plan.cluster > 0)
-      return launch_resident(backward_resident_kernel<T>, plan, s.rows, 1, stream,
-                             "softmax_backward", dy, y, dx, s.rows, s.cols, plan.cluster, m);
+    const auto resident = backward_resident_kernel<T>;
+    const std::int64_t nv = s.cols / w;
+    const std::string_view op = "softmax_backward";
+    Launch l = launch_for(registers, nv, op, [&] { return plan_registers(registers, nv); });
+    if (l.plan.cluster > 0)
+      return launch_resident(registers, l.plan, s.rows, 1, stream, op, dy, y, dx, s.rows, s.cols,
+                             l.plan.cluster, m);
+    l = launch_for(resident, nv, op, [&] { return plan_resident(resident, nv, 2); });
+    if (l.plan.cluster > 0)
+      return launch_resident(resident, l.plan, s.rows, 1, stream, op, dy, y, dx, s.rows, s.cols,
+                             l.plan.cluster, m);
   }
   const auto launch = [&](auto kernel, int width) {
     kernel<<<row_blocks(s.rows), row_threads(s.cols / width, kU), 0, native(stream)>>>(
