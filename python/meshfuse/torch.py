@@ -95,7 +95,7 @@ def _empty_like(x):
     # and empty_like of a contiguous tensor is contiguous without it.
     if x.is_contiguous():
         return torch.empty_like(x)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _empty_like(x)
 
 
 # A custom op returns tensors, never None: an output not computed is _nothing(), a (0,) tensor.
@@ -622,9 +622,9 @@ def rnn_backward(grad_output, grad_final_state, output, input_shape, weight, inp
     """Returns (grad_input, grad_weight, grad_input_state or None); the upstream gradients may be
     None (zeros). input_shape: the forward input's shape (the kernel needs only the outputs)."""
     grad_input = output.new_empty(input_shape)
-    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    grad_weight = _empty_like(weight)
     grad_input_state = (None if input_state is None or not need_input_state_grad
-                        else torch.empty_like(input_state, memory_format=torch.contiguous_format))
+                        else _empty_like(input_state))
     _C.rnn_backward(_d(grad_output), _d(grad_final_state), _d(output), _d(weight),
                     _d(input_state), _d(grad_input), _d(grad_weight), _d(grad_input_state),
                     gradient_clipping=gradient_clipping, cu_seqlens=_d(cu_seqlens),
@@ -653,9 +653,9 @@ def gru_backward(grad_output, grad_final_state, output, input, weight, forget_in
     """Returns the gradients of (input, weight, forget_input, forget_weight, reset_input,
     reset_weight, input_state or None); the upstream gradients may be None (zeros)."""
     params = [input, weight, forget_input, forget_weight, reset_input, reset_weight]
-    grads = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+    grads = [_empty_like(p) for p in params]
     grad_input_state = (None if input_state is None or not need_input_state_grad
-                        else torch.empty_like(input_state, memory_format=torch.contiguous_format))
+                        else _empty_like(input_state))
     _C.gru_backward(_d(grad_output), _d(grad_final_state), _d(output), *[_d(p) for p in params],
                     _d(input_state), *[_d(g) for g in grads], _d(grad_input_state),
                     gradient_clipping=gradient_clipping, cu_seqlens=_d(cu_seqlens),

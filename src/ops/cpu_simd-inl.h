@@ -190,9 +190,9 @@ HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {
 }
 
 // 32 floats (one 64-byte line of bf16) as bf16, rounded as to_bfloat16: to nearest even, NaN
-// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which the hand-written AVX-512 code
-// used, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per vector of
-// floats and a narrowing.
+// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which StoreLinesAvx512Bf16 uses where
+// the CPU has it, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per
+// vector of floats and a narrowing.
 HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
   const hn::CappedTag<float, 32> d;
   const hn::RebindToUnsigned<decltype(d)> du;
@@ -209,13 +209,52 @@ HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
   }
 }
 
+#if MESHFUSE_HWY_SCALEF
+// StoreLines (below) for bf16 on a CPU with AVX512-BF16 (Cooper Lake, Zen 4): vcvtne2ps2bf16
+// rounds 32 floats in one instruction as to_bfloat16 does, except that it flushes subnormal inputs,
+// so a line holding one takes ToBf16Line. Highway 1.0.3's AVX-512 target lacks AVX512-BF16: this
+// function alone is compiled with it, and called where the CPU has it (HasAvx512Bf16). Converting
+// a whole block first and copying its lines out afterwards made the bf16 forwards 1.1-1.5x slower
+// than this conversion in registers straight to the output (docs/kernels/cpu_simd.md).
+__attribute__((target(HWY_TARGET_STR ",avx512bf16"))) HWY_NOINLINE inline std::int64_t
+StoreLinesAvx512Bf16(bfloat16* dst, const float* buf, std::int64_t head, std::int64_t len,
+                     bool stream, const Prefetch<bfloat16>& prefetch) {
+  constexpr std::int64_t kLine = 32;  // bf16 per 64-byte line
+  HWY_ALIGN bfloat16 conv[kLine];
+  std::int64_t i = head;
+  for (; i + kLine <= len; i += kLine) {
+    if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(bfloat16)});
+    const __m512 lo = _mm512_loadu_ps(buf + i), hi = _mm512_loadu_ps(buf + i + 16);
+    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
+      ToBf16Line(buf + i, conv);
+      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
+      continue;
+    }
+    const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    if (stream)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), v);
+    else
+      _mm512_storeu_si512(dst + i, v);
+  }
+  return i;
+}
+inline bool HasAvx512Bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
 // Stores whole 64-byte lines of T at dst + head, dst + head + kLine, ... up to len from the
 // values buf[head ..] (dst + head 64-byte aligned), each line converted in registers or through
 // one line of L1 and stored with an ordinary or a streaming store; the line after each is
-// prefetched from the `next` rows. Returns the first element not stored.
+// prefetched through `prefetch`. Returns the first element not stored.
 template <typename T>
 HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t head, std::int64_t len,
                                    bool stream, const Prefetch<T>& prefetch) {
+#if MESHFUSE_HWY_SCALEF
+  if constexpr (std::is_same_v<T, bfloat16>)
+    if (HasAvx512Bf16()) return StoreLinesAvx512Bf16(dst, buf, head, len, stream, prefetch);
+#endif
   constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
   HWY_ALIGN T conv[kLine];
   std::int64_t i = head;
@@ -236,40 +275,6 @@ HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t hea
   }
   return i;
 }
-
-#if MESHFUSE_HWY_SCALEF
-// StoreLines for bf16 on a CPU with AVX512-BF16 (Cooper Lake, Zen 4): vcvtne2ps2bf16 rounds 32
-// floats in one instruction as to_bfloat16 does, except that it flushes subnormal inputs, so a line
-// holding one takes ToBf16Line. Highway 1.0.3's AVX-512 target lacks AVX512-BF16: this function
-// alone is compiled with it, and called where the CPU has it (HasAvx512Bf16). Converting a block
-// here and copying its lines out afterwards made the bf16 forwards 1.1-1.5x slower than the
-// conversion in registers straight to the output (docs/kernels/cpu_simd.md).
-__attribute__((target(HWY_TARGET_STR ",avx512bf16"))) HWY_NOINLINE inline std::int64_t
-StoreLinesAvx512Bf16(bfloat16* dst, const float* buf, std::int64_t head, std::int64_t len,
-                     bool stream, const Prefetch<bfloat16>& prefetch) {
-  HWY_ALIGN bfloat16 conv[32];
-  std::int64_t i = head;
-  for (; i + 32 <= len; i += 32) {
-    if (i + 32 < len) prefetch((i + 32) * 2);
-    const __m512 lo = _mm512_loadu_ps(buf + i), hi = _mm512_loadu_ps(buf + i + 16);
-    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
-      ToBf16Line(buf + i, conv);
-      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
-      continue;
-    }
-    const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-    if (stream)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), v);
-    else
-      _mm512_storeu_si512(dst + i, v);
-  }
-  return i;
-}
-inline bool HasAvx512Bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#endif
 
 // Writes the values f(0) .. f(n - 1) (each an A = acc_t<T>) to out as T, rounded as store_as:
 // blocks of them are computed into an L1 buffer, then converted and stored, whole 64-byte lines
@@ -297,14 +302,7 @@ void StreamOutBlocks(T* out, std::int64_t n, bool stream, Fill&& fill,
         len, std::int64_t(-reinterpret_cast<std::intptr_t>(dst) & 63) / std::int64_t{sizeof(T)});
     for (std::int64_t i = 0; i < head; ++i) dst[i] = store_as<T>(buf[i]);
     prefetch(0);
-    std::int64_t i;
-#if MESHFUSE_HWY_SCALEF
-    if constexpr (std::is_same_v<T, bfloat16>)
-      i = HasAvx512Bf16() ? StoreLinesAvx512Bf16(dst, buf, head, len, stream, prefetch)
-                          : StoreLines(dst, buf, head, len, stream, prefetch);
-    else
-#endif
-      i = StoreLines(dst, buf, head, len, stream, prefetch);
+    std::int64_t i = StoreLines(dst, buf, head, len, stream, prefetch);
     for (; i < len; ++i) dst[i] = store_as<T>(buf[i]);
   }
 }

@@ -16,8 +16,8 @@
 // cp + pairs. The weight gradient sum_t u_t^T da_t is accumulated in the same loop (the da rows
 // are already loaded): each entry belongs to one thread and grows step by step in a fixed order,
 // in shared memory (per-block global memory for the matrices that do not fit: two of the GRU's
-// three at H = 128), and the per-block partials are added per weight head in a fixed order
-// afterwards: bitwise reproducible, no atomics.
+// three at H = 128), in double for f32 (dw_t), and the per-block partials are added per weight head
+// in a fixed order afterwards: bitwise reproducible, no atomics.
 //
 // Shared-memory rows are padded (weights: `wstride` elements, a row of word pairs that puts the
 // lanes of a warp on distinct banks; gradients: `dwstride`); padding holds zeros. What does not

@@ -438,7 +438,7 @@ Plan plan_resident(Kernel* kernel, std::int64_t nv, int arrays) {
 }
 
 // A launch of a row-resident kernel: its plan and how many of its clusters the GPU holds at a
-// time (0 when the plan is 0).
+// time (0 when there is no plan: cluster == 0; only the forward uses it, to spread its rows).
 struct Launch {
   Plan plan;
   std::int64_t resident_clusters = 0;
@@ -469,6 +469,7 @@ Launch launch_for(Kernel* kernel, std::int64_t nv, std::string_view op, MakePlan
 }
 
 // One cluster of `plan.cluster` blocks per `rows_per_cluster` rows (rows beyond the grid loop).
+// The plan comes from launch_for, which has allowed the kernel its shared memory.
 template <typename... P, typename... Args>
 void launch_resident(void (*kernel)(P...), const Plan& plan, std::int64_t rows,
                      std::int64_t rows_per_cluster, const Stream& stream, std::string_view op,
