@@ -16,8 +16,8 @@
 // cp + pairs. The weight gradient sum_t u_t^T da_t is accumulated in the same loop (the da rows
 // are already loaded): each entry belongs to one thread and grows step by step in a fixed order,
 // in shared memory (per-block global memory for the matrices that do not fit: two of the GRU's
-// three at H = 128), in double for f32 (dw_t), and the per-block partials are added per weight head
-// in a fixed order afterwards: bitwise reproducible, no atomics.
+// three at H = 128), and the per-block partials are added per weight head in a fixed order
+// afterwards: bitwise reproducible, no atomics.
 //
 // Shared-memory rows are padded (weights: `wstride` elements, a row of word pairs that puts the
 // lanes of a warp on distinct banks; gradients: `dwstride`); padding holds zeros. What does not
@@ -73,12 +73,6 @@ constexpr int state_buffers(Op op) {
   return 0;
 }
 
-// The weight gradients' accumulators: double for f32, whose fp32 sums over every step of a block
-// left grad_weight less accurate than PyTorch's (bench/numerics.py); float for 16-bit types, whose
-// sums in fp32 are far within their rounding.
-template <typename T>
-using dw_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
-
 // Everything a kernel needs; A is the state type (float, double for f64).
 template <typename T>
 struct Args {
@@ -104,7 +98,7 @@ struct Args {
   const T* grad_final_state;
   T* grad_input[3];          // written directly when the input has all heads, else
   A* grad_input_scratch[3];  // per head, added up later
-  dw_t<T>* dw_partial;       // blocks x weights x HP x HP
+  A* dw_partial;             // blocks x weights x HP x HP
   T* grad_input_state;
   A clip;
 };
@@ -196,8 +190,8 @@ __global__ void pad_weights_kernel(const T* src, T* dst, int h, int hp, int wstr
 template <typename T, int M>
 struct Workspace {
   using A = acc_t<T>;
-  const T* w[M];   // HP x wstride each
-  dw_t<T>* dw[M];  // HP x dwstride[m] each (backward)
+  const T* w[M];  // HP x wstride each
+  A* dw[M];       // HP x dwstride[m] each (backward)
   int dwstride[M];
   A* states;  // buffers x HP x kSeqs
 };
@@ -222,9 +216,9 @@ __device__ Workspace<T, M> make_workspace(const Args<T>& a, unsigned char* smem,
     }
     if (backward) {
       if (m < a.dw_shared) {
-        ws.dw[m] = reinterpret_cast<dw_t<T>*>(smem + a.dw_offset) + m * hp * a.dwstride;
+        ws.dw[m] = reinterpret_cast<A*>(smem + a.dw_offset) + m * hp * a.dwstride;
         ws.dwstride[m] = a.dwstride;
-        for (int i = threadIdx.x; i < hp * a.dwstride; i += kThreads) ws.dw[m][i] = 0;
+        for (int i = threadIdx.x; i < hp * a.dwstride; i += kThreads) ws.dw[m][i] = A(0);
       } else {
         ws.dw[m] = a.dw_partial + (blk * M + m) * hp * hp;  // zeroed by the host
         ws.dwstride[m] = hp;
@@ -265,9 +259,9 @@ __device__ __forceinline__ void vec_mat(const T* const (&w)[M], int wstride, con
 // acc[2 g + e] = sum over m and this lane's column pairs jp (ks, ks + lanes, ...) of
 // d_m[j][g] * W_m[r_e][j] for j = 2 jp, 2 jp + 1 and rows r_0 = cp, r_1 = cp + pairs (d @ W^T).
 // Also dw_m[r_e][j] += sum_g u[r_e][g] * d_m[j][g] (the weight gradient u^T d).
-template <int M, typename T, typename A, typename D>
+template <int M, typename T, typename A>
 __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
-                                          const A* const (&d)[M], D* const (&dw)[M],
+                                          const A* const (&d)[M], A* const (&dw)[M],
                                           const int (&dwstride)[M], const A* u, int pairs, int cp,
                                           int ks, int lanes, A (&acc)[kSeqs * 2]) {
 #pragma unroll
@@ -293,9 +287,9 @@ __device__ __forceinline__ void vec_mat_t(const T* const (&w)[M], int wstride,
         s10 += u1.v[g] * d0.v[g];
         s11 += u1.v[g] * d1.v[g];
       }
-      Pair<D>* q0 = reinterpret_cast<Pair<D>*>(dw[m] + r0 * dwstride[m] + j);
-      Pair<D>* q1 = reinterpret_cast<Pair<D>*>(dw[m] + r1 * dwstride[m] + j);
-      Pair<D> a0 = *q0, a1 = *q1;
+      Pair<A>* q0 = reinterpret_cast<Pair<A>*>(dw[m] + r0 * dwstride[m] + j);
+      Pair<A>* q1 = reinterpret_cast<Pair<A>*>(dw[m] + r1 * dwstride[m] + j);
+      Pair<A> a0 = *q0, a1 = *q1;
       a0.a += s00;
       a0.b += s01;
       a1.a += s10;
@@ -662,7 +656,7 @@ __device__ void finish_backward(const Args<T>& a, const Seqs& seq, int n, const 
     }
   const std::int64_t blk = blockIdx.x;
   for (int m = 0; m < a.dw_shared; ++m) {
-    dw_t<T>* dst = a.dw_partial + (blk * M + m) * hp * hp;
+    acc_t<T>* dst = a.dw_partial + (blk * M + m) * hp * hp;
     for (int i = threadIdx.x; i < hp * hp; i += kThreads)
       dst[i] = ws.dw[m][(i / hp) * a.dwstride + i % hp];
   }
@@ -705,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1) rnn_backward_kernel(const Args<T>
   }
   __syncthreads();
   const A* const das[1] = {da};
-  dw_t<T>* const dws[1] = {ws.dw[0]};
+  A* const dws[1] = {ws.dw[0]};
   constexpr int V = 2 * kSeqs, kOwn = max_owned<kH, V>();
   const Owned own = owned_values<V>(lanes, ks);
 
@@ -817,8 +811,8 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
   const T* const w_fr[2] = {ws.w[1], ws.w[2]};
   const A* const d_z[1] = {da_z};
   const A* const d_fr[2] = {da_f, da_r};
-  dw_t<T>* const dw_z[1] = {ws.dw[0]};
-  dw_t<T>* const dw_fr[2] = {ws.dw[1], ws.dw[2]};
+  A* const dw_z[1] = {ws.dw[0]};
+  A* const dw_fr[2] = {ws.dw[1], ws.dw[2]};
   const int dws_z[1] = {ws.dwstride[0]};
   const int dws_fr[2] = {ws.dwstride[1], ws.dwstride[2]};
   constexpr int kItems = kH ? (kH + 1) / 2 * 2 * kSeqs / kThreads : 1;
@@ -964,18 +958,18 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
 
 // grad_weight[w] = sum over the heads n that read weight head w, then the groups, of the partials.
 template <typename T>
-__global__ void weight_grad_kernel(const dw_t<T>* partial, int mats, int m, int groups, int h,
+__global__ void weight_grad_kernel(const acc_t<T>* partial, int mats, int m, int groups, int h,
                                    int hp, std::int64_t heads, std::int64_t weight_heads, T* out) {
   const std::int64_t total = weight_heads * h * h, per = heads / weight_heads;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t w = i / (h * h);
     const int k = static_cast<int>(i % (h * h)) / h, j = static_cast<int>(i % h);
-    dw_t<T> sum = 0;
+    acc_t<T> sum = 0;
     for (std::int64_t n = w * per; n < (w + 1) * per; ++n)
       for (int grp = 0; grp < groups; ++grp)
         sum += partial[((n * groups + grp) * mats + m) * hp * hp + k * hp + j];
-    out[i] = store<T>(static_cast<acc_t<T>>(sum));
+    out[i] = store<T>(sum);
   }
 }
 
@@ -1059,9 +1053,7 @@ void run(Op op, const char* name, const RecurrentShape& s, Args<T>& a, T* const*
   const int mats = weight_count(op);
   const bool backward = is_backward(op);
   const Device device{DeviceType::CUDA, stream.device.index};
-  using D = dw_t<T>;
   const DType acc_dtype = std::is_same_v<A, double> ? DType::F64 : DType::F32;
-  const DType dw_dtype = std::is_same_v<D, double> ? DType::F64 : DType::F32;
   std::vector<Tensor> scratch;
   auto allocate = [&](std::int64_t count, DType dtype) {
     return scratch.emplace_back(Shape{count}, dtype, device, stream).view().data();
@@ -1094,7 +1086,7 @@ void run(Op op, const char* name, const RecurrentShape& s, Args<T>& a, T* const*
         name);
   const std::size_t states = align16(std::size_t(state_buffers(op)) * hp * kSeqs * sizeof(A));
   const std::size_t weights = align16(std::size_t(mats) * hp * a.wstride * sizeof(T));
-  const std::size_t dw = align16(std::size_t(hp) * dw_padded * sizeof(D));  // one matrix
+  const std::size_t dw = align16(std::size_t(hp) * dw_padded * sizeof(A));  // one matrix
   const std::size_t limit = static_cast<std::size_t>(max_shared) - sizeof(Seqs);
   std::size_t shared = 0;
   a.states_shared = states <= limit;
@@ -1117,13 +1109,13 @@ void run(Op op, const char* name, const RecurrentShape& s, Args<T>& a, T* const*
     }
   }
   if (backward) {
-    a.dw_partial = static_cast<D*>(allocate(blocks * mats * hp * hp, dw_dtype));
+    a.dw_partial = static_cast<A*>(allocate(blocks * mats * hp * hp, acc_dtype));
     a.dw_shared = static_cast<int>(std::min<std::size_t>(mats, (limit - shared) / dw));
     a.dw_offset = static_cast<int>(shared);
     a.dwstride = dw_padded;
     shared += a.dw_shared * dw;
     if (a.dw_shared < mats)
-      check(cudaMemsetAsync(a.dw_partial, 0, blocks * mats * hp * hp * sizeof(D), native(stream)),
+      check(cudaMemsetAsync(a.dw_partial, 0, blocks * mats * hp * hp * sizeof(A), native(stream)),
             name);
   }
   std::int64_t rows = -1;  // token rows, read only when a broadcast input needs a scratch
