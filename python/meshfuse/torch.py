@@ -95,7 +95,7 @@ def _empty_like(x):
     # and empty_like of a contiguous tensor is contiguous without it.
     if x.is_contiguous():
         return torch.empty_like(x)
-    return _empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 # A custom op returns tensors, never None: an output not computed is _nothing(), a (0,) tensor.

@@ -59,6 +59,20 @@ def test_softmax_matches_torch():
     _check(mt.softmax(x, logits_multiplier=0.7), torch.softmax(0.7 * x, -1), (x,))
 
 
+def test_eager_calls_on_non_contiguous_inputs_return_contiguous_results():
+    # The eager path (no autograd) allocates its outputs itself; transposed inputs must give
+    # contiguous outputs with torch's values.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(33, 4, generator=g, dtype=torch.float64).t()
+    up = torch.randn(33, 4, generator=g, dtype=torch.float64).t()
+    assert not x.is_contiguous()
+    for ours, theirs in [(mt.softmax(x), torch.softmax(x, -1)),
+                         (mt.swiglu(x, up), F.silu(x) * up),
+                         (mt.rmsnorm(x, None, eps=1e-6), F.rms_norm(x, (33,), eps=1e-6))]:
+        assert ours.is_contiguous()
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_matches_torch_with_ignore_index_and_smoothing(reduction):
     logits = _leaf(8, 50, seed=9)
