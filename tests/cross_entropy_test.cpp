@@ -718,8 +718,10 @@ TEST_P(CrossEntropyRowKernels, OnChunksEqualTheWholeOpAndRunInPlace) {
   } else {
 #ifdef MESHFUSE_WITH_CUDA
     Tensor row_grad;
+    const Tensor verdict =
+        detail::cuda::check_labels("cross_entropy", shape, on_labels.data_ptr<void>(), o, stream);
     const detail::CrossEntropyUpstream up = detail::cuda::read_upstream(
-        shape, on_dl.data_ptr<void>(), 0, o.reduction, row_grad, stream);
+        shape, on_dl.data_ptr<void>(), verdict, o.reduction, row_grad, stream);
     detail::cuda::cross_entropy_forward_rows(block, chunk.data_ptr<void>(),
                                              on_labels.data_ptr<void>(), lse.data_ptr<void>(),
                                              row_loss.data_ptr<double>(), o, stream);

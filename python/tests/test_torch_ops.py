@@ -146,6 +146,93 @@ def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backe
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
 
+def _training_step(model, x, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(x, labels)
+    loss.backward()
+    return loss
+
+
+@_cuda
+def test_a_training_step_captured_in_a_cuda_graph_replays_on_new_inputs():
+    # Every op, forward and backward, queued into one CUDA graph (the label checks wait for
+    # nothing there): a replay on new inputs gives the eager step's loss and gradients.
+    torch.manual_seed(3)
+    block = _Block().cuda()
+    x = torch.randn(2, 6, 32, device="cuda")
+    labels = torch.randint(0, 50, (2, 6), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        for _ in range(2):
+            _training_step(block, x, labels)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    block.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):  # (detached: no autograd graph outlives the capture)
+        loss = _training_step(block, x, labels).detach()
+    grads = [p.grad for p in block.parameters()]  # the graph's; eager steps below make new ones
+    for seed in (4, 5):
+        torch.manual_seed(seed)
+        new_x = torch.randn(2, 6, 32, device="cuda")
+        new_labels = torch.randint(0, 50, (2, 6), device="cuda")
+        new_labels[1, seed] = -100
+        x.copy_(new_x)
+        labels.copy_(new_labels)
+        graph.replay()
+        replayed = [loss.clone()] + [g.clone() for g in grads]
+        eager = [_training_step(block, new_x, new_labels).detach()] + \
+            [p.grad.clone() for p in block.parameters()]
+        for ours, theirs in zip(replayed, eager):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@_cuda
+def test_compiled_with_cuda_graphs_matches_eager():
+    # torch.compile's "reduce-overhead" mode replays the block's kernels as CUDA graphs.
+    torch.manual_seed(6)
+    block = _Block().cuda()
+    x = torch.randn(2, 6, 32, device="cuda")
+    labels = torch.randint(0, 50, (2, 6), device="cuda")
+    eager = [_training_step(block, x, labels).detach()]
+    eager += [p.grad.clone() for p in block.parameters()]
+    torch._dynamo.reset()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, recording, then replays
+        loss = _training_step(compiled, x, labels)
+    ours = [loss.detach().clone()] + [p.grad.clone() for p in block.parameters()]
+    for a, b in zip(ours, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@_cuda
+def test_a_bad_label_in_a_cuda_graph_stops_the_replay_with_the_error_printed():
+    # A captured check cannot raise from the call: it prints the op's error and traps, as
+    # PyTorch's device-side assert does (the process's CUDA context is lost, hence a subprocess).
+    code = """if True:
+        import torch, meshfuse.torch as mt
+        logits = torch.randn(4, 50, device="cuda")
+        labels = torch.tensor([1, 2, 3, 4], device="cuda")
+        mt.cross_entropy(logits, labels)  # warm-up: first calls set up outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = mt.cross_entropy(logits, labels)
+        graph.replay()
+        print("good replay", torch.equal(loss, mt.cross_entropy(logits, labels)))
+        labels[1] = 99
+        graph.replay()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print("raised", type(e).__name__)
+        """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "good replay True" in out.stdout, out.stdout + out.stderr
+    assert "cross_entropy: labels[1] = 99 is outside [0, 50)" in out.stdout + out.stderr, \
+        out.stdout + out.stderr
+
+
 def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
     # Eager calls without autograd skip the custom op's dispatch (the same kernels, the same
     # result); torch.compile still sees the ops, with no graph break.

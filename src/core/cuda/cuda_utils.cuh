@@ -46,6 +46,15 @@ inline cudaStream_t native(const Stream& stream) {
   return static_cast<cudaStream_t>(stream.native);
 }
 
+// Whether `stream` is being captured into a CUDA graph (torch.cuda.graph, torch.compile's
+// "reduce-overhead"): nothing may then wait on the host for the device, or allocate outside the
+// stream's order.
+inline bool capturing(const Stream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(native(stream), &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // The CUDA element type of a meshfuse element type.
 template <typename T>
 struct CudaType {

@@ -117,21 +117,24 @@ CrossEntropyBackwardFn cross_entropy_backward;
 // The cuda versions of the helpers and row-block kernels above, on device memory and queued on
 // `stream` (labels, lse, row_loss, row_grad, logits and grad_logits are device pointers).
 //
-// check_labels: the same checks and message; the labels are scanned on the device and the only
-// host round trip of the op is here: one 16-byte copy of (first bad row, count) and a wait on
-// the stream, so that the error is raised by the op call itself.
-std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          const CrossEntropyOptions& options, const Stream& stream);
+// check_labels: the same checks and message; one block scans the labels on the device and writes
+// its verdict (first bad row and its label, the count of rows not ignored) into the returned
+// device tensor, which store_loss and read_upstream read for mean. Then the op's only host round
+// trip: a wait for that block alone, so that the error is raised by the op call itself. Under CUDA
+// graph capture (and for no rows) there is no wait: a bad label prints the error and traps the
+// kernel there (the context is lost, as after PyTorch's device-side assert).
+Tensor check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                    const CrossEntropyOptions& options, const Stream& stream);
 // store_loss: row_loss (rows doubles) converted for none; for mean and sum one block sums it in
-// a fixed order, in double.
-void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,
+// a fixed order, in double (mean: over the verdict's count).
+void store_loss(const CrossEntropyShape& s, const double* row_loss, const Tensor& verdict,
                 Reduction reduction, void* loss, const Stream& stream);
-// read_upstream: grad_loss (device, the loss's shape) as a CrossEntropyUpstream whose row_grad
-// (never null here) is row_grad_storage, a device buffer of rows doubles it allocates: grad_loss
-// per row for none, grad_loss broadcast for mean and sum; scale 1, or 1 / count for mean (0 when
-// count is 0).
+// read_upstream: grad_loss (device, the loss's shape) as a CrossEntropyUpstream of scale 1 whose
+// row_grad (never null here) is row_grad_storage, a device buffer of rows doubles it allocates:
+// grad_loss per row for none, grad_loss broadcast for mean and sum, times 1 / the verdict's count
+// for mean (0 when the count is 0).
 CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
-                                   std::int64_t count, Reduction reduction,
+                                   const Tensor& verdict, Reduction reduction,
                                    Tensor& row_grad_storage, const Stream& stream);
 // The row-block kernels: the cpu ones' contract, plus the stream. One block per row; the forward
 // reads a row's logits once, the backward reads them once and writes the gradient (in place

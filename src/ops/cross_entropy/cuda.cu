@@ -10,13 +10,15 @@
 // Labels: a bad label must raise the op's error (naming the row and the value) with nothing
 // written. A one-block check kernel runs first; it writes its verdict (bad row and value, rows not
 // ignored) to device memory, where the row kernels read it and write nothing after a bad label,
-// and to pinned host memory. The row kernels are queued behind it at once, and only then does the
-// host wait, for the check's event alone: the GPU never idles between the kernels, and the call
-// returns (or throws) while the row kernels run. The cost is one small kernel per call and a host
-// wait on the work queued before the op (any op that reports a device-side error from the call
-// itself needs that wait). The backward's check kernel also writes the upstream gradient per row
-// (scaled by 1 / count for mean), so nothing needs the count on the host before the row kernel.
-// Waiting for the check before queuing the row kernels measured clearly slower.
+// the loss reduction reads the count for mean, and to pinned host memory. The row kernels are
+// queued behind it at once, and only then does the host wait, for the check's event alone: the
+// GPU never idles between the kernels, and the call returns (or throws) while the row kernels run.
+// The cost is one small kernel per call and a host wait on the work queued before the op (any op
+// that reports a device-side error from the call itself needs that wait). The backward's check
+// kernel also writes the upstream gradient per row (scaled by 1 / count for mean), so nothing
+// needs the count on the host. Waiting for the check before queuing the row kernels measured
+// clearly slower. Under CUDA graph capture nothing may wait: there the check kernel traps on a
+// bad label after printing the error (PyTorch's device-side assert), and the host never reads it.
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -69,15 +71,29 @@ struct LabelStatus {
   long long bad, row, label, count;
 };
 
+// The op's name where a kernel can print it (check_kernel's trap).
+struct OpName {
+  char text[32] = {};
+  explicit OpName(std::string_view op) { op.copy(text, sizeof(text) - 1); }
+};
+
+// The upstream gradient's factor: 1 / count for mean (0 when count is 0, so that every gradient
+// is zero rather than NaN), else 1.
+__device__ double upstream_scale(bool mean, long long count) {
+  return !mean ? 1.0 : count == 0 ? 0.0 : 1.0 / static_cast<double>(count);
+}
+
 // One block scans the labels (first bad row, rows not ignored: integer results, order free),
-// writes the verdict to `device` and `host`, and, when row_grad is given, the upstream gradient
-// per row: grad_loss[i] (none) or grad_loss[0] (sum), times 1 / count for mean (0 when count is
-// 0), in double as the row kernels take it.
+// writes the verdict to `device` and, unless null, `host`, and, when row_grad is given, the
+// upstream gradient per row: grad_loss[i] (none) or grad_loss[0] (sum), times upstream_scale, in
+// double as the row kernels take it. With `trap` a bad label prints the op's error and traps (the
+// context is then lost, as after PyTorch's device-side assert): for CUDA graphs, where the host
+// cannot wait for the verdict.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     check_kernel(Labels labels, std::int64_t rows, std::int64_t classes, std::int64_t ignore_index,
-                 LabelStatus* device, LabelStatus* host, const T* grad_loss, bool per_row,
-                 bool mean, double* row_grad) {
+                 LabelStatus* device, LabelStatus* host, bool trap, OpName op, const T* grad_loss,
+                 bool per_row, bool mean, double* row_grad) {
   __shared__ long long bad_of[32], count_of[32];
   __shared__ double scale_shared;
   std::int64_t bad = rows;
@@ -106,9 +122,17 @@ __global__ void __launch_bounds__(1024)
     }
     const LabelStatus st{bad < rows, bad < rows ? bad : 0, bad < rows ? labels[bad] : 0, count};
     *device = st;
-    *host = st;
-    __threadfence_system();
-    scale_shared = !mean ? 1.0 : count == 0 ? 0.0 : 1.0 / static_cast<double>(count);
+    if (host) {
+      *host = st;
+      __threadfence_system();
+    }
+    if (trap && st.bad) {
+      printf("%s: labels[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)\n",
+             op.text, st.row, st.label, static_cast<long long>(classes),
+             static_cast<long long>(ignore_index));
+      __trap();
+    }
+    scale_shared = upstream_scale(mean, count);
   }
   if (!row_grad) return;
   __syncthreads();
@@ -230,15 +254,26 @@ __global__ void store_rows_kernel(const double* row_loss, std::int64_t rows, T* 
     loss[i] = store<T>(row_loss[i]);
 }
 
-// One block: each thread sums a fixed stride of rows, then a fixed tree; 0 / 0 = NaN for a mean
-// over no rows, as PyTorch.
+// One block: each thread sums a fixed stride of rows, then a fixed tree; divided by the count of
+// rows not ignored for mean (0 / 0 = NaN for a mean over no rows, as PyTorch).
 template <typename T>
 __global__ void __launch_bounds__(1024)
-    reduce_rows_kernel(const double* row_loss, std::int64_t rows, double divisor, T* loss) {
+    reduce_rows_kernel(const double* row_loss, std::int64_t rows, bool mean,
+                       const LabelStatus* status, T* loss) {
   double sum = 0;
   for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) sum += row_loss[i];
   sum = block_allreduce(sum, 0.0, [](double a, double b) { return a + b; });
-  if (threadIdx.x == 0) loss[0] = store<T>(sum / divisor);
+  if (threadIdx.x == 0) loss[0] = store<T>(mean ? sum / static_cast<double>(status->count) : sum);
+}
+
+// read_upstream's row_grad: grad_loss[i] (none) or grad_loss[0] (mean, sum) times upstream_scale.
+template <typename T>
+__global__ void row_grad_kernel(const T* grad_loss, std::int64_t rows, bool per_row, bool mean,
+                                const LabelStatus* status, double* row_grad) {
+  const double scale = upstream_scale(mean, status->count);
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < rows;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    row_grad[i] = scale * static_cast<double>(load(grad_loss[per_row ? i : 0]));
 }
 
 // Calls f(T{}, W) with the logits' CUDA type and its vector width (or 1).
@@ -275,37 +310,40 @@ HostSide& host_side() {
 }
 
 // A label check queued on the stream (see the file comment); the current device must be the
-// stream's. wait() waits for the check alone, raises the error of a bad label and returns the
-// rows not ignored.
+// stream's. verdict() is the check's LabelStatus on the device. wait() waits for the check alone
+// and raises the error of a bad label; under graph capture (and for no rows) the host neither
+// waits nor reads the verdict: there the kernel traps on a bad label.
 class LabelCheck {
  public:
   LabelCheck(std::string_view op, const CrossEntropyShape& s, const void* labels,
              const CrossEntropyOptions& o, const Stream& stream, const void* grad_loss = nullptr,
              double* row_grad = nullptr)
       : op_(op), classes_(vocab_classes(o, s.vocab)), ignore_index_(o.ignore_index) {
-    if (s.rows == 0) return;
-    HostSide& h = host_side();
-    if (!h.status) {
-      void* p = nullptr;
-      check(cudaHostAlloc(&p, sizeof(LabelStatus), cudaHostAllocMapped | cudaHostAllocPortable),
-            op);
-      h.status = static_cast<LabelStatus*>(p);
+    const bool host_reads = s.rows > 0 && !capturing(stream);
+    if (host_reads) {
+      HostSide& h = host_side();
+      if (!h.status) {
+        void* p = nullptr;
+        check(cudaHostAlloc(&p, sizeof(LabelStatus), cudaHostAllocMapped | cudaHostAllocPortable),
+              op);
+        h.status = static_cast<LabelStatus*>(p);
+      }
+      const auto d = static_cast<std::size_t>(stream.device.index);
+      if (h.events.size() <= d) h.events.resize(d + 1, nullptr);
+      if (!h.events[d]) check(cudaEventCreateWithFlags(&h.events[d], cudaEventDisableTiming), op);
+      host_ = h.status;
+      event_ = h.events[d];
     }
-    const auto d = static_cast<std::size_t>(stream.device.index);
-    if (h.events.size() <= d) h.events.resize(d + 1, nullptr);
-    if (!h.events[d]) check(cudaEventCreateWithFlags(&h.events[d], cudaEventDisableTiming), op);
-    host_ = h.status;
-    event_ = h.events[d];
-    device_ = Tensor({4}, DType::I64, stream.device, stream);
+    verdict_ = Tensor({4}, DType::I64, stream.device, stream);
     dispatch_float(s.loss_dtype, op, [&](auto tag) {  // the grad_loss read by the check
       using T = cuda_t<decltype(tag)>;
       check_kernel<T><<<1, 1024, 0, native(stream)>>>(
           Labels{labels, s.label_dtype == DType::I64}, s.rows, classes_, ignore_index_, device(),
-          host_, static_cast<const T*>(grad_loss), o.reduction == Reduction::None,
-          o.reduction == Reduction::Mean, row_grad);
+          host_, !host_reads, OpName(op), static_cast<const T*>(grad_loss),
+          o.reduction == Reduction::None, o.reduction == Reduction::Mean, row_grad);
     });
     check_launch(op);
-    check(cudaEventRecord(event_, native(stream)), op);
+    if (event_) check(cudaEventRecord(event_, native(stream)), op);
   }
   LabelCheck(const LabelCheck&) = delete;
   LabelCheck& operator=(const LabelCheck&) = delete;
@@ -313,19 +351,18 @@ class LabelCheck {
     if (event_ && !waited_) cudaEventSynchronize(event_);  // the host buffer is free again
   }
 
+  const Tensor& verdict() const { return verdict_; }
   LabelStatus* device() const {
-    return device_.defined() ? reinterpret_cast<LabelStatus*>(device_.data_ptr<std::int64_t>())
-                             : nullptr;
+    return reinterpret_cast<LabelStatus*>(verdict_.data_ptr<std::int64_t>());
   }
 
-  std::int64_t wait() {
-    if (!event_) return 0;
+  void wait() {
+    if (!event_) return;
     waited_ = true;
     check(cudaEventSynchronize(event_), op_);
     // Written by the device: read through volatile, after the event.
     const volatile LabelStatus* st = host_;
     if (st->bad) fail_label(op_, classes_, st->row, st->label, ignore_index_);
-    return st->count;
   }
 
  private:
@@ -333,7 +370,7 @@ class LabelCheck {
   std::int64_t classes_, ignore_index_;
   LabelStatus* host_ = nullptr;
   cudaEvent_t event_ = nullptr;
-  Tensor device_;
+  Tensor verdict_;
   bool waited_ = false;
 };
 
@@ -345,8 +382,8 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
   dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
     using T = decltype(tag);
     constexpr int W = decltype(width)::value;
-    const auto kernel = o.label_smoothing != 0 ? forward_rows_kernel<T, W, true>
-                                               : forward_rows_kernel<T, W, false>;
+    const auto kernel =
+        o.label_smoothing != 0 ? forward_rows_kernel<T, W, true> : forward_rows_kernel<T, W, false>;
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
         b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab),
@@ -379,15 +416,15 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
 
 }  // namespace
 
-std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
-                          const CrossEntropyOptions& o, const Stream& stream) {
-  if (s.rows == 0) return 0;
+Tensor check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                    const CrossEntropyOptions& o, const Stream& stream) {
   DeviceGuard guard(stream.device.index);
   LabelCheck c(op, s, labels, o, stream);
-  return c.wait();
+  c.wait();
+  return c.verdict();
 }
 
-void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t count,
+void store_loss(const CrossEntropyShape& s, const double* row_loss, const Tensor& verdict,
                 Reduction reduction, void* loss, const Stream& stream) {
   DeviceGuard guard(stream.device.index);
   dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
@@ -398,25 +435,31 @@ void store_loss(const CrossEntropyShape& s, const double* row_loss, std::int64_t
         store_rows_kernel<<<grid_size(s.rows, 256), 256, 0, native(stream)>>>(row_loss, s.rows,
                                                                               out);
     } else {
-      const double divisor = reduction == Reduction::Sum ? 1.0 : static_cast<double>(count);
-      reduce_rows_kernel<<<1, 1024, 0, native(stream)>>>(row_loss, s.rows, divisor, out);
+      reduce_rows_kernel<<<1, 1024, 0, native(stream)>>>(
+          row_loss, s.rows, reduction == Reduction::Mean,
+          reinterpret_cast<const LabelStatus*>(verdict.data_ptr<std::int64_t>()), out);
     }
   });
   check_launch("cross_entropy");
 }
 
 CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
-                                   std::int64_t count, Reduction reduction,
+                                   const Tensor& verdict, Reduction reduction,
                                    Tensor& row_grad_storage, const Stream& stream) {
   row_grad_storage = Tensor({s.rows}, DType::F64, stream.device, stream);
-  // Stride 0 broadcasts the scalar of mean and sum to every row.
-  const TensorView grad(const_cast<void*>(grad_loss), s.loss_dtype, {s.rows},
-                        {reduction == Reduction::None ? 1 : 0}, stream.device);
-  meshfuse::copy(grad, row_grad_storage, stream);
-  const double scale = reduction != Reduction::Mean ? 1.0
-                       : count == 0                 ? 0.0
-                                                    : 1.0 / static_cast<double>(count);
-  return {scale, row_grad_storage.data_ptr<double>()};
+  if (s.rows > 0) {
+    DeviceGuard guard(stream.device.index);
+    dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
+      using T = cuda_t<decltype(tag)>;
+      row_grad_kernel<<<grid_size(s.rows, 256), 256, 0, native(stream)>>>(
+          static_cast<const T*>(grad_loss), s.rows, reduction == Reduction::None,
+          reduction == Reduction::Mean,
+          reinterpret_cast<const LabelStatus*>(verdict.data_ptr<std::int64_t>()),
+          row_grad_storage.data_ptr<double>());
+    });
+    check_launch("cross_entropy");
+  }
+  return {1.0, row_grad_storage.data_ptr<double>()};
 }
 
 void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
@@ -440,8 +483,8 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
   LabelCheck check(op, s, labels, o, stream);
   const Tensor row_loss({s.rows}, DType::F64, stream.device, stream);
   forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, check.device(), stream);
-  const std::int64_t count = check.wait();
-  store_loss(s, row_loss.data_ptr<double>(), count, o.reduction, loss, stream);
+  check.wait();
+  store_loss(s, row_loss.data_ptr<double>(), check.verdict(), o.reduction, loss, stream);
 }
 
 void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, const void* logits,

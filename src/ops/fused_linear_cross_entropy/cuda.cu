@@ -29,7 +29,7 @@
 //
 // Determinism: a fixed sequence of kernels with fixed shapes per chunk_rows; cuBLASLt's choice is
 // cached per problem (gemm/cuda.cu); grad_bias sums each column in row order; no atomics. The only
-// host synchronisation is check_labels'.
+// host synchronisation is check_labels' (none under CUDA graph capture).
 #include <algorithm>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -128,7 +128,7 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   const DType dt = s.dtype, at = dtype_of<A>();
   const std::int64_t n = s.rows, h = s.hidden, v = s.vocab;
   const CrossEntropyShape ce{dt, a.loss_dtype, label_dtype, n, v};
-  const std::int64_t count = check_labels(kOp, ce, a.labels, o, stream);
+  const Tensor verdict = check_labels(kOp, ce, a.labels, o, stream);
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
   const std::int64_t chunk = std::min(s.chunk_rows, n);
 
@@ -136,7 +136,7 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
                row_loss = scratch(DType::F64, {n}, stream);
   Tensor row_grad;
   const CrossEntropyUpstream up =
-      grads ? read_upstream(ce, a.grad_loss, count, o.reduction, row_grad, stream)
+      grads ? read_upstream(ce, a.grad_loss, verdict, o.reduction, row_grad, stream)
             : CrossEntropyUpstream{0.0, nullptr};
   Tensor bias32;
   const void* bias = a.bias;
@@ -187,7 +187,7 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   }
 
   if (db) copy(db64, TensorView(a.grad_bias, a.grad_bias_dtype, {v}, stream.device), stream);
-  store_loss(ce, row_loss.defined() ? row_loss.data_ptr<double>() : nullptr, count, o.reduction,
+  store_loss(ce, row_loss.defined() ? row_loss.data_ptr<double>() : nullptr, verdict, o.reduction,
              a.loss, stream);
 }
 
