@@ -189,30 +189,66 @@ HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {
   }
 }
 
-// 32 floats (one 64-byte line of bf16) as bf16, rounded as to_bfloat16: to nearest even, NaN
-// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which StoreLinesAvx512Bf16 uses where
-// the CPU has it, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per
-// vector of floats and a narrowing.
-HWY_INLINE void ToBf16Line(const float* in, bfloat16* out) {
-  const hn::CappedTag<float, 32> d;
-  const hn::RebindToUnsigned<decltype(d)> du;
-  const hn::RebindToSigned<decltype(d)> di;
-  const hn::Rebind<std::uint16_t, decltype(d)> d16;
-  for (std::size_t k = 0; k < 32; k += hn::Lanes(d)) {
-    const auto u = hn::BitCast(du, hn::LoadU(d, in + k));
-    const auto nan = hn::Gt(hn::And(u, hn::Set(du, 0x7fffffffu)), hn::Set(du, 0x7f800000u));
-    const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
-    const auto r = hn::IfThenElse(nan, hn::Or(u, hn::Set(du, 0x400000u)),
-                                  hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)));
-    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, hn::ShiftRight<16>(r))), d16,
-               reinterpret_cast<std::uint16_t*>(out + k));
+// 32 floats as one 64-byte line of 16-bit T at out (64-byte aligned), rounded as store_as<T>,
+// with ordinary or streaming stores. Vector targets convert two vectors of floats into one full
+// vector of T and store it from the register: a line converted into an L1 buffer with half-vector
+// stores and copied out with full-vector loads stalled on store forwarding (each load spans two
+// stores), about half of the AVX2 softmax forward's time. bf16: to nearest even, NaN quietened,
+// subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which StoreLinesAvx512Bf16 uses where the CPU
+// has it, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per vector of
+// floats and a narrowing of two into one. f16 where Highway converts it with instructions.
+template <typename T>
+HWY_INLINE void StoreLine16(const float* in, T* out, bool stream) {
+#if HWY_TARGET == HWY_SCALAR
+  constexpr bool kVector = false;
+#else
+  constexpr bool kVector = std::is_same_v<T, bfloat16> || MESHFUSE_HWY_F16_HARDWARE;
+#endif
+  if constexpr (!kVector) {  // one element at a time into L1, then the line
+    HWY_ALIGN T conv[32];
+    for (std::int64_t k = 0; k < 32; ++k) conv[k] = store_as<T>(in[k]);
+    StoreLine(reinterpret_cast<char*>(out), conv, stream);
+  } else {
+#if HWY_TARGET != HWY_SCALAR
+    // At most 16 floats a vector: each step fills one vector of 2 x Lanes(d) <= 32 elements.
+    const hn::CappedTag<float, 16> d;
+    const hn::Repartition<std::uint16_t, decltype(d)> d16;
+    const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+    auto* bits = reinterpret_cast<std::uint16_t*>(out);
+    for (std::int64_t k = 0; k < 32; k += 2 * lanes) {
+      hn::Vec<decltype(d16)> v;
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        const hn::RebindToUnsigned<decltype(d)> du;
+        // The rounded float's bits, the bf16 in their upper half.
+        const auto rounded = [&](const float* p) {
+          const auto u = hn::BitCast(du, hn::LoadU(d, p));
+          const auto nan = hn::Gt(hn::And(u, hn::Set(du, 0x7fffffffu)), hn::Set(du, 0x7f800000u));
+          const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+          return hn::BitCast(d16, hn::IfThenElse(nan, hn::Or(u, hn::Set(du, 0x400000u)),
+                                                 hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd))));
+        };
+        v = hn::ConcatOdd(d16, rounded(in + k + lanes), rounded(in + k));
+      } else {
+#if MESHFUSE_HWY_F16_HARDWARE
+        const hn::Rebind<hwy::float16_t, decltype(d)> dh;
+        const hn::Twice<decltype(dh)> dh2;
+        v = hn::BitCast(d16, hn::Combine(dh2, hn::DemoteTo(dh, hn::LoadU(d, in + k + lanes)),
+                                         hn::DemoteTo(dh, hn::LoadU(d, in + k))));
+#endif
+      }
+      if (stream)
+        hn::Stream(v, d16, bits + k);
+      else
+        hn::Store(v, d16, bits + k);
+    }
+#endif
   }
 }
 
 #if MESHFUSE_HWY_SCALEF
 // StoreLines (below) for bf16 on a CPU with AVX512-BF16 (Cooper Lake, Zen 4): vcvtne2ps2bf16
 // rounds 32 floats in one instruction as to_bfloat16 does, except that it flushes subnormal inputs,
-// so a line holding one takes ToBf16Line. Highway 1.0.3's AVX-512 target lacks AVX512-BF16: this
+// so a line holding one takes StoreLine16. Highway 1.0.3's AVX-512 target lacks AVX512-BF16: this
 // function alone is compiled with it, and called where the CPU has it (HasAvx512Bf16). Converting
 // a whole block first and copying its lines out afterwards made the bf16 forwards 1.1-1.5x slower
 // than this conversion in registers straight to the output (docs/kernels/cpu_simd.md).
@@ -220,14 +256,12 @@ __attribute__((target(HWY_TARGET_STR ",avx512bf16"))) HWY_NOINLINE inline std::i
 StoreLinesAvx512Bf16(bfloat16* dst, const float* buf, std::int64_t head, std::int64_t len,
                      bool stream, const Prefetch<bfloat16>& prefetch) {
   constexpr std::int64_t kLine = 32;  // bf16 per 64-byte line
-  HWY_ALIGN bfloat16 conv[kLine];
   std::int64_t i = head;
   for (; i + kLine <= len; i += kLine) {
     if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(bfloat16)});
     const __m512 lo = _mm512_loadu_ps(buf + i), hi = _mm512_loadu_ps(buf + i + 16);
     if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {
-      ToBf16Line(buf + i, conv);
-      StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
+      StoreLine16(buf + i, dst + i, stream);
       continue;
     }
     const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
@@ -245,9 +279,9 @@ inline bool HasAvx512Bf16() {
 #endif
 
 // Stores whole 64-byte lines of T at dst + head, dst + head + kLine, ... up to len from the
-// values buf[head ..] (dst + head 64-byte aligned), each line converted in registers or through
-// one line of L1 and stored with an ordinary or a streaming store; the line after each is
-// prefetched through `prefetch`. Returns the first element not stored.
+// values buf[head ..] (dst + head 64-byte aligned), 16-bit lines converted in registers
+// (StoreLine16), f32 and f64 ones copied, with ordinary or streaming stores; the line after each
+// is prefetched through `prefetch`. Returns the first element not stored.
 template <typename T>
 HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t head, std::int64_t len,
                                    bool stream, const Prefetch<T>& prefetch) {
@@ -256,22 +290,13 @@ HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t hea
     if (HasAvx512Bf16()) return StoreLinesAvx512Bf16(dst, buf, head, len, stream, prefetch);
 #endif
   constexpr std::int64_t kLine = 64 / sizeof(T);  // elements per line
-  HWY_ALIGN T conv[kLine];
   std::int64_t i = head;
   for (; i + kLine <= len; i += kLine) {
     if (i + kLine < len) prefetch((i + kLine) * std::int64_t{sizeof(T)});
-    if constexpr (std::is_same_v<T, acc_t<T>>) {
+    if constexpr (std::is_same_v<T, acc_t<T>>)
       StoreLine(reinterpret_cast<char*>(dst + i), buf + i, stream);
-      continue;
-    } else if constexpr (std::is_same_v<T, bfloat16>) {
-      ToBf16Line(buf + i, conv);
-    } else {
-#ifdef _OPENMP  // this header is also compiled without OpenMP (tests)
-#pragma omp simd
-#endif
-      for (std::int64_t k = 0; k < kLine; ++k) conv[k] = store_as<T>(buf[i + k]);
-    }
-    StoreLine(reinterpret_cast<char*>(dst + i), conv, stream);
+    else
+      StoreLine16(buf + i, dst + i, stream);
   }
   return i;
 }
