@@ -76,6 +76,61 @@ inline A sigmoid(A x) {
   return A(1) / (A(1) + vexp(-x));
 }
 
+// exp(x) in double to within 2^-36 relative (x clamped to [-700, 700]: 0 and inf lie far outside
+// every float result there), for the gates of the f32 GRU: x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by its Taylor series to r^9, times 2^n built in the exponent bits. Branch-free, so
+// `#pragma omp simd` loops vectorise (with -fno-trapping-math: CMakeLists.txt); NaN stays NaN.
+inline double exp_for_f32(double x) {
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52: adding rounds to integer
+  x = x < -700.0 ? -700.0 : x;
+  x = x > 700.0 ? 700.0 : x;
+  const double t = x * 1.4426950408889634 + kRound;
+  const double n = t - kRound;
+  const double r = x - n * 0.69314718055994531;
+  double p = 1.0 / 362880;
+  p = p * r + 1.0 / 40320;
+  p = p * r + 1.0 / 5040;
+  p = p * r + 1.0 / 720;
+  p = p * r + 1.0 / 120;
+  p = p * r + 1.0 / 24;
+  p = p * r + 1.0 / 6;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  // n + 1023 in [13, 2033], in t's low bits; shifted into the exponent field it is 2^n.
+  const auto bits = std::bit_cast<std::uint64_t>(t) - std::bit_cast<std::uint64_t>(kRound);
+  return p * std::bit_cast<double>((bits + 1023) << 52);
+}
+
+// The gates (sigmoid, tanh and what is computed from them) of the f32 GRU are kept in double,
+// unrounded: the f32 GRU's error was mostly its activations' (its convex update damps the
+// rest), where PyTorch's Sleef functions are within 1 ulp and the float formulas above within 2,
+// and 1 - z^2 and f (1 - f) of rounded gates lose relative accuracy as the gates saturate
+// (docs/kernels/recurrent.md). Other dtypes keep them in A: 16-bit outputs round far above, and
+// double gates cost their forwards 10-25%. (The f32 rnn was already more accurate than PyTorch's.)
+template <typename T>
+using gate_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
+
+// tanh = 1 - 2 / (exp(2|x|) + 1) in double, whose cancellation costs a relative 1e-16 / tanh(|x|),
+// under float's rounding above |x| = 1e-6; below, tanh(x) = x to far below it.
+template <typename T>
+inline gate_t<T> gate_tanh(acc_t<T> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    const double ax = std::fabs(double(x));
+    const double big = 1.0 - 2.0 / (exp_for_f32(2.0 * ax) + 1.0);
+    return ax < 1e-6 ? double(x) : std::copysign(big, double(x));
+  } else {
+    return vtanh(x);
+  }
+}
+template <typename T>
+inline gate_t<T> gate_sigmoid(acc_t<T> x) {
+  if constexpr (std::is_same_v<T, float>)
+    return 1.0 / (1.0 + exp_for_f32(-double(x)));
+  else
+    return sigmoid(x);
+}
+
 // a[r, j0 + c] += (v[r] @ M)[j0 + c] for r < kRows, c < kCols; v and a are rows of h values, M is
 // h x h row-major. Each load of a row block of M serves kRows rows (FMA-bound, not load-bound).
 // Every column sums M's even and odd rows in two chains (independent FMAs hide the latency), then
@@ -337,12 +392,13 @@ void rnn_forward_t(const RecurrentShape& s, const Operands<T, 1>& op, const T* i
 
 // f = sigmoid(h @ W_f + x_f), r = sigmoid(h @ W_r + x_r), z = tanh((h * r) @ W + x),
 // h = f * h + (1 - f) * z. The products stay in fp32: the GRU's error is its activations' (its
-// convex update damps the rest), and double pre-activations did not lower it
-// (docs/kernels/recurrent.md).
+// convex update damps the rest), and double pre-activations did not lower it; the gates and the
+// update are in gate_t (docs/kernels/recurrent.md).
 template <typename T>
 void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* input_state,
                    T* output, T* final_state) {
   using A = acc_t<T>;
+  using G = gate_t<T>;
   const std::int64_t h = s.head_dim, block = kGroup * h;
   const auto step = [&](const HeadWeights<T, 3>& w, const std::int64_t* rows, std::int64_t count,
                         std::int64_t n, A* state, A* work) {
@@ -355,14 +411,14 @@ void gru_forward_t(const RecurrentShape& s, const Operands<T, 3>& op, const T* i
     add_mat_mat(state, w.w(1), f, count, h);
     add_mat_mat(state, w.w(2), r, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < count * h; ++j) {
-      f[j] = sigmoid(f[j]);
-      q[j] = state[j] * sigmoid(r[j]);
-    }
+    for (std::int64_t j = 0; j < count * h; ++j)
+      q[j] = state[j] * static_cast<A>(gate_sigmoid<T>(r[j]));
     add_mat_mat(q, w.w(0), z, count, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < count * h; ++j)
-      state[j] = f[j] * state[j] + (A(1) - f[j]) * vtanh(z[j]);
+    for (std::int64_t j = 0; j < count * h; ++j) {
+      const G fj = gate_sigmoid<T>(f[j]);
+      state[j] = static_cast<A>(fj * state[j] + (G(1) - fj) * gate_tanh<T>(z[j]));
+    }
   };
   forward_pairs<T, A, 3, 4>(s, op, input_state, output, final_state, step);
 }
@@ -549,6 +605,7 @@ template <typename T>
 void gru_backward_t(const RecurrentShape& s, const Operands<T, 3>& op,
                     const BackwardArgs<T, 3>& args) {
   using A = acc_t<T>;
+  using G = gate_t<T>;
   const std::int64_t h = s.head_dim;
   const auto step = [&](const HeadWeights<T, 3>& w, std::int64_t row, std::int64_t n,
                         const StepBuffers<A, 3>& b) {
@@ -560,24 +617,23 @@ void gru_backward_t(const RecurrentShape& s, const Operands<T, 3>& op,
     add_vec_mat(b.prev, w.w(1), f, h);
     add_vec_mat(b.prev, w.w(2), r, h);
 #pragma omp simd
-    for (std::int64_t j = 0; j < h; ++j) {
-      f[j] = sigmoid(f[j]);
-      r[j] = sigmoid(r[j]);
-      q[j] = b.prev[j] * r[j];
-    }
+    for (std::int64_t j = 0; j < h; ++j) q[j] = b.prev[j] * static_cast<A>(gate_sigmoid<T>(r[j]));
     add_vec_mat(q, w.w(0), z, h);
+    // The factors in gate_t from the gates (recomputed: f and r hold pre-activations), each
+    // rounded once.
 #pragma omp simd
     for (std::int64_t j = 0; j < h; ++j) {
-      const A zj = vtanh(z[j]);
-      b.da[0][j] = b.g[j] * (A(1) - f[j]) * (A(1) - zj * zj);
-      b.da[1][j] = b.g[j] * (b.prev[j] - zj) * f[j] * (A(1) - f[j]);
+      const G fj = gate_sigmoid<T>(f[j]), zj = gate_tanh<T>(z[j]), g = b.g[j];
+      b.da[0][j] = static_cast<A>(g * (G(1) - fj) * (G(1) - zj * zj));
+      b.da[1][j] = static_cast<A>(g * (b.prev[j] - zj) * fj * (G(1) - fj));
       dq[j] = A(0);
     }
     add_vec_mat(b.da[0], w.wt(0), dq, h);
 #pragma omp simd
     for (std::int64_t j = 0; j < h; ++j) {
-      b.da[2][j] = dq[j] * b.prev[j] * r[j] * (A(1) - r[j]);
-      b.carry[j] = b.g[j] * f[j] + dq[j] * r[j];
+      const G fj = gate_sigmoid<T>(f[j]), rj = gate_sigmoid<T>(r[j]), dqj = dq[j];
+      b.da[2][j] = static_cast<A>(dqj * b.prev[j] * rj * (G(1) - rj));
+      b.carry[j] = static_cast<A>(b.g[j] * fj + dqj * rj);
       b.u[1][j] = b.u[2][j] = b.prev[j];
     }
     add_vec_mat(b.da[1], w.wt(1), b.carry, h);
