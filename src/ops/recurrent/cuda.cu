@@ -122,6 +122,25 @@ __device__ __forceinline__ A sigmoid(A x) {
   return A(1) / (A(1) + exp(-x));
 }
 
+// The f32 GRU's gates (sigmoid, tanh and what is computed from them) in double, unrounded, as on
+// the cpu (gate_t there, docs/kernels/recurrent.md): float's expf and tanhf are within 2 ulp, and
+// 1 - z^2 and f (1 - f) of rounded gates lose relative accuracy as the gates saturate. The
+// kernels keep the gates' pre-activations in shared memory and evaluate the gates where they are
+// used; the update h = f h + (1 - f) z is in double too. The backward recomputes its gates from
+// the forward's outputs, so its rows need the forward's accuracy: with double gates in the
+// backward alone, grad_forget_weight stayed at 1.28x PyTorch's error. Cost on the H200: forward
+// 22-33%, backward 9-13% (docs/kernels/recurrent.md). Other dtypes keep acc_t.
+template <typename T>
+using gate_t = std::conditional_t<std::is_same_v<T, float>, double, acc_t<T>>;
+template <typename T>
+__device__ __forceinline__ gate_t<T> gate_sigmoid(acc_t<T> x) {
+  return sigmoid(static_cast<gate_t<T>>(x));
+}
+template <typename T>
+__device__ __forceinline__ gate_t<T> gate_tanh(acc_t<T> x) {
+  return tanh(static_cast<gate_t<T>>(x));
+}
+
 // The state-gradient clamp; NaN stays NaN (as in the reference).
 template <typename A>
 __device__ __forceinline__ A clamp_grad(A x, A clip) {
@@ -598,11 +617,11 @@ __global__ void __launch_bounds__(kThreads, 1) gru_forward_kernel(const Args<T> 
       for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
         const int j = 2 * cp + e, s = j * kSeqs + g;
         if (!own1.owner || !valid || j >= h) return;
-        const A gate = t < seq.len[g] ? sigmoid(acc[i] + load(x[i])) : A(0);
+        const A pre = acc[i] + load(x[i]);  // f keeps the pre-activation
         if (m == 0)
-          f[s] = gate;
+          f[s] = pre;
         else
-          q[s] = cur[s] * gate;
+          q[s] = t < seq.len[g] ? cur[s] * static_cast<A>(gate_sigmoid<T>(pre)) : A(0);
       });
     });
     __syncthreads();
@@ -623,8 +642,9 @@ __global__ void __launch_bounds__(kThreads, 1) gru_forward_kernel(const Args<T> 
         if (!own2.owner || !valid || j >= h) return;
         A v = cur[s];
         if (t < seq.len[g]) {
-          const A z = tanh(acc[i] + load(x[i]));
-          v = f[s] * v + (A(1) - f[s]) * z;
+          using G = gate_t<T>;
+          const G fs = gate_sigmoid<T>(f[s]), z = gate_tanh<T>(acc[i] + load(x[i]));
+          v = static_cast<A>(fs * v + (G(1) - fs) * z);
           a.output[at(seq.first[g] + t, a.heads, n, h, j)] = store<T>(v);
         }
         next[s] = v;
@@ -867,12 +887,12 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
       for_owned<kOwn1>(own1, [&](int i, int m, int g, int e) {
         const int j = 2 * cp + e, s = j * kSeqs + g;
         if (!own1.owner || !valid || j >= h) return;
-        const A gate = t < seq.len[g] ? sigmoid(acc[i] + load(x[i])) : A(0);
+        const A pre = acc[i] + load(x[i]);  // f and r keep the pre-activations
         if (m == 0) {
-          f[s] = gate;
+          f[s] = pre;
         } else {
-          r[s] = gate;
-          q[s] = hprev[s] * gate;
+          r[s] = pre;
+          q[s] = t < seq.len[g] ? hprev[s] * static_cast<A>(gate_sigmoid<T>(pre)) : A(0);
         }
       });
     });
@@ -895,11 +915,12 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
         if (!own2.owner || !valid || j >= h) return;
         A dz = 0, df = 0;
         if (t < seq.len[g]) {
-          const A z = tanh(acc[i] + load(x[i])), fi = f[s];
-          const A grad = clamp_grad(dh[s] + load(dy[i]), a.clip);
-          dz = grad * (A(1) - fi) * (A(1) - z * z);
-          df = grad * (hprev[s] - z) * fi * (A(1) - fi);
-          dh[s] = grad * fi;
+          using G = gate_t<T>;
+          const G z = gate_tanh<T>(acc[i] + load(x[i])), fi = gate_sigmoid<T>(f[s]);
+          const G grad = clamp_grad(dh[s] + load(dy[i]), a.clip);
+          dz = static_cast<A>(grad * (G(1) - fi) * (G(1) - z * z));
+          df = static_cast<A>(grad * (hprev[s] - z) * fi * (G(1) - fi));
+          dh[s] = static_cast<A>(grad * fi);
           store_grad_input(a, 0, row_of(g, t), n, j, dz);
           store_grad_input(a, 1, row_of(g, t), n, j, df);
         }
@@ -918,9 +939,10 @@ __global__ void __launch_bounds__(kThreads, 1) gru_backward_kernel(const Args<T>
         if (!own2.owner || !valid || j >= h) return;
         A dr = 0;
         if (t < seq.len[g]) {
-          const A dq = acc[i], ri = r[s];
-          dr = dq * hprev[s] * ri * (A(1) - ri);
-          dh[s] += dq * ri;
+          using G = gate_t<T>;
+          const G dq = acc[i], ri = gate_sigmoid<T>(r[s]);
+          dr = static_cast<A>(dq * hprev[s] * ri * (G(1) - ri));
+          dh[s] = static_cast<A>(dh[s] + dq * ri);
           store_grad_input(a, 2, row_of(g, t), n, j, dr);
         }
         da_r[s] = dr;
