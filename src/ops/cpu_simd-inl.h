@@ -230,10 +230,13 @@ HWY_INLINE void StoreLine16(const float* in, T* out, bool stream) {
         v = hn::ConcatOdd(d16, rounded(in + k + lanes), rounded(in + k));
       } else {
 #if MESHFUSE_HWY_F16_HARDWARE
+        // Combined as u16 halves: Highway's NEON target has no Combine of f16 vectors.
         const hn::Rebind<hwy::float16_t, decltype(d)> dh;
-        const hn::Twice<decltype(dh)> dh2;
-        v = hn::BitCast(d16, hn::Combine(dh2, hn::DemoteTo(dh, hn::LoadU(d, in + k + lanes)),
-                                         hn::DemoteTo(dh, hn::LoadU(d, in + k))));
+        const hn::Rebind<std::uint16_t, decltype(d)> dh16;
+        const auto half = [&](const float* p) {
+          return hn::BitCast(dh16, hn::DemoteTo(dh, hn::LoadU(d, p)));
+        };
+        v = hn::Combine(d16, half(in + k + lanes), half(in + k));
 #endif
       }
       if (stream)
