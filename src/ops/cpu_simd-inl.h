@@ -193,10 +193,11 @@ HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {
 // with ordinary or streaming stores. Vector targets convert two vectors of floats into one full
 // vector of T and store it from the register: a line converted into an L1 buffer with half-vector
 // stores and copied out with full-vector loads stalled on store forwarding (each load spans two
-// stores): half of the AVX2 bf16 softmax forward's output pass. bf16: to nearest even, NaN quietened,
-// subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which StoreLinesAvx512Bf16 uses where the CPU
-// has it, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per vector of
-// floats and a narrowing of two into one. f16 where Highway converts it with instructions.
+// stores): half of the AVX2 bf16 softmax forward's output pass. bf16: to nearest even, NaN
+// quietened, subnormals kept (AVX512-BF16's vcvtne2ps2bf16, which StoreLinesAvx512Bf16 uses where
+// the CPU has it, flushes them, and is not in Highway's AVX-512 target), in seven vector ops per
+// vector of floats and a narrowing of two into one. f16 where Highway converts it with
+// instructions.
 template <typename T>
 HWY_INLINE void StoreLine16(const float* in, T* out, bool stream) {
 #if HWY_TARGET == HWY_SCALAR
