@@ -82,29 +82,33 @@ inline std::int64_t max_threads() {
 #endif
 }
 
-// A function of a 16-bit float (bf16 or f16) as a table of its value, in float, at each of the
-// 65536 arguments, indexed by the argument's bits: one gather (Lookup, cpu_simd-inl.h) in place of
-// the arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand
-// entries, which stay in L1); for the exp alone, inside the softmax and cross_entropy forward
-// loops, it measured slower than VExp. 256 KiB.
-template <typename T>
+// A function of a 16-bit float (bf16 or f16) as a table of its value at each of the 65536
+// arguments, indexed by the argument's bits: one gather (Lookup, cpu_simd-inl.h) in place of the
+// arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand entries,
+// which stay in L1); for the exp alone, inside the softmax and cross_entropy forward loops, it
+// measured slower than VExp. An entry E is a float (256 KiB) or a FloatPair (512 KiB; LookupPair:
+// two values from one 64-bit gather).
+struct alignas(8) FloatPair {
+  float first, second;
+};
+template <typename T, typename E = float>
 class Table16 {
   static_assert(kSixteenBit<T>);
 
  public:
-  // Entry i = f(the value whose bits are i), f taking and returning a float.
+  // Entry i = f(the value whose bits are i), f taking a float.
   template <typename F>
-  requires std::is_invocable_r_v<float, F&, float>
+  requires std::is_invocable_r_v<E, F&, float>
   explicit Table16(F&& f) : entries_(kSize) {
     for (int i = 0; i < kSize; ++i)
       entries_[i] = f(to_float(std::bit_cast<T>(static_cast<std::uint16_t>(i))));
   }
-  float operator[](T x) const { return entries_[std::bit_cast<std::uint16_t>(x)]; }
-  const float* data() const { return entries_.data(); }  // for gathers
+  const E& operator[](T x) const { return entries_[std::bit_cast<std::uint16_t>(x)]; }
+  const E* data() const { return entries_.data(); }  // for gathers
 
  private:
   static constexpr int kSize = 1 << 16;
-  std::vector<float> entries_;
+  std::vector<E> entries_;
 };
 
 // Non-temporal (streaming) stores for large outputs. An ordinary store first reads the line it

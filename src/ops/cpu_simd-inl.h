@@ -163,17 +163,45 @@ HWY_INLINE void PrefetchAhead(const void* p) {
   hwy::Prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + kAheadBytes));
 }
 
-// f(elements [p, p + Lanes)) from a Table16, one gather; n < Lanes reads only n elements (the
-// other lanes look up entry 0).
+// The Table16 indices of elements [p, p + Lanes(DF)): their bits; n < Lanes reads only n elements
+// (the other lanes index entry 0).
 template <typename T>
-HWY_INLINE VF Lookup(DF d, const Table16<T>& table, const T* p, std::size_t n) {
+HWY_INLINE hn::Vec<DI> TableIndex(const T* p, std::size_t n) {
   const DOf<T> d16;
   HWY_ALIGN std::uint16_t buf[kMaxLanes] = {};
   const std::uint16_t* bits = reinterpret_cast<const std::uint16_t*>(p);
-  if (n < hn::Lanes(d)) bits = static_cast<const std::uint16_t*>(std::memcpy(buf, p, n * 2));
-  const auto index = hn::BitCast(DI(), hn::PromoteTo(DU(), hn::LoadU(d16, bits)));
-  return hn::GatherIndex(d, table.data(), index);
+  if (n < hn::Lanes(DF())) bits = static_cast<const std::uint16_t*>(std::memcpy(buf, p, n * 2));
+  return hn::BitCast(DI(), hn::PromoteTo(DU(), hn::LoadU(d16, bits)));
 }
+
+// f(elements [p, p + Lanes)) from a Table16, one gather; n < Lanes as TableIndex.
+template <typename T>
+HWY_INLINE VF Lookup(DF d, const Table16<T>& table, const T* p, std::size_t n) {
+  return hn::GatherIndex(d, table.data(), TableIndex(p, n));
+}
+
+// f(first, second): the two values of the FloatPair entries of elements [p, p + Lanes), from two
+// 64-bit gathers of half a vector each, half the elements that two 32-bit gathers load (the
+// gathers bound the swiglu backward on AMD Zen 4); n < Lanes as TableIndex. Not on the scalar
+// target, which has no halves of a vector.
+#if HWY_TARGET != HWY_SCALAR
+template <typename T, typename F>
+HWY_INLINE auto LookupPair(DF d, const Table16<T, FloatPair>& table, const T* p, std::size_t n,
+                           const F& f) {
+  const hn::Repartition<std::uint64_t, DF> d64;
+  const hn::RebindToSigned<decltype(d64)> di64;
+  const hn::Half<DI> dh;
+  const auto* base = reinterpret_cast<const std::uint64_t*>(table.data());
+  const auto index = TableIndex(p, n);
+  // Lane 2i of a gathered vector is entry i's first value, lane 2i + 1 its second.
+  const auto gather = [&](auto half) {
+    return hn::BitCast(d, hn::GatherIndex(d64, base, hn::PromoteTo(di64, half)));
+  };
+  const VF lower = gather(hn::LowerHalf(dh, index));
+  const VF upper = gather(hn::UpperHalf(dh, index));
+  return f(hn::ConcatEven(d, upper, lower), hn::ConcatOdd(d, upper, lower));
+}
+#endif
 
 // Stores one 64-byte line with an ordinary or a streaming store (dst 64-byte aligned).
 HWY_INLINE void StoreLine(char* dst, const void* line, bool stream) {

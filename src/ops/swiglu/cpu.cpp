@@ -43,26 +43,30 @@ A silu_grad(A g) {
   return sig * (A(1) + g * (A(1) - sig));
 }
 
-// f (silu or silu_grad) at every 16-bit g, computed in double and rounded once, built on first
-// use (about 1 ms), for the loops to take with one gather per element where the exp and the
-// division bound them (every loop over 16-bit T uses it, so strided and contiguous inputs give the
-// same bits); null for f32 and f64, computed in the loops.
-template <typename T, double (*f)(double)>
-const Table16<T>* table_of() {
+// silu at every 16-bit g (the forward's table) and (silu, silu') (the backward's: both from one
+// 64-bit gather), computed in double and rounded once, built on first use (about 1 ms), for the
+// loops to take with one gather per element where the exp and the division bound them (every loop
+// over 16-bit T uses them, so strided and contiguous inputs give the same bits); null for f32 and
+// f64, computed in the loops.
+template <typename T>
+const Table16<T>* silu_table() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table([](float g) { return static_cast<float>(f(g)); });
+    static const Table16<T> table([](float g) { return static_cast<float>(silu<double>(g)); });
     return &table;
   } else {
     return nullptr;
   }
 }
 template <typename T>
-const Table16<T>* silu_table() {
-  return table_of<T, silu<double>>();
-}
-template <typename T>
-const Table16<T>* silu_grad_table() {
-  return table_of<T, silu_grad<double>>();
+const Table16<T, FloatPair>* silu_and_grad_table() {
+  if constexpr (kSixteenBit<T>) {
+    static const Table16<T, FloatPair> table([](float g) {
+      return FloatPair{static_cast<float>(silu<double>(g)), static_cast<float>(silu_grad<double>(g))};
+    });
+    return &table;
+  } else {
+    return nullptr;
+  }
 }
 
 }  // namespace
@@ -194,8 +198,7 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
   constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of StreamOutBlocks per call
   const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
-  const Table16<T>& silu = *silu_table<T>();
-  const Table16<T>& silu_grad = *silu_grad_table<T>();
+  const Table16<T, FloatPair>& table = *silu_and_grad_table<T>();
 #pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
     HWY_ALIGN float dg_block[kBlock];
@@ -221,9 +224,10 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
                             const auto k = static_cast<std::size_t>(n - c);
                             const VF dv = full ? LoadF(df, d + j) : LoadFTail(df, d + j, k);
                             const VF uv = full ? LoadF(df, u + j) : LoadFTail(df, u + j, k);
-                            hn::Store(hn::Mul(dv, Lookup(df, silu, g + j, k)), df, du_block + c);
-                            hn::Store(hn::Mul(hn::Mul(dv, uv), Lookup(df, silu_grad, g + j, k)), df,
-                                      dg_block + c);
+                            LookupPair(df, table, g + j, k, [&](VF silu, VF silu_grad) {
+                              hn::Store(hn::Mul(dv, silu), df, du_block + c);
+                              hn::Store(hn::Mul(hn::Mul(dv, uv), silu_grad), df, dg_block + c);
+                            });
                           }
                         });
         StreamOutBlocks(row<T>(dgate, r) + c0, len, stream,
@@ -304,8 +308,7 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
   if constexpr (std::is_same_v<T, float>)
     return backward_rows_f32<kIn, kOut>(s, dy, gate, up, dgate, dup);
 #endif
-  [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
-  [[maybe_unused]] const Table16<T>* grad_t = silu_grad_table<T>();
+  [[maybe_unused]] const Table16<T, FloatPair>* table = silu_and_grad_table<T>();
 #pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
   for (std::int64_t r = 0; r < s.rows; ++r) {
     const T* d = row<T>(dy, r);
@@ -319,8 +322,9 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
       const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
       const T gv = g[c * kIn];
       if constexpr (kSixteenBit<T>) {
-        du[c * kOut] = store_as<T>(dv * (*silu_t)[gv]);
-        dg[c * kOut] = store_as<T>(dv * uv * (*grad_t)[gv]);
+        const FloatPair silu_and_grad = (*table)[gv];
+        du[c * kOut] = store_as<T>(dv * silu_and_grad.first);
+        dg[c * kOut] = store_as<T>(dv * uv * silu_and_grad.second);
       } else {  // f32 (HWY_SCALAR) and f64: in double, rounded once
         const double gd = gv;
         du[c * kOut] = static_cast<T>(double(dv) * silu(gd));
