@@ -16,6 +16,7 @@ Standard library only.
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -58,6 +59,15 @@ def guess_kind(results):
 
 def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower())[:40].strip("-")
+
+
+@functools.cache
+def commits_before(commit):
+    """How many commits lead to `commit` (0 where git does not know it): of one day's runs, the
+    later commit's come first."""
+    found = subprocess.run(["git", "-C", ROOT, "rev-list", "--count", commit],
+                           capture_output=True, text=True)
+    return int(found.stdout) if found.returncode == 0 else 0
 
 
 def add(args):
@@ -359,7 +369,8 @@ def generate():
     for machine in machines:
         lines += [f"## {machine}", ""]
         for run in sorted((r for r in runs if r["machine"] == machine),
-                          key=lambda r: (r["date"], r["kind"], r["file"]), reverse=True):
+                          key=lambda r: (r["date"], commits_before(r["commit"]), r["kind"],
+                                         r["file"]), reverse=True):
             lines += [f"### {run['kind']}, {run['date']}, commit {run['commit']}", "",
                       f"Machine: {machine}. Date: {run['date']}. Commit: `{run['commit']}`. "
                       f"Command:", "", f"```sh\n{run['command']}\n```", ""]
