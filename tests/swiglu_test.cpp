@@ -196,6 +196,32 @@ TEST_P(SwigluEveryBackend, NonContiguousInputsGiveTheContiguousResult) {
   }
 }
 
+// The backward in place: gradients written over the inputs they come from (grad_gate over gate
+// and grad_up over up, as the MLP does; grad_up over grad_out) are the bits of separate outputs,
+// at a width of vector loops with a tail and at a tiny one.
+TEST_P(SwigluEveryBackend, BackwardInPlaceGivesTheBitsOfSeparateOutputs) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{64, 1000}, Shape{3, 5}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor g = on(randn(shape, dtype, 13), target.device, stream),
+                 u = on(randn(shape, dtype, 14), target.device, stream),
+                 dy = on(randn(shape, dtype, 15), target.device, stream);
+    const Grads separate = run(g, u, dy, stream);
+    const Tensor gate = g.clone(stream), up = u.clone(stream);
+    swiglu_backward(dy, gate, up, gate, up, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(gate, stream), to_cpu(separate.grad_gate, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(up, stream), to_cpu(separate.grad_up, stream)));
+    const Tensor grad_out = dy.clone(stream), grad_gate(shape, dtype, target.device, stream);
+    swiglu_backward(grad_out, g, u, grad_gate, grad_out, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(grad_out, stream), to_cpu(separate.grad_up, stream)));
+    EXPECT_TRUE(
+        testing::bitwise_equal(to_cpu(grad_gate, stream), to_cpu(separate.grad_gate, stream)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(, SwigluEveryBackend,
                          ::testing::ValuesIn(test::op_cases(test::all_targets())),
                          test::op_case_name);

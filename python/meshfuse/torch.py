@@ -154,6 +154,41 @@ def _swiglu_grad(ctx, grad_out):
 _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 
 
+# swiglu whose backward writes grad_gate over gate and grad_up over up (the kernel allows it:
+# include/meshfuse/ops/swiglu.h), for callers whose gate and up are their own intermediates
+# (swiglu_mlp): the backward allocates nothing, as Liger's MLP. The op declares its mutation, so
+# torch bumps their version counters: a second backward through the same graph raises autograd's
+# in-place error instead of reading gradients as activations.
+@torch.library.custom_op("meshfuse::swiglu_backward_", mutates_args=("gate", "up"))
+def _swiglu_backward_in_place(grad_out: Tensor, gate: Tensor, up: Tensor) -> None:
+    _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), _d(gate), _d(up), stream=_stream(gate))
+
+
+@_swiglu_backward_in_place.register_fake
+def _(grad_out, gate, up):
+    return None
+
+
+@torch.library.custom_op("meshfuse::swiglu_reusing_inputs", mutates_args=())
+def _swiglu_reusing_inputs(gate: Tensor, up: Tensor) -> Tensor:
+    return swiglu_forward(gate, up)
+
+
+@_swiglu_reusing_inputs.register_fake
+def _(gate, up):
+    return _empty_like(gate)
+
+
+def _swiglu_reusing_inputs_grad(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    _swiglu_backward_in_place(grad_out, gate, up)
+    return gate, up
+
+
+_swiglu_reusing_inputs.register_autograd(_swiglu_reusing_inputs_grad,
+                                         setup_context=_swiglu_setup)
+
+
 def swiglu(gate, up):
     """``up * silu(gate)``, the SwiGLU activation (Shazeer 2020, "GLU Variants Improve
     Transformer", arXiv:2002.05202): ``F.silu(gate) * up``.
@@ -943,10 +978,19 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=N
                down_bias=None):
     """The SwiGLU feed-forward block of Llama, Mistral and Qwen2:
     ``F.linear(swiglu(F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)),
-    down_weight, down_bias)``. x (..., H); gate_weight, up_weight (I, H); down_weight (H, I)."""
+    down_weight, down_bias)``. x (..., H); gate_weight, up_weight (I, H); down_weight (H, I).
+
+    In eager autograd the activation's backward writes its gradients over the (..., I)
+    projections gate and up, which nothing else holds: no allocation there (Liger's trick).
+    Backpropagating twice through one graph (retain_graph) raises RuntimeError. Compiled graphs
+    take :func:`swiglu` and plan their own memory."""
     gate = torch.nn.functional.linear(x, gate_weight, gate_bias)
     up = torch.nn.functional.linear(x, up_weight, up_bias)
-    return torch.nn.functional.linear(swiglu(gate, up), down_weight, down_bias)
+    if _untraced(gate, up) or _is_compiling():
+        hidden = swiglu(gate, up)
+    else:
+        hidden = _swiglu_reusing_inputs(gate, up)
+    return torch.nn.functional.linear(hidden, down_weight, down_bias)
 
 
 class SwiGLUMLP(torch.nn.Module):

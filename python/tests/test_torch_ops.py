@@ -55,6 +55,9 @@ def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
         _opcheck(ops.rmsnorm_backward.default, (x, None, y, w, rstd, False, 1.0, True))
         _opcheck(ops.rmsnorm_backward.default, (x, y, y, w, rstd, True, 0.5, True))
         _opcheck(ops.softmax_backward.default, (x, torch.softmax(y, -1), 1.0))
+        _opcheck(ops.swiglu_backward_.default, (x, x.clone(), y.clone()))  # mutates the last two
+    # swiglu_mlp's activation, whose backward writes over its inputs: on copies.
+    _opcheck(ops.swiglu_reusing_inputs.default, (x.clone(), y.clone()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -260,6 +263,31 @@ def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
     with pytest.raises(ValueError, match="trailing shape"):
         two(torch.randn(4, 16, dtype=torch.float64))
     assert "eps=1e-05" in repr(two)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swiglu_mlp_backward_over_its_projections_matches_torch_and_refuses_a_second_pass(device):
+    # swiglu_mlp's activation writes its gradients over gate and up: every gradient of a step
+    # still equals the unfused block's, and a second backward through the graph, which would read
+    # those gradients as activations, raises autograd's in-place error.
+    torch.manual_seed(2)
+    mlp = mt.SwiGLUMLP(16, 40, bias=True, dtype=torch.float64, device=device)
+    x = torch.randn(2, 3, 16, dtype=torch.float64, device=device, requires_grad=True)
+    dy = torch.randn(2, 3, 16, dtype=torch.float64, device=device)
+
+    def grads(forward):
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+        out = forward(x)
+        out.backward(dy, retain_graph=True)
+        return out, [x.grad] + [p.grad for p in mlp.parameters()]
+
+    out, ours = grads(mlp)
+    _, theirs = grads(lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(dy)
 
 
 def test_swiglu_mlp_module_and_losses_match_torch():

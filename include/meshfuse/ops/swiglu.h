@@ -28,7 +28,10 @@ enum class SwigluLayout { Halves, Interleaved };
 void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
             const Stream& stream = {});
 
-// grad_out, gate, up: (..., I); writes grad_gate and grad_up, both (..., I).
+// grad_out, gate, up: (..., I); writes grad_gate and grad_up, both (..., I). In place: an output
+// may be one of the inputs, the same view (every element is read before it is written); the MLP
+// writes grad_gate over gate and grad_up over up, which it no longer needs (as Liger does). Other
+// overlaps give undefined values.
 void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
                      const TensorView& grad_gate, const TensorView& grad_up,
                      const Stream& stream = {});
