@@ -61,7 +61,8 @@ template <typename T>
 const Table16<T, FloatPair>* silu_and_grad_table() {
   if constexpr (kSixteenBit<T>) {
     static const Table16<T, FloatPair> table([](float g) {
-      return FloatPair{static_cast<float>(silu<double>(g)), static_cast<float>(silu_grad<double>(g))};
+      return FloatPair{static_cast<float>(silu<double>(g)),
+                       static_cast<float>(silu_grad<double>(g))};
     });
     return &table;
   } else {
