@@ -157,8 +157,8 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 # swiglu whose backward writes grad_gate over gate and grad_up over up (the kernel allows it:
 # include/meshfuse/ops/swiglu.h), for callers whose gate and up are their own intermediates
 # (swiglu_mlp): the backward allocates nothing, as Liger's MLP. The op declares its mutation, so
-# torch bumps their version counters: a second backward through the same graph raises autograd's
-# in-place error instead of reading gradients as activations.
+# torch bumps their version counters, and the backward refuses to run twice (saved-tensor hooks
+# skip the version check): a second backward raises instead of reading gradients as activations.
 @torch.library.custom_op("meshfuse::swiglu_backward_", mutates_args=("gate", "up"))
 def _swiglu_backward_in_place(grad_out: Tensor, gate: Tensor, up: Tensor) -> None:
     _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), _d(gate), _d(up), stream=_stream(gate))
@@ -181,6 +181,12 @@ def _(gate, up):
 
 def _swiglu_reusing_inputs_grad(ctx, grad_out):
     gate, up = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph: gate and up's history is the forward's
+        return _swiglu_backward(grad_out, gate, up)
+    if getattr(ctx, "overwritten", False):
+        raise RuntimeError("swiglu_mlp: a second backward through the same graph: its first wrote "
+                           "the activation's gradients over its saved inputs (gate and up)")
+    ctx.overwritten = True
     _swiglu_backward_in_place(grad_out, gate, up)
     return gate, up
 
@@ -982,8 +988,9 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=N
 
     In eager autograd the activation's backward writes its gradients over the (..., I)
     projections gate and up, which nothing else holds: no allocation there (Liger's trick).
-    Backpropagating twice through one graph (retain_graph) raises RuntimeError. Compiled graphs
-    take :func:`swiglu` and plan their own memory."""
+    Backpropagating twice through one graph (retain_graph) raises RuntimeError; a backward with
+    create_graph takes separate outputs. Compiled graphs take :func:`swiglu` and plan their own
+    memory."""
     gate = torch.nn.functional.linear(x, gate_weight, gate_bias)
     up = torch.nn.functional.linear(x, up_weight, up_bias)
     if _untraced(gate, up) or _is_compiling():

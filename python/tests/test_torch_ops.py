@@ -269,7 +269,7 @@ def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
 def test_swiglu_mlp_backward_over_its_projections_matches_torch_and_refuses_a_second_pass(device):
     # swiglu_mlp's activation writes its gradients over gate and up: every gradient of a step
     # still equals the unfused block's, and a second backward through the graph, which would read
-    # those gradients as activations, raises autograd's in-place error.
+    # those gradients as activations, raises.
     torch.manual_seed(2)
     mlp = mt.SwiGLUMLP(16, 40, bias=True, dtype=torch.float64, device=device)
     x = torch.randn(2, 3, 16, dtype=torch.float64, device=device, requires_grad=True)
@@ -280,7 +280,7 @@ def test_swiglu_mlp_backward_over_its_projections_matches_torch_and_refuses_a_se
         mlp.zero_grad(set_to_none=True)
         out = forward(x)
         out.backward(dy, retain_graph=True)
-        return out, [x.grad] + [p.grad for p in mlp.parameters()]
+        return out, [g.clone() for g in [x.grad] + [p.grad for p in mlp.parameters()]]
 
     out, ours = grads(mlp)
     _, theirs = grads(lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
@@ -288,6 +288,18 @@ def test_swiglu_mlp_backward_over_its_projections_matches_torch_and_refuses_a_se
         torch.testing.assert_close(a, b)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(dy)
+    # Saved-tensor hooks skip autograd's version check; the backward itself still refuses.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = mlp(x)
+    out.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward(dy)
+    # create_graph: separate outputs, whose missing second-order formula is an error, not a
+    # silent derivative of the forward's history.
+    (grad_x,) = torch.autograd.grad(mlp(x), x, dy, create_graph=True)
+    torch.testing.assert_close(grad_x, theirs[0])
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grad_x.sum().backward()
 
 
 def test_swiglu_mlp_module_and_losses_match_torch():

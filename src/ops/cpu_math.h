@@ -86,8 +86,9 @@ inline std::int64_t max_threads() {
 // arguments, indexed by the argument's bits: one gather (Lookup, cpu_simd-inl.h) in place of the
 // arithmetic. For silu (an exp and a division) it is faster (gates touch a few thousand entries,
 // which stay in L1); for the exp alone, inside the softmax and cross_entropy forward loops, it
-// measured slower than VExp. An entry E is a float (256 KiB) or a FloatPair (512 KiB; LookupPair:
-// two values from one 64-bit gather).
+// measured slower than VExp. An entry E is a float (256 KiB) or the bits of a FloatPair as one
+// std::uint64_t (512 KiB; LookupPair: two values from one 64-bit gather, which reads the entries
+// as what they are).
 struct alignas(8) FloatPair {
   float first, second;
 };

@@ -180,22 +180,22 @@ HWY_INLINE VF Lookup(DF d, const Table16<T>& table, const T* p, std::size_t n) {
   return hn::GatherIndex(d, table.data(), TableIndex(p, n));
 }
 
-// f(first, second): the two values of the FloatPair entries of elements [p, p + Lanes), from two
-// 64-bit gathers of half a vector each, half the elements that two 32-bit gathers load (the
-// gathers bound the swiglu backward on AMD Zen 4); n < Lanes as TableIndex. Not on the scalar
-// target, which has no halves of a vector.
+// f(first, second): the two values of the FloatPair entries (their bits) of elements
+// [p, p + Lanes), from two 64-bit gathers of half a vector each, half the elements that two 32-bit
+// gathers load (the gathers bound the swiglu backward on AMD Zen 4); n < Lanes as TableIndex. Not
+// on the scalar target, which has no halves of a vector.
 #if HWY_TARGET != HWY_SCALAR
 template <typename T, typename F>
-HWY_INLINE auto LookupPair(DF d, const Table16<T, FloatPair>& table, const T* p, std::size_t n,
-                           const F& f) {
+HWY_INLINE auto LookupPair(DF d, const Table16<T, std::uint64_t>& table, const T* p,
+                           std::size_t n, const F& f) {
+  // Lane 2i of a gathered vector is entry i's first value, lane 2i + 1 its second.
+  static_assert(std::endian::native == std::endian::little);
   const hn::Repartition<std::uint64_t, DF> d64;
   const hn::RebindToSigned<decltype(d64)> di64;
   const hn::Half<DI> dh;
-  const auto* base = reinterpret_cast<const std::uint64_t*>(table.data());
   const auto index = TableIndex(p, n);
-  // Lane 2i of a gathered vector is entry i's first value, lane 2i + 1 its second.
   const auto gather = [&](auto half) {
-    return hn::BitCast(d, hn::GatherIndex(d64, base, hn::PromoteTo(di64, half)));
+    return hn::BitCast(d, hn::GatherIndex(d64, table.data(), hn::PromoteTo(di64, half)));
   };
   const VF lower = gather(hn::LowerHalf(dh, index));
   const VF upper = gather(hn::UpperHalf(dh, index));

@@ -11,6 +11,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -58,11 +59,11 @@ const Table16<T>* silu_table() {
   }
 }
 template <typename T>
-const Table16<T, FloatPair>* silu_and_grad_table() {
+const Table16<T, std::uint64_t>* silu_and_grad_table() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T, FloatPair> table([](float g) {
-      return FloatPair{static_cast<float>(silu<double>(g)),
-                       static_cast<float>(silu_grad<double>(g))};
+    static const Table16<T, std::uint64_t> table([](float g) {
+      return std::bit_cast<std::uint64_t>(FloatPair{static_cast<float>(silu<double>(g)),
+                                                    static_cast<float>(silu_grad<double>(g))});
     });
     return &table;
   } else {
@@ -199,7 +200,7 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
   constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of StreamOutBlocks per call
   const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
-  const Table16<T, FloatPair>& table = *silu_and_grad_table<T>();
+  const Table16<T, std::uint64_t>& table = *silu_and_grad_table<T>();
 #pragma omp parallel if (s.rows * s.cols >= kParallelMin)
   {
     HWY_ALIGN float dg_block[kBlock];
@@ -309,7 +310,7 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
   if constexpr (std::is_same_v<T, float>)
     return backward_rows_f32<kIn, kOut>(s, dy, gate, up, dgate, dup);
 #endif
-  [[maybe_unused]] const Table16<T, FloatPair>* table = silu_and_grad_table<T>();
+  [[maybe_unused]] const Table16<T, std::uint64_t>* table = silu_and_grad_table<T>();
 #pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
   for (std::int64_t r = 0; r < s.rows; ++r) {
     const T* d = row<T>(dy, r);
@@ -323,7 +324,7 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
       const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
       const T gv = g[c * kIn];
       if constexpr (kSixteenBit<T>) {
-        const FloatPair silu_and_grad = (*table)[gv];
+        const auto silu_and_grad = std::bit_cast<FloatPair>((*table)[gv]);
         du[c * kOut] = store_as<T>(dv * silu_and_grad.first);
         dg[c * kOut] = store_as<T>(dv * uv * silu_and_grad.second);
       } else {  // f32 (HWY_SCALAR) and f64: in double, rounded once
