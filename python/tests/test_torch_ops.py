@@ -195,6 +195,34 @@ def test_compiled_with_cuda_graphs_matches_eager():
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
 
+@_cuda
+def test_a_bad_label_in_a_cuda_graph_stops_the_replay_with_the_error_printed():
+    # A captured check cannot raise from the call: it prints the op's error and traps, as
+    # PyTorch's device-side assert does (the process's CUDA context is lost, hence a subprocess).
+    code = """if True:
+        import torch, meshfuse.torch as mt
+        logits = torch.randn(4, 50, device="cuda")
+        labels = torch.tensor([1, 2, 3, 4], device="cuda")
+        mt.cross_entropy(logits, labels)  # warm-up: first calls set up outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = mt.cross_entropy(logits, labels)
+        graph.replay()
+        print("good replay", torch.equal(loss, mt.cross_entropy(logits, labels)))
+        labels[1] = 99
+        graph.replay()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print("raised", type(e).__name__)
+        """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "good replay True" in out.stdout, out.stdout + out.stderr
+    assert "cross_entropy: labels[1] = 99 is outside [0, 50)" in out.stdout + out.stderr, \
+        out.stdout + out.stderr
+
+
 def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():
     # Eager calls without autograd skip the custom op's dispatch (the same kernels, the same
     # result); torch.compile still sees the ops, with no graph break.
