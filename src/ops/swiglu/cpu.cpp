@@ -44,31 +44,34 @@ A silu_grad(A g) {
   return sig * (A(1) + g * (A(1) - sig));
 }
 
-// silu at every 16-bit g (the forward's table) and (silu, silu') (the backward's: both from one
-// 64-bit gather), computed in double and rounded once, built on first use (about 1 ms), for the
-// loops to take with one gather per element where the exp and the division bound them (every loop
-// over 16-bit T uses them, so strided and contiguous inputs give the same bits); null for f32 and
-// f64, computed in the loops.
-template <typename T>
-const Table16<T>* silu_table() {
+// A table's entries: silu (the forward's) and the bits of (silu, silu') (the backward's: both
+// from one 64-bit gather), computed in double and rounded once.
+float silu_entry(float g) { return static_cast<float>(silu<double>(g)); }
+std::uint64_t silu_and_grad_entry(float g) {
+  return std::bit_cast<std::uint64_t>(
+      FloatPair{static_cast<float>(silu<double>(g)), static_cast<float>(silu_grad<double>(g))});
+}
+
+// The table of entry(g) at every 16-bit g, built on first use (about 1 ms), for the loops to take
+// with one gather per element where the exp and the division bound them (every loop over 16-bit T
+// uses them, so strided and contiguous inputs give the same bits); null for f32 and f64, computed
+// in the loops.
+template <typename T, auto entry>
+const Table16<T, std::invoke_result_t<decltype(entry), float>>* table_of() {
   if constexpr (kSixteenBit<T>) {
-    static const Table16<T> table([](float g) { return static_cast<float>(silu<double>(g)); });
+    static const Table16<T, std::invoke_result_t<decltype(entry), float>> table(entry);
     return &table;
   } else {
     return nullptr;
   }
 }
 template <typename T>
+const Table16<T>* silu_table() {
+  return table_of<T, silu_entry>();
+}
+template <typename T>
 const Table16<T, std::uint64_t>* silu_and_grad_table() {
-  if constexpr (kSixteenBit<T>) {
-    static const Table16<T, std::uint64_t> table([](float g) {
-      return std::bit_cast<std::uint64_t>(FloatPair{static_cast<float>(silu<double>(g)),
-                                                    static_cast<float>(silu_grad<double>(g))});
-    });
-    return &table;
-  } else {
-    return nullptr;
-  }
+  return table_of<T, silu_and_grad_entry>();
 }
 
 }  // namespace
