@@ -74,6 +74,23 @@ inline float vexp(float x) {
 // one thread in every row kernel (bench/python_overhead.py --device cpu).
 inline constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 
+// Runs body() on the OpenMP team when `parallel`, else on the calling thread without entering a
+// parallel region: libgomp ends even a region of one thread (`#pragma omp parallel if (false)`)
+// on a barrier that wakes its waiters with a futex syscall, a good part of a tiny call's host time
+// (PyTorch's at::parallel_for runs small work inline for the same reason). In body,
+// omp_get_thread_num() and orphaned `#pragma omp for` loops work either way.
+template <typename F>
+void parallel_if(bool parallel, F&& body) {
+  if (!parallel) {
+    body();
+    return;
+  }
+#ifdef _OPENMP  // (also included by targets built without OpenMP)
+#pragma omp parallel
+#endif
+  body();
+}
+
 inline std::int64_t max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/continuous_count/continuous_count_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -23,21 +24,25 @@ void continuous_count(const CountShape& s, const void* x, std::int64_t* out, con
   dispatch_index(s.dtype, "continuous_count", [&](auto tag) {
     const auto* v = static_cast<const decltype(tag)*>(x);
     const auto bins = static_cast<std::uint64_t>(s.bins);
-#pragma omp parallel for schedule(static) if (parts > 1)
-    for (std::int64_t p = 0; p < parts; ++p) {
-      std::int64_t* c = counts.data() + p * s.bins;
-      for (std::int64_t i = p * part, end = std::min(s.n, (p + 1) * part); i < end; ++i) {
-        const auto u = static_cast<std::uint64_t>(v[i]);  // negative values wrap past bins
-        if (u < bins) ++c[u];
+    parallel_if(parts > 1, [&] {
+#pragma omp for schedule(static)
+      for (std::int64_t p = 0; p < parts; ++p) {
+        std::int64_t* c = counts.data() + p * s.bins;
+        for (std::int64_t i = p * part, end = std::min(s.n, (p + 1) * part); i < end; ++i) {
+          const auto u = static_cast<std::uint64_t>(v[i]);  // negative values wrap past bins
+          if (u < bins) ++c[u];
+        }
       }
+    });
+  });
+  parallel_if(parts * s.bins > (1 << 16), [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t b = 0; b < s.bins; ++b) {
+      std::int64_t sum = 0;
+      for (std::int64_t p = 0; p < parts; ++p) sum += counts[p * s.bins + b];
+      out[b] = sum;
     }
   });
-#pragma omp parallel for schedule(static) if (parts * s.bins > (1 << 16))
-  for (std::int64_t b = 0; b < s.bins; ++b) {
-    std::int64_t sum = 0;
-    for (std::int64_t p = 0; p < parts; ++p) sum += counts[p * s.bins + b];
-    out[b] = sum;
-  }
 }
 
 }  // namespace meshfuse::detail::cpu

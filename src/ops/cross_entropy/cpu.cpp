@@ -30,8 +30,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
   const A m = static_cast<A>(o.logits_multiplier);
   const double eps = o.label_smoothing, z = o.z_loss_scale;
   const auto classes = static_cast<double>(vocab_classes(o, b.vocab));
-#pragma omp parallel if (b.rows * b.vocab >= kParallelMin)
-  {
+  parallel_if(b.rows * b.vocab >= kParallelMin, [&] {
     const auto row = [&](std::int64_t i) { return logits + row_offset(i, b.vocab); };
     const auto [begin, end] = thread_rows(b.rows);
     RowMax<A> st = begin < end ? row_max(row(begin), b.vocab, m) : RowMax<A>{};
@@ -65,7 +64,7 @@ void forward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, l
       if (lse) lse[g] = l;
       row_loss[g] = loss;
     }
-  }
+  });
 }
 
 template <typename T, typename L>
@@ -79,8 +78,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   // The gradient is as large as the logits: streamed past the last-level cache.
   const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)}, grad_logits,
                                         b.rows * b.vocab * std::int64_t{sizeof(T)});
-#pragma omp parallel if (b.rows * b.vocab >= kParallelMin)
-  {
+  parallel_if(b.rows * b.vocab >= kParallelMin, [&] {
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < b.rows; ++i) {
       const std::int64_t g = b.row_begin + i;
@@ -153,7 +151,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
       if (here) dx[col] = store_as<T>(label_grad);
     }
     hwy::FlushStream();
-  }
+  });
 }
 
 // Calls f(T*, L*) with the block's logits and labels typed.

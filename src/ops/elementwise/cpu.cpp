@@ -57,21 +57,23 @@ void narrow(const float* y, std::int64_t n, float16* p) {
 template <int K, typename F>
 void linear_f16(const float16* const* in, float16* out, std::int64_t n, F f) {
   const std::int64_t blocks = (n + kF16Block - 1) / kF16Block;
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (std::int64_t block = 0; block < blocks; ++block) {
-    const std::int64_t i = block * kF16Block, len = std::min(kF16Block, n - i);
-    HWY_ALIGN float x[K][kF16Block];
-    HWY_ALIGN float y[kF16Block];
-    for (int k = 0; k < K; ++k) widen(in[k] + i, len, x[k]);  // all read before out is written
+  parallel_if(n >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t block = 0; block < blocks; ++block) {
+      const std::int64_t i = block * kF16Block, len = std::min(kF16Block, n - i);
+      HWY_ALIGN float x[K][kF16Block];
+      HWY_ALIGN float y[kF16Block];
+      for (int k = 0; k < K; ++k) widen(in[k] + i, len, x[k]);  // all read before out is written
 #pragma omp simd
-    for (std::int64_t c = 0; c < len; ++c) {
-      if constexpr (K == 1)
-        y[c] = f(x[0][c]);
-      else
-        y[c] = f(x[0][c], x[1][c]);
+      for (std::int64_t c = 0; c < len; ++c) {
+        if constexpr (K == 1)
+          y[c] = f(x[0][c]);
+        else
+          y[c] = f(x[0][c], x[1][c]);
+      }
+      narrow(y, len, out + i);
     }
-    narrow(y, len, out + i);
-  }
+  });
 }
 #endif
 
@@ -92,13 +94,15 @@ void apply(const ElementwiseShape& s, const ElementwiseInput (&in)[K], T* out, F
     }
 #endif
     // Element i is read before it is written, so out may be a (or b) itself.
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
-    for (std::int64_t i = 0; i < n; ++i) {
-      if constexpr (K == 1)
-        out[i] = store_as<T>(f(to_float(a[i])));
-      else
-        out[i] = store_as<T>(f(to_float(a[i]), to_float(b[i])));
-    }
+    parallel_if(n >= kParallelMin, [&] {
+#pragma omp for simd schedule(static)
+      for (std::int64_t i = 0; i < n; ++i) {
+        if constexpr (K == 1)
+          out[i] = store_as<T>(f(to_float(a[i])));
+        else
+          out[i] = store_as<T>(f(to_float(a[i]), to_float(b[i])));
+      }
+    });
     return;
   }
   // Chunks of the row-major order, each walked in runs along the innermost dimension (a run
@@ -113,33 +117,35 @@ void apply(const ElementwiseShape& s, const ElementwiseInput (&in)[K], T* out, F
     step[k] = in[k].strides[last];
     unit = unit && step[k] == 1;
   }
-#pragma omp parallel for schedule(static) if (s.numel >= kParallelMin)
-  for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const std::int64_t end = std::min(s.numel, (chunk + 1) * kChunk);
-    for (std::int64_t i = chunk * kChunk; i < end;) {
-      const std::int64_t len = std::min(end, (i / cols + 1) * cols) - i;
-      const T* p[K];
-      for (int k = 0; k < K; ++k) p[k] = typed<T>(in[k]) + element_offset(s, in[k], i);
-      T* o = out + i;
-      if (unit) {
+  parallel_if(s.numel >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const std::int64_t end = std::min(s.numel, (chunk + 1) * kChunk);
+      for (std::int64_t i = chunk * kChunk; i < end;) {
+        const std::int64_t len = std::min(end, (i / cols + 1) * cols) - i;
+        const T* p[K];
+        for (int k = 0; k < K; ++k) p[k] = typed<T>(in[k]) + element_offset(s, in[k], i);
+        T* o = out + i;
+        if (unit) {
 #pragma omp simd
-        for (std::int64_t c = 0; c < len; ++c) {
-          if constexpr (K == 1)
-            o[c] = store_as<T>(f(to_float(p[0][c])));
-          else
-            o[c] = store_as<T>(f(to_float(p[0][c]), to_float(p[1][c])));
+          for (std::int64_t c = 0; c < len; ++c) {
+            if constexpr (K == 1)
+              o[c] = store_as<T>(f(to_float(p[0][c])));
+            else
+              o[c] = store_as<T>(f(to_float(p[0][c]), to_float(p[1][c])));
+          }
+        } else {
+          for (std::int64_t c = 0; c < len; ++c) {
+            if constexpr (K == 1)
+              o[c] = store_as<T>(f(to_float(p[0][c * step[0]])));
+            else
+              o[c] = store_as<T>(f(to_float(p[0][c * step[0]]), to_float(p[1][c * step[1]])));
+          }
         }
-      } else {
-        for (std::int64_t c = 0; c < len; ++c) {
-          if constexpr (K == 1)
-            o[c] = store_as<T>(f(to_float(p[0][c * step[0]])));
-          else
-            o[c] = store_as<T>(f(to_float(p[0][c * step[0]]), to_float(p[1][c * step[1]])));
-        }
+        i += len;
       }
-      i += len;
     }
-  }
+  });
 }
 
 }  // namespace

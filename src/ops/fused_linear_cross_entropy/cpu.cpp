@@ -28,8 +28,10 @@ std::unique_ptr<U[]> scratch(std::int64_t n) {
 // out[i] = in[i] as U for i < n: widening to fp32, or rounding back once.
 template <typename U, typename T>
 void convert(const T* in, std::int64_t n, U* out) {
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<U>(to_float(in[i]));
+  parallel_if(n >= kParallelMin, [&] {
+#pragma omp for simd schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<U>(to_float(in[i]));
+  });
 }
 
 // out[i] = round(out[i] + p[i]) with the sum in A, or round(p[i]) when !accumulate, for i < n: a
@@ -37,8 +39,10 @@ void convert(const T* in, std::int64_t n, U* out) {
 template <typename T, typename A>
 void add_rounded(const A* p, std::int64_t n, T* out, bool accumulate) {
   if (!accumulate) return convert(p, n, out);
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<T>(to_float(out[i]) + p[i]);
+  parallel_if(n >= kParallelMin, [&] {
+#pragma omp for simd schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) out[i] = store_as<T>(to_float(out[i]) + p[i]);
+  });
 }
 
 // n elements of src as A: src itself when T is A, else converted into buf.
@@ -75,15 +79,17 @@ void matmul(std::int64_t m, std::int64_t n, std::int64_t k, GemmMatrix a, GemmMa
 template <typename A>
 void add_column_sums(const A* d, std::int64_t rows, std::int64_t cols, double* acc) {
   constexpr std::int64_t kCols = 256;  // columns per task, summed as a vector
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
-  for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
-    const std::int64_t w = std::min(kCols, cols - c0);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const A* row = d + row_offset(i, cols) + c0;
+  parallel_if(rows * cols >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
+      const std::int64_t w = std::min(kCols, cols - c0);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const A* row = d + row_offset(i, cols) + c0;
 #pragma omp simd
-      for (std::int64_t j = 0; j < w; ++j) acc[c0 + j] += double(row[j]);
+        for (std::int64_t j = 0; j < w; ++j) acc[c0 + j] += double(row[j]);
+      }
     }
-  }
+  });
 }
 
 template <typename T>

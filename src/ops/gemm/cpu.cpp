@@ -108,25 +108,29 @@ void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const fl
 template <typename T>
 void scale_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
   using A = acc_t<T>;
-#pragma omp parallel for schedule(static) if (p.batch * p.m * p.n >= kParallelMin)
-  for (std::int64_t row = 0; row < p.batch * p.m; ++row) {
-    const std::int64_t l = row / p.m, i = row % p.m;
-    T* out = item<T>(d, l) + i * d.ld;
-    for (std::int64_t j = 0; j < p.n; ++j)
-      out[j] = store_as<T>(add_c ? A(p.beta) * A(to_float(at<T>(c, l, i, j))) : A(0));
-  }
+  parallel_if(p.batch * p.m * p.n >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t row = 0; row < p.batch * p.m; ++row) {
+      const std::int64_t l = row / p.m, i = row % p.m;
+      T* out = item<T>(d, l) + i * d.ld;
+      for (std::int64_t j = 0; j < p.n; ++j)
+        out[j] = store_as<T>(add_c ? A(p.beta) * A(to_float(at<T>(c, l, i, j))) : A(0));
+    }
+  });
 }
 
 // D = C before a BLAS call that scales D by beta in place (c may broadcast a row).
 template <typename T>
 void copy_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d) {
   if (c.data == d.data) return;
-#pragma omp parallel for schedule(static) if (p.batch * p.m * p.n >= kParallelMin)
-  for (std::int64_t row = 0; row < p.batch * p.m; ++row) {
-    const std::int64_t l = row / p.m, i = row % p.m;
-    T* out = item<T>(d, l) + i * d.ld;
-    for (std::int64_t j = 0; j < p.n; ++j) out[j] = at<T>(c, l, i, j);
-  }
+  parallel_if(p.batch * p.m * p.n >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t row = 0; row < p.batch * p.m; ++row) {
+      const std::int64_t l = row / p.m, i = row % p.m;
+      T* out = item<T>(d, l) + i * d.ld;
+      for (std::int64_t j = 0; j < p.n; ++j) out[j] = at<T>(c, l, i, j);
+    }
+  });
 }
 
 // Scratch buffer `slot` (0..2) of at least n floats, kept per thread across calls: a fresh 16-96
@@ -194,14 +198,16 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
           continue;
         }
         sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, ds, nj);
-#pragma omp parallel for schedule(static) if (mi * nj >= kParallelMin)
-        for (std::int64_t i = 0; i < mi; ++i) {
-          T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;  // may be C itself: read before written
-          for (std::int64_t j = 0; j < nj; ++j) {
-            const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
-            out[j] = store_as<T>(std::fma(alpha, ds[i * nj + j], cv));
+        parallel_if(mi * nj >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+          for (std::int64_t i = 0; i < mi; ++i) {
+            T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;  // may be C itself: read before written
+            for (std::int64_t j = 0; j < nj; ++j) {
+              const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
+              out[j] = store_as<T>(std::fma(alpha, ds[i * nj + j], cv));
+            }
           }
-        }
+        });
       }
     }
 }
@@ -220,14 +226,16 @@ void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, co
     cblas_dgemm(CblasRowMajor, op(a), op(b), i(p.m), i(p.n), i(p.k), 1.0, item<double>(a, l),
                 i(a.ld), item<double>(b, l), i(b.ld), 0.0, out, direct ? i(d.ld) : i(p.n));
     if (direct) continue;
-#pragma omp parallel for schedule(static) if (p.m * p.n >= kParallelMin)
-    for (std::int64_t r = 0; r < p.m; ++r) {
-      double* const row = item<double>(d, l) + r * d.ld;  // may be C itself: read before written
-      for (std::int64_t j = 0; j < p.n; ++j) {
-        const double cv = add_c ? p.beta * at<double>(c, l, r, j) : 0.0;
-        row[j] = std::fma(p.alpha, out[r * p.n + j], cv);
+    parallel_if(p.m * p.n >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+      for (std::int64_t r = 0; r < p.m; ++r) {
+        double* const row = item<double>(d, l) + r * d.ld;  // may be C itself: read before written
+        for (std::int64_t j = 0; j < p.n; ++j) {
+          const double cv = add_c ? p.beta * at<double>(c, l, r, j) : 0.0;
+          row[j] = std::fma(p.alpha, out[r * p.n + j], cv);
+        }
       }
-    }
+    });
   }
 }
 
@@ -239,17 +247,19 @@ void column_sum_t(std::int64_t rows, std::int64_t cols, const GemmMatrix& x, T* 
   constexpr std::int64_t kCols = 256;  // columns per thread task, summed as a vector
   const T* base = static_cast<const T*>(x.data);
   const std::int64_t rs = kTransposed ? 1 : x.ld, cs = kTransposed ? x.ld : 1;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
-  for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
-    const std::int64_t w = std::min(kCols, cols - c0);
-    double acc[kCols] = {};
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const T* row = base + r * rs + c0 * cs;
+  parallel_if(rows * cols >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
+      const std::int64_t w = std::min(kCols, cols - c0);
+      double acc[kCols] = {};
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const T* row = base + r * rs + c0 * cs;
 #pragma omp simd
-      for (std::int64_t j = 0; j < w; ++j) acc[j] += double(to_float(row[j * cs]));
+        for (std::int64_t j = 0; j < w; ++j) acc[j] += double(to_float(row[j * cs]));
+      }
+      for (std::int64_t j = 0; j < w; ++j) out[c0 + j] = from_double<T>(acc[j]);
     }
-    for (std::int64_t j = 0; j < w; ++j) out[c0 + j] = from_double<T>(acc[j]);
-  }
+  });
 }
 
 }  // namespace

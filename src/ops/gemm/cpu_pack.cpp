@@ -21,8 +21,7 @@ namespace {
 template <typename T>
 void widen_rows(const T* base, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* out,
                 [[maybe_unused]] bool stream) {
-#pragma omp parallel if (rows * cols >= kParallelMin)
-  {
+  parallel_if(rows * cols >= kParallelMin, [&] {
 #pragma omp for schedule(static) nowait
     for (std::int64_t i = 0; i < rows; ++i) {
       const T* src = base + i * ld;
@@ -38,7 +37,7 @@ void widen_rows(const T* base, std::int64_t ld, std::int64_t rows, std::int64_t 
       for (std::int64_t t = j; t < cols; ++t) dst[t] = to_float(src[t]);
     }
     hwy::FlushStream();
-  }
+  });
 }
 
 // The transposed operand in 256 x 256 blocks (their pages fit the TLB) of 16 x 16 tiles.
@@ -46,19 +45,21 @@ template <typename T>
 void transpose_rows(const T* base, std::int64_t ld, std::int64_t rows, std::int64_t cols,
                     float* out) {
   constexpr std::int64_t kBlock = 256, kTile = 16;
-#pragma omp parallel for collapse(2) schedule(static) if (rows * cols >= kParallelMin)
-  for (std::int64_t ib = 0; ib < rows; ib += kBlock)
-    for (std::int64_t jb = 0; jb < cols; jb += kBlock)
-      for (std::int64_t i0 = ib; i0 < std::min(rows, ib + kBlock); i0 += kTile)
-        for (std::int64_t j0 = jb; j0 < std::min(cols, jb + kBlock); j0 += kTile) {
-          const std::int64_t ni = std::min(kTile, rows - i0), nj = std::min(kTile, cols - j0);
-          const T* src = base + j0 * ld + i0;
-          for (std::int64_t i = 0; i < ni; ++i) {
-            float* dst = out + (i0 + i) * cols + j0;
+  parallel_if(rows * cols >= kParallelMin, [&] {
+#pragma omp for collapse(2) schedule(static)
+    for (std::int64_t ib = 0; ib < rows; ib += kBlock)
+      for (std::int64_t jb = 0; jb < cols; jb += kBlock)
+        for (std::int64_t i0 = ib; i0 < std::min(rows, ib + kBlock); i0 += kTile)
+          for (std::int64_t j0 = jb; j0 < std::min(cols, jb + kBlock); j0 += kTile) {
+            const std::int64_t ni = std::min(kTile, rows - i0), nj = std::min(kTile, cols - j0);
+            const T* src = base + j0 * ld + i0;
+            for (std::int64_t i = 0; i < ni; ++i) {
+              float* dst = out + (i0 + i) * cols + j0;
 #pragma omp simd
-            for (std::int64_t j = 0; j < nj; ++j) dst[j] = to_float(src[j * ld + i]);
+              for (std::int64_t j = 0; j < nj; ++j) dst[j] = to_float(src[j * ld + i]);
+            }
           }
-        }
+  });
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "ops/common.h"
+#include "ops/cpu_math.h"
 #include "ops/pack_sequence/pack_sequence_kernels.h"
 
 namespace meshfuse::detail::cpu {
@@ -19,8 +20,10 @@ template <typename F>
 void for_row_ranges(std::int64_t rows, std::int64_t row_bytes, F&& f) {
   const std::int64_t per_part = std::max<std::int64_t>(1, kPartBytes / row_bytes);
   const std::int64_t parts = (rows + per_part - 1) / per_part;
-#pragma omp parallel for schedule(static) if (parts > 1)
-  for (std::int64_t p = 0; p < parts; ++p) f(p * per_part, std::min(rows, (p + 1) * per_part));
+  parallel_if(parts > 1, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t p = 0; p < parts; ++p) f(p * per_part, std::min(rows, (p + 1) * per_part));
+  });
 }
 
 }  // namespace

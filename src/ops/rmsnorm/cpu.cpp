@@ -72,8 +72,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const auto in = [&](const void* p, std::int64_t row) {
     return static_cast<const T*>(p) + row * s.cols;
   };
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-  {
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < s.rows; ++row) {
       const T* x = in(a.x, row);
@@ -121,7 +120,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
           [&](std::int64_t c) { return value(c) * rstd * w[c]; }, {in(a.x, next)}, PrefetchTo::L2);
     }
     hwy::FlushStream();
-  }
+  });
 }
 
 // One row of the backward; adds dy * n (in double) into dw_partial when kDweight. `next` is the row
@@ -181,8 +180,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   const bool stream =
       stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.dx,
                         s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-  {
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
 #pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
       double* partial = kDweight ? partials.get() + b * s.cols : nullptr;
@@ -193,20 +191,22 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
             s, a, weight.data(), row, row + 1 < s.rows ? row + 1 : row, stream, partial);
     }
     hwy::FlushStream();
-  }
+  });
   if constexpr (kDweight) {
     T* dw = static_cast<T*>(a.dweight);
-#pragma omp parallel for schedule(static) if (blocks * s.cols >= kParallelMin)
-    for (std::int64_t c0 = 0; c0 < s.cols; c0 += kCombineCols) {
-      const std::int64_t width = std::min(kCombineCols, s.cols - c0);
-      double sum[kCombineCols] = {};
-      for (std::int64_t b = 0; b < blocks; ++b) {
-        const double* p = partials.get() + b * s.cols + c0;
+    parallel_if(blocks * s.cols >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+      for (std::int64_t c0 = 0; c0 < s.cols; c0 += kCombineCols) {
+        const std::int64_t width = std::min(kCombineCols, s.cols - c0);
+        double sum[kCombineCols] = {};
+        for (std::int64_t b = 0; b < blocks; ++b) {
+          const double* p = partials.get() + b * s.cols + c0;
 #pragma omp simd
-        for (std::int64_t c = 0; c < width; ++c) sum[c] += p[c];
+          for (std::int64_t c = 0; c < width; ++c) sum[c] += p[c];
+        }
+        for (std::int64_t c = 0; c < width; ++c) dw[c0 + c] = from_double<T>(sum[c]);
       }
-      for (std::int64_t c = 0; c < width; ++c) dw[c0 + c] = from_double<T>(sum[c]);
-    }
+    });
   }
 }
 

@@ -9,7 +9,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 #include "ops/common.h"
 #include "ops/cpu_logsumexp-inl.h"
@@ -62,13 +62,14 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
     const A m = static_cast<A>(multiplier);
     const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)}, y,
                                           s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-    {
+    parallel_if(s.rows * s.cols >= kParallelMin, [&] {
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
       // stays in L2 until the output is written (streamed past the last-level cache). Whole
-      // vectors are stored past the row's end.
-      std::vector<A> scratch(static_cast<std::size_t>(s.cols) + kMaxLanes);
-      A* e = scratch.data();
+      // vectors are stored past the row's end. Not zeroed: every element is written before it is
+      // read, and zeroing it was a noticeable part of a tiny call.
+      const auto scratch =
+          std::make_unique_for_overwrite<A[]>(static_cast<std::size_t>(s.cols) + kMaxLanes);
+      A* e = scratch.get();
       // x is read through a local: clang 14 cannot reach the function's parameter from a lambda
       // in an OpenMP region of a generic lambda.
       const T* const rows = static_cast<const T*>(x);
@@ -87,7 +88,7 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
                   [&](std::int64_t c) { return e[c] * inv; });
       }
       hwy::FlushStream();
-    }
+    });
   });
 }
 
@@ -99,8 +100,7 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
     const A m = static_cast<A>(multiplier);
     const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, grad_x,
                                           s.rows * s.cols * std::int64_t{sizeof(T)});
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-    {
+    parallel_if(s.rows * s.cols >= kParallelMin, [&] {
 #pragma omp for schedule(static)
       for (std::int64_t r = 0; r < s.rows; ++r) {
         const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);
@@ -113,7 +113,7 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
             {static_cast<const T*>(grad_y) + next, static_cast<const T*>(y) + next});
       }
       hwy::FlushStream();
-    }
+    });
   });
 }
 

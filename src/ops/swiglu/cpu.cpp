@@ -153,45 +153,47 @@ HWY_INLINE VF LoadStrided(DF d, const float* p, std::size_t k) {
 template <int kIn, int kOut>
 void backward_rows_f32(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                        SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
-#pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    const DF d;
-    const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-    const float* dyr = row<float>(dy, r);
-    const float* g = row<float>(gate, r);
-    const float* u = row<float>(up, r);
-    float* dg = row<float>(dgate, r);
-    float* du = row<float>(dup, r);
-    for (std::int64_t c = 0; c < s.cols; c += lanes) {
-      const auto k = static_cast<std::size_t>(s.cols - c);
-      const VF gv = LoadStrided<kIn>(d, g + c * kIn, k), uv = LoadStrided<kIn>(d, u + c * kIn, k),
-               dv = LoadStrided<1>(d, dyr + c, k);
-      // Each half of the lanes in double, one sigmoid for both gradients, stored to a and b.
-      HWY_ALIGN float a[kMaxLanes], b[kMaxLanes];
-      const DH dh;
-      const DD dd;
-      const auto half = [&](auto part, std::size_t offset) {
-        const VD gd = hn::PromoteTo(dd, part(gv)), ud = hn::PromoteTo(dd, part(uv)),
-                 dyd = hn::PromoteTo(dd, part(dv));
-        const VD one = hn::Set(dd, 1.0), sig = Sigmoid(dd, gd);
-        const VD dgd =
-            hn::Mul(hn::Mul(hn::Mul(dyd, ud), sig), hn::MulAdd(gd, hn::Sub(one, sig), one));
-        hn::Store(hn::DemoteTo(dh, dgd), dh, a + offset);
-        hn::Store(hn::DemoteTo(dh, hn::Mul(hn::Mul(dyd, gd), sig)), dh, b + offset);
-      };
-      half([&](VF v) { return hn::LowerHalf(dh, v); }, 0);
-      half([&](VF v) { return hn::UpperHalf(dh, v); }, hn::Lanes(dh));
-      if (kOut == 1 && c + lanes <= s.cols) {
-        hn::StoreU(hn::Load(d, a), d, dg + c);
-        hn::StoreU(hn::Load(d, b), d, du + c);
-        continue;
-      }
-      for (std::int64_t i = 0; i < std::min<std::int64_t>(lanes, s.cols - c); ++i) {
-        dg[(c + i) * kOut] = a[i];
-        du[(c + i) * kOut] = b[i];
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      const DF d;
+      const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+      const float* dyr = row<float>(dy, r);
+      const float* g = row<float>(gate, r);
+      const float* u = row<float>(up, r);
+      float* dg = row<float>(dgate, r);
+      float* du = row<float>(dup, r);
+      for (std::int64_t c = 0; c < s.cols; c += lanes) {
+        const auto k = static_cast<std::size_t>(s.cols - c);
+        const VF gv = LoadStrided<kIn>(d, g + c * kIn, k), uv = LoadStrided<kIn>(d, u + c * kIn, k),
+                 dv = LoadStrided<1>(d, dyr + c, k);
+        // Each half of the lanes in double, one sigmoid for both gradients, stored to a and b.
+        HWY_ALIGN float a[kMaxLanes], b[kMaxLanes];
+        const DH dh;
+        const DD dd;
+        const auto half = [&](auto part, std::size_t offset) {
+          const VD gd = hn::PromoteTo(dd, part(gv)), ud = hn::PromoteTo(dd, part(uv)),
+                   dyd = hn::PromoteTo(dd, part(dv));
+          const VD one = hn::Set(dd, 1.0), sig = Sigmoid(dd, gd);
+          const VD dgd =
+              hn::Mul(hn::Mul(hn::Mul(dyd, ud), sig), hn::MulAdd(gd, hn::Sub(one, sig), one));
+          hn::Store(hn::DemoteTo(dh, dgd), dh, a + offset);
+          hn::Store(hn::DemoteTo(dh, hn::Mul(hn::Mul(dyd, gd), sig)), dh, b + offset);
+        };
+        half([&](VF v) { return hn::LowerHalf(dh, v); }, 0);
+        half([&](VF v) { return hn::UpperHalf(dh, v); }, hn::Lanes(dh));
+        if (kOut == 1 && c + lanes <= s.cols) {
+          hn::StoreU(hn::Load(d, a), d, dg + c);
+          hn::StoreU(hn::Load(d, b), d, du + c);
+          continue;
+        }
+        for (std::int64_t i = 0; i < std::min<std::int64_t>(lanes, s.cols - c); ++i) {
+          dg[(c + i) * kOut] = a[i];
+          du[(c + i) * kOut] = b[i];
+        }
       }
     }
-  }
+  });
 }
 
 // The backward of 16-bit contiguous rows from the two tables: du = dy silu(g), dg = dy u silu'(g).
@@ -204,8 +206,7 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
   const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   const Table16<T, std::uint64_t>& table = *silu_and_grad_table<T>();
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-  {
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
     HWY_ALIGN float dg_block[kBlock];
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
@@ -242,7 +243,7 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
       }
     }
     hwy::FlushStream();
-  }
+  });
 }
 #endif
 
@@ -253,8 +254,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
   const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
                                         s.rows * s.cols * std::int64_t{sizeof(T)});
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
-#pragma omp parallel if (s.rows * s.cols >= kParallelMin)
-  {
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
@@ -300,7 +300,7 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
       });
     }
     hwy::FlushStream();
-  }
+  });
 }
 
 template <typename T, int kIn, int kOut>
@@ -314,29 +314,31 @@ void backward_rows(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate, S
     return backward_rows_f32<kIn, kOut>(s, dy, gate, up, dgate, dup);
 #endif
   [[maybe_unused]] const Table16<T, std::uint64_t>* table = silu_and_grad_table<T>();
-#pragma omp parallel for schedule(static) if (s.rows * s.cols >= kParallelMin)
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    const T* d = row<T>(dy, r);
-    const T* g = row<T>(gate, r);
-    const T* u = row<T>(up, r);
-    T* dg = row<T>(dgate, r);
-    T* du = row<T>(dup, r);
+  parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      const T* d = row<T>(dy, r);
+      const T* g = row<T>(gate, r);
+      const T* u = row<T>(up, r);
+      T* dg = row<T>(dgate, r);
+      T* du = row<T>(dup, r);
 #pragma omp simd
-    for (std::int64_t c = 0; c < s.cols; ++c) {
-      // Every input read before either store: an output may share its data with an input.
-      const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
-      const T gv = g[c * kIn];
-      if constexpr (kSixteenBit<T>) {
-        const auto silu_and_grad = std::bit_cast<FloatPair>((*table)[gv]);
-        du[c * kOut] = store_as<T>(dv * silu_and_grad.first);
-        dg[c * kOut] = store_as<T>(dv * uv * silu_and_grad.second);
-      } else {  // f32 (HWY_SCALAR) and f64: in double, rounded once
-        const double gd = gv;
-        du[c * kOut] = static_cast<T>(double(dv) * silu(gd));
-        dg[c * kOut] = static_cast<T>(double(dv) * double(uv) * silu_grad(gd));
+      for (std::int64_t c = 0; c < s.cols; ++c) {
+        // Every input read before either store: an output may share its data with an input.
+        const A dv = to_float(d[c]), uv = to_float(u[c * kIn]);
+        const T gv = g[c * kIn];
+        if constexpr (kSixteenBit<T>) {
+          const auto silu_and_grad = std::bit_cast<FloatPair>((*table)[gv]);
+          du[c * kOut] = store_as<T>(dv * silu_and_grad.first);
+          dg[c * kOut] = store_as<T>(dv * uv * silu_and_grad.second);
+        } else {  // f32 (HWY_SCALAR) and f64: in double, rounded once
+          const double gd = gv;
+          du[c * kOut] = static_cast<T>(double(dv) * silu(gd));
+          dg[c * kOut] = static_cast<T>(double(dv) * double(uv) * silu_grad(gd));
+        }
       }
     }
-  }
+  });
 }
 
 }  // namespace
