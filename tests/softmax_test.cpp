@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include <omp.h>
+
 #include "meshfuse/meshfuse.h"
 #include "ops/softmax/softmax_kernels.h"
 #include "test_util.h"
@@ -297,6 +299,36 @@ TEST_P(SoftmaxTargets, MatchesTorchOnKnownValues) {
 
 INSTANTIATE_TEST_SUITE_P(, SoftmaxTargets, ::testing::ValuesIn(test::all_targets()),
                          test::target_param_name);
+
+// Threads of a caller's own OpenMP region, each running softmax on the cpu backend: every call
+// computes all of its rows, bitwise as a call from one thread. The kernels' row split
+// (omp_get_num_threads) and their `omp for` loops must not bind to the caller's team. 4 rows of
+// 4096 run on the calling thread (under the parallel threshold), 64 rows in a region of their own.
+TEST(Softmax, CallsFromInsideACallersOpenMpRegionComputeAllTheirRows) {
+  for (const std::int64_t rows : {4, 64}) {
+    SCOPED_TRACE("rows " + std::to_string(rows));
+    const Tensor x = randn({rows, 4096}, DType::F32, 21), grad_y = randn({rows, 4096}, DType::F32, 22);
+    Tensor y({rows, 4096}, DType::F32), grad_x({rows, 4096}, DType::F32);
+    softmax(x, y, 1.0);
+    softmax_backward(grad_y, y, grad_x, 1.0);
+    constexpr int kThreads = 4;
+    std::vector<Tensor> ys, grads;
+    for (int t = 0; t < kThreads; ++t) {
+      ys.push_back(Tensor::zeros({rows, 4096}, DType::F32));
+      grads.push_back(Tensor::zeros({rows, 4096}, DType::F32));
+    }
+#pragma omp parallel num_threads(kThreads)
+    {
+      const int t = omp_get_thread_num();
+      softmax(x, ys[t], 1.0);
+      softmax_backward(grad_y, y, grads[t], 1.0);
+    }
+    for (int t = 0; t < kThreads; ++t) {
+      EXPECT_TRUE(testing::bitwise_equal(ys[t], y)) << "thread " << t;
+      EXPECT_TRUE(testing::bitwise_equal(grads[t], grad_x)) << "thread " << t;
+    }
+  }
+}
 
 TEST(Softmax, RowOffsetsPast2To31AreExact) {
   // Row 70000 of a LLaMA-3 vocabulary (128256) starts at element 8'977'920'000 > 2^31.

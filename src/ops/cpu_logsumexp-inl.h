@@ -66,7 +66,7 @@ A exp_shift(A max) {
   return max == -std::numeric_limits<A>::infinity() ? A(0) : max;
 }
 
-// The rows [begin, end) of the calling thread of a `#pragma omp parallel` region: contiguous, as
+// The rows [begin, end) of the calling thread of a parallel_if region: contiguous, as
 // schedule(static) would give, so that a thread can read ahead into its next row.
 inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
 #ifdef _OPENMP

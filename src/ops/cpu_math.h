@@ -77,16 +77,18 @@ inline constexpr std::int64_t kParallelMin = std::int64_t{1} << 15;
 // Runs body() on the OpenMP team when `parallel`, else on the calling thread without entering a
 // parallel region: libgomp ends even a region of one thread (`#pragma omp parallel if (false)`)
 // on a barrier that wakes its waiters with a futex syscall, a good part of a tiny call's host time
-// (PyTorch's at::parallel_for runs small work inline for the same reason). In body,
-// omp_get_thread_num() and orphaned `#pragma omp for` loops work either way.
+// (PyTorch's at::parallel_for runs small work inline for the same reason). Inside a caller's own
+// active region body still gets a region (of one thread, unless `parallel` and nested parallelism
+// is on): there an orphaned `#pragma omp for` or omp_get_num_threads() in body would bind to the
+// caller's team and split one call's work among the caller's threads.
 template <typename F>
 void parallel_if(bool parallel, F&& body) {
-  if (!parallel) {
+#ifdef _OPENMP  // (also included by targets built without OpenMP)
+  if (parallel || omp_in_parallel()) {
+#pragma omp parallel if (parallel)
     body();
     return;
   }
-#ifdef _OPENMP  // (also included by targets built without OpenMP)
-#pragma omp parallel
 #endif
   body();
 }

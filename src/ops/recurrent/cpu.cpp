@@ -322,8 +322,9 @@ void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const
                    T* output, T* final_state, Step&& step) {
   using A = acc_t<T>;
   const std::int64_t h = s.head_dim, groups = ceil_div(s.batch, kGroup);
-#pragma omp parallel
-  {
+  // One task (a head of a small batch, as in decoding) runs on the calling thread: the other
+  // threads would only make their buffers.
+  parallel_if(s.heads * groups > 1, [&] {
     HeadWeights<T, kPairs, M> weights(h, false);
     std::vector<A> state(kGroup * h);
     std::vector<M> work(kWork * kGroup * h);
@@ -365,7 +366,7 @@ void forward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op, const
         for (std::int64_t i = 0; i < count; ++i)
           narrow(state.data() + i * h, final_state + (order[i] * s.heads + n) * h, h);
     }
-  }
+  });
 }
 
 // h = tanh(h @ W + x). The pre-activation h @ W + x is summed in once_t (double for f32: exact
@@ -476,8 +477,7 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
   std::vector<std::unique_ptr<P[]>> partial(kPairs);
   for (auto& p : partial) p.reset(new P[static_cast<std::size_t>(blocks * heads * hh)]);
 
-#pragma omp parallel
-  {
+  parallel_if(heads / group * blocks > 1, [&] {  // one task: the calling thread (as forward_pairs)
     HeadWeights<T, kPairs> weights(h, true);
     std::vector<A> prev(h), y(h), g(h), carry(h), work(kWork * h);
     std::vector<A> u[kPairs], v[kPairs], sums[kPairs];
@@ -574,7 +574,7 @@ void backward_pairs(const RecurrentShape& s, const Operands<T, kPairs>& op,
         narrow(acc, args.grad_weight[k] + wr * h, h);
       }
     }
-  }
+  });
 }
 
 // da = g (1 - y^2), dW += prev^T da, carry = da @ W^T

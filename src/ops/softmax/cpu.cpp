@@ -70,10 +70,9 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
       const auto scratch =
           std::make_unique_for_overwrite<A[]>(static_cast<std::size_t>(s.cols) + kMaxLanes);
       A* e = scratch.get();
-      // x is read through a local: clang 14 cannot reach the function's parameter from a lambda
-      // in an OpenMP region of a generic lambda.
-      const T* const rows = static_cast<const T*>(x);
-      const auto row = [&](std::int64_t r) { return rows + row_offset(r, s.cols); };
+      const auto row = [&](std::int64_t r) {
+        return static_cast<const T*>(x) + row_offset(r, s.cols);
+      };
       const auto [begin, end] = thread_rows(s.rows);
       A max = begin < end ? row_max(row(begin), s.cols, m).max : A(0);
       for (std::int64_t r = begin; r < end; ++r) {
