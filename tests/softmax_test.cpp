@@ -303,11 +303,12 @@ INSTANTIATE_TEST_SUITE_P(, SoftmaxTargets, ::testing::ValuesIn(test::all_targets
 // Threads of a caller's own OpenMP region, each running softmax on the cpu backend: every call
 // computes all of its rows, bitwise as a call from one thread. The kernels' row split
 // (omp_get_num_threads) and their `omp for` loops must not bind to the caller's team. 4 rows of
-// 4096 run on the calling thread (under the parallel threshold), 64 rows in a region of their own.
+// 4096 are under the kernels' parallel threshold, 64 rows over it.
 TEST(Softmax, CallsFromInsideACallersOpenMpRegionComputeAllTheirRows) {
   for (const std::int64_t rows : {4, 64}) {
     SCOPED_TRACE("rows " + std::to_string(rows));
-    const Tensor x = randn({rows, 4096}, DType::F32, 21), grad_y = randn({rows, 4096}, DType::F32, 22);
+    const Tensor x = randn({rows, 4096}, DType::F32, 21),
+                 grad_y = randn({rows, 4096}, DType::F32, 22);
     Tensor y({rows, 4096}, DType::F32), grad_x({rows, 4096}, DType::F32);
     softmax(x, y, 1.0);
     softmax_backward(grad_y, y, grad_x, 1.0);
