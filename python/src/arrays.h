@@ -65,22 +65,18 @@ struct Output {
   enum class Problem { None, ReadOnly, NotAnArray };
   nb::ndarray<> array;
   Problem problem = Problem::None;
-  std::string type;  // the Python type that came, for the message
+  const char* type = "";  // the Python type that came (its tp_name, alive for the call)
 };
 
 inline TensorView view(const Output& out, std::string_view name) {
+  if (out.problem == Output::Problem::None) return view(out.array);
   const std::string what = "output '" + std::string(name) + "' ";
-  switch (out.problem) {
-    case Output::Problem::None:
-      return view(out.array);
-    case Output::Problem::ReadOnly:  // a bad value, as NumPy's ValueError for one
-      throw Error(ErrorCode::InvalidArgument,
-                  what + "is a read-only " + out.type + " (outputs are written in place)");
-    case Output::Problem::NotAnArray:  // a bad type
-      break;
-  }
-  throw nb::type_error((what + "must be a writable array of a DLPack dtype (PyTorch, NumPy, "
-                        "CuPy), got " + out.type).c_str());
+  if (out.problem == Output::Problem::ReadOnly)  // a bad value, as NumPy's ValueError for one
+    throw Error(ErrorCode::InvalidArgument,
+                what + "is a read-only " + out.type + " (outputs are written in place)");
+  const std::string message =  // a bad type
+      what + "must be a writable array of a DLPack dtype (PyTorch, NumPy, CuPy), got " + out.type;
+  throw nb::type_error(message.c_str());
 }
 
 inline TensorView view(const std::optional<Output>& out, std::string_view name) {
@@ -213,6 +209,9 @@ struct type_caster<meshfuse::python::Output> {
 
  private:
   static bool is_jax(handle src) noexcept {
+    // A DLPack capsule (what meshfuse.torch passes) says nothing of its producer; the lookup of
+    // __module__ below was a noticeable part of a tiny call's host time.
+    if (PyCapsule_CheckExact(src.ptr())) return false;
     PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(src.ptr())),
                                               "__module__");
     if (!module) {
