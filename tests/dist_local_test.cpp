@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "dist_cases.h"
@@ -115,6 +116,21 @@ TEST(DistLocal, RecordsNameTheOperationTeamBackendAndSize) {
     expect_error([&] { c.backend(DeviceType::CUDA); }, ErrorCode::BackendUnavailable,
                  {"'cpu:local'", "cuda"});
 #endif
+  });
+}
+
+TEST(DistLocal, SplitSizesWhoseSumWrapsAroundAreRefused) {
+  // 2 * (2^63 - 1) + 6 wraps around 2^64 to 4, the tensor's rows: summed unchecked, these sizes
+  // passed and the copy ran past the buffers.
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  run_local(3, [](Communicator& c) {
+    Tensor t = Tensor::zeros({4, 3}, DType::F32);
+    expect_error(
+        [&] {
+          c.all_to_all(t, Tensor::zeros({4, 3}, DType::F32), {kMax, kMax, 6});
+        },
+        ErrorCode::InvalidArgument,
+        {"all_to_all", "input_split_sizes", "add up to more than 2^63 rows"});
   });
 }
 

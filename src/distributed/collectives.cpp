@@ -94,14 +94,16 @@ std::vector<std::int64_t> split_elements(const std::vector<std::int64_t>& rows, 
   MESHFUSE_CHECK(static_cast<int>(rows_used.size()) == size, ErrorCode::InvalidArgument,
                  "{}: {} has {} entries for a team of {}", name, which, rows_used.size(), size);
   std::int64_t sum = 0;
+  bool wrapped = false;  // sizes near 2^63 could otherwise add up, wrapped, to the tensor's rows
   for (std::int64_t r : rows_used) {
     MESHFUSE_CHECK(r >= 0, ErrorCode::InvalidArgument, "{}: {} {} has a negative size", name, which,
                    detail::list_str(rows_used));
-    sum += r;
+    wrapped = __builtin_add_overflow(sum, r, &sum) || wrapped;
   }
-  MESHFUSE_CHECK(sum == t.size(0), ErrorCode::InvalidArgument,
+  MESHFUSE_CHECK(!wrapped && sum == t.size(0), ErrorCode::InvalidArgument,
                  "{}: {} {} add up to {} rows but the tensor {} has {}", name, which,
-                 detail::list_str(rows_used), sum, t.str(), t.size(0));
+                 detail::list_str(rows_used), wrapped ? "more than 2^63" : std::to_string(sum),
+                 t.str(), t.size(0));
   const std::int64_t row = row_elements(t);
   for (std::int64_t& r : rows_used) r *= row;
   return rows_used;
