@@ -19,15 +19,20 @@
 
 namespace meshfuse::test::exec {
 
-// Every input whole, the same on every rank (seeded by its position): labels in [0, 29) with
-// every third row ignored (every row, with ignore_every_label), floats normal with std 0.5.
+// Every input whole, the same on every rank (seeded by its position): labels in [0, V), V the
+// rows of the input "head_weight" (29 without one), with every third row ignored (every row, with
+// ignore_every_label), floats normal with std 0.5.
 inline std::vector<Tensor> whole_inputs(const Program& p, bool ignore_every_label = false) {
+  std::int64_t classes = 29;
+  for (const Value in : p.inputs())
+    if (p.info(in).name == "head_weight") classes = p.info(in).shape[0];
   std::vector<Tensor> inputs;
   for (std::size_t i = 0; i < p.inputs().size(); ++i) {
     const ValueInfo& info = p.info(p.inputs()[i]);
     if (info.dtype == DType::I32 || info.dtype == DType::I64) {
-      inputs.push_back(ignore_every_label ? full(info.shape, info.dtype, -100)
-                                          : make_labels(info.shape[0], 29, info.dtype, 100 + i));
+      inputs.push_back(ignore_every_label
+                           ? full(info.shape, info.dtype, -100)
+                           : make_labels(info.shape[0], classes, info.dtype, 100 + i));
     } else {
       inputs.push_back(randn(info.shape, info.dtype, 100 + i, 0.5));
     }
@@ -247,9 +252,10 @@ inline void check_mlp_block_on_a_2d_mesh(const std::shared_ptr<Communicator>& co
 // vocabulary-parallel cross_entropy on them (mean, with label smoothing and z-loss: the row
 // statistics all-gathered and combined), and the fused linear cross-entropy on token rows with the
 // weight replicated (none: per-row losses on token shards).
-inline void check_head(const std::shared_ptr<Communicator>& comm) {
+// `vocab` below the team's size leaves some ranks a shard of no columns.
+inline void check_head(const std::shared_ptr<Communicator>& comm, std::int64_t vocab = 29) {
   const auto build = [&](bool sharded) {
-    const std::int64_t tokens = 10, hidden = 16, vocab = 29;
+    const std::int64_t tokens = 10, hidden = 16;
     Program p;
     const Value x = p.define_tensor("x", {tokens, hidden}, DType::F32);
     const Value w = p.define_tensor("head_weight", {vocab, hidden}, DType::F32);
@@ -305,10 +311,11 @@ inline void check_mlp_block_backward(const std::shared_ptr<Communicator>& comm) 
 // The head's losses and their gradients: rmsnorm then the fused linear cross-entropy on token rows
 // (sum), and a column-parallel linear then the vocabulary-parallel cross_entropy (mean), whose
 // backward runs on each rank's columns without communication.
-inline void check_head_backward(const std::shared_ptr<Communicator>& comm) {
+inline void check_head_backward(const std::shared_ptr<Communicator>& comm,
+                                std::int64_t vocab = 29) {
   for (const bool fused : {true, false}) {
     const auto build = [&](bool sharded) {
-      const std::int64_t tokens = 10, hidden = 16, vocab = 29;
+      const std::int64_t tokens = 10, hidden = 16;
       Program p;
       const Value x = p.define_tensor("x", {tokens, hidden}, DType::F32);
       const Value norm = p.define_tensor("norm_weight", {hidden}, DType::F32);

@@ -125,6 +125,13 @@ std::vector<double> as_doubles(const TensorView& t, const Stream& stream) {
   return {host.data_ptr<double>(), host.data_ptr<double>() + host.numel()};
 }
 
+// Copies host doubles into `t` (any device and floating dtype), rounding once.
+void write(const std::vector<double>& values, const TensorView& t, const Stream& stream) {
+  Tensor host(t.shape(), DType::F64);
+  std::copy(values.begin(), values.end(), host.data_ptr<double>());
+  copy(host, t, stream);
+}
+
 // The loss dtype the kernel computes per-row losses in: f32 for 16-bit logits.
 DType row_loss_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : logits; }
 
@@ -134,50 +141,48 @@ DType row_loss_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 
 // row, and every rank combines them in double in rank order, so that all agree bitwise:
 //   lse_i  = log sum_s exp(lse_s,i)
 //   loss_i = lse_i + z lse_i^2 - sum_s (lse_s,i + z lse_s,i^2 - loss_s,i)
-// (0 for ignored rows). The statistics are a few doubles per row: the host combines them.
+// (0 for ignored rows). A shard of no columns (a vocabulary smaller than the team) adds nothing:
+// its lse and loss are -inf, whose difference is NaN, so each rank sends its width with them. The
+// statistics are a few doubles per row: the host combines them.
 struct Rows {
   std::vector<double> lse, loss;
 };
-Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s,
+Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s, std::int64_t columns,
                     const std::vector<double>& labels, std::int64_t first,
                     const CrossEntropyOptions& o, Communicator& team, const Stream& stream) {
-  const std::int64_t n = lse_s.numel();
+  const std::int64_t n = lse_s.numel(), per_rank = 2 * n + 1;
   const int d = team.size();
   const Device device = lse_s.device();
-  const Tensor mine({2, n}, DType::F64, device, stream);
-  copy(lse_s, mine.view().narrow(0, 0, 1).reshape({n}), stream);
-  copy(loss_s, mine.view().narrow(0, 1, 1).reshape({n}), stream);
-  const Tensor all({2 * d, n}, DType::F64, device, stream);
+  const Tensor mine({per_rank}, DType::F64, device, stream);
+  copy(lse_s, mine.view().narrow(0, 0, n), stream);
+  copy(loss_s, mine.view().narrow(0, n, n), stream);
+  write({static_cast<double>(columns)}, mine.view().narrow(0, 2 * n, 1), stream);
+  const Tensor all({d * per_rank}, DType::F64, device, stream);
   team.all_gather(mine, all, stream).wait();
   const std::vector<double> stats = as_doubles(all, stream);
+  const auto at = [&](int s, std::int64_t offset) {
+    return stats[static_cast<std::size_t>(s * per_rank + offset)];
+  };
   const double z = o.z_loss_scale;
   Rows rows{std::vector<double>(static_cast<std::size_t>(n)),
             std::vector<double>(static_cast<std::size_t>(n))};
   for (std::int64_t i = 0; i < n; ++i) {
     if (labels[static_cast<std::size_t>(first + i)] == static_cast<double>(o.ignore_index))
       continue;
-    const auto at = [&](int s, int which) {
-      return stats[static_cast<std::size_t>((2 * s + which) * n + i)];
-    };
     double top = -std::numeric_limits<double>::infinity();
-    for (int s = 0; s < d; ++s) top = std::max(top, at(s, 0));
+    for (int s = 0; s < d; ++s) top = std::max(top, at(s, i));
     double exps = 0, parts = 0;
     for (int s = 0; s < d; ++s) {
-      exps += std::exp(at(s, 0) - top);
-      parts += at(s, 0) + z * at(s, 0) * at(s, 0) - at(s, 1);
+      if (at(s, 2 * n) == 0) continue;
+      const double lse = at(s, i);
+      exps += std::exp(lse - top);
+      parts += lse + z * lse * lse - at(s, n + i);
     }
     const double lse = top + std::log(exps);
     rows.lse[static_cast<std::size_t>(i)] = lse;
     rows.loss[static_cast<std::size_t>(i)] = lse + z * lse * lse - parts;
   }
   return rows;
-}
-
-// Copies host doubles into `t` (any device and floating dtype), rounding once.
-void write(const std::vector<double>& values, const TensorView& t, const Stream& stream) {
-  Tensor host(t.shape(), DType::F64);
-  std::copy(values.begin(), values.end(), host.data_ptr<double>());
-  copy(host, t, stream);
 }
 
 // The rows not ignored.
@@ -211,7 +216,7 @@ void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorV
   const Tensor lse_s({n}, out[1].dtype(), logits.device(), stream);
   cross_entropy(logits, labels, loss_s, lse_s, per_row, stream);
   const std::vector<double> y = as_doubles(labels, stream);
-  const Rows rows = combine_shards(lse_s, loss_s, y, 0, op.loss, team, stream);
+  const Rows rows = combine_shards(lse_s, loss_s, logits.size(1), y, 0, op.loss, team, stream);
   write(rows.lse, out[1], stream);
   write_loss(rows.loss, counted(y, op.loss.ignore_index), op.loss.reduction, out[0], stream);
 }
@@ -278,7 +283,7 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
     cross_entropy(lg, y_c, loss_s.view().narrow(0, 0, rows), lse_s.view().narrow(0, 0, rows),
                   per_row, stream);
     const Rows r = combine_shards(lse_s.view().narrow(0, 0, rows), loss_s.view().narrow(0, 0, rows),
-                                  y, first, op.loss, team, stream);
+                                  vocab, y, first, op.loss, team, stream);
     losses.insert(losses.end(), r.loss.begin(), r.loss.end());
     if (!grads) continue;
     write(r.lse, lse.view().narrow(0, 0, rows), stream);
