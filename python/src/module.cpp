@@ -13,6 +13,7 @@
 
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "arrays.h"
 #include "info.h"
@@ -31,19 +32,34 @@ using Out = Output;
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
 
-// Holds a ForceKernelBackend between __enter__ and __exit__ (same thread, as `with` guarantees).
+// Holds a ForceKernelBackend between __enter__ and __exit__. The forcing is the entering thread's,
+// so __exit__ must come from that thread, once per __enter__ (as `with` does); called by hand out
+// of turn, it raises instead of undoing another thread's scope or popping an empty stack.
 class ForceKernelBackendScope {
  public:
   explicit ForceKernelBackendScope(const std::string& backend)
       : backend_(parse_kernel_backend(backend)) {}
   ForceKernelBackendScope(const ForceKernelBackendScope&) = delete;
   ForceKernelBackendScope& operator=(const ForceKernelBackendScope&) = delete;
-  void enter() { guards_.emplace_back(std::make_unique<ForceKernelBackend>(backend_)); }
-  void exit() { guards_.pop_back(); }
+  void enter() {
+    guards_.push_back({std::make_unique<ForceKernelBackend>(backend_), std::this_thread::get_id()});
+  }
+  void exit() {
+    MESHFUSE_CHECK(!guards_.empty(), ErrorCode::InvalidArgument,
+                   "force_kernel_backend: __exit__ without a matching __enter__");
+    MESHFUSE_CHECK(guards_.back().thread == std::this_thread::get_id(), ErrorCode::InvalidArgument,
+                   "force_kernel_backend: __exit__ on another thread than its __enter__ (the "
+                   "forcing belongs to the entering thread)");
+    guards_.pop_back();
+  }
 
  private:
+  struct Entered {
+    std::unique_ptr<ForceKernelBackend> guard;
+    std::thread::id thread;
+  };
   KernelBackend backend_;
-  std::vector<std::unique_ptr<ForceKernelBackend>> guards_;
+  std::vector<Entered> guards_;
 };
 
 // meshfuse.Error, and under it one class per ErrorCode that also derives from the built-in

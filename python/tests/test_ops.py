@@ -1,5 +1,7 @@
 """The Python bindings on NumPy arrays: values against NumPy formulas, errors, backend forcing."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,28 @@ def test_forced_backend_nests_restores_and_rejects_unknown_names():
     assert meshfuse.forced_kernel_backend() is None
     with pytest.raises(meshfuse.Error, match="kernel backend.*'tpu'"):
         meshfuse.force_kernel_backend("tpu")
+
+
+def test_forced_backend_exit_out_of_turn_raises_instead_of_crashing():
+    scope = meshfuse.force_kernel_backend("reference")
+    with pytest.raises(ValueError, match="__exit__ without a matching __enter__"):
+        scope.__exit__(None, None, None)  # popped an empty stack: a segfault
+    scope.__enter__()
+    errors = []
+
+    def exit_elsewhere():
+        try:
+            scope.__exit__(None, None, None)
+        except ValueError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=exit_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "another thread" in errors[0]
+    assert meshfuse.forced_kernel_backend() == "reference"  # still this thread's
+    scope.__exit__(None, None, None)
+    assert meshfuse.forced_kernel_backend() is None
 
 
 def test_registered_kernels_list_every_op_on_reference_and_cpu():
