@@ -343,14 +343,14 @@ def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.
 
 
 # --- softmax -------------------------------------------------------------------------------------
-def softmax_forward(x, logits_multiplier=1.0):
+def softmax_forward(x, *, logits_multiplier=1.0):
     """The raw kernel of :func:`softmax`."""
     y = _empty_like(x)
     _C.softmax(_d(x), _d(y), logits_multiplier, _stream(x))
     return y
 
 
-def softmax_backward(grad_y, y, logits_multiplier=1.0):
+def softmax_backward(grad_y, y, *, logits_multiplier=1.0):
     """The raw backward of :func:`softmax`: grad_x from the forward's output y."""
     grad_x = _empty_like(y)
     _C.softmax_backward(_d(grad_y), _d(y), _d(grad_x), logits_multiplier=logits_multiplier,
@@ -360,7 +360,7 @@ def softmax_backward(grad_y, y, logits_multiplier=1.0):
 
 @torch.library.custom_op("meshfuse::softmax", mutates_args=())
 def _softmax(x: Tensor, logits_multiplier: float) -> Tensor:
-    return softmax_forward(x, logits_multiplier)
+    return softmax_forward(x, logits_multiplier=logits_multiplier)
 
 
 @_softmax.register_fake
@@ -370,7 +370,7 @@ def _(x, logits_multiplier):
 
 @torch.library.custom_op("meshfuse::softmax_backward", mutates_args=())
 def _softmax_backward(grad_y: Tensor, y: Tensor, logits_multiplier: float) -> Tensor:
-    return softmax_backward(grad_y, y, logits_multiplier)
+    return softmax_backward(grad_y, y, logits_multiplier=logits_multiplier)
 
 
 @_softmax_backward.register_fake
@@ -391,15 +391,19 @@ def _softmax_grad(ctx, grad_y):
 _softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 
 
-def softmax(x, logits_multiplier=1.0):
+def softmax(x, dim=-1, *, logits_multiplier=1.0):
     """``torch.softmax(x * logits_multiplier, dim=-1)``.
 
-    x: (..., V), float32, float64, bfloat16 or float16 (16-bit computed in fp32). Returns a
-    contiguous tensor like x; a row entirely -inf gives NaN, as PyTorch. Raises
-    InvalidArgumentError (ValueError), DTypeMismatchError (TypeError). Spec:
-    include/meshfuse/ops/softmax.h."""
+    x: (..., V), float32, float64, bfloat16 or float16 (16-bit computed in fp32). ``dim`` is
+    PyTorch's second argument and must name the last dim (-1 or x.dim() - 1): a positional
+    multiplier would read as a dim. Returns a contiguous tensor like x; a row entirely -inf gives
+    NaN, as PyTorch. Raises ValueError for another dim, InvalidArgumentError (ValueError),
+    DTypeMismatchError (TypeError). Spec: include/meshfuse/ops/softmax.h."""
+    if dim != -1 and dim != x.dim() - 1:
+        raise ValueError(f"softmax: dim must be the last dim (-1 or {x.dim() - 1}) of x "
+                         f"{tuple(x.shape)}, got {dim}")
     if _untraced(x):
-        return softmax_forward(x, logits_multiplier)
+        return softmax_forward(x, logits_multiplier=logits_multiplier)
     return _softmax(x, logits_multiplier)
 
 

@@ -60,6 +60,21 @@ def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
     _opcheck(ops.swiglu_reusing_inputs.default, (x.clone(), y.clone()))
 
 
+def test_softmax_takes_pytorchs_dim_argument_and_a_keyword_multiplier():
+    # mt.softmax(x, -1) once read -1 as the multiplier and returned softmax(-x).
+    x = _randn(3, 5, seed=7)
+    expected = torch.softmax(x, -1)
+    torch.testing.assert_close(mt.softmax(x, -1), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mt.softmax(x, 1), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mt.softmax(x, dim=-1), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mt.softmax(x, logits_multiplier=0.5), torch.softmax(0.5 * x, -1),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"softmax: dim must be the last dim \(-1 or 1\).*got 0"):
+        mt.softmax(x, 0)
+    with pytest.raises(TypeError):
+        mt.softmax_forward(x, 0.5)  # the raw kernels' multiplier is keyword-only too
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device):
