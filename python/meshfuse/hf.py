@@ -5,7 +5,8 @@ It swaps, on the model's own modules (no copy, the weights untouched):
 
 - each ``*RMSNorm`` (``weight``, ``variance_epsilon``) for :func:`meshfuse.torch.rmsnorm`;
 - each MLP with ``gate_proj`` / ``up_proj`` / ``down_proj`` and a SiLU activation for
-  :func:`meshfuse.torch.swiglu_mlp` (Mixtral's experts are left as they are);
+  :func:`meshfuse.torch.mlp_forward`, which calls the projections (LoRA adapters and hooks on them
+  take part) and runs meshfuse's activation (Mixtral's experts are left as they are);
 - the causal-LM loss of a training step (``model.training`` and grad enabled): with ``labels`` (or
   ``shift_labels``), the forward runs the base model and
   :func:`meshfuse.torch.fused_linear_cross_entropy` over its last hidden state and ``lm_head``, with
@@ -13,7 +14,9 @@ It swaps, on the model's own modules (no copy, the weights untouched):
   transformers' (which upcasts the logits). The (tokens, vocabulary) logits are then never made:
   the output's ``logits`` is None (and absent from the tuple of ``return_dict=False``, as
   transformers' ``to_tuple`` drops None fields). Without labels, in eval mode or under no_grad
-  (evaluation and prediction, which want the logits) the forward is the model's own.
+  (evaluation and prediction, which want the logits), or with an ``lm_head`` that is not a plain
+  ``torch.nn.Linear`` without hooks (a LoRA adapter, a quantised linear) the forward is the
+  model's own.
   Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``,
   in the call or else in the config).
 
@@ -51,8 +54,7 @@ def _rmsnorm_forward(self, hidden_states):
 
 
 def _mlp_forward(self, x):
-    return mt.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                         self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+    return mt.mlp_forward(self, x)
 
 
 def _output_class(forward):
@@ -75,6 +77,10 @@ def _causal_lm_forward(self, *args, **kwargs):
     # prediction_step, compute_metrics, perplexity scripts) need the logits, and eval mode or
     # no_grad is where they are asked for.
     if not (self.training and torch.is_grad_enabled()):
+        return unpatched(*args, **kwargs)
+    # The fused loss reads lm_head's weight: an lm_head that is more than that (a LoRA adapter, a
+    # quantised linear, hooks) runs as the model's own.
+    if not mt._plain_linear(self.lm_head):
         return unpatched(*args, **kwargs)
     original = type(self).forward
     signature = inspect.signature(original)

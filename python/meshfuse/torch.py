@@ -997,17 +997,39 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=N
     memory."""
     gate = torch.nn.functional.linear(x, gate_weight, gate_bias)
     up = torch.nn.functional.linear(x, up_weight, up_bias)
-    if _untraced(gate, up) or _is_compiling():
-        hidden = swiglu(gate, up)
-    else:
-        hidden = _swiglu_reusing_inputs(gate, up)
-    return torch.nn.functional.linear(hidden, down_weight, down_bias)
+    return torch.nn.functional.linear(_mlp_activation(gate, up, True), down_weight, down_bias)
+
+
+def _mlp_activation(gate, up, sole_holder):
+    # swiglu(gate, up) in an MLP; where the caller is the sole holder of gate and up, eager
+    # autograd's backward writes its gradients over them (swiglu_mlp's docstring).
+    if not sole_holder or _untraced(gate, up) or _is_compiling():
+        return swiglu(gate, up)
+    return _swiglu_reusing_inputs(gate, up)
+
+
+def _plain_linear(module):
+    # A torch.nn.Linear itself, without hooks: what its forward returns is F.linear of its
+    # weight, and nothing else holds it. LoRA adapters, quantised linears and hooks differ.
+    return type(module) is torch.nn.Linear and not module._forward_hooks and \
+        not module._forward_pre_hooks
+
+
+def mlp_forward(mlp, x):
+    """The SwiGLU feed-forward block of a module with Llama's ``gate_proj``, ``up_proj`` and
+    ``down_proj``: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``. The projections are called,
+    so LoRA adapters, quantised linears and hooks on them take part; the activation reuses the
+    projections' memory (as :func:`swiglu_mlp`) only where both are plain ``torch.nn.Linear``
+    without hooks."""
+    sole_holder = _plain_linear(mlp.gate_proj) and _plain_linear(mlp.up_proj)
+    return mlp.down_proj(_mlp_activation(mlp.gate_proj(x), mlp.up_proj(x), sole_holder))
 
 
 class SwiGLUMLP(torch.nn.Module):
     """The SwiGLU feed-forward block (:func:`swiglu_mlp`) with Hugging Face's Llama MLP parameter
     names (``gate_proj``, ``up_proj``, ``down_proj``, ``torch.nn.Linear`` each), so a Llama
-    MLP's state dict loads as it is."""
+    MLP's state dict loads as it is; forward is :func:`mlp_forward` (adapters and hooks on the
+    projections take part)."""
 
     def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
         super().__init__()
@@ -1017,8 +1039,7 @@ class SwiGLUMLP(torch.nn.Module):
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **options)
 
     def forward(self, x):
-        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                          self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+        return mlp_forward(self, x)
 
 
 def _no_class_weights(weight):

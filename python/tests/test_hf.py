@@ -149,3 +149,55 @@ def test_patch_keeps_the_forward_it_replaces_and_refuses_accelerate_hooks():
     with pytest.raises(ValueError, match="'model.layers.0.mlp' has accelerate hooks"):
         mt.patch(hooked)
     assert "forward" not in vars(hooked.model.norm)
+
+
+class _LoraLinear(torch.nn.Module):
+    # As peft's LoRA layer: weight and bias are the base layer's, the output adds B(A(x)).
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.b = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.b.weight, std=0.5)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    @property
+    def bias(self):
+        return self.base.bias
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+def test_lora_adapters_and_hooks_on_the_projections_and_lm_head_take_part():
+    # The patched MLP and loss once read gate_proj.weight and lm_head.weight directly: the
+    # adapters and hooks were skipped, and the patched model's loss silently differed.
+    reference, _, ids, labels = _pair("llama")
+    mlp = reference.model.layers[0].mlp
+    mlp.gate_proj = _LoraLinear(mlp.gate_proj)
+    reference.lm_head = _LoraLinear(reference.lm_head)
+    patched = mt.patch(copy.deepcopy(reference))
+    calls = []
+    patched.model.layers[1].mlp.up_proj.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=1e-5,
+                                   atol=1e-5)
+    assert calls == [1]
+    ours, theirs = patched(ids, labels=labels), reference(ids, labels=labels)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    ours.loss.backward()
+    theirs.loss.backward()
+    for (n, p), q in zip(patched.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_swiglu_mlp_module_calls_its_projections():
+    torch.manual_seed(1)
+    mlp = mt.SwiGLUMLP(8, 12)
+    mlp.up_proj = _LoraLinear(mlp.up_proj)
+    x = torch.randn(3, 8)
+    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
