@@ -234,14 +234,46 @@ TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
   expect_error([&] { world.communicator(1); }, ErrorCode::InvalidArgument, {"already taken"});
 }
 
-TEST(DistLocal, RunLocalRethrowsTheLowestFailingRanksError) {
+TEST(DistLocal, ARankThatThrowsStopsTheOthersWaitingAndItsErrorIsRethrown) {
+  // Ranks 0 and 1 wait in an all_reduce for rank 2, which throws instead: they used to wait out
+  // the whole timeout, and run_local then rethrew rank 0's timeout rather than rank 2's error.
+  CommOptions options;
+  options.timeout = std::chrono::seconds(120);
+  std::vector<std::string> others(2);
+  const auto start = std::chrono::steady_clock::now();
   expect_error(
-      [] {
-        run_local(3, [](Communicator& c) {
-          if (c.rank() > 0) fail(ErrorCode::Internal, "rank {} failed", c.rank());
-        });
+      [&] {
+        run_local(
+            3,
+            [&](Communicator& c) {
+              if (c.rank() == 2) fail(ErrorCode::Internal, "rank {} failed", c.rank());
+              try {
+                c.all_reduce(Tensor::zeros({4}, DType::F32)).wait();
+              } catch (const Error& e) {
+                others[static_cast<std::size_t>(c.rank())] = e.what();
+                throw;
+              }
+            },
+            options);
       },
-      ErrorCode::Internal, {"rank 1 failed"});
+      ErrorCode::Internal, {"rank 2 failed"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  for (const std::string& e : others) {
+    EXPECT_NE(e.find("[communication failure]"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 2 of run_local raised: [internal error] rank 2 failed"),
+              std::string::npos)
+        << e;
+  }
+  // A LocalWorld aborted by hand refuses later collectives and receives with the reason, at once
+  // (the peer never comes).
+  LocalWorld world(2);
+  const std::shared_ptr<Communicator> c = world.communicator(0);
+  world.abort("stopped by the test");
+  expect_error([&] { c->all_reduce(Tensor::zeros({2}, DType::F32)).wait(); },
+               ErrorCode::CommunicationFailure, {"stopped by the test"});
+  const Tensor buffer = Tensor::zeros({2}, DType::F32);
+  expect_error([&] { c->recv(buffer, 1).wait(); }, ErrorCode::CommunicationFailure,
+               {"stopped by the test"});
 }
 
 // --- names and specs

@@ -285,7 +285,10 @@ void bind_communicator(nb::module_& m) {
           },
           "size"_a, "timeout"_a = 300.0, "check"_a = true)
       .def_prop_ro("size", &LocalWorld::size)
-      .def("communicator", &LocalWorld::communicator, "rank"_a);
+      .def("communicator", &LocalWorld::communicator, "rank"_a)
+      .def("abort", &LocalWorld::abort, "why"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Breaks the world for good: ranks waiting in (or later starting) a collective or a "
+           "recv fail at once with CommunicationError saying `why`.");
 
   m.def(
       "run_local",
@@ -303,8 +306,8 @@ void bind_communicator(nb::module_& m) {
                 try {
                   results[comm->rank()] = fn(comm);
                 } catch (nb::python_error& e) {
-                  // The rank's own exception goes on (run_local rethrows the lowest rank's), its
-                  // type kept; a note says which rank raised it.
+                  // The rank's own exception goes on (run_local rethrows the first one raised),
+                  // its type kept; a note says which rank raised it.
                   const nb::object add_note = nb::getattr(e.value(), "add_note", nb::none());
                   if (!add_note.is_none())
                     add_note("raised by rank " + std::to_string(comm->rank()) + " of run_local");
@@ -319,8 +322,9 @@ void bind_communicator(nb::module_& m) {
       },
       "size"_a, "fn"_a, "timeout"_a = 300.0, "check"_a = true,
       "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld, joins them and "
-      "returns the list of their results, rank by rank; re-raises the exception of the lowest "
-      "rank that raised, as it was raised (type and message), with a note naming the rank. The "
+      "returns the list of their results, rank by rank; re-raises the exception raised first, as "
+      "it was raised (type and message), with a note naming the rank; the other ranks stop "
+      "waiting for that one at once (CommunicationFailure). The "
       "communicators stay valid after fn returns (e.g. kept by a MultiDeviceExecutor).");
 }
 

@@ -1,6 +1,8 @@
 """Errors as Python code expects them: meshfuse.Error subclasses by code, each also the built-in
 exception of its kind; outputs that cannot be written named; a rank's exception kept whole."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,28 @@ def test_an_exception_in_a_rank_keeps_its_type_and_says_the_rank():
 
     with pytest.raises(meshfuse.ShapeMismatchError, match=r"swiglu"):
         meshfuse.run_local(2, bad_shape)
+
+
+def test_a_rank_that_raises_stops_the_others_waiting_for_it():
+    # Rank 0 waits in an all_reduce for rank 1, which raises instead: run_local used to wait out
+    # the whole timeout and then raise rank 0's timeout, without rank 1's error.
+    seen = []
+
+    def rank_fn(comm):
+        if comm.rank == 1:
+            raise KeyError("the real cause")
+        try:
+            comm.all_reduce(np.ones(4, np.float32)).wait()
+        except meshfuse.Error as e:
+            seen.append(e)
+            raise
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="the real cause"):
+        meshfuse.run_local(2, rank_fn, timeout=120)
+    assert time.monotonic() - start < 30
+    assert isinstance(seen[0], meshfuse.CommunicationError)
+    assert "rank 1 of run_local raised" in str(seen[0]) and "the real cause" in str(seen[0])
 
 
 def test_a_collective_that_waits_too_long_raises_timeout_error():

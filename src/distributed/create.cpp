@@ -2,7 +2,9 @@
 // run_local (ranks as threads of one process).
 #include <cstdlib>
 #include <exception>
+#include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -102,24 +104,37 @@ std::shared_ptr<Communicator> LocalWorld::communicator(int rank) {
   return CommState::make(std::move(state));
 }
 
+void LocalWorld::abort(const std::string& why) { detail::abort_local_world(*state_, why); }
+
 void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
                const CommOptions& options) {
   LocalWorld world(size, options);
   std::vector<std::shared_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) comms.push_back(world.communicator(r));
-  std::vector<std::exception_ptr> errors(size);
+  std::mutex mutex;
+  std::exception_ptr first;  // the others' errors are most likely its consequences
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r)
     threads.emplace_back([&, r] {
       try {
         fn(comms[r]);
       } catch (...) {
-        errors[r] = std::current_exception();
+        std::string what = "an exception that is not a std::exception";
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        {
+          const std::lock_guard lock(mutex);
+          if (!first) first = std::current_exception();
+        }
+        world.abort(fmt::format("rank {} of run_local raised: {}", r, what));
       }
     });
   for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  if (first) std::rethrow_exception(first);
 }
 
 void run_local(int size, const std::function<void(Communicator&)>& fn, const CommOptions& options) {

@@ -63,6 +63,20 @@ struct LocalTeam {
 
   std::mutex cuda_mutex;
   std::shared_ptr<LocalCudaTeam> cuda;
+
+  std::string aborted;  // under p2p_mutex: why abort() broke the team; empty while it has not
+
+  void abort(const std::string& why) {
+    ops.abort(why);
+    checks.abort(why);
+    {
+      std::lock_guard lock(p2p_mutex);
+      if (aborted.empty()) aborted = why;
+    }
+    p2p_changed.notify_all();
+    std::lock_guard lock(cuda_mutex);
+    if (cuda) abort_local_cuda_team(*cuda, why);
+  }
 };
 
 namespace {
@@ -98,13 +112,17 @@ class RecvWork : public WorkImpl {
 
   void wait(Deadline deadline) override {
     std::unique_lock lock(team_->p2p_mutex);
-    if (!team_->p2p_changed.wait_until(lock, deadline, [&] { return pending_->done; })) {
+    if (!team_->p2p_changed.wait_until(lock, deadline,
+                                       [&] { return pending_->done || !team_->aborted.empty(); }) ||
+        !pending_->done) {
       // Withdraw, so that a late send does not write into a buffer nobody waits for.
       auto& queue = team_->waiting[key_];
       queue.erase(std::find(queue.begin(), queue.end(), pending_));
       pending_->done = true;
-      pending_->code = ErrorCode::Timeout;
-      pending_->error = "local: no matching send arrived";
+      pending_->code =
+          team_->aborted.empty() ? ErrorCode::Timeout : ErrorCode::CommunicationFailure;
+      pending_->error =
+          team_->aborted.empty() ? "local: no matching send arrived" : "local: " + team_->aborted;
     }
     if (!pending_->error.empty()) throw Error(pending_->code, pending_->error);
   }
@@ -339,9 +357,21 @@ std::unique_ptr<CommImpl> make_local_comm(const TeamContext& context) {
     if (!team) {
       team = std::make_shared<LocalTeam>(static_cast<int>(context.team.size()));
       slot = team;
+      if (!world.aborted.empty()) team->abort(world.aborted);
     }
   }
   return std::make_unique<LocalComm>(context, std::move(team));
+}
+
+void abort_local_world(LocalWorldState& world, const std::string& why) {
+  std::vector<std::shared_ptr<LocalTeam>> teams;
+  {
+    std::lock_guard lock(world.mutex);
+    if (world.aborted.empty()) world.aborted = why;
+    for (const auto& [name, slot] : world.teams)
+      if (auto team = slot.lock()) teams.push_back(std::move(team));
+  }
+  for (const auto& team : teams) team->abort(why);
 }
 
 }  // namespace meshfuse::detail

@@ -508,6 +508,8 @@ std::shared_ptr<LocalCudaTeam> make_local_cuda_team(int size) {
   return std::make_shared<LocalCudaTeam>(size);
 }
 
+void abort_local_cuda_team(LocalCudaTeam& team, const std::string& why) { team.ops.abort(why); }
+
 std::unique_ptr<CommImpl> make_local_cuda_comm(const TeamContext& context,
                                                std::shared_ptr<LocalCudaTeam> team) {
   return std::make_unique<LocalCudaComm>(context, std::move(team));
@@ -530,6 +532,8 @@ std::unique_ptr<CommImpl> make_local_cuda_comm(const TeamContext&, std::shared_p
   fail(ErrorCode::BackendUnavailable,
        "communicator backend local: CUDA tensors need a CUDA build (-DMESHFUSE_CUDA=ON)");
 }
+
+void abort_local_cuda_team(LocalCudaTeam&, const std::string&) {}  // never made without CUDA
 
 }  // namespace meshfuse::detail
 

@@ -347,6 +347,10 @@ class LocalWorld {
   int size() const { return size_; }
   // Rank `rank`'s communicator (one call per rank; InvalidArgument on a second call).
   std::shared_ptr<Communicator> communicator(int rank);
+  // Breaks the world for good (a rank that cannot go on, e.g. its code threw): every rank waiting
+  // in a collective or a recv of any of its teams, and every later one, fails at once with
+  // CommunicationFailure saying `why`, instead of at its timeout. The first reason given stays.
+  void abort(const std::string& why);
 
  private:
   int size_;
@@ -356,7 +360,8 @@ class LocalWorld {
 };
 
 // Runs fn(communicator) for ranks 0..size-1 on `size` threads of a LocalWorld and joins them;
-// then rethrows the exception of the lowest rank that threw, if any.
+// then rethrows the exception of the rank that threw first, if any. A rank that throws aborts the
+// world (LocalWorld::abort), so the others stop waiting for it at once.
 void run_local(int size, const std::function<void(Communicator&)>& fn,
                const CommOptions& options = {});
 // The same with fn given each rank's communicator as owned: what fn builds on it (a
