@@ -587,6 +587,20 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   // Rank 0's tensor has 10 rows, the others' 12: every rank sees the programs differ, none hangs.
   expect_error([&] { executor.run({Tensor(part, DType::F32)}); }, ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 runs another program than rank 0"});
+
+  // The same program with rank 0 alone asking for ring overlap: its sends would never meet the
+  // others' all_gather (a timeout on every rank); the params are compared with the program.
+  MultiDeviceExecutorParams ring;
+  if (comm->rank() == 0) ring.overlap.overlap = Overlap::Ring;
+  const Program same = mlp_block(true, line(*comm));
+  const std::vector<Tensor> whole = whole_inputs(same);
+  std::vector<Tensor> parts;
+  for (std::size_t i = 0; i < whole.size(); ++i)
+    parts.push_back(
+        shard_tensor(whole[i], *same.mesh(), placements_of(same, same.inputs()[i]), comm->rank()));
+  expect_error([&] { MultiDeviceExecutor(same, comm, ring).run(views(parts)); },
+               ErrorCode::InvalidArgument,
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
 }
 
 }  // namespace meshfuse::test::exec

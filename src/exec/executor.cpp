@@ -34,26 +34,40 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
                  communicator_->size());
 }
 
-// Ranks whose programs differ would meet in different collectives, or wait in one that the
-// others never call: before the first communication of a backend, the ranks compare a hash of
-// the program's text (ops, shapes, placements) and fail together when one differs.
+// Ranks whose programs or executor params differ would meet in different collectives, or wait in
+// one that the others never call: before the first communication of a backend, the ranks compare
+// a hash of the program's text (ops, shapes, placements) and one of the params that decide which
+// communications run, how and where, and fail together when one differs.
 void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,
                                              const Stream& stream) const {
   const Device device = type == DeviceType::CPU ? Device{} : stream.device;
-  Tensor mine({1}, DType::I64);
+  const std::string params = fmt::format(
+      "backend {}, overlap {}, chunks {}, streams {}, profile {}",
+      params_.lowering.communicator_backend ? to_string(*params_.lowering.communicator_backend)
+                                            : "the communicator's",
+      to_string(params_.overlap.overlap), params_.overlap.chunks, params_.overlap.number_of_streams,
+      params_.profile);
+  Tensor mine({2}, DType::I64);
   mine.data_ptr<std::int64_t>()[0] =
       static_cast<std::int64_t>(std::hash<std::string>{}(program_.to_string()));
+  mine.data_ptr<std::int64_t>()[1] = static_cast<std::int64_t>(std::hash<std::string>{}(params));
   const int n = world.size();
-  const Tensor all({n}, DType::I64, device, stream);
+  const Tensor all({2 * n}, DType::I64, device, stream);
   world.all_gather(mine.to(device, stream), all, stream).wait();
-  Tensor host({n}, DType::I64);
+  Tensor host({2 * n}, DType::I64);
   copy(all, host, stream);
-  for (int r = 0; r < n; ++r)
-    MESHFUSE_CHECK(host.data_ptr<std::int64_t>()[r] == host.data_ptr<std::int64_t>()[0],
-                   ErrorCode::InvalidArgument,
+  const std::int64_t* h = host.data_ptr<std::int64_t>();
+  for (int r = 0; r < n; ++r) {
+    const int rank = world.team()[static_cast<std::size_t>(r)];
+    MESHFUSE_CHECK(h[2 * r] == h[0], ErrorCode::InvalidArgument,
                    "MultiDeviceExecutor: rank {} runs another program than rank 0 (every rank "
                    "must build the same program: ops, shapes, dtypes, mesh and placements)",
-                   world.team()[static_cast<std::size_t>(r)]);
+                   rank);
+    MESHFUSE_CHECK(h[2 * r + 1] == h[1], ErrorCode::InvalidArgument,
+                   "MultiDeviceExecutor: rank {} has other executor params than rank 0 (every rank "
+                   "must pass the same: this rank has {})",
+                   rank, params);
+  }
 }
 
 CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {
