@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
       ->required();
   run->add_option("--ranks", run_options.ranks,
                   "ranks as threads of this process (local backend; default 4); under a launcher "
-                  "its world size");
+                  "its world size")
+      ->check(CLI::Range(1, 1 << 16));
   run->add_option("--backend", run_options.backend,
                   "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else mpi under mpirun, "
                   "gloo under another launcher, local without one)");

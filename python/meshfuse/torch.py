@@ -214,6 +214,9 @@ def _eps(x, eps):
     # for 16-bit inputs, as PyTorch's opmath).
     if eps is not None:
         return eps
+    if not x.is_floating_point():  # (torch.finfo's own error names neither the op nor x)
+        raise _C.DTypeMismatchError(f"rmsnorm: x must be float32, float64, bfloat16 or float16, "
+                                    f"got {x.dtype}")
     return torch.finfo(torch.float32 if x.dtype in _SIXTEEN_BIT else x.dtype).eps
 
 
@@ -773,7 +776,15 @@ def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None
     Returns (output like input with N heads, final_state (B, N, H)). Raises ShapeMismatchError,
     InvalidArgumentError (ValueError), DTypeMismatchError (TypeError). Spec:
     include/meshfuse/ops/recurrent.h."""
+    _check_clipping("rnn", gradient_clipping)
     return _rnn(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen)
+
+
+def _check_clipping(op, gradient_clipping):
+    # Only the backward uses it; checked here too, so that a bad value fails at the call.
+    if gradient_clipping is not None and not gradient_clipping >= 0:
+        raise _C.InvalidArgumentError(f"{op}: gradient_clipping must be >= 0 (or not given), "
+                                      f"got {gradient_clipping}")
 
 
 @torch.library.custom_op("meshfuse::gru", mutates_args=())
@@ -843,6 +854,7 @@ def gru(input, weight, forget_input, forget_weight, reset_input, reset_weight, i
     ``z = tanh((h * r) @ weight[n] + input_t)``, ``h = f * h + (1 - f) * z``.
     Shapes, dtypes, head broadcasting, packing, gradient_clipping and errors as :func:`rnn`;
     returns (output, final_state)."""
+    _check_clipping("gru", gradient_clipping)
     return _gru(input, weight, forget_input, forget_weight, reset_input, reset_weight,
                 input_state, gradient_clipping, cu_seqlens, max_seqlen)
 
@@ -943,6 +955,8 @@ def continuous_count(x, bins):
     are ignored (``torch.bincount(x, minlength=bins)`` when all are in range). No gradient.
     Raises DTypeMismatchError (TypeError), ShapeMismatchError (ValueError). Spec:
     include/meshfuse/ops/continuous_count.h."""
+    if bins < 0:
+        raise _C.InvalidArgumentError(f"continuous_count: bins must be >= 0, got {bins}")
     return _continuous_count(x, bins)
 
 

@@ -293,6 +293,8 @@ void bind_communicator(nb::module_& m) {
   m.def(
       "run_local",
       [](int size, nb::callable fn, double timeout, bool check) {
+        MESHFUSE_CHECK(size >= 1, ErrorCode::InvalidArgument, "run_local: size {} is not positive",
+                       size);
         std::vector<nb::object> results(size);
         {
           // Each rank's fn gets the shared_ptr of its communicator (not a reference): what fn

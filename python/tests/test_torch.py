@@ -5,6 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
+import meshfuse  # noqa: E402
 import meshfuse.torch as mt  # noqa: E402
 
 
@@ -154,3 +155,18 @@ def test_fused_linear_cross_entropy_under_no_grad_computes_no_gradients_and_back
     with pytest.raises(ValueError, match="grad_bias=True needs a bias"):
         mt.fused_linear_cross_entropy_forward(x, w, labels, grad_loss=torch.ones(()),
                                               grad_bias=True)
+
+
+def test_bad_arguments_checked_in_python_name_the_op_and_argument():
+    with pytest.raises(meshfuse.DTypeMismatchError, match="rmsnorm: x must be float32.*int32"):
+        mt.rmsnorm(torch.ones(2, 3, dtype=torch.int32), None)  # was torch.finfo's TypeError
+    with pytest.raises(meshfuse.InvalidArgumentError, match="continuous_count: bins .* got -1"):
+        mt.continuous_count(torch.tensor([1]), -1)  # was torch's "negative dimension -1"
+    x, w = torch.randn(1, 2, 1, 3), torch.randn(1, 3, 3)
+    for clipping in (-1.0, float("nan")):  # was accepted until the backward
+        with pytest.raises(meshfuse.InvalidArgumentError, match="rnn: gradient_clipping"):
+            mt.rnn(x, w, gradient_clipping=clipping)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="gru: gradient_clipping"):
+        mt.gru(x, w, x, w, x, w, gradient_clipping=-1.0)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="run_local: size -1"):
+        meshfuse.run_local(-1, print)  # was "cannot create std::vector larger than max_size()"

@@ -262,4 +262,5 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
   expect_usage_error("run --model " + model + " --dtype f16", "--dtype: expected bf16 or f32");
   expect_usage_error("run --model " + model + " --tokens -3", "--tokens");
   expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
+  expect_usage_error("run --model " + model + " --ranks 0", "--ranks");  // not the default 4
 }
