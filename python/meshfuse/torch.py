@@ -75,7 +75,8 @@ def _untraced(*tensors):
         return False
     grad = _grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+        # Meta tensors (no data to export) take the op, whose fake implementation serves them.
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad) or t.is_meta):
             return False
     return True
 

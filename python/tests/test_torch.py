@@ -170,3 +170,12 @@ def test_bad_arguments_checked_in_python_name_the_op_and_argument():
         mt.gru(x, w, x, w, x, w, gradient_clipping=-1.0)
     with pytest.raises(meshfuse.InvalidArgumentError, match="run_local: size -1"):
         meshfuse.run_local(-1, print)  # was "cannot create std::vector larger than max_size()"
+
+
+def test_meta_tensors_give_meta_results_of_the_right_shapes():
+    # The eager fast path once tried to export a meta tensor's (absent) data: BufferError.
+    x, w = torch.empty(3, 4, device="meta"), torch.empty(4, device="meta")
+    labels = torch.empty(3, dtype=torch.long, device="meta")
+    for y, shape in [(mt.softmax(x), (3, 4)), (mt.rmsnorm(x, w, 1e-5), (3, 4)),
+                     (mt.swiglu(x, x), (3, 4)), (mt.cross_entropy(x, labels), ())]:
+        assert y.is_meta and y.shape == shape
