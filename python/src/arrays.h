@@ -34,9 +34,19 @@ inline DType to_dtype(nb::dlpack::dtype t) {
     if (code == Code::UInt && t.bits == 32) return DType::U32;
     if (code == Code::Bool) return DType::Bool;
   }
-  throw Error(ErrorCode::DTypeMismatch, "meshfuse: unsupported array dtype (DLPack code " +
-                                            std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                                            " bits, " + std::to_string(t.lanes) + " lanes)");
+  // The dtype as NumPy / PyTorch name it (int16, complex64, float8), for the message.
+  constexpr std::pair<Code, const char*> kKinds[] = {
+      {Code::Int, "int"},       {Code::UInt, "uint"},       {Code::Float, "float"},
+      {Code::Bfloat, "bfloat"}, {Code::Complex, "complex"}, {Code::Bool, "bool"}};
+  std::string name =
+      "(DLPack code " + std::to_string(t.code) + ") of " + std::to_string(t.bits) + " bits";
+  for (const auto& [kind_code, kind] : kKinds)
+    if (kind_code == code) name = kind + std::to_string(t.bits);
+  if (t.lanes != 1) name += " x " + std::to_string(t.lanes) + " lanes";
+  throw Error(ErrorCode::DTypeMismatch,
+              "meshfuse: an array of dtype " + name +
+                  " came; meshfuse takes float32, float64, bfloat16, float16, int32, int64, "
+                  "uint8, uint32 and bool arrays (each op's docstring says which it takes)");
 }
 
 inline Device to_device(int type, int id) {

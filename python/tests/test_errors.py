@@ -156,3 +156,9 @@ def test_send_recv_names_a_read_only_receive_buffer():
     with pytest.raises(meshfuse.InvalidArgumentError,
                        match="output 'recv_tensor' is a read-only"):
         meshfuse.run_local(1, rank_fn)
+
+
+def test_an_array_of_a_dtype_meshfuse_lacks_is_named_by_its_dtype():
+    x = np.ones((2, 4), np.int16)
+    with pytest.raises(meshfuse.DTypeMismatchError, match="an array of dtype int16 came.*float32"):
+        meshfuse.softmax(x, np.empty((2, 4), np.float32))
