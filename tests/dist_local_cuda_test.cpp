@@ -112,6 +112,29 @@ TEST_P(DistLocalCuda, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningClean
   run(dist::check_late_rank_after_timeout);
 }
 
+TEST_P(DistLocalCuda, ARankThatThrowsStopsTheOthersWaitingInACudaCollective) {
+  // The last rank throws; the others wait for it in a CUDA all_reduce (no metadata check, so on
+  // the CUDA side's meeting), which run_local's abort must end long before the timeout.
+  const int last = GetParam().ranks - 1;
+  const auto start = std::chrono::steady_clock::now();
+  expect_error(
+      [&] {
+        on_gpus(
+            GetParam().ranks, GetParam().spread,
+            [&](Communicator& c) {
+              if (c.rank() == last) fail(ErrorCode::Internal, "rank {} failed", c.rank());
+              c.set_checks(false);
+              Tensor t = Tensor::zeros({64}, DType::F32,
+                                       Device{DeviceType::CUDA, device_of(c, GetParam().spread)},
+                                       dist::place());
+              c.all_reduce(t, ReduceOp::Sum, dist::place()).wait();
+            },
+            120s);
+      },
+      ErrorCode::Internal, {fmt::format("rank {} failed", last)});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+}
+
 // Rank r's input for the dtype tests: normal values (scaled for the integer types) from a seed of
 // its own, made on the host.
 Tensor host_input(int rank, std::int64_t n, DType dtype, std::uint64_t salt) {

@@ -44,7 +44,11 @@ struct LocalTeam {
   // The CUDA side's meeting point, made by the first rank that queues a CUDA operation.
   std::shared_ptr<LocalCudaTeam> cuda_team() {
     std::lock_guard lock(cuda_mutex);
-    if (!cuda) cuda = make_local_cuda_team(size);
+    if (!cuda) {
+      cuda = make_local_cuda_team(size);
+      std::lock_guard p2p(p2p_mutex);
+      if (!aborted.empty()) abort_local_cuda_team(*cuda, aborted);  // made after abort()
+    }
     return cuda;
   }
 
