@@ -440,6 +440,23 @@ TEST(DistStore, FileStoreSharesValuesThroughADirectory) {
   std::filesystem::remove_all(dir);
 }
 
+// A store directory used by one job, then by the next: the second must not read the first's keys
+// (gloo's rank addresses, bootstrap keys), which made it hang or connect to dead ranks.
+TEST(DistStore, AFileStoreDirectoryReusedByALaterJobHoldsNoneOfItsKeys) {
+  const std::string dir = ::testing::TempDir() + "meshfuse_filestore_jobs_" +
+                          std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  std::filesystem::remove_all(dir);
+  ::setenv("MESHFUSE_STORE_PATH", dir.c_str(), 1);
+  ::setenv("MESHFUSE_STORE_SECRET", "the first job", 1);
+  store_from_env(LaunchInfo{})->set("world/gloo/rank_0", std::string("an old address"));
+  EXPECT_TRUE(store_from_env(LaunchInfo{})->check({"world/gloo/rank_0"}));  // the same job
+  ::setenv("MESHFUSE_STORE_SECRET", "the second job", 1);
+  EXPECT_FALSE(store_from_env(LaunchInfo{})->check({"world/gloo/rank_0"}));
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+  ::unsetenv("MESHFUSE_STORE_PATH");
+  std::filesystem::remove_all(dir);
+}
+
 constexpr const char* kSecret = "the job's secret";
 
 TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {

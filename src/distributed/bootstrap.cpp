@@ -9,7 +9,9 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
+#include <string>
 
 #include "meshfuse/core/error.h"
 
@@ -172,9 +174,31 @@ std::string store_secret_from_env() {
   return secret;
 }
 
+namespace {
+
+// What sets this job apart from earlier ones that used the same store directory, whose keys stay
+// there and would be read as this job's: the launcher's job identity (meshfuse launch's per-job
+// secret, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace), hashed;
+// empty when the environment has none.
+std::string job_namespace() {
+  std::string job;
+  for (const char* name :
+       {"MESHFUSE_STORE_SECRET", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE"})
+    if (const char* value = std::getenv(name); value && *value)
+      job += fmt::format("{}={}\n", name, value);
+  return job.empty() ? "" : fmt::format("job-{:016x}", std::hash<std::string>{}(job));
+}
+
+}  // namespace
+
 std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::milliseconds timeout) {
-  if (const char* path = std::getenv("MESHFUSE_STORE_PATH"); path && *path)
-    return std::make_shared<FileStore>(path, timeout);
+  if (const char* path = std::getenv("MESHFUSE_STORE_PATH"); path && *path) {
+    auto store = std::make_shared<FileStore>(path, timeout);
+    const std::string job = job_namespace();
+    if (job.empty()) return store;
+    return std::make_shared<PrefixStore>(job, std::move(store));
+  }
   if (launch.master_addr.empty()) return nullptr;
   // torchrun's agent holds MASTER_PORT with its own store (c10d's protocol): serve next to it.
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");

@@ -54,7 +54,13 @@ LaunchInfo parse_launch_env(const std::map<std::string, std::string>& env);
 LaunchInfo launch_info_from_env();
 
 // The rendezvous store of a launch:
-//   MESHFUSE_STORE_PATH set      -> FileStore at that directory (shared by all ranks);
+//   MESHFUSE_STORE_PATH set      -> FileStore at that directory (shared by all ranks), its
+//                                   keys under a hash of the launcher's job identity
+//                                   (MESHFUSE_STORE_SECRET, which meshfuse launch makes per job;
+//                                   TORCHELASTIC_RUN_ID and _RESTART_COUNT; SLURM_JOB_ID and
+//                                   _STEP_ID; PMIX_NAMESPACE), so that a later job in the same
+//                                   directory does not read this one's; without any, the
+//                                   directory must be fresh for each job;
 //   MASTER_ADDR and MASTER_PORT  -> TcpStore at MASTER_ADDR:MASTER_PORT, served by world rank 0
 //                                   on MASTER_ADDR's interface (MESHFUSE_STORE_BIND: another
 //                                   address, 0.0.0.0 for every one), with store_secret_from_env();
