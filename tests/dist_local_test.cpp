@@ -457,6 +457,17 @@ TEST(DistStore, AFileStoreDirectoryReusedByALaterJobHoldsNoneOfItsKeys) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(DistStore, NoPortPastTheLastBesideTorchrunsAgentStore) {
+  // MASTER_PORT + 1 = 65536 wrapped to port 0 (any): rank 0 served where nobody looked.
+  LaunchInfo launch;
+  launch.master_addr = "127.0.0.1";
+  launch.master_port = 65535;
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  expect_error([&] { store_from_env(launch, 100ms); }, ErrorCode::InvalidArgument,
+               {"MASTER_PORT is 65535"});
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+}
+
 constexpr const char* kSecret = "the job's secret";
 
 TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {

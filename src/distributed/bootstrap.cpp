@@ -203,6 +203,10 @@ std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::mil
   // torchrun's agent holds MASTER_PORT with its own store (c10d's protocol): serve next to it.
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool beside_agent = agent && std::string_view(agent) == "True";
+  MESHFUSE_CHECK(!beside_agent || launch.master_port < 65535, ErrorCode::InvalidArgument,
+                 "rendezvous store: under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE="
+                 "True) meshfuse serves on MASTER_PORT + 1, and MASTER_PORT is 65535: choose a "
+                 "lower port");
   const char* bind = std::getenv("MESHFUSE_STORE_BIND");
   return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
                                     launch.rank == 0, store_secret_from_env(), timeout,
