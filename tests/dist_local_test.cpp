@@ -612,6 +612,20 @@ TEST(DistStore, TcpStoreOutlastsStrangersWhoHoldOrWasteConnections) {
   for (int fd : holders) ::close(fd);
 }
 
+// Strangers holding every slot for unproven connections (64) for longer than the job's client
+// waits: a new connection makes the oldest of them room, so the client gets in at once (it was
+// told "busy" until its deadline, the strangers dropped only after 10 s).
+TEST(DistStore, TcpStoreLetsTheJobInPastStrangersHoldingEveryUnprovenSlot) {
+  TcpStore server("127.0.0.1", 0, true, kSecret, 60s);
+  std::vector<int> holders;
+  for (int i = 0; i < 64; ++i) holders.push_back(local_socket(server.port(), false));
+  std::this_thread::sleep_for(50ms);
+  TcpStore client("127.0.0.1", server.port(), false, kSecret, 3s);
+  client.set("k", std::string("in"));
+  EXPECT_EQ(server.get_string("k"), "in");
+  for (int fd : holders) ::close(fd);
+}
+
 TEST(DistStore, TcpStoreClientTimesOutWhenTheServerNeverAnswers) {
   const int silent = local_socket(0, true);  // accepts connections (backlog), never reads
   expect_error([&] { TcpStore("127.0.0.1", port_of(silent), false, kSecret, 100ms); },

@@ -11,8 +11,9 @@
 //
 // Who gets in: the server listens on one address (the one its clients are given, unless told
 // otherwise), drops a connection that has not proven the secret within kHelloTimeout (a deadline
-// for the whole hello, however slowly it trickles in), serves at most kMaxUnproven connections
-// that have not proven it yet and kMaxConnections in all, and closes and reaps each connection
+// for the whole hello, however slowly it trickles in), keeps at most kMaxUnproven connections
+// that have not proven it yet (a new one resets the oldest) and kMaxConnections in all, and
+// closes and reaps each connection
 // as it ends. The secret keeps out whoever can reach the port; it is sent in the clear, as is
 // everything after it: on a network others can read, give the job a private one.
 #include <arpa/inet.h>
@@ -28,10 +29,11 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <exception>
 #include <thread>
 
 #include "distributed/store_wait.h"
@@ -155,7 +157,7 @@ struct TcpStore::Impl {
   // admits one more) and keeps its capacity: an ending thread allocates nothing.
   std::map<int, std::thread> handlers;  // by socket
   std::vector<std::thread> finished;
-  int unproven = 0;          // connections still to prove the secret
+  std::deque<int> unproven;  // sockets still to prove the secret, oldest first
   int open_connections = 0;  // the proven ones, which the server waits for before it stops
   bool stopping = false;
 
@@ -164,16 +166,21 @@ struct TcpStore::Impl {
     // else.
     bool proven = false;
     try {
-      proven = hello(fd);
+      proven = proves_secret(fd);
     } catch (const std::exception&) {
     }
     {
       std::lock_guard lock(mutex);
-      --unproven;
+      const auto it = std::find(unproven.begin(), unproven.end(), fd);
+      if (it != unproven.end())
+        unproven.erase(it);
+      else
+        proven = false;  // evicted meanwhile (see the acceptor): its socket is being reset
       open_connections += proven;
     }
+    const std::uint8_t welcome = kWelcome;
     try {
-      if (proven) serve_requests(fd);
+      if (proven && write_all(fd, &welcome, 1)) serve_requests(fd);
     } catch (const std::exception&) {
     }
     std::lock_guard lock(mutex);
@@ -186,18 +193,16 @@ struct TcpStore::Impl {
     changed.notify_all();
   }
 
-  // True when the client proved the secret within kHelloTimeout, or the store's timeout when that
-  // is shorter (then answered).
-  bool hello(int fd) {
+  // True when the client sent the secret within kHelloTimeout, or the store's timeout when that
+  // is shorter (the welcome is then written by serve_connection).
+  bool proves_secret(int fd) {
     const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, kHelloTimeout);
     std::uint32_t magic = 0, len = 0;
     if (!read_by(fd, &magic, 4, deadline) || magic != kHello || !read_by(fd, &len, 4, deadline) ||
         len > 4096)
       return false;
     std::string given(len, '\0');
-    if (!read_by(fd, given.data(), len, deadline) || !same_secret(given, secret)) return false;
-    const std::uint8_t ok = kWelcome;
-    return write_all(fd, &ok, 1);
+    return read_by(fd, given.data(), len, deadline) && same_secret(given, secret);
   }
 
   // Returns when the client hangs up or breaks the protocol.
@@ -281,7 +286,17 @@ struct TcpStore::Impl {
         return;
       }
       reap_finished();
-      if (unproven >= kMaxUnproven || static_cast<int>(handlers.size()) >= kMaxConnections) {
+      // Too many still to prove the secret: the oldest of them makes room. Idle connections of
+      // a stranger then cannot lock the job's ranks out (they were told busy until their
+      // deadline); a rank cut off in its hello is reset, which it takes as busy and tries again.
+      if (static_cast<int>(unproven.size()) >= kMaxUnproven) {
+        const int oldest = unproven.front();
+        unproven.pop_front();
+        const linger reset{1, 0};  // its handler's close sends a reset
+        ::setsockopt(oldest, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+        ::shutdown(oldest, SHUT_RD);  // wakes the handler's read of the hello
+      }
+      if (static_cast<int>(handlers.size()) >= kMaxConnections) {
         const std::uint8_t busy = kBusy;
         ::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::close(fd);
@@ -298,7 +313,7 @@ struct TcpStore::Impl {
             handlers.erase(it);
             throw;
           }
-          ++unproven;
+          unproven.push_back(fd);
         } catch (const std::exception&) {
           ::close(fd);
         }
