@@ -13,9 +13,9 @@
 // otherwise), drops a connection that has not proven the secret within kHelloTimeout (a deadline
 // for the whole hello, however slowly it trickles in), keeps at most kMaxUnproven connections
 // that have not proven it yet (a new one resets the oldest) and kMaxConnections in all, and
-// closes and reaps each connection
-// as it ends. The secret keeps out whoever can reach the port; it is sent in the clear, as is
-// everything after it: on a network others can read, give the job a private one.
+// closes and reaps each connection as it ends. The secret keeps out whoever can reach the port;
+// it is sent in the clear, as is everything after it: on a network others can read, give the job
+// a private one.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
