@@ -45,11 +45,8 @@ TEST(DistFault, ARankKilledMidwayGivesEveryOtherRankAnErrorWithinTheTimeout) {
       return [team, t] { team->all_reduce(*t).wait(); };
     }
     const Program p = exec::mlp_block(true, exec::line(*team));
-    std::vector<Tensor> parts;
-    const std::vector<Tensor> whole = exec::whole_inputs(exec::mlp_block(false, exec::line(*team)));
-    for (std::size_t i = 0; i < whole.size(); ++i)
-      parts.push_back(shard_tensor(whole[i], *p.mesh(), exec::placements_of(p, p.inputs()[i]),
-                                   team->rank()));
+    const std::vector<Tensor> parts = exec::parts_of(
+        p, exec::whole_inputs(exec::mlp_block(false, exec::line(*team))), team->rank());
     auto executor = std::make_shared<MultiDeviceExecutor>(p, team);
     return [executor, parts] { executor->run(exec::views(parts)); };
   }();

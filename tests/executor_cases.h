@@ -46,6 +46,14 @@ inline std::vector<Placement> placements_of(const Program& p, Value in) {
   return pl;
 }
 
+// This rank's parts of `whole` (the inputs of `p` whole, in order), as p's placements lay them.
+inline std::vector<Tensor> parts_of(const Program& p, const std::vector<Tensor>& whole, int rank) {
+  std::vector<Tensor> parts;
+  for (std::size_t i = 0; i < whole.size(); ++i)
+    parts.push_back(shard_tensor(whole[i], *p.mesh(), placements_of(p, p.inputs()[i]), rank));
+  return parts;
+}
+
 inline std::vector<TensorView> views(const std::vector<Tensor>& tensors) {
   return {tensors.begin(), tensors.end()};
 }
@@ -64,10 +72,7 @@ inline std::string expect_matches_single_device(const std::function<Program(bool
   const std::vector<Tensor> whole = whole_inputs(single, ignore_every_label);
   const std::vector<Tensor> expected = MultiDeviceExecutor(single, comm).run(views(whole));
 
-  std::vector<Tensor> parts;
-  for (std::size_t i = 0; i < whole.size(); ++i)
-    parts.push_back(shard_tensor(whole[i], *sharded.mesh(),
-                                 placements_of(sharded, sharded.inputs()[i]), comm->rank()));
+  const std::vector<Tensor> parts = parts_of(sharded, whole, comm->rank());
   MultiDeviceExecutor executor(sharded, comm, params);
   const std::vector<Tensor> out = executor.run(views(parts));
   const std::vector<Tensor> again = executor.run(views(parts));
@@ -593,11 +598,7 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   MultiDeviceExecutorParams ring;
   if (comm->rank() == 0) ring.overlap.overlap = Overlap::Ring;
   const Program same = mlp_block(true, line(*comm));
-  const std::vector<Tensor> whole = whole_inputs(same);
-  std::vector<Tensor> parts;
-  for (std::size_t i = 0; i < whole.size(); ++i)
-    parts.push_back(
-        shard_tensor(whole[i], *same.mesh(), placements_of(same, same.inputs()[i]), comm->rank()));
+  const std::vector<Tensor> parts = parts_of(same, whole_inputs(same), comm->rank());
   expect_error([&] { MultiDeviceExecutor(same, comm, ring).run(views(parts)); },
                ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
