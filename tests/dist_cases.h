@@ -339,6 +339,36 @@ inline void check_sub_teams(Communicator& c) {
   EXPECT_EQ(c.split(-1), nullptr);  // collective too: every rank opts out
 }
 
+// mesh_teams on a 2 x 2 mesh of permuted ranks: each rank's team along a dimension is the line of
+// the mesh through it, ordered along that dimension, and communicates; asking again returns the
+// same teams (split once), as with_backends keeps its team per spec; a line in rank order is the
+// communicator itself; a mesh of other ranks is an error. Needs 4 ranks.
+inline void check_mesh_teams(Communicator& c) {
+  const DeviceMesh mesh({3, 1, 2, 0}, {2, 2});
+  const auto teams = c.mesh_teams(mesh);
+  ASSERT_EQ(teams.size(), 2u);
+  for (std::int64_t m = 0; m < 2; ++m) {
+    const auto& team = teams[static_cast<std::size_t>(m)];
+    const std::vector<int> line = mesh.team(m, c.rank());
+    std::vector<int> members;
+    for (int r : line) members.push_back(c.team()[static_cast<std::size_t>(r)]);
+    EXPECT_EQ(team->team(), members) << "dimension " << m;
+    Tensor t = tensor_of({static_cast<double>(c.rank())}, DType::I64, {1});
+    team->all_reduce(t, ReduceOp::Sum, place()).wait();
+    EXPECT_EQ(values_of(t), std::vector<double>{static_cast<double>(line[0] + line[1])})
+        << "all_reduce along dimension " << m;
+  }
+  EXPECT_EQ(c.mesh_teams(mesh), teams) << "a second call splits again";
+  EXPECT_NE(c.mesh_teams(DeviceMesh({0, 1, 2, 3}, {2, 2}))[0], teams[0]);
+  EXPECT_EQ(c.mesh_teams(DeviceMesh::of_shape({c.size()}))[0].get(), &c);
+  EXPECT_EQ(c.with_backends(c.spec()), c.with_backends(c.spec()));
+  expect_error(
+      [&] {
+        c.mesh_teams(DeviceMesh::of_shape({2, 3}));
+      },
+      ErrorCode::InvalidArgument, {"mesh_teams", "DeviceMesh([2, 3]", "ranks 0 .. 3"});
+}
+
 // Mismatched calls: every rank gets the same error naming the ranks and what differed, and the
 // communicator stays usable. Needs 4 ranks.
 inline void check_mismatch(Communicator& c) {

@@ -51,6 +51,8 @@ TEST(DistLocal, SplitAndNewGroupFormSubTeamsThatCommunicate) {
   on_four_ranks(dist::check_sub_teams);
 }
 
+TEST(DistLocal, MeshTeamsAreTheMeshLinesSplitOnceAndKept) { on_four_ranks(dist::check_mesh_teams); }
+
 TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
   on_four_ranks(dist::check_mismatch);
 }

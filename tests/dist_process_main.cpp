@@ -91,6 +91,8 @@ TEST(DistProcess, SeveralOperationsInFlightCompleteInAnyWaitOrder) {
 
 TEST(DistProcess, SplitAndNewGroupFormSubTeamsThatCommunicate) { dist::check_sub_teams(*world); }
 
+TEST(DistProcess, MeshTeamsAreTheMeshLinesSplitOnceAndKept) { dist::check_mesh_teams(*world); }
+
 TEST(DistProcess, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
   if (world->size() != 4) GTEST_SKIP() << "written for 4 ranks";
   dist::check_mismatch(*world);
@@ -133,6 +135,10 @@ TEST(ExecutorProcess, TheCommunicatorBackendIsAParameterOfTheRun) {
 
 TEST(ExecutorProcess, EveryTransitionOfATwoByTwoMeshGivesTheParts) {
   exec::check_every_transition_on_a_2d_mesh(world);
+}
+
+TEST(ExecutorProcess, ExecutorsOnOneMeshShareTheCommunicatorsMeshTeams) {
+  exec::check_executors_share_mesh_teams(world);
 }
 
 TEST(ExecutorProcess, VocabularyParallelFusedLossOverSeveralChunksMatchesOneDevice) {

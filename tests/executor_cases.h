@@ -393,6 +393,33 @@ inline void check_vocabulary_parallel_fused_loss(const std::shared_ptr<Communica
   }
 }
 
+// Executors on one 2 x 2 mesh communicate on the communicator's kept mesh_teams: a second
+// executor adds records to the same teams' histories instead of splitting new ones (each split
+// sets up new connections and store keys).
+inline void check_executors_share_mesh_teams(const std::shared_ptr<Communicator>& comm) {
+  if (comm->size() != 4) GTEST_SKIP() << "written for 4 ranks";
+  const DeviceMesh mesh = DeviceMesh::of_shape({2, 2});
+  Program p;
+  const Value t = p.define_tensor("t", {6, 4}, DType::F32);
+  p.set_mesh(mesh);
+  p.set_placements(t, {Shard{0}, Shard{1}});
+  p.add_output(t, {Replicate{}, Replicate{}});
+  const auto teams = comm->mesh_teams(mesh);
+  for (const auto& team : teams) team->set_history_size(64);
+  const auto records = [&] { return teams[0]->history().size() + teams[1]->history().size(); };
+  Tensor whole({6, 4}, DType::F32);
+  for (std::int64_t i = 0; i < whole.numel(); ++i) whole.data_ptr<float>()[i] = float(i);
+  const Tensor part = shard_tensor(whole, mesh, {Shard{0}, Shard{1}}, comm->rank());
+  std::size_t before = records();
+  for (int i = 0; i < 2; ++i) {
+    MultiDeviceExecutor executor(p, comm);
+    EXPECT_EQ(values(executor.run({part})[0]), values(whole)) << "executor " << i;
+    EXPECT_GT(records(), before) << "executor " << i << " communicated on other teams";
+    before = records();
+  }
+  EXPECT_EQ(comm->mesh_teams(mesh), teams);
+}
+
 // The vocabulary split over both dimensions of a 2 x 2 mesh: the loss combines over one, so the
 // lowering says so rather than combining half the shards.
 inline void check_vocabulary_on_two_mesh_dimensions_is_an_error(

@@ -65,6 +65,10 @@ TEST(ExecutorLocal, EveryTransitionOfATwoByTwoMeshGivesTheParts) {
   on_four_ranks(exec::check_every_transition_on_a_2d_mesh);
 }
 
+TEST(ExecutorLocal, ExecutorsOnOneMeshShareTheCommunicatorsMeshTeams) {
+  on_four_ranks(exec::check_executors_share_mesh_teams);
+}
+
 TEST(ExecutorLocal, VocabularyParallelFusedLossOverSeveralChunksMatchesOneDevice) {
   on_four_ranks(exec::check_vocabulary_parallel_fused_loss);
 }

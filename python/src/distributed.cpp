@@ -134,6 +134,12 @@ void bind_communicator(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("new_group", &Communicator::new_group, "ranks"_a,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("mesh_teams", &Communicator::mesh_teams, "mesh"_a,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "The teams of `mesh` (a DeviceMesh over this team's ranks), one per mesh dimension: "
+           "team m holds the ranks that share every coordinate but m, ordered along m (DTensor's "
+           "DeviceMesh.get_group(m)). Split on the first call for a mesh (collective) and kept: "
+           "later calls return the same teams. Raises ValueError for a mesh of other ranks.")
       .def(
           "all_reduce",
           [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
@@ -175,8 +181,8 @@ void bind_communicator(nb::module_& m) {
           "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "reduce_scatter",
-          [](Communicator& c, Array input, Out output, const Splits& splits,
-             const std::string& op, std::uintptr_t stream) {
+          [](Communicator& c, Array input, Out output, const Splits& splits, const std::string& op,
+             std::uintptr_t stream) {
             const TensorView in = view(input), out = view(output, "output");
             const ReduceOp r = parse_reduce_op(op);
             const Stream s = stream_on(in.device(), stream);
@@ -200,8 +206,7 @@ void bind_communicator(nb::module_& m) {
           "output is only used on the root (None elsewhere).")
       .def(
           "scatter",
-          [](Communicator& c, const OptArray& input, Out output, int root,
-             std::uintptr_t stream) {
+          [](Communicator& c, const OptArray& input, Out output, int root, std::uintptr_t stream) {
             const TensorView in = view(input), out = view(output, "output");
             std::vector<Array> keep = present({&input});
             keep.push_back(output.array);

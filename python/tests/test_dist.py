@@ -91,6 +91,22 @@ def test_mismatched_counts_raise_naming_the_ranks():
         meshfuse.run_local(2, rank_fn)
 
 
+def test_mesh_teams_are_the_mesh_lines_split_once_and_kept():
+    def rank_fn(comm):
+        mesh = meshfuse.DeviceMesh([3, 1, 2, 0], [2, 2])
+        rows, columns = comm.mesh_teams(mesh)
+        assert columns.team == mesh.team(1, comm.rank) and rows.team == mesh.team(0, comm.rank)
+        x = np.array([comm.rank], np.int64)
+        columns.all_reduce(x).wait()
+        assert x[0] == sum(mesh.team(1, comm.rank))
+        again = comm.mesh_teams(mesh)
+        assert again[0] is rows and again[1] is columns  # kept, not split again
+        with pytest.raises(ValueError, match="mesh_teams"):
+            comm.mesh_teams(meshfuse.DeviceMesh([0, 1], [2]))
+
+    meshfuse.run_local(4, rank_fn)
+
+
 def test_local_world_gives_each_thread_its_communicator_once():
     world = meshfuse.LocalWorld(2)
     assert world.size == 2

@@ -132,7 +132,12 @@ struct CommState {
   std::map<CommunicatorBackend, std::shared_ptr<CommImpl>> impls;
   std::uint64_t seq = 0;
   int splits = 0;
-  int respecs = 0;  // with_backends() calls, naming the teams they make
+  int respecs = 0;  // with_backends() teams made, naming them
+  // What with_backends() and mesh_teams() made, by spec and by mesh (BackendSpec::str,
+  // DeviceMesh::to_string), kept for later calls (the same calls on every rank, so every rank
+  // finds the same entries).
+  std::map<std::string, std::shared_ptr<Communicator>> respecced;
+  std::map<std::string, std::vector<std::shared_ptr<Communicator>>> mesh_teams;
   int boots = 0;
   std::shared_ptr<Health> health = std::make_shared<Health>();
 

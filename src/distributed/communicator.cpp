@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -200,10 +201,40 @@ std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spe
     MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
                    "communicator {}: with_backends: this build has no {} backend", state_->name,
                    to_string(backend));
-  auto c = state_->child(state_->team, state_->rank,
-                         fmt::format("{}.b{}", state_->name, state_->respecs++));
-  c->spec = spec;
-  return CommState::make(std::move(c));
+  std::shared_ptr<Communicator>& kept = state_->respecced[spec.str()];
+  if (!kept) {
+    auto c = state_->child(state_->team, state_->rank,
+                           fmt::format("{}.b{}", state_->name, state_->respecs++));
+    c->spec = spec;
+    kept = CommState::make(std::move(c));
+  }
+  return kept;
+}
+
+std::vector<std::shared_ptr<Communicator>> Communicator::mesh_teams(const DeviceMesh& mesh) {
+  std::vector<int> in_order(static_cast<std::size_t>(size()));
+  std::iota(in_order.begin(), in_order.end(), 0);
+  // Not kept: the communicator would hold itself.
+  if (mesh.ndim() == 1 && mesh.ranks() == in_order) return {shared_from_this()};
+  std::vector<int> sorted = mesh.ranks();
+  std::sort(sorted.begin(), sorted.end());
+  MESHFUSE_CHECK(sorted == in_order, ErrorCode::InvalidArgument,
+                 "communicator {}: mesh_teams: {} must be laid over the team's ranks 0 .. {}, "
+                 "each once",
+                 state_->name, mesh.to_string(), size() - 1);
+  const std::string key = mesh.to_string();
+  if (auto it = state_->mesh_teams.find(key); it != state_->mesh_teams.end()) return it->second;
+  const std::vector<std::int64_t> at = mesh.coordinates(rank());
+  std::vector<std::shared_ptr<Communicator>> teams;
+  for (std::int64_t m = 0; m < mesh.ndim(); ++m) {
+    // The ranks that share every coordinate but m: one color per line along m.
+    std::int64_t color = 0;
+    for (std::int64_t d = 0; d < mesh.ndim(); ++d)
+      if (d != m) color = color * mesh.size(d) + at[static_cast<std::size_t>(d)];
+    teams.push_back(
+        split(static_cast<int>(color), static_cast<int>(at[static_cast<std::size_t>(m)])));
+  }
+  return state_->mesh_teams.emplace(key, std::move(teams)).first->second;
 }
 
 }  // namespace meshfuse

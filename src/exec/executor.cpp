@@ -109,25 +109,7 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
           ? communicator_
           : communicator_->with_backends(BackendSpec{{{type, backend}}});
   check_same_program(*world, type, stream);
-  std::vector<std::shared_ptr<Communicator>> teams;
-  const int rank = world->rank();
-  const std::vector<std::int64_t> at = mesh_.coordinates(rank);
-  for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
-    std::vector<int> in_order(static_cast<std::size_t>(world->size()));
-    std::iota(in_order.begin(), in_order.end(), 0);
-    if (mesh_.ndim() == 1 && mesh_.ranks() == in_order) {
-      teams.push_back(world);
-      continue;
-    }
-    // The team of m: the ranks that share every other coordinate, ordered along m.
-    std::int64_t color = 0;
-    for (std::int64_t d = 0; d < mesh_.ndim(); ++d)
-      if (d != m)
-        color =
-            color * mesh_.shape()[static_cast<std::size_t>(d)] + at[static_cast<std::size_t>(d)];
-    teams.push_back(
-        world->split(static_cast<int>(color), static_cast<int>(at[static_cast<std::size_t>(m)])));
-  }
+  std::vector<std::shared_ptr<Communicator>> teams = world->mesh_teams(mesh_);
   return teams_.emplace(std::pair(backend, type), std::move(teams)).first->second;
 }
 

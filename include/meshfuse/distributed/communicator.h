@@ -75,6 +75,7 @@
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 #include "meshfuse/distributed/bootstrap.h"
+#include "meshfuse/distributed/device_mesh.h"
 #include "meshfuse/distributed/store.h"
 
 namespace meshfuse {
@@ -212,7 +213,7 @@ struct CommOptions {
 // A team of ranks and the backends that move its tensors. Create the world communicator with
 // init_communicator() (one per process, from the launcher's environment) or LocalWorld (threads),
 // and sub-teams with split() / new_group().
-class Communicator {
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -250,9 +251,19 @@ class Communicator {
   // The same team on the backends of `spec` (e.g. an executor's plan on gloo in a job whose world
   // was made with the default spec). Not collective: its backends are set up on first use, as any
   // team's, and one that needs what the job lacks (a store, mpirun, a LocalWorld) fails then,
-  // saying so. Every rank makes the same calls in the same order. Error(BackendUnavailable) for a
-  // backend this build lacks.
+  // saying so. Every rank makes the same calls in the same order. Kept: a later call with an
+  // equal spec returns the same communicator, so that its backends' connections are set up once.
+  // Error(BackendUnavailable) for a backend this build lacks.
   std::shared_ptr<Communicator> with_backends(const BackendSpec& spec);
+  // The teams of `mesh`, laid over this team's ranks 0 .. size() - 1, one per mesh dimension:
+  // team m holds the ranks that share every coordinate but m, ordered along m (DTensor's
+  // DeviceMesh.get_group(m)); on a 1-D mesh in rank order, this communicator itself. Made by
+  // split() on the first call for a mesh (collective over this team) and kept: a later call for
+  // an equal mesh returns the same teams without communicating, so that executors and
+  // gather_tensor on one mesh share them (each split sets up new backend connections and writes
+  // new store keys). Every rank asks for the same meshes in the same order.
+  // Error(InvalidArgument) for a mesh of other ranks.
+  std::vector<std::shared_ptr<Communicator>> mesh_teams(const DeviceMesh& mesh);
 
   // In place: tensor = op over the ranks' tensors (same numel and dtype on every rank).
   Work all_reduce(const TensorView& tensor, ReduceOp op = ReduceOp::Sum, const Stream& stream = {});

@@ -13,7 +13,8 @@
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
 // another backend lowers again; the communications then run on a communicator of the same team
 // with that backend (Communicator::with_backends), set up on first use. Teams along mesh
-// dimensions come from Communicator::split, made at the first run of each backend.
+// dimensions come from Communicator::mesh_teams at the first run of each backend: kept by the
+// communicator, so executors (and gather_tensor) on one mesh share them.
 //
 // run() allocates every intermediate on the inputs' device (CUDA work on `stream`, and on the
 // executor's own streams for overlapped chunks), frees them before it returns, and keeps no state
