@@ -305,6 +305,73 @@ TEST(Executor, PlansAreCachedPerBackendAndEachCommunicationNamesIt) {
   EXPECT_EQ(executor.cached_plans(), 2u);
 }
 
+// y = a + b passes its gradient to both operands as it is: grad gives one output each, and the
+// executor returns them as two tensors (a value returned twice is copied, as an input is).
+TEST(Executor, TheOperandsOfAnAddGetTheirGradientsAsTwoTensors) {
+  Program p;
+  const Value a = p.define_tensor("a", {2, 3}, DType::F32);
+  const Value b = p.define_tensor("b", {2, 3}, DType::F32);
+  const Value y = p.add(a, b);
+  p.add_output(y);
+  const Program joint = grad(p, y, {a, b});
+  ASSERT_EQ(joint.outputs().size(), 3u);
+  LocalWorld world(1);
+  MultiDeviceExecutor executor(joint, world.communicator(0));
+  const Tensor x = from({2, 3}, DType::F32, {1, 2, 3, 4, 5, 6});
+  const Tensor g = from({2, 3}, DType::F32, {6, 5, 4, 3, 2, 1});
+  const std::vector<Tensor> out = executor.run({x, x, g});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(values(out[0]), (std::vector<double>{2, 4, 6, 8, 10, 12}));
+  EXPECT_EQ(values(out[1]), values(g));
+  EXPECT_EQ(values(out[2]), values(g));
+  EXPECT_NE(out[1].view().data(), out[2].view().data());
+  EXPECT_NE(out[1].view().data(), g.view().data());
+}
+
+// The gradient of a Partial input is the whole gradient on every rank: Replicate, lowered and
+// equal to the one-device gradient (x given as four exact quarters).
+TEST(ExecutorLocal, TheGradientOfAPartialInputIsReplicate) {
+  on_four_ranks([](const std::shared_ptr<Communicator>& comm) {
+    Program p;
+    const Value x = p.define_tensor("x", {4, 8}, DType::F32);
+    const Value w = p.define_tensor("w", {6, 8}, DType::F32);
+    const Value y = p.linear(x, w);
+    p.add_output(y);
+    p.set_mesh(DeviceMesh::of_shape({4}));
+    p.set_placements(x, {Partial{}});
+    const Program joint = grad(p, y, {x, w});
+    ASSERT_EQ(joint.output_placements().size(), 3u);
+    EXPECT_EQ(joint.output_placements()[1], (std::vector<Placement>{Replicate{}}));
+    Tensor xs({4, 8}, DType::F32), ws({6, 8}, DType::F32), gs({4, 6}, DType::F32);
+    for (std::int64_t i = 0; i < xs.numel(); ++i) xs.data_ptr<float>()[i] = float(i % 7 - 3);
+    for (std::int64_t i = 0; i < ws.numel(); ++i) ws.data_ptr<float>()[i] = float(i % 5 - 2);
+    for (std::int64_t i = 0; i < gs.numel(); ++i) gs.data_ptr<float>()[i] = float(i % 3 - 1);
+    Tensor quarter = Tensor::copy_of(xs);
+    for (std::int64_t i = 0; i < quarter.numel(); ++i) quarter.data_ptr<float>()[i] /= 4;
+    Program single = p;
+    single.set_placements(x, {Replicate{}});
+    const std::vector<Tensor> want =
+        MultiDeviceExecutor(grad(single, y, {x, w}), comm).run({xs, ws, gs});
+    const std::vector<Tensor> got = MultiDeviceExecutor(joint, comm).run({quarter, ws, gs});
+    ASSERT_EQ(got.size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(values(got[i]), values(want[i])) << "output " << i;
+  });
+}
+
+// A Partial wanted on an inner mesh dimension while an outer one changes how the same tensor dim
+// is sharded: the lowering's error, not a crash (it once reached std::get<Shard> on the Partial).
+TEST(Executor, APartialWantedAfterAnOuterReshardIsAnError) {
+  Program p;
+  const Value x = p.define_tensor("x", {1, 5}, DType::F32);
+  p.set_mesh(DeviceMesh::of_shape({2, 2}));
+  p.set_placements(x, {Shard{0}, Shard{0}});
+  p.add_output(x, {Replicate{}, Partial{}});
+  for (int rank = 0; rank < 4; ++rank)
+    expect_error([&] { lower(p, rank, CommunicatorBackend::Local); }, ErrorCode::InvalidArgument,
+                 {"'x'", "cannot become [Replicate(), Partial(sum)]", "mesh dimension 1"});
+}
+
 TEST(Executor, ShardTensorCopiesTheRanksPartAndRefusesPartial) {
   const Tensor t = from({5, 2}, DType::F32, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
   const DeviceMesh mesh = DeviceMesh::of_shape({2});

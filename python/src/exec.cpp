@@ -429,7 +429,8 @@ void bind_program(nb::module_& m) {
                          optional_placements(placements, "Program.add_output"));
           },
           "v"_a, "placements"_a = nb::none(),
-          "Marks v as an output (each once; run() returns them in this order). placements: how "
+          "Marks v as an output (run() returns them in this order; a value marked twice gives two "
+          "tensors). placements: how "
           "it is wanted on the mesh, one per mesh dimension (a single one for a 1-D mesh); None: "
           "as propagated, Partial made Replicate.")
       .def("set_mesh", &Program::set_mesh, "mesh"_a,

@@ -127,9 +127,13 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
     MESHFUSE_CHECK(d.defined(), ErrorCode::InvalidArgument,
                    "grad: the loss {} does not depend on {}", program.describe(loss),
                    program.describe(w));
+    // The gradient lies as w does, but where w is Partial (a sum of terms): the gradient of the
+    // whole is whole on every rank (Replicate, as DTensor's redistribute backward has it).
     std::vector<Placement> placed = program.placements(w);
     if (placed.empty() && program.mesh())
       placed.assign(static_cast<std::size_t>(program.mesh()->ndim()), Replicate{});
+    for (Placement& p : placed)
+      if (std::holds_alternative<Partial>(p)) p = Replicate{};
     j.add_output(d, std::move(placed));
   }
   return j;

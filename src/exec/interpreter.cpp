@@ -116,10 +116,14 @@ std::vector<Tensor> Interpreter::run(const std::vector<TensorView>& inputs) {
   for (Work& w : pending_) w.wait();
   pending_.clear();
   std::vector<Tensor> outputs;
-  for (std::int64_t out : plan_.outputs) {
-    const auto o = static_cast<std::size_t>(out);
-    // An input returned as it came is copied: outputs never alias the caller's tensors.
-    outputs.push_back(owned_[o].defined() ? owned_[o] : Tensor::copy_of(views_[o], stream_));
+  for (std::size_t i = 0; i < plan_.outputs.size(); ++i) {
+    const auto o = static_cast<std::size_t>(plan_.outputs[i]);
+    // An input returned as it came is copied, and so is a value returned a second time: outputs
+    // alias neither the caller's tensors nor each other.
+    const bool again = std::find(plan_.outputs.begin(), plan_.outputs.begin() + i,
+                                 plan_.outputs[i]) != plan_.outputs.begin() + i;
+    outputs.push_back(owned_[o].defined() && !again ? owned_[o]
+                                                    : Tensor::copy_of(views_[o], stream_));
   }
   return outputs;
 }

@@ -139,14 +139,15 @@ class Lowering {
     // by a slice afterwards (Replicate here).
     for (std::int64_t m = mesh_.ndim() - 1; m >= 0; --m) {
       const auto mi = static_cast<std::size_t>(m);
-      Placement target = want[mi];
-      if (outer_changes(m, now[mi]) || outer_changes(m, target)) target = Replicate{};
-      if (now[mi] == target || (is<Replicate>(now[mi]) && is<Shard>(target))) continue;
-      MESHFUSE_CHECK(!is<Partial>(target), ErrorCode::InvalidArgument,
+      // Checked on the wanted placement, before an outer change makes the target Replicate.
+      MESHFUSE_CHECK(!is<Partial>(want[mi]) || now[mi] == want[mi], ErrorCode::InvalidArgument,
                      "lower: {}: {} lies as {} and cannot become {} (no rule makes a Partial "
                      "from a {} on mesh dimension {})",
                      why, p_.describe(global), placements_text(now), placements_text(want),
                      to_string(now[mi]), m);
+      Placement target = want[mi];
+      if (outer_changes(m, now[mi]) || outer_changes(m, target)) target = Replicate{};
+      if (now[mi] == target || (is<Replicate>(now[mi]) && is<Shard>(target))) continue;
       std::vector<Placement> next = now;
       next[mi] = target;
       id = communicate(id, next, m);

@@ -394,9 +394,6 @@ const std::vector<Placement>& Program::placements(Value v) const {
 
 void Program::add_output(Value v, std::vector<Placement> placements) {
   OpCheck(*this, "add_output").operand("v", v);
-  MESHFUSE_CHECK(std::find(outputs_.begin(), outputs_.end(), v) == outputs_.end(),
-                 ErrorCode::InvalidArgument, "Program.add_output: {} is already an output",
-                 describe(v));
   if (!placements.empty()) placements = checked_placements("add_output", v, std::move(placements));
   outputs_.push_back(v);
   output_placements_.push_back(std::move(placements));

@@ -15,7 +15,9 @@ namespace meshfuse {
 //   inputs   program's inputs, then "grad_loss" (loss's shape and dtype: the upstream gradient,
 //            1 for a loss that ends the computation), Replicate on a mesh
 //   outputs  program's outputs, then the gradient of each of `wrt` in order, placed as that
-//            input is (Replicate when not set)
+//            input is (Replicate when not set, and where it is Partial: the gradient of a sum's
+//            every term is the whole gradient); inputs with the same gradient (an add's operands)
+//            get one output each
 // Gradients of a value used several times are summed (add). fused_linear_cross_entropy computes
 // its gradients in its forward, so it takes grad_loss there; its loss must then be `loss` itself.
 // rmsnorm's and cross_entropy's backward read the rstd and lse their forward saved.

@@ -136,8 +136,9 @@ class Program {
                                    const CrossEntropyOptions& options = {},
                                    std::optional<DType> loss_dtype = std::nullopt);
 
-  // Marks a value as an output of the program (each once), in the order the executor returns
-  // them; on a mesh, `placements` (one per mesh dimension) says how it is wanted.
+  // Marks a value as an output of the program, in the order the executor returns them; on a
+  // mesh, `placements` (one per mesh dimension) says how it is wanted. A value may be marked
+  // more than once (e.g. with two placements): each is its own tensor.
   void add_output(Value v, std::vector<Placement> placements = {});
 
   // The mesh the program runs on; placements set before stay and are checked against it.
