@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -482,6 +484,27 @@ TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
   team2.set("k", std::string("two"));
   EXPECT_EQ(team1.get_string("k"), "one");
   EXPECT_EQ(client.get_string("team2/k"), "two");
+}
+
+// A child forked while the store is open (os.fork, an MPI singleton's orted) holds copies of its
+// sockets; the store still closes at once instead of waiting for the child to exit.
+TEST(DistStore, TcpStoreClosesAtOnceWhileAForkedChildLives) {
+  auto server = std::make_unique<TcpStore>("127.0.0.1", 0, true, kSecret, 20s);
+  auto client = std::make_unique<TcpStore>("127.0.0.1", server->port(), false, kSecret, 20s);
+  client->set("k", std::string("v"));
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::sleep(10);
+    ::_exit(0);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  client.reset();
+  server.reset();
+  const auto took = std::chrono::steady_clock::now() - start;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_LT(took, 3s);
 }
 
 TEST(DistStore, TcpStoreClientGivesUpWhenNoServerAnswers) {

@@ -265,7 +265,7 @@ struct TcpStore::Impl {
 
   void accept_loop() {
     for (;;) {
-      const int fd = ::accept(listener, nullptr, nullptr);
+      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) {
         const int error = errno;
         {
@@ -347,7 +347,7 @@ struct TcpStore::Impl {
     if (bind_address.empty() && (ntohl(addr.sin_addr.s_addr) >> 24) == 127 && !names_loopback(host))
       addr.sin_addr.s_addr = htonl(INADDR_ANY);
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     MESHFUSE_CHECK(listener >= 0, ErrorCode::CommunicationFailure, "TcpStore: socket: {}",
                    std::strerror(errno));
     const int one = 1;
@@ -402,7 +402,7 @@ struct TcpStore::Impl {
     }
     int connected = -1;
     for (addrinfo* a = found; a && connected < 0; a = a->ai_next) {
-      const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (fd < 0) continue;
       if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
         connected = fd;
@@ -519,6 +519,10 @@ TcpStore::TcpStore(std::string host, int port, bool is_server, std::string secre
 }
 
 TcpStore::~TcpStore() {
+  // Shut down, not only closed: a child forked since (os.fork, MPI's orted) holds a copy of the
+  // socket, which would keep the connection open and the server below waiting for it. The sockets
+  // are made close-on-exec for the same reason.
+  ::shutdown(impl_->client, SHUT_RDWR);
   ::close(impl_->client);
   if (impl_->listener >= 0) impl_->stop_server(true);
 }
