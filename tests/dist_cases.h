@@ -487,6 +487,30 @@ inline void check_dropping_a_timed_out_recv(Communicator& c) {
   c.barrier().wait();
 }
 
+// A recv smaller than the matching send fails on the receiving rank and aborts nothing (gloo once
+// aborted the process from its own thread); on gloo it matches no send and times out, on local
+// and mpi it fails at once. Ranks 0 and 1 of a sub-team, so that the world stays usable.
+inline void check_recv_of_another_size(Communicator& c) {
+  using namespace std::chrono_literals;
+  auto sub = c.split(0, c.rank());
+  sub->barrier().wait();  // backends set up on every rank
+  if (c.size() > 1 && c.rank() <= 1) {
+    Tensor t = Tensor::zeros({c.rank() == 0 ? 3 : 2}, DType::F32);
+    std::optional<Work> w = c.rank() == 0 ? sub->send(t, 1, 12) : sub->recv(t, 0, 12);
+    if (c.rank() == 1) {
+      try {
+        w->wait(500ms);
+        ADD_FAILURE() << "a recv of 8 bytes from a send of 12 succeeded";
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("recv"), std::string::npos) << e.what();
+      }
+    }
+  }
+  c.barrier().wait();
+}
+
 // With checks on, the last rank arrives only after the others' metadata exchange has timed out
 // (their timeout shortened after set-up, so gloo's own stays long and the exchange stays queued):
 // the backend then completes the abandoned exchange, into buffers that must still be alive (this

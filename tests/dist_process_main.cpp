@@ -156,6 +156,10 @@ TEST(DistProcess, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {
 
 TEST(DistProcess, ATimedOutRecvIsDroppedAtOnce) { dist::check_dropping_a_timed_out_recv(*world); }
 
+TEST(DistProcess, ARecvOfAnotherSizeFailsAndAbortsNothing) {
+  dist::check_recv_of_another_size(*world);
+}
+
 TEST(DistProcess, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
   dist::check_late_rank_after_timeout(*world);
 }

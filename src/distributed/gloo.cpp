@@ -140,6 +140,12 @@ class P2pWork : public TaskWork {
       std::exception_ptr error;
       try {
         as_errors([&] { is_send ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout); });
+      } catch (const Error& e) {
+        error = e.code() != ErrorCode::Timeout
+                    ? std::current_exception()
+                    : std::make_exception_ptr(Error(
+                          e.code(), e.message() + " (gloo pairs a send only with a recv of the "
+                                                  "same tag and byte count)"));
       } catch (...) {
         error = std::current_exception();
       }
@@ -320,13 +326,13 @@ class GlooComm : public CommImpl {
 
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
-    as_errors([&] { buffer->send(peer, p2p_slot(tag)); });
+    as_errors([&] { buffer->send(peer, p2p_slot(tag, t.nbytes())); });
     return std::make_shared<P2pWork>(std::move(buffer), true, timeout_);
   }
 
   std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
-    as_errors([&] { buffer->recv(peer, p2p_slot(tag)); });
+    as_errors([&] { buffer->recv(peer, p2p_slot(tag, t.nbytes())); });
     return std::make_shared<P2pWork>(std::move(buffer), false, timeout_);
   }
 
@@ -339,9 +345,14 @@ class GlooComm : public CommImpl {
   }
 
  private:
-  // Sends and receives use slots far from those of Gloo's collectives (small prefixes << 56).
-  static std::uint64_t p2p_slot(int tag) {
-    return (std::uint64_t{0xF0} << 56) | static_cast<std::uint32_t>(tag);
+  // Sends and receives use slots far from those of Gloo's collectives (small prefixes << 56), and
+  // the slot holds 24 bits of a hash of the byte count besides the tag: Gloo pairs a send with
+  // the recv of its slot, and a send larger than that recv's buffer aborts the process in Gloo's
+  // thread (a smaller one leaves the rest of the buffer as it was). A recv of another size than
+  // the send matches nothing and times out instead (P2pWork's error says why).
+  static std::uint64_t p2p_slot(int tag, std::size_t bytes) {
+    const std::uint64_t size_hash = (std::uint64_t{bytes} * 0x9E3779B97F4A7C15ull) >> 40;
+    return (std::uint64_t{0xF0} << 56) | (size_hash << 32) | static_cast<std::uint32_t>(tag);
   }
 
   template <typename F>

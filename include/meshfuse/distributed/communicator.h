@@ -311,7 +311,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                   const std::vector<std::int64_t>& output_split_sizes = {},
                   const Stream& stream = {});
 
-  // Point to point; a send matches the recv of the same (source, destination, tag), in order.
+  // Point to point; a send matches the recv of the same (source, destination, tag), in order,
+  // and must have its byte count: a recv of another size fails (local, mpi: at once; gloo, which
+  // pairs them by tag and size: it matches no send and times out).
   // local on CUDA tensors: a send only posts its buffer and returns; the recv blocks the host
   // until the matching send is posted (up to the timeout), then queues the copy on its stream.
   // The send's Work completes once that copy has finished: keep the send's buffer alive and
