@@ -359,6 +359,31 @@ TEST(ExecutorLocal, TheGradientOfAPartialInputIsReplicate) {
   });
 }
 
+// Per-token outputs wanted as Shard(0): grad_loss comes as the loss is output, each rank passing
+// its rows of the upstream gradient, and the gradients match one device's.
+TEST(ExecutorLocal, GradLossLiesAsTheLossIsOutput) {
+  on_four_ranks([](const std::shared_ptr<Communicator>& comm) {
+    exec::expect_matches_single_device(
+        [&](bool sharded) {
+          Program p;
+          const Value x = p.define_tensor("x", {10, 8}, DType::F32);
+          const Value w = p.define_tensor("w", {8}, DType::F32);
+          const Value y = p.rmsnorm(x, w, 1e-6);
+          if (sharded) {
+            p.set_mesh(DeviceMesh::of_shape({4}));
+            p.set_placements(x, {Shard{0}});
+            p.add_output(y, {Shard{0}});
+          } else {
+            p.add_output(y);
+          }
+          const Program joint = grad(p, y, {x, w});
+          if (sharded) EXPECT_EQ(joint.placements(joint.inputs().back()), p.output_placements()[0]);
+          return joint;
+        },
+        comm, 1e-5);
+  });
+}
+
 // A Partial wanted on an inner mesh dimension while an outer one changes how the same tensor dim
 // is sharded: the lowering's error, not a crash (it once reached std::get<Shard> on the Partial).
 TEST(Executor, APartialWantedAfterAnOuterReshardIsAnError) {

@@ -66,7 +66,9 @@ Setup check_options(const RunOptions& o) {
     s.ranks = o.ranks ? o.ranks : 4;
   } else {
     MESHFUSE_CHECK(o.ranks == 0 || o.ranks == s.launch.world_size, ErrorCode::InvalidArgument,
-                   "--ranks {}: the launcher started {} rank(s)", o.ranks, s.launch.world_size);
+                   "--ranks {}: this job has {} rank(s) on {} (ranks other than local ones come "
+                   "from the launcher: meshfuse launch -n N, torchrun or mpirun)",
+                   o.ranks, s.launch.world_size, to_string(s.backend));
     s.ranks = s.launch.world_size;
   }
   return s;

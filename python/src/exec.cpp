@@ -485,8 +485,10 @@ void bind_program(nb::module_& m) {
       "program"_a, "loss"_a, "wrt"_a,
       "The joint forward + backward Program for the gradients of loss with respect to the inputs "
       "wrt. Its inputs: program's, then 'grad_loss' (loss's shape and dtype; 1 for a loss that "
-      "ends the computation). Its outputs: program's, then one gradient per wrt, placed as that "
-      "input. Raises meshfuse.Error (see include/meshfuse/exec/autodiff.h).");
+      "ends the computation; placed as the loss is output when given placements, else "
+      "Replicate). Its outputs: program's, then one gradient per wrt, placed as that input "
+      "(Replicate where it is Partial). Raises meshfuse.Error (see "
+      "include/meshfuse/exec/autodiff.h).");
 }
 
 void bind_executor(nb::module_& m) {

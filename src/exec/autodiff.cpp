@@ -25,6 +25,19 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
 
   Program j = program;
   const Value grad_loss = j.define_tensor("grad_loss", loss_info.shape, loss_info.dtype);
+  // The gradient of a sum's every term is the whole gradient: Partial placements become Replicate.
+  const auto whole_where_partial = [](std::vector<Placement> placed) {
+    for (Placement& p : placed)
+      if (std::holds_alternative<Partial>(p)) p = Replicate{};
+    return placed;
+  };
+  // grad_loss lies as the loss is output (e.g. per-token losses Shard(0)), else Replicate.
+  const auto& outputs = program.outputs();
+  if (const auto it = std::find(outputs.begin(), outputs.end(), loss);
+      program.mesh() && it != outputs.end() &&
+      !program.output_placements()[it - outputs.begin()].empty())
+    j.set_placements(grad_loss,
+                     whole_where_partial(program.output_placements()[it - outputs.begin()]));
   std::vector<Value> g(j.values().size());  // the gradient of each value, as far as summed
   const auto grad_of = [&](Value v) { return g[static_cast<std::size_t>(v.id)]; };
   const auto accumulate = [&](Value primal, Value d) {
@@ -127,13 +140,11 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
     MESHFUSE_CHECK(d.defined(), ErrorCode::InvalidArgument,
                    "grad: the loss {} does not depend on {}", program.describe(loss),
                    program.describe(w));
-    // The gradient lies as w does, but where w is Partial (a sum of terms): the gradient of the
-    // whole is whole on every rank (Replicate, as DTensor's redistribute backward has it).
-    std::vector<Placement> placed = program.placements(w);
+    // The gradient lies as w does, Replicate where w is Partial (as DTensor's redistribute
+    // backward has it).
+    std::vector<Placement> placed = whole_where_partial(program.placements(w));
     if (placed.empty() && program.mesh())
       placed.assign(static_cast<std::size_t>(program.mesh()->ndim()), Replicate{});
-    for (Placement& p : placed)
-      if (std::holds_alternative<Partial>(p)) p = Replicate{};
     j.add_output(d, std::move(placed));
   }
   return j;
