@@ -153,6 +153,10 @@ std::vector<Row> bench_rank(Communicator& comm, const Setup& s, const CommBenchO
     rows.push_back(row);
   }
   comm.barrier(stream).wait();
+  MESHFUSE_CHECK(!rows.empty(), ErrorCode::InvalidArgument,
+                 "comm-bench: no size from --min-bytes {} to --max-bytes {} holds an element of {} "
+                 "per rank ({} ranks need at least {} bytes)",
+                 o.min_bytes, o.max_bytes, o.dtype, n, n * element);
   return rows;
 }
 

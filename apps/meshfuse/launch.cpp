@@ -364,6 +364,14 @@ int run_launch(const LaunchOptions& options) {
                  options.master_port);
   MESHFUSE_CHECK(options.grace_s >= 0, ErrorCode::InvalidArgument,
                  "launch: --grace-period: expected seconds >= 0, got {}", options.grace_s);
+  // Checked here, not only by each rank once it starts.
+  if (!options.backend.empty()) {
+    try {
+      BackendSpec::parse(options.backend);
+    } catch (const Error& e) {
+      fail(ErrorCode::InvalidArgument, "launch: --backend: {}", e.message());
+    }
+  }
   return Launcher(options).run();
 }
 

@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <limits>
 #include <string_view>
 
 #include "bench.h"
@@ -15,6 +16,9 @@
 #include "launch.h"
 #include "meshfuse/core/error.h"
 #include "run.h"
+
+// A count option of at least 1 (CLI::PositiveNumber prints its range as doubles).
+const auto kPositive = CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max());
 
 int main(int argc, char** argv) {
   using meshfuse::cli::BenchOptions;
@@ -34,9 +38,11 @@ int main(int argc, char** argv) {
       ->required();
   bench->add_option("--tokens", bench_options.tokens, "rows (tokens) per call")
       ->capture_default_str();
-  bench->add_option("--seq-len", bench_options.seq_len,
-                    "steps per sequence of rnn, gru and pack_sequence (default: 4096; rnn and gru "
-                    "1024 on the CPU)");
+  bench
+      ->add_option("--seq-len", bench_options.seq_len,
+                   "steps per sequence of rnn, gru and pack_sequence (default: 4096; rnn and gru "
+                   "1024 on the CPU)")
+      ->check(kPositive);
   bench->add_option("--dtype", bench_options.dtype, "bf16, f16 or f32")->capture_default_str();
   bench->add_option("--device", bench_options.device, "cpu, or cuda[:N] in CUDA builds")
       ->capture_default_str();
@@ -67,7 +73,8 @@ int main(int argc, char** argv) {
   run->add_option("--backend", run_options.backend,
                   "local, gloo, mpi or nccl (default: MESHFUSE_BACKEND, else mpi under mpirun, "
                   "gloo under another launcher, local without one)");
-  run->add_option("--tokens", run_options.tokens, "tokens (default: 256 on the CPU, 4096 on CUDA)");
+  run->add_option("--tokens", run_options.tokens, "tokens (default: 256 on the CPU, 4096 on CUDA)")
+      ->check(kPositive);
   run->add_option("--device", run_options.device,
                   "cpu, or cuda[:N] (nccl under a launcher; local: the ranks as threads on it)")
       ->capture_default_str();
@@ -140,8 +147,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   comm_bench->add_option("--format", comm_options.format, "table, csv or json")
       ->capture_default_str();
-  comm_bench->add_option("-n,--nranks", comm_options.nranks,
-                         "ranks as threads of this process (--backend local; default 2)");
+  comm_bench
+      ->add_option("-n,--nranks", comm_options.nranks,
+                   "ranks as threads of this process (--backend local; default 2)")
+      ->check(CLI::Range(1, 1 << 16));
   comm_bench->add_flag("--check", comm_options.check,
                        "keep the cross-rank metadata check before each collective (off: the "
                        "transfer alone is timed)");

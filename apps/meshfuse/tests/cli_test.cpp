@@ -147,7 +147,8 @@ void expect_usage_error(const std::string& args, const std::string& message) {
   EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
-TEST(Cli, ZeroOrNegativeTokensAreRejected) {
+TEST(Cli, ZeroOrNegativeTokensAndSequenceLengthsAreRejected) {
+  expect_usage_error("bench --model llama-3.2-1b --seq-len 0", "--seq-len");  // not the default
   expect_usage_error("bench --model llama-3.2-1b --tokens 0",
                      "--tokens: expected a positive number of tokens, got 0");
   expect_usage_error("bench --model llama-3.2-1b --tokens -5",
@@ -261,6 +262,7 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
   expect_usage_error("run --model " + model + " --backend carrier-pigeon", "--backend");
   expect_usage_error("run --model " + model + " --dtype f16", "--dtype: expected bf16 or f32");
   expect_usage_error("run --model " + model + " --tokens -3", "--tokens");
+  expect_usage_error("run --model " + model + " --tokens 0", "--tokens");  // not the default
   expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
   expect_usage_error("run --model " + model + " --ranks 0", "--ranks");  // not the default 4
 }

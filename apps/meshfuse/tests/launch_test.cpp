@@ -211,7 +211,10 @@ TEST(Launch, BadOptionsAreUsageErrors) {
            {"-n 0 -- true", "-n: expected a positive number of processes, got 0"},
            {"-n 2", "expected a command to run after the options"},
            {"-n 2 --master-port 70000 -- true", "--master-port: expected 0..65535, got 70000"},
-           {"-- true", "-n"}}) {
+           {"-- true", "-n"},
+           {"-n 2 --backend foo -- true",
+            "launch: --backend: communicator backend: unknown name "
+            "'foo'"}}) {
     const std::string command =
         fmt::format("'{}' launch {} 2>'{}'", MESHFUSE_CLI_PATH, args, (dir / "err").string());
     const int status = std::system(command.c_str());
