@@ -177,13 +177,17 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
 Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMesh& mesh,
                      const std::vector<Placement>& placements,
                      std::shared_ptr<Communicator> communicator, const Stream& stream) {
-  // The identity program, its output wanted whole.
-  Program p;
-  const Value v = p.define_tensor("tensor", shape, local.dtype());
-  p.set_mesh(mesh);
-  p.set_placements(v, placements);
-  p.add_output(v, std::vector<Placement>(placements.size(), Replicate{}));
-  return MultiDeviceExecutor(std::move(p), std::move(communicator)).run({local}, stream)[0];
+  // The identity program, its output wanted whole. Its errors name gather_tensor's arguments.
+  try {
+    Program p;
+    const Value v = p.define_tensor("local", shape, local.dtype());
+    p.set_mesh(mesh);
+    p.set_placements(v, placements);
+    p.add_output(v, std::vector<Placement>(placements.size(), Replicate{}));
+    return MultiDeviceExecutor(std::move(p), std::move(communicator)).run({local}, stream)[0];
+  } catch (const Error& e) {
+    throw Error(e.code(), "gather_tensor: " + e.message());
+  }
 }
 
 }  // namespace meshfuse
