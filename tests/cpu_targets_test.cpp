@@ -61,10 +61,14 @@ TEST(CpuTargets, ReductionOpsMatchTheReferenceOnEveryTarget) {
       Tensor softmax, softmax_grad, loss, lse, ce_grad, y, rstd, dx, dw;
     };
     const auto run = [&] {
-      Out r{test::empty_like(x),         test::empty_like(x),
-            Tensor({kRows}, dtype),      Tensor({kRows}, detail::lse_dtype(dtype)),
-            test::empty_like(x),         test::empty_like(x),
-            Tensor({kRows}, DType::F32), test::empty_like(x),
+      Out r{test::empty_like(x),
+            test::empty_like(x),
+            Tensor({kRows}, dtype),
+            Tensor({kRows}, detail::lse_dtype(dtype)),
+            test::empty_like(x),
+            test::empty_like(x),
+            Tensor({kRows}, rmsnorm_rstd_dtype(dtype)),
+            test::empty_like(x),
             test::empty_like(w)};
       softmax(x, r.softmax);
       softmax_backward(dy, r.softmax, r.softmax_grad);

@@ -79,7 +79,7 @@ Forward forward(const Inputs& in, const Stream& stream) {
   const Device d = x.device();
   Forward f{Tensor(x.shape(), x.dtype(), d, stream),
             {},
-            Tensor({x.numel() / x.size(-1)}, DType::F32, d, stream)};
+            Tensor({x.numel() / x.size(-1)}, rmsnorm_rstd_dtype(x.dtype()), d, stream)};
   if (in.residual.defined()) f.r = Tensor(x.shape(), x.dtype(), d, stream);
   if (plain(in))
     rmsnorm(in.x, in.weight, f.y, f.rstd, in.eps, stream);
@@ -223,7 +223,7 @@ TEST_P(RmsNormBackends, NonContiguousInputsGiveTheBitsOfTheirContiguousCopies) {
                   dr = transposed_on(cpu.grad_r, d, stream);
     const Forward a = forward(in, stream);
     Forward b{Tensor({rows, 40}, dtype, d, stream), Tensor({rows, 40}, dtype, d, stream),
-              Tensor({rows}, DType::F32, d, stream)};
+              Tensor({rows}, rmsnorm_rstd_dtype(dtype), d, stream)};
     fused_residual_add_rmsnorm(x.view, res.view, in.weight, b.y, b.r, b.rstd, kEps, 2.0, stream);
     EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.y, stream), to_cpu(b.y, stream)));
     EXPECT_TRUE(testing::bitwise_equal(to_cpu(a.r, stream), to_cpu(b.r, stream)));
@@ -253,7 +253,7 @@ TEST_P(RmsNormBackends, MisalignedRowsGiveTheResultAndTheDweightBitsOfAlignedOne
   const Strided x = misaligned_on(cpu.x, d, stream), dy = misaligned_on(cpu.grad_y, d, stream);
   ForceKernelBackend force(target.backend);
   const Forward a = forward(in, stream);
-  Tensor y({300, 4096}, dtype, d, stream), rstd({300}, DType::F32, d, stream);
+  Tensor y({300, 4096}, dtype, d, stream), rstd({300}, rmsnorm_rstd_dtype(dtype), d, stream);
   rmsnorm(x.view, in.weight, y, rstd, kEps, stream);
   expect_close(to_cpu(y, stream), to_cpu(a.y, stream), "y");
   expect_close(to_cpu(rstd, stream), to_cpu(a.rstd, stream), "rstd");
@@ -388,7 +388,7 @@ void expect_values(const Tensor& t, std::initializer_list<double> expected, doub
 // Expected numbers from torch 2.x in float64:
 //   y = F.rms_norm(x, (4,), w, eps); y.backward(dy)  (and r = x*0.5 + res for the fused case,
 //   torch.autograd.backward([y, r], [dy, grad_r])).
-// The backward reads the f32 rstd, hence 1e-6 there.
+// In f64 the saved rstd is f64 too, so the gradients are as exact as the forward.
 TEST_P(RmsNormTargets, MatchesTorchRmsNormOnKnownValues) {
   const test::Target target = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
@@ -408,10 +408,10 @@ TEST_P(RmsNormTargets, MatchesTorchRmsNormOnKnownValues) {
   expect_values(b.dx,
                 {0.09128715377540705, -0.5477219489253986, -0.6390088592690448, 0.7302967433397346,
                  0.5321340780899425, 2.6833726830270623, 1.9261647164552056, -0.20237159590456444},
-                1e-6, "dx", stream);
+                1e-12, "dx", stream);
   expect_values(
       b.dweight,
-      {0.24476283345965605, -0.007984487805510643, 0.5477221923571596, 4.8473497423600564}, 1e-6,
+      {0.24476283345965605, -0.007984487805510643, 0.5477221923571596, 4.8473497423600564}, 1e-12,
       "dweight", stream);
 }
 
@@ -440,14 +440,14 @@ TEST_P(RmsNormTargets, FusedResidualAddMatchesTorchWithMultiplierAndGradR) {
       b.dx,
       {0.09306504293506383, -0.19814234399689326, -0.41315766665535036, 0.8824147738639141,
        -0.4035091244067852, 0.7528410231095839, 0.8868118668059513, 0.6987356454726348},
-      1e-6, "dx", stream);
+      1e-12, "dx", stream);
   expect_values(b.dresidual,
                 {0.18613008587012767, -0.3962846879937865, -0.8263153333107007, 1.7648295477278282,
                  -0.8070182488135704, 1.5056820462191678, 1.7736237336119025, 1.3974712909452696},
-                1e-6, "dresidual", stream);
+                1e-12, "dresidual", stream);
   expect_values(b.dweight,
                 {0.8145025510850902, 0.18704388264968883, 2.241706921189744, 3.38270612610682},
-                1e-6, "dweight", stream);
+                1e-12, "dweight", stream);
 }
 
 TEST_P(RmsNormTargets, AllZeroRowGivesZeroOutputAndFiniteGradientsThanksToEps) {
@@ -487,12 +487,13 @@ TEST_P(RmsNormTargets, F32DweightIsWithinThreeUnitsOfTheExactSum) {
       cpu.grad_y = Tensor::copy_of(cpu.x);
       const Forward saved = on_reference([&] { return forward(cpu, {}); });
       Inputs wide = cpu;
-      for (Tensor* t : {&wide.x, &wide.weight, &wide.grad_y}) {
+      Forward saved_wide = saved;  // the same f32 rstd, as the f64 rstd that f64 inputs take
+      for (Tensor* t : {&wide.x, &wide.weight, &wide.grad_y, &saved_wide.rstd}) {
         Tensor f64(t->shape(), DType::F64);
         copy(*t, f64);
         *t = f64;
       }
-      const Backward exact = on_reference([&] { return backward(wide, saved, {}); });
+      const Backward exact = on_reference([&] { return backward(wide, saved_wide, {}); });
       const Inputs in = on(cpu, target.device, stream);
       ForceKernelBackend force(target.backend);
       const Tensor got =

@@ -221,12 +221,20 @@ def _eps(x, eps):
     return torch.finfo(torch.float32 if x.dtype in _SIXTEEN_BIT else x.dtype).eps
 
 
+def _rstd_dtype(dtype):
+    # rmsnorm's saved statistic: float64 for float64 x, so that its gradients keep float64's
+    # accuracy; float32 otherwise (C++ rmsnorm_rstd_dtype).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=True):
     """The raw kernel of :func:`rmsnorm` and :func:`fused_residual_add_rmsnorm`: returns
-    (y, r or None, rstd (rows,) float32, or None when not ``save_rstd``: inference has no
-    backward to save it for); r = x * multiplier + residual when a residual is given."""
+    (y, r or None, rstd (rows,) float32 (float64 for float64 x), or None when not ``save_rstd``:
+    inference has no backward to save it for); r = x * multiplier + residual when a residual is
+    given."""
     y = _empty_like(x)
-    rstd = torch.empty(_rows(x), dtype=torch.float32, device=x.device) if save_rstd else None
+    rstd = torch.empty(_rows(x), dtype=_rstd_dtype(x.dtype), device=x.device) if save_rstd \
+        else None
     if residual is None and multiplier == 1.0:
         _C.rmsnorm(_d(x), _d(weight), _d(y), _d(rstd), eps, _stream(x))
         return y, None, rstd
@@ -272,7 +280,7 @@ def _rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], ep
 @_rmsnorm.register_fake
 def _(x, residual, weight, eps, multiplier):
     r = _nothing(x) if residual is None else _empty_like(x)
-    return _empty_like(x), r, x.new_empty(_rows(x), dtype=torch.float32)
+    return _empty_like(x), r, x.new_empty(_rows(x), dtype=_rstd_dtype(x.dtype))
 
 
 @torch.library.custom_op("meshfuse::rmsnorm_backward", mutates_args=())

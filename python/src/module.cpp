@@ -313,20 +313,22 @@ void bind_ops(nb::module_& m) {
   }, "a"_a, "scalar"_a, "out"_a, "stream"_a = 0, release,
      "out = a * scalar (torch.mul); out may be a itself (in place).");
 
-  m.def("rmsnorm", [](In x, OptIn weight, Out y, OptOut rstd, double eps,
-                      std::uintptr_t stream) {
-    rmsnorm(view(x), view(weight), view(y, "y"), view(rstd, "rstd"), eps,
-            stream_on(device_of(x), stream));
-  }, "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release,
-     "y = x / sqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich 2019; "
-     "torch.nn.functional.rms_norm). x, y (..., H), weight (H,) or None, one float dtype "
-     "(float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once); rstd "
-     "(rows,) float32 or None: 1 / sqrt(mean(x^2) + eps), saved for the backward. Raises "
-     "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are caller-allocated arrays "
-     "written in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its "
-     "default stream).");
+  m.def(
+      "rmsnorm",
+      [](In x, OptIn weight, Out y, OptOut rstd, double eps, std::uintptr_t stream) {
+        rmsnorm(view(x), view(weight), view(y, "y"), view(rstd, "rstd"), eps,
+                stream_on(device_of(x), stream));
+      },
+      "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release,
+      "y = x / sqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich 2019; "
+      "torch.nn.functional.rms_norm). x, y (..., H), weight (H,) or None, one float dtype "
+      "(float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once); rstd "
+      "(rows,) float32 (float64 for float64 x) or None: 1 / sqrt(mean(x^2) + eps), saved for "
+      "the backward. Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError "
+      "(ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on the "
+      "arrays' device (0: its default stream).");
   m.def("rmsnorm_backward", [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight,
                                std::uintptr_t stream) {
     rmsnorm_backward(view(grad_y), view(x), view(weight), view(rstd), view(dx, "dx"),
@@ -340,21 +342,23 @@ void bind_ops(nb::module_& m) {
      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
      "the arrays' device (0: its default stream).");
-  m.def("fused_residual_add_rmsnorm", [](In x, OptIn residual, OptIn weight, Out y, OptOut r,
-                                         OptOut rstd, double eps, double multiplier,
-                                         std::uintptr_t stream) {
-    fused_residual_add_rmsnorm(view(x), view(residual), view(weight), view(y, "y"), view(r, "r"),
-                               view(rstd, "rstd"), eps, multiplier,
-                               stream_on(device_of(x), stream));
-  }, "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(),
-     "eps"_a, "multiplier"_a = 1.0, "stream"_a = 0, release,
-     "r = x * multiplier + residual; y = rmsnorm(r) * weight, in one pass. x, residual, y, r "
-     "(..., H) (residual and r may be None), weight (H,) or None, rstd (rows,) float32 or "
-     "None. Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError "
-     "(ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
+  m.def(
+      "fused_residual_add_rmsnorm",
+      [](In x, OptIn residual, OptIn weight, Out y, OptOut r, OptOut rstd, double eps,
+         double multiplier, std::uintptr_t stream) {
+        fused_residual_add_rmsnorm(view(x), view(residual), view(weight), view(y, "y"),
+                                   view(r, "r"), view(rstd, "rstd"), eps, multiplier,
+                                   stream_on(device_of(x), stream));
+      },
+      "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(), "eps"_a,
+      "multiplier"_a = 1.0, "stream"_a = 0, release,
+      "r = x * multiplier + residual; y = rmsnorm(r) * weight, in one pass. x, residual, y, r "
+      "(..., H) (residual and r may be None), weight (H,) or None, rstd (rows,) float32 "
+      "(float64 for float64 x) or None. Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
   m.def("fused_residual_add_rmsnorm_backward",
         [](In grad_y, OptIn grad_r, In r, OptIn weight, In rstd, Out dx, OptOut dresidual,
            OptOut dweight, double multiplier, std::uintptr_t stream) {

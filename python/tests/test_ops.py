@@ -70,11 +70,13 @@ def test_add_and_mul_equal_torch_bitwise_on_the_cpu():
 
 def test_rmsnorm_matches_numpy_and_returns_rstd():
     x, w = randn(5, 33, dtype=np.float64, seed=3), randn(33, dtype=np.float64, seed=4)
-    y, rstd = np.empty_like(x), np.empty(5, np.float32)
+    y, rstd = np.empty_like(x), np.empty(5, np.float64)  # float64 x: a float64 rstd
     meshfuse.rmsnorm(x, w, y, rstd, 1e-5)
     expected_rstd = 1 / np.sqrt((x * x).mean(-1) + 1e-5)
     np.testing.assert_allclose(y, x * expected_rstd[:, None] * w, rtol=1e-12)
-    np.testing.assert_allclose(rstd, expected_rstd, rtol=1e-6)
+    np.testing.assert_allclose(rstd, expected_rstd, rtol=1e-12)
+    with pytest.raises(TypeError, match="'rstd' must be f64, got f32"):
+        meshfuse.rmsnorm(x, w, y, np.empty(5, np.float32), 1e-5)
 
 
 def test_softmax_rows_sum_to_one_and_all_minus_inf_rows_give_nan():

@@ -50,7 +50,7 @@ def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
     _opcheck(ops.rmsnorm.default, (x, y, None, 1e-6, 1.0))
     _opcheck(ops.softmax.default, (x, 0.5))
     if not grad:
-        rstd = torch.rand(3, dtype=torch.float32, device=device) + 0.5
+        rstd = torch.rand(3, dtype=x.dtype, device=device) + 0.5  # float64 x: float64 rstd
         _opcheck(ops.swiglu_backward.default, (x, x, y))
         _opcheck(ops.rmsnorm_backward.default, (x, None, y, w, rstd, False, 1.0, True))
         _opcheck(ops.rmsnorm_backward.default, (x, y, y, w, rstd, True, 0.5, True))

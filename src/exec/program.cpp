@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "meshfuse/core/error.h"
+#include "meshfuse/ops/rmsnorm.h"
 #include "ops/common.h"
 
 namespace meshfuse {
@@ -244,7 +245,8 @@ Value Program::rmsnorm(Value x, Value weight, double eps) {
                  eps);
   ProgramOp op = op_of(OpType::RmsNorm, {x, weight});
   op.eps = eps;
-  return define(std::move(op), {{c.shape_of(x), c.dtype()}, {rows_of(c.shape_of(x)), DType::F32}})
+  return define(std::move(op), {{c.shape_of(x), c.dtype()},
+                                {rows_of(c.shape_of(x)), rmsnorm_rstd_dtype(c.dtype())}})
       .outputs[0];
 }
 
@@ -261,9 +263,10 @@ std::pair<Value, Value> Program::fused_residual_add_rmsnorm(Value x, Value resid
   ProgramOp op = op_of(OpType::FusedResidualAddRmsNorm, {x, residual, weight});
   op.eps = eps;
   op.multiplier = multiplier;
-  const ProgramOp& d = define(std::move(op), {{c.shape_of(x), c.dtype()},
-                                              {c.shape_of(x), c.dtype()},
-                                              {rows_of(c.shape_of(x)), DType::F32}});
+  const ProgramOp& d =
+      define(std::move(op), {{c.shape_of(x), c.dtype()},
+                             {c.shape_of(x), c.dtype()},
+                             {rows_of(c.shape_of(x)), rmsnorm_rstd_dtype(c.dtype())}});
   return {d.outputs[0], d.outputs[1]};
 }
 

@@ -25,9 +25,10 @@
 // loss: () for mean and sum, (N,) for none; in the logits' (x's) dtype, or f32 for 16-bit ones
 // when loss_dtype says so. Every floating operand of an op shares one dtype (f32, f64, bf16, f16).
 // Three ops also define the statistic their backward reads, as a last result the builder does not
-// return: rmsnorm and fused_residual_add_rmsnorm rstd (f32, x's leading dims), cross_entropy lse
-// ((N,); f32 for 16-bit logits, else f64). fused_linear_cross_entropy's operands end with its
-// upstream gradient, undefined unless grad() asks the op for its gradients (then also results).
+// return: rmsnorm and fused_residual_add_rmsnorm rstd (x's leading dims; f64 for f64 x, else f32),
+// cross_entropy lse ((N,); f32 for 16-bit logits, else f64). fused_linear_cross_entropy's operands
+// end with its upstream gradient, undefined unless grad() asks the op for its gradients (then also
+// results).
 //
 // Multi-device: set_mesh() puts the program on a DeviceMesh, set_placements() says how an input
 // lies on it (default: Replicate on every mesh dimension), and add_output() how an output is

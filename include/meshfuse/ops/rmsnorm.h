@@ -17,16 +17,18 @@
 //   dweight   = sum over rows of dy * n
 //
 // Dtypes: x, residual, weight, y, r and the gradients share one dtype: f32, f64, bf16 or f16.
-// 16-bit types are computed in fp32 and rounded once; rstd is always f32 of shape (rows,). y is
+// 16-bit types are computed in fp32 and rounded once; rstd, of shape (rows,), is f64 for f64
+// inputs and f32 otherwise (rmsnorm_rstd_dtype), so that f64 gradients keep f64's accuracy. y is
 // computed from the unrounded r; the backward reads the stored (rounded) r. dweight is summed in
 // double over fixed row blocks combined in a fixed order (cpu: exact terms, one rounding; cuda:
 // each block's sum rounded once to fp32, f64 for f64, then the blocks in double), so it is within
-// about one rounding of the exact sum and bitwise the same run to run whatever the thread count. Outputs are caller-allocated and contiguous; optional arguments
-// are undefined TensorViews. Errors: DTypeMismatch (dtypes differ or not floating; rstd not f32),
-// ShapeMismatch (weight not (H,), residual / r / gradients not x's shape, rstd not (rows,)),
-// InvalidArgument (0-d x, eps < 0 or NaN, an output not contiguous, an optional output given
-// without the input it belongs to), DeviceMismatch (tensors on different devices, or a stream of
-// another device), Unsupported / BackendUnavailable (see kernel_backend.h).
+// about one rounding of the exact sum and bitwise the same run to run whatever the thread count.
+// Outputs are caller-allocated and contiguous; optional arguments are undefined TensorViews.
+// Errors: DTypeMismatch (dtypes differ or not floating; rstd not rmsnorm_rstd_dtype), ShapeMismatch
+// (weight not (H,), residual / r / gradients not x's shape, rstd not (rows,)), InvalidArgument (0-d
+// x, eps < 0 or NaN, an output not contiguous, an optional output given without the input it
+// belongs to), DeviceMismatch (tensors on different devices, or a stream of another device),
+// Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"
@@ -34,8 +36,13 @@
 
 namespace meshfuse {
 
-// x: (..., H); weight: (H,) or undefined; y: like x; rstd: f32 (rows,), or undefined when no
-// backward follows.
+// The dtype of rstd for inputs of `dtype`: F64 for F64, else F32.
+constexpr DType rmsnorm_rstd_dtype(DType dtype) {
+  return dtype == DType::F64 ? DType::F64 : DType::F32;
+}
+
+// x: (..., H); weight: (H,) or undefined; y: like x; rstd: rmsnorm_rstd_dtype (rows,), or
+// undefined when no backward follows.
 void rmsnorm(const TensorView& x, const TensorView& weight, const TensorView& y,
              const TensorView& rstd, double eps, const Stream& stream = {});
 
@@ -46,7 +53,8 @@ void rmsnorm_backward(const TensorView& grad_y, const TensorView& x, const Tenso
                       const Stream& stream = {});
 
 // x, residual: (..., H), residual optional; weight: (H,) or undefined. Writes y (like x), r (like
-// x: required with a residual, undefined without one) and rstd (f32 (rows,), or undefined).
+// x: required with a residual, undefined without one) and rstd (rmsnorm_rstd_dtype (rows,), or
+// undefined).
 void fused_residual_add_rmsnorm(const TensorView& x, const TensorView& residual,
                                 const TensorView& weight, const TensorView& y, const TensorView& r,
                                 const TensorView& rstd, double eps, double multiplier = 1.0,

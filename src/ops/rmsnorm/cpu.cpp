@@ -113,7 +113,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
         for (std::int64_t c = 0; c < s.cols; ++c) sum_sq += double(value(c)) * double(value(c));
       }
       const A rstd = A(1.0 / std::sqrt(sum_sq / double(s.cols) + a.eps));
-      if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      if (a.rstd) static_cast<rstd_t<T>*>(a.rstd)[row] = static_cast<rstd_t<T>>(rstd);
       // y from the unrounded r (recomputed), so 16-bit outputs are rounded once.
       StreamOut(
           static_cast<T*>(a.y) + row * s.cols, s.cols, stream,
@@ -134,7 +134,7 @@ void backward_row(const RmsNormShape& s, const RmsNormBackwardArgs& a, const A* 
   const T* dy = in_row(a.grad_y, row);
   const T* in = in_row(a.input, row);
   const T* gr = kGradR ? in_row(a.grad_r, row) : nullptr;
-  const A rstd = a.rstd[row];
+  const A rstd = static_cast<const rstd_t<T>*>(a.rstd)[row];
   const A scale = static_cast<A>(a.input_scale) * rstd;  // n = in * scale
   const A m = static_cast<A>(a.multiplier);
   double dot = 0;

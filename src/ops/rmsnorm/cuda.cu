@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(B) forward_kernel(RmsNormShape s, RmsNormForwa
       }
     const S rstd = inverse_rms(group_sum(sum_sq, scratch, g, parity), s.cols, eps);
     if (!live) continue;
-    if (a.rstd && t == 0) a.rstd[row] = static_cast<float>(rstd);
+    if (a.rstd && t == 0) static_cast<rstd_t<T>*>(a.rstd)[row] = static_cast<rstd_t<T>>(rstd);
 #pragma unroll
     for (int i = 0; i < P; ++i)
       if (col(i) < cols) {
@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kForwardThreads)
       for (int k = 0; k < N; ++k) sum_sq += S(r[k]) * S(r[k]);
     }
     const S rstd = inverse_rms(block_sum(sum_sq, scratch), s.cols, eps);
-    if (a.rstd && threadIdx.x == 0) a.rstd[row] = static_cast<float>(rstd);
+    if (a.rstd && threadIdx.x == 0)
+      static_cast<rstd_t<T>*>(a.rstd)[row] = static_cast<rstd_t<T>>(rstd);
     for (std::int64_t c = first; c < s.cols; c += step) {
       A r[N];
       load_r(base + c, r);
@@ -248,14 +249,14 @@ __global__ void __launch_bounds__(kForwardThreads)
 template <typename T, int N>
 struct Slice {
   Chunk<T, N> dy, in, gr;
-  float rstd;
+  rstd_t<T> rstd;
 };
 
 template <typename T, int N>
 __device__ __forceinline__ Slice<T, N> load_slice(const RmsNormBackwardArgs& a, std::int64_t row,
                                                   std::int64_t off) {
   Slice<T, N> v{};
-  v.rstd = a.rstd[row];
+  v.rstd = static_cast<const rstd_t<T>*>(a.rstd)[row];
   v.dy = load_chunk<T, N>(a.grad_y, off);
   v.in = load_chunk<T, N>(a.input, off);
   if (a.grad_r) v.gr = load_chunk<T, N>(a.grad_r, off);
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
   double* sums = partials ? running + blockIdx.x * s.cols : nullptr;
   for (std::int64_t row = first; row < end; ++row) {
     const std::int64_t base = row * s.cols;
-    const A scale = static_cast<A>(a.input_scale) * A(a.rstd[row]);
+    const A scale = static_cast<A>(a.input_scale) * A(static_cast<const rstd_t<T>*>(a.rstd)[row]);
     A dot = 0;
     for (std::int64_t c = start; c < s.cols; c += step) {
       dot += dot_share(load_slice<T, N>(a, row, base + c), weight_vec<T, N>(a.weight, c), scale);

@@ -35,7 +35,7 @@ void rmsnorm_forward(const RmsNormShape& s, const RmsNormForwardArgs& a, const S
         if (a.r) static_cast<T*>(a.r)[base + c] = from_double<T>(v);
       }
       const double rstd = 1.0 / std::sqrt(sum_sq / static_cast<double>(s.cols) + a.eps);
-      if (a.rstd) a.rstd[row] = static_cast<float>(rstd);
+      if (a.rstd) static_cast<rstd_t<T>*>(a.rstd)[row] = static_cast<rstd_t<T>>(rstd);
       for (std::int64_t c = 0; c < s.cols; ++c)
         static_cast<T*>(a.y)[base + c] =
             from_double<T>(pre_norm(base + c) * rstd * weight_at<T>(a.weight, c));
@@ -49,7 +49,7 @@ void rmsnorm_backward(const RmsNormShape& s, const RmsNormBackwardArgs& a, const
     std::vector<double> dweight(a.dweight ? s.cols : 0, 0.0);
     for (std::int64_t row = 0; row < s.rows; ++row) {
       const std::int64_t base = row * s.cols;
-      const double rstd = a.rstd[row];
+      const double rstd = static_cast<const rstd_t<T>*>(a.rstd)[row];
       const auto n = [&](std::int64_t c) {
         return load<T>(a.input, base + c) * a.input_scale * rstd;
       };

@@ -55,15 +55,16 @@ void forward(std::string_view op, const KernelTable<detail::RmsNormForwardFn>& t
     detail::check_output(op, "r", r, x.shape(), x.dtype());
   else
     check_absent_without(op, "r", r, false, "residual");
-  if (rstd.defined()) detail::check_output(op, "rstd", rstd, {s.rows}, DType::F32);
+  if (rstd.defined())
+    detail::check_output(op, "rstd", rstd, {s.rows}, rmsnorm_rstd_dtype(x.dtype()));
   detail::run_kernel(
       table,
       {{"x", x}, {"residual", residual}, {"weight", weight}, {"y", y}, {"r", r}, {"rstd", rstd}},
       stream, [&](auto* fn, detail::KernelCall& call) {
         fn(s,
            {call.input(x).data(), call.input(residual).data(), call.input(weight).data(),
-            call.output(y).data(), call.output(r).data(),
-            static_cast<float*>(call.output(rstd).data()), eps, multiplier},
+            call.output(y).data(), call.output(r).data(), call.output(rstd).data(), eps,
+            multiplier},
            call.stream());
       });
 }
@@ -90,7 +91,7 @@ void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>&
   }
   check_weight(op, weight, grad_y, "grad_y");
   detail::check_defined(op, "rstd", rstd);
-  detail::check_dtype(op, "rstd", rstd, {DType::F32});
+  detail::check_dtype(op, "rstd", rstd, {rmsnorm_rstd_dtype(grad_y.dtype())});
   detail::check_shape(op, "rstd", rstd, {s.rows});
   detail::check_output(op, "dx", dx, grad_y.shape(), grad_y.dtype());
   if (residual) detail::check_output(op, "dresidual", dresidual, grad_y.shape(), grad_y.dtype());
@@ -111,9 +112,9 @@ void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>&
       stream, [&](auto* fn, detail::KernelCall& call) {
         fn(s,
            {call.input(grad_y).data(), call.input(grad_r).data(), call.input(input).data(),
-            call.input(weight).data(), static_cast<const float*>(call.input(rstd).data()),
-            call.output(dx).data(), call.output(written_dresidual).data(),
-            call.output(dweight).data(), residual ? 1.0 : multiplier, multiplier},
+            call.input(weight).data(), call.input(rstd).data(), call.output(dx).data(),
+            call.output(written_dresidual).data(), call.output(dweight).data(),
+            residual ? 1.0 : multiplier, multiplier},
            call.stream());
       });
 }

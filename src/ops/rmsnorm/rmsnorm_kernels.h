@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
@@ -11,7 +12,7 @@
 namespace meshfuse::detail {
 
 // Every tensor is contiguous: (rows, cols) with row stride cols; weight and dweight are (cols,),
-// rstd is f32 (rows,). Optional pointers are null when absent.
+// rstd is (rows,) of rstd_t<T>. Optional pointers are null when absent.
 struct RmsNormShape {
   DType dtype;
   std::int64_t rows;
@@ -24,7 +25,7 @@ struct RmsNormForwardArgs {
   const void* weight;    // optional (1)
   void* y;
   void* r;
-  float* rstd;  // optional
+  void* rstd;  // optional
   double eps;
   double multiplier;
 };
@@ -34,13 +35,17 @@ struct RmsNormBackwardArgs {
   const void* grad_r;  // optional
   const void* input;   // r, or x when the forward had no residual
   const void* weight;  // optional (1)
-  const float* rstd;
+  const void* rstd;
   void* dx;
   void* dresidual;     // optional
   void* dweight;       // optional
   double input_scale;  // r = input * input_scale: 1 for r, the multiplier for x
   double multiplier;
 };
+
+// rstd's element type for rows of T (rmsnorm_rstd_dtype).
+template <typename T>
+using rstd_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 using RmsNormForwardFn = void(const RmsNormShape&, const RmsNormForwardArgs&, const Stream&);
 using RmsNormBackwardFn = void(const RmsNormShape&, const RmsNormBackwardArgs&, const Stream&);
