@@ -182,14 +182,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   switch (op) {
     case 0: {
       const TensorView x = a.tensor({n, h}, dt), w = a.maybe({h}, dt);
-      const TensorView y = a.output({n, h}, dt), rstd = a.maybe_output({n}, DType::F32);
+      const TensorView y = a.output({n, h}, dt), rstd = a.maybe_output({n}, rmsnorm_rstd_dtype(dt));
       const double eps = a.scalar({1e-6, 1e-5});
       call = [=] { rmsnorm(x, w, y, rstd, eps); };
       break;
     }
     case 1: {
       const TensorView gy = a.tensor({n, h}, dt), x = a.tensor({n, h}, dt), w = a.maybe({h}, dt);
-      const TensorView rstd = a.tensor({n}, DType::F32, 0, 3);
+      const TensorView rstd = a.tensor({n}, rmsnorm_rstd_dtype(dt), 0, 3);
       try {  // the forward's rstd where it exists
         ForceKernelBackend ref(KernelBackend::Reference);
         rmsnorm(x, w, Tensor(x.shape(), x.dtype()), rstd, 1e-6);

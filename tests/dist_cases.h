@@ -341,8 +341,9 @@ inline void check_sub_teams(Communicator& c) {
 
 // mesh_teams on a 2 x 2 mesh of permuted ranks: each rank's team along a dimension is the line of
 // the mesh through it, ordered along that dimension, and communicates; asking again returns the
-// same teams (split once), as with_backends keeps its team per spec; a line in rank order is the
-// communicator itself; a mesh of other ranks is an error. Needs 4 ranks.
+// same teams (split once) with the communicator's current settings, as with_backends keeps its
+// team per spec; a line in rank order is the communicator itself; a mesh of other ranks is an
+// error. Needs 4 ranks.
 inline void check_mesh_teams(Communicator& c) {
   const DeviceMesh mesh({3, 1, 2, 0}, {2, 2});
   const auto teams = c.mesh_teams(mesh);
@@ -359,6 +360,18 @@ inline void check_mesh_teams(Communicator& c) {
         << "all_reduce along dimension " << m;
   }
   EXPECT_EQ(c.mesh_teams(mesh), teams) << "a second call splits again";
+  // Kept teams take the settings the communicator has when they are handed out again.
+  const auto timeout = c.timeout();
+  c.set_timeout(timeout + std::chrono::milliseconds(1234));
+  c.set_checks(false);
+  for (const auto& team : c.mesh_teams(mesh)) {
+    EXPECT_EQ(team->timeout(), timeout + std::chrono::milliseconds(1234));
+    EXPECT_FALSE(team->checks());
+  }
+  EXPECT_FALSE(c.with_backends(c.spec())->checks());
+  c.set_timeout(timeout);
+  c.set_checks(true);
+  EXPECT_TRUE(c.mesh_teams(mesh)[1]->checks());
   EXPECT_NE(c.mesh_teams(DeviceMesh({0, 1, 2, 3}, {2, 2}))[0], teams[0]);
   EXPECT_EQ(c.mesh_teams(DeviceMesh::of_shape({c.size()}))[0].get(), &c);
   EXPECT_EQ(c.with_backends(c.spec()), c.with_backends(c.spec()));

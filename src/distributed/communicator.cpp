@@ -195,6 +195,13 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   return state_->split(member ? 0 : -1, member ? static_cast<int>(it - ranks.begin()) : 0, &ranks);
 }
 
+// A kept team handed out again takes this team's current settings, as a new one would, so that
+// set_timeout or set_checks here after the first call still reach the executors that use it.
+void Communicator::inherit_settings(Communicator& kept) const {
+  kept.set_timeout(timeout());
+  kept.set_checks(checks());
+}
+
 std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spec) {
   state_->health->check(state_->name);
   for (const auto& [device, backend] : spec.backends)
@@ -208,6 +215,7 @@ std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spe
     c->spec = spec;
     kept = CommState::make(std::move(c));
   }
+  inherit_settings(*kept);
   return kept;
 }
 
@@ -223,7 +231,10 @@ std::vector<std::shared_ptr<Communicator>> Communicator::mesh_teams(const Device
                  "each once",
                  state_->name, mesh.to_string(), size() - 1);
   const std::string key = mesh.to_string();
-  if (auto it = state_->mesh_teams.find(key); it != state_->mesh_teams.end()) return it->second;
+  if (auto it = state_->mesh_teams.find(key); it != state_->mesh_teams.end()) {
+    for (const auto& team : it->second) inherit_settings(*team);
+    return it->second;
+  }
   const std::vector<std::int64_t> at = mesh.coordinates(rank());
   std::vector<std::shared_ptr<Communicator>> teams;
   for (std::int64_t m = 0; m < mesh.ndim(); ++m) {

@@ -143,9 +143,10 @@ class P2pWork : public TaskWork {
       } catch (const Error& e) {
         error = e.code() != ErrorCode::Timeout
                     ? std::current_exception()
-                    : std::make_exception_ptr(Error(
-                          e.code(), e.message() + " (gloo pairs a send only with a recv of the "
-                                                  "same tag and byte count)"));
+                    : std::make_exception_ptr(
+                          Error(e.code(), e.message() + " (if the peer did post its send: gloo "
+                                                        "pairs a send only with a recv of the same "
+                                                        "tag and byte count)"));
       } catch (...) {
         error = std::current_exception();
       }

@@ -252,7 +252,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // was made with the default spec). Not collective: its backends are set up on first use, as any
   // team's, and one that needs what the job lacks (a store, mpirun, a LocalWorld) fails then,
   // saying so. Every rank makes the same calls in the same order. Kept: a later call with an
-  // equal spec returns the same communicator, so that its backends' connections are set up once.
+  // equal spec returns the same communicator, so that its backends' connections are set up once;
+  // each call gives it this team's current timeout and checks.
   // Error(BackendUnavailable) for a backend this build lacks.
   std::shared_ptr<Communicator> with_backends(const BackendSpec& spec);
   // The teams of `mesh`, laid over this team's ranks 0 .. size() - 1, one per mesh dimension:
@@ -261,8 +262,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // split() on the first call for a mesh (collective over this team) and kept: a later call for
   // an equal mesh returns the same teams without communicating, so that executors and
   // gather_tensor on one mesh share them (each split sets up new backend connections and writes
-  // new store keys). Every rank asks for the same meshes in the same order.
-  // Error(InvalidArgument) for a mesh of other ranks.
+  // new store keys); each call gives them this team's current timeout and checks.
+  // Being shared, the teams are driven by one thread at a time across all their users, and a team
+  // that failed (a timeout, a dead peer) fails every later user too. Every rank asks for the same
+  // meshes in the same order. Error(InvalidArgument) for a mesh of other ranks.
   std::vector<std::shared_ptr<Communicator>> mesh_teams(const DeviceMesh& mesh);
 
   // In place: tensor = op over the ranks' tensors (same numel and dtype on every rank).
@@ -312,8 +315,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                   const Stream& stream = {});
 
   // Point to point; a send matches the recv of the same (source, destination, tag), in order,
-  // and must have its byte count: a recv of another size fails (local, mpi: at once; gloo, which
-  // pairs them by tag and size: it matches no send and times out).
+  // and must have its byte count. A recv of another size: local fails at once; mpi fails a
+  // smaller recv at wait (truncation) and fills a larger one only in part; gloo pairs messages by
+  // tag and size, so the recv matches no send and times out (and sends of one tag but different
+  // sizes may be received out of order); nccl does not check (NCCL requires equal counts).
   // local on CUDA tensors: a send only posts its buffer and returns; the recv blocks the host
   // until the matching send is posted (up to the timeout), then queues the copy on its stream.
   // The send's Work completes once that copy has finished: keep the send's buffer alive and
@@ -335,6 +340,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   friend struct detail::CommState;
   explicit Communicator(std::unique_ptr<detail::CommState> state);
+  void inherit_settings(Communicator& kept) const;
   std::unique_ptr<detail::CommState> state_;
 };
 

@@ -15,7 +15,7 @@ namespace meshfuse {
 //   inputs   program's inputs, then "grad_loss" (loss's shape and dtype: the upstream gradient,
 //            1 for a loss that ends the computation); on a mesh placed as the loss is output
 //            when it was given placements (e.g. per-token losses as Shard(0); Partial made
-//            Replicate), else Replicate
+//            Replicate; a loss output twice: its first output's), else Replicate
 //   outputs  program's outputs, then the gradient of each of `wrt` in order, placed as that
 //            input is (Replicate when not set, and where it is Partial: the gradient of a sum's
 //            every term is the whole gradient); inputs with the same gradient (an add's operands)

@@ -14,7 +14,8 @@
 // another backend lowers again; the communications then run on a communicator of the same team
 // with that backend (Communicator::with_backends), set up on first use. Teams along mesh
 // dimensions come from Communicator::mesh_teams at the first run of each backend: kept by the
-// communicator, so executors (and gather_tensor) on one mesh share them.
+// communicator, so executors (and gather_tensor) on one mesh share them: run them from one thread
+// at a time, and after a failed run (a timeout, a dead peer) the shared teams fail for all.
 //
 // run() allocates every intermediate on the inputs' device (CUDA work on `stream`, and on the
 // executor's own streams for overlapped chunks), frees them before it returns, and keeps no state
