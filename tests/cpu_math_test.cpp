@@ -6,7 +6,10 @@
 
 #include <hwy/foreach_target.h>  // re-includes this file once per target
 #include <hwy/highway.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -188,6 +191,58 @@ TEST(CpuMath, StreamOutStoresF32AndF16AsStoreAsOnEveryTarget) {
     }
   });
 }
+
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+// A fresh anonymous mapping of `bytes`, unmapped when it goes.
+struct FreshMapping {
+  explicit FreshMapping(std::size_t bytes)
+      : size(bytes),
+        data(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)) {}
+  ~FreshMapping() { munmap(data, size); }
+  // How many of the pages in [begin, end) (byte offsets) are mapped.
+  std::size_t mapped_pages(std::size_t begin, std::size_t end) const {
+    const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    std::vector<unsigned char> bits((end - begin) / page);
+    EXPECT_EQ(mincore(static_cast<char*>(data) + begin, end - begin, bits.data()), 0);
+    return static_cast<std::size_t>(
+        std::count_if(bits.begin(), bits.end(), [](unsigned char b) { return b & 1; }));
+  }
+  std::size_t size;
+  void* data;
+};
+
+TEST(CpuMath, OutputWriteStreamsIntoMappedOutputsAndPopulatesFreshOnesPastTheL2Caches) {
+  constexpr std::size_t kBytes = std::size_t{256} << 20;  // past any L2 caches
+  const FreshMapping out(kBytes);
+  ASSERT_NE(out.data, MAP_FAILED);
+  const auto bytes = static_cast<std::int64_t>(kBytes);
+  const detail::cpu::OutputWrite small = detail::cpu::output_write(4096, out.data, 4096);
+  EXPECT_FALSE(small.stream || small.fresh);
+  detail::cpu::OutputWrite w = detail::cpu::output_write(2 * bytes, out.data, bytes);
+  EXPECT_TRUE(w.fresh);
+  EXPECT_FALSE(w.stream);
+  {  // Where madvise does not populate (a kernel before 5.14, qemu-user) the kernels take faults.
+    const FreshMapping probe(1 << 16);
+    if (madvise(probe.data, probe.size, MADV_POPULATE_WRITE) != 0 ||
+        probe.mapped_pages(0, probe.size) == 0)
+      GTEST_SKIP() << "madvise(MADV_POPULATE_WRITE) populates nothing here";
+  }
+  // Rows of 3000 bytes (not page multiples), one written before: the populate keeps it.
+  const std::int64_t row_bytes = 3000, rows = bytes / row_bytes;
+  static_cast<char*>(out.data)[5 * row_bytes + 7] = 42;
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+#pragma omp parallel num_threads(2)
+  detail::cpu::populate_rows(w, out.data, rows, row_bytes);
+  // Every whole page of the rows is mapped now (the last partial row's tail may not be).
+  const std::size_t rows_end = static_cast<std::size_t>(rows * row_bytes) / page * page;
+  EXPECT_EQ(out.mapped_pages(0, rows_end), rows_end / page);
+  EXPECT_EQ(static_cast<char*>(out.data)[5 * row_bytes + 7], 42);
+  EXPECT_EQ(static_cast<char*>(out.data)[5 * row_bytes + 8], 0);
+  w = detail::cpu::output_write(2 * bytes, out.data, bytes);
+  EXPECT_TRUE(w.stream);
+  EXPECT_FALSE(w.fresh);
+}
+#endif
 
 }  // namespace
 }  // namespace meshfuse

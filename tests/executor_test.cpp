@@ -377,7 +377,9 @@ TEST(ExecutorLocal, GradLossLiesAsTheLossIsOutput) {
             p.add_output(y);
           }
           const Program joint = grad(p, y, {x, w});
-          if (sharded) EXPECT_EQ(joint.placements(joint.inputs().back()), p.output_placements()[0]);
+          if (sharded) {
+            EXPECT_EQ(joint.placements(joint.inputs().back()), p.output_placements()[0]);
+          }
           return joint;
         },
         comm, 1e-5);

@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -138,15 +140,22 @@ class Table16 {
 // (cpu_simd-inl.h). A thread's streaming stores are weakly ordered: it calls hwy::FlushStream()
 // before other threads may read what it wrote.
 
-// Whether a kernel touching `bytes` in all (inputs and outputs) should stream its output `out`
-// (`out_bytes` long): when they do not fit in the threads' L2 caches, and the output's pages are
-// already mapped. The L2 caches, not the L3 a VM reports (shared with other tenants), are what
-// streaming pays off past. A freshly allocated output (large mallocs are fresh mappings; PyTorch's
-// CPU tensors are) is zeroed page by page into the cache by the OS on first touch, and a streaming
-// store then evicts that line and writes it again: slower. mincore() tells whether the page in
-// the middle of the output is mapped yet (the first may hold the allocator's header). Figures:
-// docs/kernels/common.md.
-inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t out_bytes) {
+// How a kernel touching `bytes` in all (inputs and outputs) writes its output `out` (`out_bytes`
+// long), when that does not fit in the threads' L2 caches (the L2 caches, not the L3 a VM reports,
+// shared with other tenants, are what streaming pays off past):
+//   stream  the output's pages are mapped: streaming stores.
+//   fresh   they are not yet (large mallocs are fresh mappings; PyTorch's CPU tensors are). The OS
+//           zeroes each page into the cache on first touch, and a streaming store would then
+//           evict that line and write it again: ordinary stores. Each thread first faults its
+//           share in with one madvise (populate_rows): a fault per page from inside a kernel cost
+//           more, most on AVX-512 in a VM.
+// mincore() tells whether the page in the middle of the output is mapped yet (the first may hold
+// the allocator's header). Figures: docs/kernels/common.md.
+struct OutputWrite {
+  bool stream = false;
+  bool fresh = false;
+};
+inline OutputWrite output_write(std::int64_t bytes, const void* out, std::int64_t out_bytes) {
   static const std::int64_t l2 = [] {
     long size = -1;
 #ifdef _SC_LEVEL2_CACHE_SIZE
@@ -154,18 +163,51 @@ inline bool stream_worthwhile(std::int64_t bytes, const void* out, std::int64_t 
 #endif
     return std::int64_t{size > 0 ? size : 1 << 20};
   }();
-  if (bytes <= l2 * max_threads()) return false;
+  if (bytes <= l2 * max_threads()) return {};
 #ifdef __linux__
   static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
   const std::uintptr_t mid =
       reinterpret_cast<std::uintptr_t>(out) + static_cast<std::uintptr_t>(out_bytes / 2);
   unsigned char mapped = 1;
   if (mincore(reinterpret_cast<void*>(mid & ~(page - 1)), 1, &mapped) == 0 && !(mapped & 1))
-    return false;
+    return {false, true};
 #else
   (void)out, (void)out_bytes;
 #endif
-  return true;
+  return {true, false};
+}
+
+// In a kernel's parallel region, for a fresh output (output_write) of `rows` rows of `row_bytes`:
+// the whole pages of this thread's share of the rows (thread_rows' split) faulted in, writable,
+// by madvise(MADV_POPULATE_WRITE), which leaves their contents as they are. A kernel without it
+// (Linux before 5.14, other systems) or a thread whose rows differ from that split only takes the
+// faults as it writes.
+inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
+                          std::int64_t row_bytes) {
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+  if (!w.fresh) return;
+  static std::atomic<bool> unsupported{false};
+  if (unsupported.load(std::memory_order_relaxed)) return;
+#ifdef _OPENMP
+  const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+  const std::int64_t threads = 1, t = 0;
+#endif
+  static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  // Thread i's share starts at the page holding its first row's start (the first thread's: the
+  // first whole page), so that every whole page of the output is some thread's.
+  const auto edge = [&, base = reinterpret_cast<std::uintptr_t>(out)](std::int64_t i) {
+    const auto at = base + static_cast<std::uintptr_t>(rows * i / threads * row_bytes);
+    return i == 0 ? (at + page - 1) & ~(page - 1) : at & ~(page - 1);
+  };
+  const std::uintptr_t begin = edge(t), end = edge(t + 1);
+  if (end > begin &&
+      madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0 &&
+      errno == EINVAL)
+    unsupported.store(true, std::memory_order_relaxed);
+#else
+  (void)w, (void)out, (void)rows, (void)row_bytes;
+#endif
 }
 
 // The cache level StreamOut (cpu_simd-inl.h) brings the next rows to. L2 (prefetcht2) suits a

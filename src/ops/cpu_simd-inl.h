@@ -335,7 +335,7 @@ HWY_INLINE std::int64_t StoreLines(T* dst, const acc_t<T>* buf, std::int64_t hea
 
 // Writes the values f(0) .. f(n - 1) (each an A = acc_t<T>) to out as T, rounded as store_as:
 // blocks of them are computed into an L1 buffer, then converted and stored, whole 64-byte lines
-// with streaming stores when `stream` (see stream_worthwhile). While it writes, it brings the
+// with streaming stores when `stream` (see output_write). While it writes, it brings the
 // same elements of each `next` row into cache: a kernel that makes several passes over a row
 // passes its next row's inputs, so that they load while this row's output is written (its last
 // pass would otherwise leave memory reads idle).

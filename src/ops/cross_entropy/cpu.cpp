@@ -76,9 +76,11 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   const auto classes = static_cast<double>(vocab_classes(o, b.vocab));
   const A smooth = eps / static_cast<A>(classes);
   // The gradient is as large as the logits: streamed past the last-level cache.
-  const bool stream = stream_worthwhile(2 * b.rows * b.vocab * std::int64_t{sizeof(T)}, grad_logits,
-                                        b.rows * b.vocab * std::int64_t{sizeof(T)});
+  const std::int64_t row_bytes = b.vocab * std::int64_t{sizeof(T)};
+  const OutputWrite w = output_write(2 * b.rows * row_bytes, grad_logits, b.rows * row_bytes);
+  const bool stream = w.stream;
   parallel_if(b.rows * b.vocab >= kParallelMin, [&] {
+    populate_rows(w, grad_logits, b.rows, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < b.rows; ++i) {
       const std::int64_t g = b.row_begin + i;

@@ -162,8 +162,9 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
       return in_place;
   }
   float* const out = scratch(slot, rows * cols);
-  const bool stream = stream_worthwhile(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out,
-                                        rows * cols * 4);
+  const bool stream =
+      output_write(rows * cols * static_cast<std::int64_t>(sizeof(T) + 4), out, rows * cols * 4)
+          .stream;
   pack_f32(dtype_of<T>(), base, x.ld, x.transposed, r0, rows, c0, cols, out, stream);
   return out;
 }

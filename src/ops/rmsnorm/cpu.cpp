@@ -66,13 +66,16 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const std::vector<A> weight = weight_as<T, A>(a.weight, s.cols);
   const A* w = weight.data();
   const A m = static_cast<A>(a.multiplier);
-  const bool stream =
-      stream_worthwhile((kResidual ? 4 : 2) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.y,
-                        s.rows * s.cols * std::int64_t{sizeof(T)});
+  const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
+  const OutputWrite out =
+      output_write((kResidual ? 4 : 2) * s.rows * row_bytes, a.y, s.rows * row_bytes);
+  const bool stream = out.stream;
   const auto in = [&](const void* p, std::int64_t row) {
     return static_cast<const T*>(p) + row * s.cols;
   };
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+    populate_rows(out, a.y, s.rows, row_bytes);
+    if constexpr (kResidual) populate_rows(out, a.r, s.rows, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < s.rows; ++row) {
       const T* x = in(a.x, row);
@@ -177,10 +180,13 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   }
   const std::int64_t rows_per_block = (s.rows + blocks - 1) / blocks;
   const std::unique_ptr<double[]> partials(kDweight ? new double[blocks * s.cols] : nullptr);
-  const bool stream =
-      stream_worthwhile((3 + kGradR + kDresidual) * s.rows * s.cols * std::int64_t{sizeof(T)}, a.dx,
-                        s.rows * s.cols * std::int64_t{sizeof(T)});
+  const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
+  const OutputWrite w =
+      output_write((3 + kGradR + kDresidual) * s.rows * row_bytes, a.dx, s.rows * row_bytes);
+  const bool stream = w.stream;
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+    populate_rows(w, a.dx, s.rows, row_bytes);
+    if constexpr (kDresidual) populate_rows(w, a.dresidual, s.rows, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
       double* partial = kDweight ? partials.get() + b * s.cols : nullptr;

@@ -60,9 +60,10 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-    const bool stream = stream_worthwhile(2 * s.rows * s.cols * std::int64_t{sizeof(T)}, y,
-                                          s.rows * s.cols * std::int64_t{sizeof(T)});
+    const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
+    const OutputWrite w = output_write(2 * s.rows * row_bytes, y, s.rows * row_bytes);
     parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+      populate_rows(w, y, s.rows, row_bytes);
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
       // stays in L2 until the output is written (streamed past the last-level cache). Whole
       // vectors are stored past the row's end. Not zeroed: every element is written before it is
@@ -83,7 +84,7 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
         max = next.max;
         // A row entirely -inf has sum 0: 0 * inf = NaN, as PyTorch.
         const A inv = A(1) / sum;
-        StreamOut(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, stream,
+        StreamOut(static_cast<T*>(y) + row_offset(r, s.cols), s.cols, w.stream,
                   [&](std::int64_t c) { return e[c] * inv; });
       }
       hwy::FlushStream();
@@ -97,9 +98,10 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
     using T = decltype(tag);
     using A = acc_t<T>;
     const A m = static_cast<A>(multiplier);
-    const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, grad_x,
-                                          s.rows * s.cols * std::int64_t{sizeof(T)});
+    const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
+    const OutputWrite w = output_write(3 * s.rows * row_bytes, grad_x, s.rows * row_bytes);
     parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+      populate_rows(w, grad_x, s.rows, row_bytes);
 #pragma omp for schedule(static)
       for (std::int64_t r = 0; r < s.rows; ++r) {
         const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);
@@ -107,7 +109,7 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
         const A dot = A(RowDot(dyr, yr, s.cols));
         const std::int64_t next = row_offset(r + 1 < s.rows ? r + 1 : r, s.cols);
         StreamOut(
-            static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, stream,
+            static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, w.stream,
             [&](std::int64_t c) { return m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot); },
             {static_cast<const T*>(grad_y) + next, static_cast<const T*>(y) + next});
       }

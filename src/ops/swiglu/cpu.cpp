@@ -203,10 +203,13 @@ template <typename T>
 void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                                SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
   constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of StreamOutBlocks per call
-  const bool stream = stream_worthwhile(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
-                                        s.rows * s.cols * std::int64_t{sizeof(T)});
+  const OutputWrite w = output_write(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
+                                     s.rows * s.cols * std::int64_t{sizeof(T)});
+  const bool stream = w.stream;
   const Table16<T, std::uint64_t>& table = *silu_and_grad_table<T>();
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+    populate_rows(w, dgate.data, s.rows, dgate.row_stride * std::int64_t{sizeof(T)});
+    populate_rows(w, dup.data, s.rows, dup.row_stride * std::int64_t{sizeof(T)});
     HWY_ALIGN float dg_block[kBlock];
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
@@ -251,10 +254,12 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
 template <typename T, int kIn>
 void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, SwigluOperand out) {
   using A = acc_t<T>;
-  const bool stream = stream_worthwhile(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
-                                        s.rows * s.cols * std::int64_t{sizeof(T)});
+  const OutputWrite w = output_write(3 * s.rows * s.cols * std::int64_t{sizeof(T)}, out.data,
+                                     s.rows * s.cols * std::int64_t{sizeof(T)});
+  const bool stream = w.stream;
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
+    populate_rows(w, out.data, s.rows, out.row_stride * std::int64_t{sizeof(T)});
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
