@@ -232,12 +232,21 @@ TEST(CpuMath, OutputWriteStreamsIntoMappedOutputsAndPopulatesFreshOnesPastTheL2C
   static_cast<char*>(out.data)[5 * row_bytes + 7] = 42;
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
 #pragma omp parallel num_threads(2)
-  detail::cpu::populate_rows(w, out.data, rows, row_bytes);
+  detail::cpu::populate_rows(w, out.data, rows, row_bytes, row_bytes);
   // Every whole page of the rows is mapped now (the last partial row's tail may not be).
   const std::size_t rows_end = static_cast<std::size_t>(rows * row_bytes) / page * page;
   EXPECT_EQ(out.mapped_pages(0, rows_end), rows_end / page);
   EXPECT_EQ(static_cast<char*>(out.data)[5 * row_bytes + 7], 42);
   EXPECT_EQ(static_cast<char*>(out.data)[5 * row_bytes + 8], 0);
+  // Strided rows (swiglu's halves layout): nothing past the last row's end, whose stride's tail
+  // is not the output's.
+  const FreshMapping halves(kBytes);
+  const std::int64_t half = std::int64_t{1} << 20, strided_rows = bytes / (2 * half);
+#pragma omp parallel num_threads(2)
+  detail::cpu::populate_rows(w, halves.data, strided_rows, 2 * half, half);
+  const auto last_end = static_cast<std::size_t>((strided_rows - 1) * 2 * half + half);
+  EXPECT_EQ(halves.mapped_pages(0, last_end), last_end / page);
+  EXPECT_EQ(halves.mapped_pages(last_end, kBytes), 0u);
   w = detail::cpu::output_write(2 * bytes, out.data, bytes);
   EXPECT_TRUE(w.stream);
   EXPECT_FALSE(w.fresh);

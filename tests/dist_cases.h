@@ -360,18 +360,25 @@ inline void check_mesh_teams(Communicator& c) {
         << "all_reduce along dimension " << m;
   }
   EXPECT_EQ(c.mesh_teams(mesh), teams) << "a second call splits again";
-  // Kept teams take the settings the communicator has when they are handed out again.
-  const auto timeout = c.timeout();
-  c.set_timeout(timeout + std::chrono::milliseconds(1234));
+  // The communicator's settings reach its kept teams when they change; a kept team's own setting
+  // stays until then, also when the team is handed out again.
+  const auto timeout = c.timeout(), longer = timeout + std::chrono::milliseconds(1234);
+  const auto respecced = c.with_backends(c.spec());
+  c.set_timeout(longer);
   c.set_checks(false);
-  for (const auto& team : c.mesh_teams(mesh)) {
-    EXPECT_EQ(team->timeout(), timeout + std::chrono::milliseconds(1234));
+  for (const auto& team : teams) {
+    EXPECT_EQ(team->timeout(), longer);
     EXPECT_FALSE(team->checks());
   }
-  EXPECT_FALSE(c.with_backends(c.spec())->checks());
+  EXPECT_EQ(respecced->timeout(), longer);
+  EXPECT_FALSE(respecced->checks());
+  teams[0]->set_timeout(timeout);
+  EXPECT_EQ(c.mesh_teams(mesh)[0]->timeout(), timeout);
+  EXPECT_EQ(c.with_backends(c.spec())->timeout(), longer);
   c.set_timeout(timeout);
   c.set_checks(true);
-  EXPECT_TRUE(c.mesh_teams(mesh)[1]->checks());
+  EXPECT_TRUE(teams[1]->checks());
+  EXPECT_EQ(respecced->timeout(), timeout);
   EXPECT_NE(c.mesh_teams(DeviceMesh({0, 1, 2, 3}, {2, 2}))[0], teams[0]);
   EXPECT_EQ(c.mesh_teams(DeviceMesh::of_shape({c.size()}))[0].get(), &c);
   EXPECT_EQ(c.with_backends(c.spec()), c.with_backends(c.spec()));

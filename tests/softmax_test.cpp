@@ -337,6 +337,44 @@ TEST(Softmax, RowOffsetsPast2To31AreExact) {
   EXPECT_EQ(detail::row_offset(std::int64_t{1} << 32, 3), std::int64_t{3} << 32);
 }
 
+// An output that overlaps an operand without being the same view would overwrite rows still to be
+// read (softmax of b[:4] into b[1:] came out wrong): an error, on every backend, for every op
+// whose kernel call stages outputs (KernelCall::output); the same view (in place) still works.
+TEST(Softmax, OutputPartlyOverlappingAnOperandIsAnErrorAndInPlaceWorks) {
+  for (const KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
+    SCOPED_TRACE(std::string(to_string(backend)));
+    const ForceKernelBackend force(backend);
+    Tensor buf = randn({5, 6}, DType::F32, 31);
+    const TensorView head = buf.view().narrow(0, 0, 4), tail = buf.view().narrow(0, 1, 4);
+    test::expect_error([&] { softmax(head, tail, 1.0); }, ErrorCode::InvalidArgument,
+                       {"softmax", "output 'y'", "overlaps 'x'", "same view"});
+    const Tensor grad_y = randn({4, 6}, DType::F32, 32);
+    test::expect_error([&] { softmax_backward(grad_y, head, tail, 1.0); },
+                       ErrorCode::InvalidArgument,
+                       {"softmax_backward", "output 'grad_x'", "overlaps 'y'"});
+    const Tensor w = randn({6}, DType::F32, 33);
+    test::expect_error([&] { rmsnorm(head, w, tail, TensorView(), 1e-5); },
+                       ErrorCode::InvalidArgument, {"rmsnorm", "output 'y'", "overlaps 'x'"});
+    const Tensor up = randn({4, 6}, DType::F32, 34);
+    test::expect_error([&] { swiglu(head, up, tail); }, ErrorCode::InvalidArgument,
+                       {"swiglu", "output 'out'", "overlaps 'gate'"});
+    // Two outputs of one call overlapping each other.
+    Tensor grads({5, 6}, DType::F32);
+    test::expect_error(
+        [&] {
+          swiglu_backward(grad_y, up, up, grads.view().narrow(0, 0, 4),
+                          grads.view().narrow(0, 1, 4));
+        },
+        ErrorCode::InvalidArgument, {"swiglu_backward", "overlaps"});
+    // In place: the result of separate memory.
+    const Tensor x = randn({4, 6}, DType::F32, 35);
+    Tensor y({4, 6}, DType::F32), in_place = Tensor::copy_of(x);
+    softmax(x, y, 1.0);
+    softmax(in_place, in_place, 1.0);
+    EXPECT_TRUE(testing::bitwise_equal(in_place, y));
+  }
+}
+
 TEST(Softmax, BadArgumentsNameTheOpArgumentAndWhatCame) {
   const Tensor x = randn({2, 8}, DType::F32, 1), y16({2, 8}, DType::BF16), y9({2, 9}, DType::F32),
                y({2, 8}, DType::F32);

@@ -33,8 +33,12 @@ def test_add_and_mul_match_numpy_in_place_and_on_a_transposed_input():
     meshfuse.add(acc, b, acc)  # in place: gradient accumulation
     np.testing.assert_array_equal(acc, a + b)
     x = randn(20, seed=32)
-    with pytest.raises(meshfuse.Error, match=r"add: output 'out'.*overlaps input 'a'"):
+    with pytest.raises(meshfuse.Error, match=r"add: output 'out'.*overlaps 'a'"):
         meshfuse.add(x[1:17], x[1:17], x[:16])
+    # Every op's output, not only add's: softmax of rows 0..3 into rows 1..4 of one buffer.
+    buf = randn(5, 6, seed=33)
+    with pytest.raises(ValueError, match=r"softmax: output 'y'.*overlaps 'x'"):
+        meshfuse.softmax(buf[:4], buf[1:])
     with pytest.raises(meshfuse.Error, match=r"mul: 'out' must have shape \[6, 40\], got \[40, "):
         meshfuse.mul(a, 2.0, np.empty((40, 6), np.float32))
 

@@ -161,9 +161,23 @@ CommunicatorBackend Communicator::backend(DeviceType type) const {
   return state_->spec.for_device(type);
 }
 std::chrono::milliseconds Communicator::timeout() const { return state_->timeout; }
-void Communicator::set_timeout(std::chrono::milliseconds timeout) { state_->timeout = timeout; }
+void Communicator::set_timeout(std::chrono::milliseconds timeout) {
+  state_->timeout = timeout;
+  for_kept_teams([&](Communicator& kept) { kept.set_timeout(timeout); });
+}
 bool Communicator::checks() const { return state_->check; }
-void Communicator::set_checks(bool on) { state_->check = on; }
+void Communicator::set_checks(bool on) {
+  state_->check = on;
+  for_kept_teams([&](Communicator& kept) { kept.set_checks(on); });
+}
+
+// The teams with_backends and mesh_teams keep serve this communicator's users (executors cache
+// them at their first run), so its settings reach them when they change.
+void Communicator::for_kept_teams(const std::function<void(Communicator&)>& f) {
+  for (const auto& [spec, kept] : state_->respecced) f(*kept);
+  for (const auto& [mesh, teams] : state_->mesh_teams)
+    for (const auto& team : teams) f(*team);
+}
 
 std::vector<CommRecord> Communicator::history() const {
   std::lock_guard lock(state_->history_mutex);
@@ -195,13 +209,6 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
   return state_->split(member ? 0 : -1, member ? static_cast<int>(it - ranks.begin()) : 0, &ranks);
 }
 
-// A kept team handed out again takes this team's current settings, as a new one would, so that
-// set_timeout or set_checks here after the first call still reach the executors that use it.
-void Communicator::inherit_settings(Communicator& kept) const {
-  kept.set_timeout(timeout());
-  kept.set_checks(checks());
-}
-
 std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spec) {
   state_->health->check(state_->name);
   for (const auto& [device, backend] : spec.backends)
@@ -215,7 +222,6 @@ std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spe
     c->spec = spec;
     kept = CommState::make(std::move(c));
   }
-  inherit_settings(*kept);
   return kept;
 }
 
@@ -231,10 +237,7 @@ std::vector<std::shared_ptr<Communicator>> Communicator::mesh_teams(const Device
                  "each once",
                  state_->name, mesh.to_string(), size() - 1);
   const std::string key = mesh.to_string();
-  if (auto it = state_->mesh_teams.find(key); it != state_->mesh_teams.end()) {
-    for (const auto& team : it->second) inherit_settings(*team);
-    return it->second;
-  }
+  if (auto it = state_->mesh_teams.find(key); it != state_->mesh_teams.end()) return it->second;
   const std::vector<std::int64_t> at = mesh.coordinates(rank());
   std::vector<std::shared_ptr<Communicator>> teams;
   for (std::int64_t m = 0; m < mesh.ndim(); ++m) {

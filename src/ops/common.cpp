@@ -74,9 +74,11 @@ void check_output(std::string_view op, std::string_view name, const TensorView& 
                  "{}: output '{}' must be contiguous, got {}", op, name, t.str());
 }
 
-KernelCall::KernelCall(std::string_view op, KernelBackend backend, Device device,
-                       const Stream& stream)
-    : host_(backend == KernelBackend::Reference && device.type == DeviceType::CUDA),
+KernelCall::KernelCall(std::string_view op, std::initializer_list<NamedTensor> tensors,
+                       KernelBackend backend, Device device, const Stream& stream)
+    : op_(op),
+      tensors_(tensors),
+      host_(backend == KernelBackend::Reference && device.type == DeviceType::CUDA),
       stream_(stream) {
   MESHFUSE_CHECK(stream.device == device, ErrorCode::DeviceMismatch,
                  "{}: the stream is on {} but the tensors are on {} (pass a stream of {}: "
@@ -97,7 +99,46 @@ TensorView KernelCall::strided_input(const TensorView& t) {
   return host.view();
 }
 
+namespace {
+
+// The bytes [first, last) from t's lowest to past its highest element (t not empty): exactly its
+// elements when contiguous, a bound of them otherwise.
+std::pair<std::uintptr_t, std::uintptr_t> byte_span(const TensorView& t) {
+  const auto e = static_cast<std::int64_t>(element_size(t.dtype()));
+  std::int64_t lo = 0, hi = 0;
+  for (std::int64_t d = 0; d < t.dim(); ++d) {
+    const std::int64_t reach = (t.shape()[d] - 1) * t.strides()[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data());
+  return {base + static_cast<std::uintptr_t>(lo * e),
+          base + static_cast<std::uintptr_t>((hi + 1) * e)};
+}
+
+}  // namespace
+
+void KernelCall::check_overlap(const TensorView& out) const {
+  if (!out.defined() || out.numel() == 0) return;
+  std::string_view name = "output";
+  for (const NamedTensor& n : tensors_)
+    if (&n.tensor == &out) name = n.name;
+  const auto [first, last] = byte_span(out);
+  for (const NamedTensor& n : tensors_) {
+    const TensorView& t = n.tensor;
+    if (&t == &out || !t.defined() || t.numel() == 0 || t.device() != out.device()) continue;
+    if (t.data() == out.data() && t.shape() == out.shape() && t.strides() == out.strides())
+      continue;  // the very same elements: in place
+    const auto [f, l] = byte_span(t);
+    MESHFUSE_CHECK(l <= first || last <= f, ErrorCode::InvalidArgument,
+                   "{}: output '{}' ({}) overlaps '{}' ({}) without being the same view; write "
+                   "in place into that tensor itself where the op allows it, or into separate "
+                   "memory",
+                   op_, name, out.str(), n.name, t.str());
+  }
+}
+
 TensorView KernelCall::output(const TensorView& t) {
+  check_overlap(t);
   if (!host_ || !t.defined()) return t;
   Tensor host(t.shape(), t.dtype());
   copy(t, host, stream_);

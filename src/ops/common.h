@@ -84,7 +84,10 @@ KernelTable<Fn> kernel_table(std::string op, const std::vector<DType>& dtypes, F
 // finish() copies the outputs back and waits; otherwise outputs pass through.
 class KernelCall {
  public:
-  KernelCall(std::string_view op, KernelBackend backend, Device device, const Stream& stream);
+  // `tensors`: every operand of the call, by name (run_kernel's list), which outputs are checked
+  // against; it must outlive the call.
+  KernelCall(std::string_view op, std::initializer_list<NamedTensor> tensors, KernelBackend backend,
+             Device device, const Stream& stream);
   KernelCall(const KernelCall&) = delete;  // one call finishes once
   KernelCall& operator=(const KernelCall&) = delete;
   // `t` contiguous, on the kernel's device (undefined stays undefined).
@@ -93,12 +96,18 @@ class KernelCall {
   // host copy, contiguous, when the reference runs on CUDA tensors.
   TensorView strided_input(const TensorView& t);
   // Where the kernel writes `t`; a host copy holds its current contents (some kernels accumulate
-  // into outputs).
+  // into outputs). Error(InvalidArgument) when `t` overlaps another operand without being the
+  // same view of it (in place is the same view): a kernel writing `t` would change elements it
+  // has yet to read, or another output.
   TensorView output(const TensorView& t);
   const Stream& stream() const { return host_ ? host_stream_ : stream_; }
   void finish();
 
  private:
+  void check_overlap(const TensorView& out) const;
+
+  std::string_view op_;
+  std::initializer_list<NamedTensor> tensors_;
   bool host_;
   Stream stream_;
   Stream host_stream_{};
@@ -118,7 +127,7 @@ void run_kernel(const KernelTable<Fn>& table, std::initializer_list<NamedTensor>
                 const Stream& stream, Body&& body) {
   const typename KernelTable<Fn>::Selection kernel =
       table.select({tensors.begin(), tensors.size()});
-  KernelCall call(table.op(), kernel.backend, kernel.device, stream);
+  KernelCall call(table.op(), tensors, kernel.backend, kernel.device, stream);
   body(kernel.fn, call);
   call.finish();
 }

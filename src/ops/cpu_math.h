@@ -177,15 +177,16 @@ inline OutputWrite output_write(std::int64_t bytes, const void* out, std::int64_
   return {true, false};
 }
 
-// In a kernel's parallel region, for a fresh output (output_write) of `rows` rows of `row_bytes`:
-// the whole pages of this thread's share of the rows (thread_rows' split) faulted in, writable,
-// by madvise(MADV_POPULATE_WRITE), which leaves their contents as they are. A kernel without it
-// (Linux before 5.14, other systems) or a thread whose rows differ from that split only takes the
-// faults as it writes.
+// In a kernel's parallel region, for a fresh output (output_write) of `rows` rows of `row_bytes`,
+// `row_stride` bytes apart: the whole pages of this thread's share of the rows (thread_rows'
+// split; an omp for's differs by a row at most) faulted in, writable, by
+// madvise(MADV_POPULATE_WRITE), which leaves their contents as they are. Without it (Linux before
+// 5.14, headers without MADV_POPULATE_WRITE, other systems) the kernels take the faults as they
+// write.
 inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
-                          std::int64_t row_bytes) {
+                          std::int64_t row_stride, std::int64_t row_bytes) {
 #if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-  if (!w.fresh) return;
+  if (!w.fresh || rows <= 0) return;
   static std::atomic<bool> unsupported{false};
   if (unsupported.load(std::memory_order_relaxed)) return;
 #ifdef _OPENMP
@@ -195,9 +196,13 @@ inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
 #endif
   static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
   // Thread i's share starts at the page holding its first row's start (the first thread's: the
-  // first whole page), so that every whole page of the output is some thread's.
+  // first whole page), so that every whole page of the output is some thread's; the last ends at
+  // the last row's end, not a stride past it (a strided output's next bytes are not its own).
   const auto edge = [&, base = reinterpret_cast<std::uintptr_t>(out)](std::int64_t i) {
-    const auto at = base + static_cast<std::uintptr_t>(rows * i / threads * row_bytes);
+    if (i == threads)
+      return (base + static_cast<std::uintptr_t>((rows - 1) * row_stride + row_bytes)) &
+             ~(page - 1);
+    const auto at = base + static_cast<std::uintptr_t>(rows * i / threads * row_stride);
     return i == 0 ? (at + page - 1) & ~(page - 1) : at & ~(page - 1);
   };
   const std::uintptr_t begin = edge(t), end = edge(t + 1);
@@ -206,7 +211,7 @@ inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
       errno == EINVAL)
     unsupported.store(true, std::memory_order_relaxed);
 #else
-  (void)w, (void)out, (void)rows, (void)row_bytes;
+  (void)w, (void)out, (void)rows, (void)row_stride, (void)row_bytes;
 #endif
 }
 

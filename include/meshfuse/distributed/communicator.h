@@ -231,6 +231,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // backend takes the timeout current when it is set up (first use of its device type) and keeps
   // it for its own transfers: gloo gives up on that one, and so does local; mpi and nccl have
   // none of their own. Set it before the first operation to have it apply everywhere.
+  // set_timeout and set_checks also set them on the teams this communicator keeps (with_backends,
+  // mesh_teams), at once; a kept team set directly keeps its own until then. Teams from split and
+  // new_group take them when made.
   std::chrono::milliseconds timeout() const;
   void set_timeout(std::chrono::milliseconds timeout);
   bool checks() const;
@@ -252,8 +255,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // was made with the default spec). Not collective: its backends are set up on first use, as any
   // team's, and one that needs what the job lacks (a store, mpirun, a LocalWorld) fails then,
   // saying so. Every rank makes the same calls in the same order. Kept: a later call with an
-  // equal spec returns the same communicator, so that its backends' connections are set up once;
-  // each call gives it this team's current timeout and checks.
+  // equal spec returns the same communicator, so that its backends' connections are set up once.
   // Error(BackendUnavailable) for a backend this build lacks.
   std::shared_ptr<Communicator> with_backends(const BackendSpec& spec);
   // The teams of `mesh`, laid over this team's ranks 0 .. size() - 1, one per mesh dimension:
@@ -262,7 +264,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // split() on the first call for a mesh (collective over this team) and kept: a later call for
   // an equal mesh returns the same teams without communicating, so that executors and
   // gather_tensor on one mesh share them (each split sets up new backend connections and writes
-  // new store keys); each call gives them this team's current timeout and checks.
+  // new store keys).
   // Being shared, the teams are driven by one thread at a time across all their users, and a team
   // that failed (a timeout, a dead peer) fails every later user too. Every rank asks for the same
   // meshes in the same order. Error(InvalidArgument) for a mesh of other ranks.
@@ -340,7 +342,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   friend struct detail::CommState;
   explicit Communicator(std::unique_ptr<detail::CommState> state);
-  void inherit_settings(Communicator& kept) const;
+  void for_kept_teams(const std::function<void(Communicator&)>& f);
   std::unique_ptr<detail::CommState> state_;
 };
 

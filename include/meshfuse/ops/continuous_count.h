@@ -12,7 +12,8 @@
 // are exact integers, so every backend gives the same result bitwise, run to run. No backward.
 //
 // Errors: DTypeMismatch (x not i32/i64, out not i64), InvalidArgument (x not 1-D, out not 1-D or
-// not contiguous), DeviceMismatch, Unsupported / BackendUnavailable (see kernel_backend.h).
+// not contiguous or overlapping the input), DeviceMismatch, Unsupported / BackendUnavailable (see
+// kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

@@ -41,8 +41,8 @@
 //
 // Errors: DTypeMismatch (dtypes differ, or not floating), ShapeMismatch (inner dims, batch or
 // output shapes disagree; the message names both shapes), InvalidArgument (wrong rank, beta != 0
-// without C, output not contiguous), DeviceMismatch, Unsupported / BackendUnavailable (see
-// kernel_backend.h).
+// without C, output not contiguous or partly overlapping an operand), DeviceMismatch, Unsupported /
+// BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include <string>

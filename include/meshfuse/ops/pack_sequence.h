@@ -24,8 +24,8 @@
 // Errors: DTypeMismatch (out's dtype differs from x's; cu_seqlens not i32/u32/i64), ShapeMismatch
 // (shapes that do not follow the above, cu_seqlens not (B+1,)), InvalidArgument (x of too low a
 // rank; cu_seqlens that does not start at 0, decreases, does not end at T or holds a sequence
-// longer than S; out not contiguous), DeviceMismatch, Unsupported / BackendUnavailable (see
-// kernel_backend.h).
+// longer than S; out not contiguous or partly overlapping an input), DeviceMismatch, Unsupported /
+// BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

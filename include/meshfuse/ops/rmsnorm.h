@@ -26,9 +26,9 @@
 // Outputs are caller-allocated and contiguous; optional arguments are undefined TensorViews.
 // Errors: DTypeMismatch (dtypes differ or not floating; rstd not rmsnorm_rstd_dtype), ShapeMismatch
 // (weight not (H,), residual / r / gradients not x's shape, rstd not (rows,)), InvalidArgument (0-d
-// x, eps < 0 or NaN, an output not contiguous, an optional output given without the input it
-// belongs to), DeviceMismatch (tensors on different devices, or a stream of another device),
-// Unsupported / BackendUnavailable (see kernel_backend.h).
+// x, eps < 0 or NaN, an output not contiguous or partly overlapping an operand, an optional output
+// given without the input it belongs to), DeviceMismatch (tensors on different devices, or a stream
+// of another device), Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

@@ -10,8 +10,9 @@
 // All tensors share one dtype: f32, f64, bf16 or f16 (16-bit types are computed in fp32 and
 // rounded once). Any rank; outputs are contiguous and preallocated by the caller.
 // Errors: DTypeMismatch (dtypes differ or not floating), ShapeMismatch (shapes differ),
-// InvalidArgument (output not contiguous), DeviceMismatch (tensors on different devices, or a
-// stream of another device), Unsupported / BackendUnavailable (see kernel_backend.h).
+// InvalidArgument (output not contiguous, or overlapping an operand without being the same view),
+// DeviceMismatch (tensors on different devices, or a stream of another device), Unsupported /
+// BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"
@@ -31,7 +32,7 @@ void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
 // grad_out, gate, up: (..., I); writes grad_gate and grad_up, both (..., I). In place: an output
 // may be one of the inputs, the same view (every element is read before it is written); the MLP
 // writes grad_gate over gate and grad_up over up, which it no longer needs (as Liger does). Other
-// overlaps give undefined values.
+// overlaps are InvalidArgument.
 void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const TensorView& up,
                      const TensorView& grad_gate, const TensorView& grad_up,
                      const Stream& stream = {});

@@ -80,7 +80,7 @@ void backward_rows(const CrossEntropyRows& b, const T* logits, const L* labels, 
   const OutputWrite w = output_write(2 * b.rows * row_bytes, grad_logits, b.rows * row_bytes);
   const bool stream = w.stream;
   parallel_if(b.rows * b.vocab >= kParallelMin, [&] {
-    populate_rows(w, grad_logits, b.rows, row_bytes);
+    populate_rows(w, grad_logits, b.rows, row_bytes, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < b.rows; ++i) {
       const std::int64_t g = b.row_begin + i;

@@ -74,8 +74,8 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
     return static_cast<const T*>(p) + row * s.cols;
   };
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-    populate_rows(out, a.y, s.rows, row_bytes);
-    if constexpr (kResidual) populate_rows(out, a.r, s.rows, row_bytes);
+    populate_rows(out, a.y, s.rows, row_bytes, row_bytes);
+    if constexpr (kResidual) populate_rows(out, a.r, s.rows, row_bytes, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < s.rows; ++row) {
       const T* x = in(a.x, row);
@@ -185,8 +185,8 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
       output_write((3 + kGradR + kDresidual) * s.rows * row_bytes, a.dx, s.rows * row_bytes);
   const bool stream = w.stream;
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-    populate_rows(w, a.dx, s.rows, row_bytes);
-    if constexpr (kDresidual) populate_rows(w, a.dresidual, s.rows, row_bytes);
+    populate_rows(w, a.dx, s.rows, row_bytes, row_bytes);
+    if constexpr (kDresidual) populate_rows(w, a.dresidual, s.rows, row_bytes, row_bytes);
 #pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
       double* partial = kDweight ? partials.get() + b * s.cols : nullptr;

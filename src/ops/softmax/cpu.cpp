@@ -63,7 +63,7 @@ void SoftmaxForward(const SoftmaxShape& s, const void* x, void* y, double multip
     const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
     const OutputWrite w = output_write(2 * s.rows * row_bytes, y, s.rows * row_bytes);
     parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-      populate_rows(w, y, s.rows, row_bytes);
+      populate_rows(w, y, s.rows, row_bytes, row_bytes);
       // The unnormalised exps, kept in A so that 16-bit outputs are rounded once; a row of them
       // stays in L2 until the output is written (streamed past the last-level cache). Whole
       // vectors are stored past the row's end. Not zeroed: every element is written before it is
@@ -101,7 +101,7 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
     const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
     const OutputWrite w = output_write(3 * s.rows * row_bytes, grad_x, s.rows * row_bytes);
     parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-      populate_rows(w, grad_x, s.rows, row_bytes);
+      populate_rows(w, grad_x, s.rows, row_bytes, row_bytes);
 #pragma omp for schedule(static)
       for (std::int64_t r = 0; r < s.rows; ++r) {
         const T* dyr = static_cast<const T*>(grad_y) + row_offset(r, s.cols);

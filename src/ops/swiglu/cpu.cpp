@@ -208,8 +208,10 @@ void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOpe
   const bool stream = w.stream;
   const Table16<T, std::uint64_t>& table = *silu_and_grad_table<T>();
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-    populate_rows(w, dgate.data, s.rows, dgate.row_stride * std::int64_t{sizeof(T)});
-    populate_rows(w, dup.data, s.rows, dup.row_stride * std::int64_t{sizeof(T)});
+    populate_rows(w, dgate.data, s.rows, dgate.row_stride * std::int64_t{sizeof(T)},
+                  s.cols * std::int64_t{sizeof(T)});
+    populate_rows(w, dup.data, s.rows, dup.row_stride * std::int64_t{sizeof(T)},
+                  s.cols * std::int64_t{sizeof(T)});
     HWY_ALIGN float dg_block[kBlock];
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
@@ -259,7 +261,8 @@ void forward_rows(const SwigluShape& s, SwigluOperand gate, SwigluOperand up, Sw
   const bool stream = w.stream;
   [[maybe_unused]] const Table16<T>* silu_t = silu_table<T>();
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
-    populate_rows(w, out.data, s.rows, out.row_stride * std::int64_t{sizeof(T)});
+    populate_rows(w, out.data, s.rows, out.row_stride * std::int64_t{sizeof(T)},
+                  s.cols * std::int64_t{sizeof(T)});
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < s.rows; ++r) {
       const T* g = row<T>(gate, r);
