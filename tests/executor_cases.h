@@ -620,7 +620,9 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
       [&] {
         gather_tensor(Tensor({part[0] + 1, 4}, DType::F32), {10, 4}, line(*comm), {Shard{0}}, comm);
       },
-      ErrorCode::ShapeMismatch, {"gather_tensor", "'local'", "this rank's part must be"});
+      ErrorCode::ShapeMismatch,
+      {"gather_tensor: 'local' on rank", "part of a [10, 4] tensor placed as [Shard(0)]",
+       "got " + shape_str({part[0] + 1, 4})});
   // Rank 0's tensor has 10 rows, the others' 12: every rank sees the programs differ, none hangs.
   expect_error([&] { executor.run({Tensor(part, DType::F32)}); }, ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 runs another program than rank 0"});

@@ -277,6 +277,23 @@ TEST(Executor, AProgramWithoutAMeshRunsWholeOnOneRank) {
   EXPECT_EQ(values(out[0]), values(expected));
 }
 
+TEST(Executor, BadOverlapParamsAreErrorsWhenGivenNotAtTheFirstRun) {
+  LocalWorld world(1);
+  const auto comm = world.communicator(0);
+  Program p;
+  p.add_output(p.define_tensor("x", {2, 3}, DType::F32));
+  MultiDeviceExecutorParams bad;
+  bad.overlap.chunks = -3;
+  test::expect_error([&] { MultiDeviceExecutor(p, comm, bad); }, ErrorCode::InvalidArgument,
+                     {"chunks must be >= 1", "-3"});
+  MultiDeviceExecutor executor(p, comm);
+  bad.overlap = {};
+  bad.overlap.number_of_streams = 0;
+  test::expect_error([&] { executor.set_params(bad); }, ErrorCode::InvalidArgument,
+                     {"number_of_streams must be >= 1"});
+  EXPECT_EQ(executor.params().overlap.number_of_streams, 2);
+}
+
 TEST(Executor, PlansAreCachedPerBackendAndEachCommunicationNamesIt) {
   LocalWorld world(4);
   Program p;

@@ -77,8 +77,8 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
                    "-n: expected a positive number of ranks, got {}", o.nranks);
   } else {
     MESHFUSE_CHECK(o.nranks == 0 || o.nranks == launch.world_size, ErrorCode::InvalidArgument,
-                   "-n {}: the launcher started {} rank(s) (-n is for --backend local; with {} "
-                   "start the ranks with meshfuse launch or mpirun)",
+                   "-n {}: this job has {} rank(s) (-n is for --backend local; with {} start the "
+                   "ranks with meshfuse launch, torchrun or mpirun)",
                    o.nranks, launch.world_size, to_string(s.backend));
   }
   return s;

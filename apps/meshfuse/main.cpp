@@ -19,6 +19,10 @@
 
 // A count option of at least 1 (CLI::PositiveNumber prints its range as doubles).
 const auto kPositive = CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max());
+// A list given empty would read as the default (all of them).
+const CLI::Validator kNonEmpty(
+    [](const std::string& s) { return s.empty() ? std::string("expected a non-empty list") : ""; },
+    "LIST");
 
 int main(int argc, char** argv) {
   using meshfuse::cli::BenchOptions;
@@ -50,8 +54,10 @@ int main(int argc, char** argv) {
       ->add_option("--backend", bench_options.backend,
                    "auto (the device's own), reference, cpu or cuda")
       ->capture_default_str();
-  bench->add_option("--ops", bench_options.ops,
-                    "comma-separated ops to run (default: all; an unknown name lists them)");
+  bench
+      ->add_option("--ops", bench_options.ops,
+                   "comma-separated ops to run (default: all; an unknown name lists them)")
+      ->check(kNonEmpty);
   bench->add_option("--format", bench_options.format, "table, csv or json")->capture_default_str();
   bench
       ->add_option("--repeats", bench_options.repeats,

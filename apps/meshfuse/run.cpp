@@ -58,6 +58,11 @@ Setup check_options(const RunOptions& o) {
   MESHFUSE_CHECK(o.chunks >= 0 && o.streams >= 1, ErrorCode::InvalidArgument,
                  "--chunks and --streams: expected >= 0 and >= 1, got {} and {}", o.chunks,
                  o.streams);
+  MESHFUSE_CHECK(o.chunks == 0 || s.overlap.overlap == Overlap::Collective,
+                 ErrorCode::InvalidArgument,
+                 "--chunks {}: only --overlap collective takes chunks (ring moves one part per "
+                 "rank), got --overlap {}",
+                 o.chunks, o.overlap);
   if (s.backend == CommunicatorBackend::Local) {
     MESHFUSE_CHECK(!cuda || cuda_device_count() > 0, ErrorCode::BackendUnavailable,
                    "--device {}: this machine has no CUDA device", o.device);

@@ -216,8 +216,8 @@ def _eps(x, eps):
     if eps is not None:
         return eps
     if not x.is_floating_point():  # (torch.finfo's own error names neither the op nor x)
-        raise _C.DTypeMismatchError(f"rmsnorm: x must be float32, float64, bfloat16 or float16, "
-                                    f"got {x.dtype}")
+        raise _C.DTypeMismatchError(f"[dtype mismatch] rmsnorm: x must be float32, float64, "
+                                    f"bfloat16 or float16, got {x.dtype}")
     return torch.finfo(torch.float32 if x.dtype in _SIXTEEN_BIT else x.dtype).eps
 
 
@@ -792,8 +792,8 @@ def rnn(input, weight, input_state=None, gradient_clipping=None, cu_seqlens=None
 def _check_clipping(op, gradient_clipping):
     # Only the backward uses it; checked here too, so that a bad value fails at the call.
     if gradient_clipping is not None and not gradient_clipping >= 0:
-        raise _C.InvalidArgumentError(f"{op}: gradient_clipping must be >= 0 (or not given), "
-                                      f"got {gradient_clipping}")
+        raise _C.InvalidArgumentError(f"[invalid argument] {op}: gradient_clipping must be >= 0 "
+                                      f"(or not given), got {gradient_clipping}")
 
 
 @torch.library.custom_op("meshfuse::gru", mutates_args=())
@@ -962,10 +962,11 @@ def _(x, bins):
 def continuous_count(x, bins):
     """int64 counts (bins,) of each value of the 1-D int32/int64 x in [0, bins); values outside
     are ignored (``torch.bincount(x, minlength=bins)`` when all are in range). No gradient.
-    Raises DTypeMismatchError (TypeError), ShapeMismatchError (ValueError). Spec:
-    include/meshfuse/ops/continuous_count.h."""
+    Raises DTypeMismatchError (TypeError), InvalidArgumentError (ValueError: x not 1-D, bins < 0).
+    Spec: include/meshfuse/ops/continuous_count.h."""
     if bins < 0:
-        raise _C.InvalidArgumentError(f"continuous_count: bins must be >= 0, got {bins}")
+        raise _C.InvalidArgumentError(f"[invalid argument] continuous_count: bins must be >= 0, "
+                                      f"got {bins}")
     return _continuous_count(x, bins)
 
 

@@ -512,9 +512,11 @@ void bind_executor(nb::module_& m) {
           "__init__",
           [](MultiDeviceExecutorParams* self, nb::handle backend, const std::string& overlap,
              int chunks, int number_of_streams) {
+            const OverlapParams o{parse_overlap(overlap), chunks, number_of_streams};
+            check_overlap_params(o);  // here, not at the first run on every rank
             new (self) MultiDeviceExecutorParams{};
             self->lowering.communicator_backend = backend_from(backend);
-            self->overlap = {parse_overlap(overlap), chunks, number_of_streams};
+            self->overlap = o;
           },
           "communicator_backend"_a = nb::none(), "overlap"_a = "none", "chunks"_a = 0,
           "number_of_streams"_a = 2)
@@ -527,17 +529,25 @@ void bind_executor(nb::module_& m) {
           nb::arg("backend").none())
       .def_prop_rw(
           "overlap",
-          [](const MultiDeviceExecutorParams& p) { return std::string(to_string(p.overlap.overlap)); },
+          [](const MultiDeviceExecutorParams& p) {
+            return std::string(to_string(p.overlap.overlap));
+          },
           [](MultiDeviceExecutorParams& p, const std::string& o) {
             p.overlap.overlap = parse_overlap(o);
           })
       .def_prop_rw(
           "chunks", [](const MultiDeviceExecutorParams& p) { return p.overlap.chunks; },
-          [](MultiDeviceExecutorParams& p, int chunks) { p.overlap.chunks = chunks; })
+          [](MultiDeviceExecutorParams& p, int chunks) {
+            check_overlap_params({p.overlap.overlap, chunks, p.overlap.number_of_streams});
+            p.overlap.chunks = chunks;
+          })
       .def_prop_rw(
           "number_of_streams",
           [](const MultiDeviceExecutorParams& p) { return p.overlap.number_of_streams; },
-          [](MultiDeviceExecutorParams& p, int n) { p.overlap.number_of_streams = n; })
+          [](MultiDeviceExecutorParams& p, int n) {
+            check_overlap_params({p.overlap.overlap, p.overlap.chunks, n});
+            p.overlap.number_of_streams = n;
+          })
       .def(
           "__eq__",
           [](const MultiDeviceExecutorParams& a, const MultiDeviceExecutorParams& b) {

@@ -89,6 +89,9 @@ def test_mismatched_counts_raise_naming_the_ranks():
 
     with pytest.raises(meshfuse.Error, match="ranks disagree"):
         meshfuse.run_local(2, rank_fn)
+    # new_group lists as the ranks gave them, without the padding of the exchanged record.
+    with pytest.raises(ValueError, match=r"new_group \[0\] but rank 1 has new_group \[1\]"):
+        meshfuse.run_local(2, lambda comm: comm.new_group([comm.rank]))
 
 
 def test_mesh_teams_are_the_mesh_lines_split_once_and_kept():

@@ -154,6 +154,13 @@ def test_overlapped_mlp_block_matches_one_device_and_runs_alike_twice(overlap, c
                                        err_msg=f"output {i} on rank {rank}")
     with pytest.raises(meshfuse.Error, match="none, collective or ring"):
         meshfuse.MultiDeviceExecutorParams(overlap="pipelined")
+    # Every field is checked when set, not at the first run on every rank.
+    with pytest.raises(ValueError, match="chunks must be >= 1, or 0"):
+        meshfuse.MultiDeviceExecutorParams(chunks=-3)
+    params = meshfuse.MultiDeviceExecutorParams()
+    with pytest.raises(ValueError, match="number_of_streams must be >= 1, got 0"):
+        params.number_of_streams = 0
+    assert params.number_of_streams == 2
 
 
 def test_the_params_backend_names_the_plans_communications_and_each_plan_is_cached():

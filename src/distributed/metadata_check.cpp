@@ -18,7 +18,14 @@ namespace {
 
 // The part of a rank's metadata every rank must agree on, as text for the error.
 std::string signature(const Meta& m) {
-  if (m.h.op == kSplitOp) return m.h.uneven ? "new_group " + list_str(m.in) : std::string("split");
+  if (m.h.op == kSplitOp) {
+    if (!m.h.uneven) return "split";
+    // The list of ranks, without the -1s that pad it to the team's size.
+    std::vector<std::int64_t> ranks;
+    for (const std::int64_t r : m.in)
+      if (r >= 0) ranks.push_back(r);
+    return "new_group " + list_str(ranks);
+  }
   const auto op = static_cast<CommOp>(m.h.op);
   std::string s(to_string(op));
   if (m.h.reduction >= 0) s += fmt::format("({})", to_string(static_cast<ReduceOp>(m.h.reduction)));

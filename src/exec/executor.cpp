@@ -22,6 +22,7 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
       communicator_(std::move(communicator)),
       params_(std::move(params)),
       mesh_(program_.mesh().value_or(DeviceMesh(std::vector<int>{communicator_->rank()}))) {
+  check_overlap_params(params_.overlap);
   if (!program_.mesh()) return;
   std::vector<int> ranks = mesh_.ranks();
   std::sort(ranks.begin(), ranks.end());
@@ -184,7 +185,21 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
     p.set_mesh(mesh);
     p.set_placements(v, placements);
     p.add_output(v, std::vector<Placement>(placements.size(), Replicate{}));
-    return MultiDeviceExecutor(std::move(p), std::move(communicator)).run({local}, stream)[0];
+    const int rank = communicator ? communicator->rank() : 0;
+    MultiDeviceExecutor executor(std::move(p), std::move(communicator));
+    if (local.defined()) {
+      const Plan& plan = executor.plan(local.device().type);
+      const Shape& part = plan.values[static_cast<std::size_t>(plan.inputs[0])].shape;
+      std::string where;
+      for (const Placement& placement : placements)
+        where += (where.empty() ? "" : ", ") + to_string(placement);
+      MESHFUSE_CHECK(local.shape() == part, ErrorCode::ShapeMismatch,
+                     "'local' on rank {} must be {}, this rank's part of a {} tensor placed as "
+                     "[{}] on {}, got {}",
+                     rank, shape_str(part), shape_str(shape), where, mesh.to_string(),
+                     shape_str(local.shape()));
+    }
+    return executor.run({local}, stream)[0];
   } catch (const Error& e) {
     throw Error(e.code(), "gather_tensor: " + e.message());
   }

@@ -219,13 +219,17 @@ class Finder {
 
 }  // namespace
 
-std::vector<OverlapSegment> find_overlap_segments(const Plan& plan, const OverlapParams& params) {
+void check_overlap_params(const OverlapParams& params) {
   MESHFUSE_CHECK(params.chunks >= 0, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutorParams: chunks must be >= 1, or 0 for the team size; got {}",
                  params.chunks);
   MESHFUSE_CHECK(params.number_of_streams >= 1, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutorParams: number_of_streams must be >= 1, got {}",
                  params.number_of_streams);
+}
+
+std::vector<OverlapSegment> find_overlap_segments(const Plan& plan, const OverlapParams& params) {
+  check_overlap_params(params);
   if (params.overlap == Overlap::None) return {};
   return Finder(plan, params).find();
 }

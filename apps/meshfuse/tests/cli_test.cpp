@@ -154,6 +154,7 @@ TEST(Cli, ZeroOrNegativeTokensAndSequenceLengthsAreRejected) {
   expect_usage_error("bench --model llama-3.2-1b --tokens -5",
                      "--tokens: expected a positive number of tokens, got -5");
   expect_usage_error("bench --model llama-3.2-1b --tokens many", "--tokens");
+  expect_usage_error("bench --model llama-3.2-1b --ops ''", "--ops: expected a non-empty list");
 }
 
 TEST(Cli, UnknownOpIsRejectedListingTheKnownOnes) {
@@ -265,4 +266,8 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
   expect_usage_error("run --model " + model + " --tokens 0", "--tokens");  // not the default
   expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
   expect_usage_error("run --model " + model + " --ranks 0", "--ranks");  // not the default 4
+  // Chunks without the overlap that takes them would be silently ignored.
+  expect_usage_error("run --model " + model + " --chunks 5",
+                     "--chunks 5: only --overlap collective takes chunks");
+  expect_usage_error("run --model " + model + " --overlap ring --chunks 5", "got --overlap ring");
 }

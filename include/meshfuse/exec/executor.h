@@ -96,7 +96,10 @@ class MultiDeviceExecutor {
 
   const Program& program() const { return program_; }
   const MultiDeviceExecutorParams& params() const { return params_; }
-  void set_params(MultiDeviceExecutorParams params) { params_ = std::move(params); }
+  void set_params(MultiDeviceExecutorParams params) {
+    check_overlap_params(params.overlap);
+    params_ = std::move(params);
+  }
 
  private:
   CommunicatorBackend backend_for(DeviceType type) const;

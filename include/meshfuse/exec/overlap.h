@@ -70,8 +70,11 @@ struct OverlapSegment {
   std::string to_string() const;
 };
 
+// Error(InvalidArgument) naming the field: chunks < 0 or number_of_streams < 1.
+void check_overlap_params(const OverlapParams& params);
+
 // The segments of `plan` (in step order, disjoint) for `params`; none for Overlap::None.
-// InvalidArgument: chunks < 0 or number_of_streams < 1.
+// Errors as check_overlap_params.
 std::vector<OverlapSegment> find_overlap_segments(const Plan& plan, const OverlapParams& params);
 
 }  // namespace meshfuse
