@@ -231,9 +231,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // backend takes the timeout current when it is set up (first use of its device type) and keeps
   // it for its own transfers: gloo gives up on that one, and so does local; mpi and nccl have
   // none of their own. Set it before the first operation to have it apply everywhere.
-  // set_timeout and set_checks also set them on the teams this communicator keeps (with_backends,
-  // mesh_teams), at once; a kept team set directly keeps its own until then. Teams from split and
-  // new_group take them when made.
+  // set_timeout and set_checks also set them, at once, on the teams this communicator keeps
+  // (with_backends, mesh_teams); a kept team set directly keeps its own setting until then. Teams
+  // from split and new_group take them when made.
   std::chrono::milliseconds timeout() const;
   void set_timeout(std::chrono::milliseconds timeout);
   bool checks() const;
@@ -264,10 +264,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // split() on the first call for a mesh (collective over this team) and kept: a later call for
   // an equal mesh returns the same teams without communicating, so that executors and
   // gather_tensor on one mesh share them (each split sets up new backend connections and writes
-  // new store keys).
-  // Being shared, the teams are driven by one thread at a time across all their users, and a team
-  // that failed (a timeout, a dead peer) fails every later user too. Every rank asks for the same
-  // meshes in the same order. Error(InvalidArgument) for a mesh of other ranks.
+  // new store keys). Being shared, the teams are driven by one thread at a time across all their
+  // users, and a team that failed (a timeout, a dead peer) fails every later user too. Every rank
+  // asks for the same meshes in the same order. Error(InvalidArgument) for a mesh of other ranks.
   std::vector<std::shared_ptr<Communicator>> mesh_teams(const DeviceMesh& mesh);
 
   // In place: tensor = op over the ranks' tensors (same numel and dtype on every rank).
