@@ -190,14 +190,11 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
     if (local.defined()) {
       const Plan& plan = executor.plan(local.device().type);
       const Shape& part = plan.values[static_cast<std::size_t>(plan.inputs[0])].shape;
-      std::string where;
-      for (const Placement& placement : placements)
-        where += (where.empty() ? "" : ", ") + to_string(placement);
       MESHFUSE_CHECK(local.shape() == part, ErrorCode::ShapeMismatch,
-                     "'local' on rank {} must be {}, this rank's part of a {} tensor placed as "
-                     "[{}] on {}, got {}",
-                     rank, shape_str(part), shape_str(shape), where, mesh.to_string(),
-                     shape_str(local.shape()));
+                     "'local' on rank {} must be {}, this rank's part of a {} tensor placed as {} "
+                     "on {}, got {}",
+                     rank, shape_str(part), shape_str(shape), to_string(placements),
+                     mesh.to_string(), shape_str(local.shape()));
     }
     return executor.run({local}, stream)[0];
   } catch (const Error& e) {

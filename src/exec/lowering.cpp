@@ -32,12 +32,6 @@ double transition_cost(const Placement& from, const Placement& to, double bytes)
   return is<Replicate>(from) ? 0 : bytes;  // a local slice; reduce_scatter or all_to_all
 }
 
-std::string placements_text(const std::vector<Placement>& placements) {
-  std::vector<std::string> names;
-  for (const Placement& p : placements) names.push_back(to_string(p));
-  return fmt::format("[{}]", fmt::join(names, ", "));
-}
-
 std::string sizes_text(const std::vector<std::int64_t>& sizes) {
   return fmt::format("[{}]", fmt::join(sizes, " "));
 }
@@ -97,7 +91,7 @@ class Lowering {
     const ValueInfo& info = p_.info(global);
     Shape local = local_part(info.shape, mesh_, placements, plan_.rank).shape;
     const auto id = static_cast<std::int64_t>(plan_.values.size());
-    known_[{global.id, placements_text(placements)}] = id;
+    known_[{global.id, to_string(placements)}] = id;
     plan_.values.push_back({global, std::move(placements), std::move(local), info.dtype});
     return id;
   }
@@ -120,8 +114,7 @@ class Lowering {
   std::int64_t redistribute(std::int64_t id, const std::vector<Placement>& want,
                             std::string_view why) {
     const Value global = value(id).global;
-    if (auto it = known_.find({global.id, placements_text(want)}); it != known_.end())
-      return it->second;
+    if (auto it = known_.find({global.id, to_string(want)}); it != known_.end()) return it->second;
     std::vector<Placement> now = value(id).placements;
     const std::vector<Placement> start = now;
     // A shard of tensor dim d on mesh dimension m splits the part that the mesh dimensions before
@@ -143,8 +136,8 @@ class Lowering {
       MESHFUSE_CHECK(!is<Partial>(want[mi]) || now[mi] == want[mi], ErrorCode::InvalidArgument,
                      "lower: {}: {} lies as {} and cannot become {} (no rule makes a Partial "
                      "from a {} on mesh dimension {})",
-                     why, p_.describe(global), placements_text(now), placements_text(want),
-                     to_string(now[mi]), m);
+                     why, p_.describe(global), to_string(now), to_string(want), to_string(now[mi]),
+                     m);
       Placement target = want[mi];
       if (outer_changes(m, now[mi]) || outer_changes(m, target)) target = Replicate{};
       if (now[mi] == target || (is<Replicate>(now[mi]) && is<Shard>(target))) continue;
@@ -321,7 +314,7 @@ std::string Communication::to_string() const {
 std::string Plan::to_string() const {
   const auto describe = [&](std::int64_t id) {
     const PlanValue& v = values[static_cast<std::size_t>(id)];
-    return fmt::format("${} %{} {} {} {}", id, v.global.id, placements_text(v.placements),
+    return fmt::format("${} %{} {} {} {}", id, v.global.id, meshfuse::to_string(v.placements),
                        shape_str(v.shape), meshfuse::to_string(v.dtype));
   };
   std::string text = fmt::format("plan of rank {} on {}, communications on {}\n", rank,

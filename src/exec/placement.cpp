@@ -1,6 +1,7 @@
 #include "meshfuse/exec/placement.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -13,6 +14,12 @@ std::string to_string(const Placement& placement) {
   if (const auto* p = std::get_if<Partial>(&placement))
     return fmt::format("Partial({})", to_string(p->op));
   return "Replicate()";
+}
+
+std::string to_string(const std::vector<Placement>& placements) {
+  std::vector<std::string> names;
+  for (const Placement& p : placements) names.push_back(to_string(p));
+  return fmt::format("[{}]", fmt::join(names, ", "));
 }
 
 ShardRange shard_range(std::int64_t extent, std::int64_t parts, std::int64_t index) {

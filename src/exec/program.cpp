@@ -440,10 +440,7 @@ std::vector<std::string> options_text(const ProgramOp& op) {
 
 std::string Program::to_string() const {
   const auto placed = [&](const std::vector<Placement>& pl) {
-    if (pl.empty()) return std::string();
-    std::vector<std::string> names;
-    for (const Placement& p : pl) names.push_back(meshfuse::to_string(p));
-    return fmt::format(" [{}]", fmt::join(names, ", "));
+    return pl.empty() ? std::string() : " " + meshfuse::to_string(pl);
   };
   std::string text;
   if (mesh_) text += fmt::format("mesh {}\n", mesh_->to_string());

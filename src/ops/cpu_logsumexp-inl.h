@@ -66,17 +66,6 @@ A exp_shift(A max) {
   return max == -std::numeric_limits<A>::infinity() ? A(0) : max;
 }
 
-// The rows [begin, end) of the calling thread of a parallel_if region: contiguous, as
-// schedule(static) would give, so that a thread can read ahead into its next row.
-inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
-#ifdef _OPENMP
-  const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-  const std::int64_t threads = 1, t = 0;
-#endif
-  return {rows * t / threads, rows * (t + 1) / threads};
-}
-
 // 16-bit floats (bf16, f16: sign and magnitude) as int16 keys in the same order as their values
 // (the magnitude bits of negatives flipped): their max is one integer max per vector of 16-bit
 // lanes, with no conversion. A positive NaN's key is above +inf's: it wins, where the float max

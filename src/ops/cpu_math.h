@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ops/common.h"
@@ -93,6 +94,17 @@ void parallel_if(bool parallel, F&& body) {
   }
 #endif
   body();
+}
+
+// The rows [begin, end) of the calling thread of a parallel_if region: contiguous, as
+// schedule(static) would give, so that a thread can read ahead into its next row.
+inline std::pair<std::int64_t, std::int64_t> thread_rows(std::int64_t rows) {
+#ifdef _OPENMP
+  const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+  const std::int64_t threads = 1, t = 0;
+#endif
+  return {rows * t / threads, rows * (t + 1) / threads};
 }
 
 inline std::int64_t max_threads() {
@@ -189,23 +201,20 @@ inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
   if (!w.fresh || rows <= 0) return;
   static std::atomic<bool> unsupported{false};
   if (unsupported.load(std::memory_order_relaxed)) return;
-#ifdef _OPENMP
-  const std::int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-  const std::int64_t threads = 1, t = 0;
-#endif
   static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
-  // Thread i's share starts at the page holding its first row's start (the first thread's: the
-  // first whole page), so that every whole page of the output is some thread's; the last ends at
-  // the last row's end, not a stride past it (a strided output's next bytes are not its own).
-  const auto edge = [&, base = reinterpret_cast<std::uintptr_t>(out)](std::int64_t i) {
-    if (i == threads)
-      return (base + static_cast<std::uintptr_t>((rows - 1) * row_stride + row_bytes)) &
-             ~(page - 1);
-    const auto at = base + static_cast<std::uintptr_t>(rows * i / threads * row_stride);
-    return i == 0 ? (at + page - 1) & ~(page - 1) : at & ~(page - 1);
+  // A share starts at the page holding its first row's start (the first share: the first whole
+  // page), so that every whole page of the output is some thread's; the last ends at the last
+  // row's end, not a stride past it (a strided output's next bytes are not its own).
+  const auto [first, last] = thread_rows(rows);
+  const auto base = reinterpret_cast<std::uintptr_t>(out);
+  // The page holding the start of `row` (rows: the last row's end).
+  const auto page_of = [&](std::int64_t row) {
+    return (base + static_cast<std::uintptr_t>(row < rows ? row * row_stride
+                                                          : (rows - 1) * row_stride + row_bytes)) &
+           ~(page - 1);
   };
-  const std::uintptr_t begin = edge(t), end = edge(t + 1);
+  const std::uintptr_t begin = first == 0 ? (base + page - 1) & ~(page - 1) : page_of(first);
+  const std::uintptr_t end = page_of(last);
   if (end > begin &&
       madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0 &&
       errno == EINVAL)

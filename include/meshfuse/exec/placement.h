@@ -38,6 +38,8 @@ using Placement = std::variant<Shard, Replicate, Partial>;
 
 // "Shard(0)", "Replicate()", "Partial(sum)".
 std::string to_string(const Placement& placement);
+// One per mesh dimension: "[Shard(0), Replicate()]".
+std::string to_string(const std::vector<Placement>& placements);
 
 // The part of `index` when `extent` rows are split over `parts` (Shard's sizes above).
 struct ShardRange {
