@@ -156,6 +156,13 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
         ErrorCode::DTypeMismatch, {"one dtype"});
     expect_error([&] { c.all_reduce(t.view().transpose(0, 1)); }, ErrorCode::InvalidArgument,
                  {"contiguous"});
+    // An undefined tensor (it once read a null pointer as one element) names the argument.
+    expect_error([&] { c.all_reduce(TensorView{}); }, ErrorCode::InvalidArgument,
+                 {"all_reduce: 'tensor' is undefined"});
+    expect_error([&] { c.all_gather(t, TensorView{}); }, ErrorCode::InvalidArgument,
+                 {"all_gather: 'output' is undefined"});
+    expect_error([&] { c.send_recv(t, 1 - c.rank(), TensorView{}, 1 - c.rank()); },
+                 ErrorCode::InvalidArgument, {"send_recv: 'recv_tensor' is undefined"});
     expect_error(
         [&] {
           c.all_gather(t, Tensor::zeros({5, 3}, DType::F32), {2, 3});

@@ -636,6 +636,18 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   expect_error([&] { MultiDeviceExecutor(same, comm, ring).run(views(parts)); },
                ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
+  // The same after a first run: set_params() that changes them makes the ranks compare again (they
+  // once went their own ways, each waiting in its own collective for the timeout); every rank
+  // setting the same params runs on.
+  MultiDeviceExecutor again(same, comm);
+  const std::vector<Tensor> first = again.run(views(parts));
+  MultiDeviceExecutorParams everyone;
+  everyone.profile = true;
+  again.set_params(everyone);
+  EXPECT_EQ(values(again.run(views(parts))[0]), values(first[0]));
+  again.set_params(ring);
+  expect_error([&] { again.run(views(parts)); }, ErrorCode::InvalidArgument,
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
 }
 
 }  // namespace meshfuse::test::exec

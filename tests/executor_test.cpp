@@ -424,7 +424,36 @@ TEST(Executor, ShardTensorCopiesTheRanksPartAndRefusesPartial) {
   expect_error([&] { shard_tensor(t, mesh, {Partial{}}, 0); }, ErrorCode::InvalidArgument,
                {"shard_tensor", "Partial"});
   expect_error([&] { shard_tensor(t, mesh, {Shard{0}}, 2); }, ErrorCode::InvalidArgument,
-               {"rank 2"});
+               {"shard_tensor", "rank 2"});
+  expect_error(
+      [&] {
+        shard_tensor(t, mesh, {Shard{0}, Shard{0}}, 0);
+      },
+      ErrorCode::InvalidArgument, {"shard_tensor: 2 placements", "one per mesh dimension"});
+  expect_error([&] { shard_tensor(t, mesh, {Shard{2}}, 0); }, ErrorCode::InvalidArgument,
+               {"shard_tensor: Shard(2)", "outside"});
+}
+
+// Only a sum's terms all have the whole gradient: grad() of an input or a loss placed Partial with
+// another reduction is Unsupported, naming it (avg once gave every rank n times its gradient).
+TEST(Executor, GradOfANonSumPartialIsUnsupported) {
+  for (const ReduceOp op : {ReduceOp::Avg, ReduceOp::Max}) {
+    Program p;
+    const Value x = p.define_tensor("x", {4, 8}, DType::F32);
+    const Value y = p.add(x, x);
+    p.set_mesh(DeviceMesh::of_shape({4}));
+    p.set_placements(x, {Partial{op}});
+    p.add_output(y);
+    expect_error(
+        [&] { grad(p, y, {x}); }, ErrorCode::Unsupported,
+        {"grad", "'x'", to_string(std::vector<Placement>{Partial{op}}), "only Partial(sum)"});
+    Program q;
+    const Value a = q.define_tensor("a", {4, 8}, DType::F32);
+    const Value b = q.add(a, a);
+    q.set_mesh(DeviceMesh::of_shape({4}));
+    q.add_output(b, {Partial{op}});
+    expect_error([&] { grad(q, b, {a}); }, ErrorCode::Unsupported, {"grad", "only Partial(sum)"});
+  }
 }
 
 }  // namespace

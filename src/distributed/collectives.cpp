@@ -2,6 +2,7 @@
 // every backend shares, the metadata check, the record, then the backend of the tensors' device.
 #include <algorithm>
 #include <optional>
+#include <ranges>
 #include <string>
 #include <vector>
 
@@ -18,10 +19,11 @@ namespace {
 
 // One call, as the generic layer sees it.
 struct Call {
-  Call(CommOp op, std::vector<TensorView> tensors) : op(op), tensors(std::move(tensors)) {}
+  using Named = std::pair<const char*, TensorView>;  // the argument's name, the tensor
+  Call(CommOp op, std::vector<Named> tensors) : op(op), tensors(std::move(tensors)) {}
 
   CommOp op;
-  std::vector<TensorView> tensors;  // the defined ones
+  std::vector<Named> tensors;  // the ones this rank passes (a gather's output only on the root)
   int root = -1;
   int source = -1;  // send_recv
   std::optional<ReduceOp> reduction;
@@ -36,8 +38,9 @@ struct Call {
 
 std::string op_name(CommOp op) { return std::string(to_string(op)); }
 
-// Checks the tensors (contiguous, one dtype, one device) and the stream (on the tensors' device,
-// never relabelled: a CPU stream with CUDA tensors is a DeviceMismatch); fills dtype and device.
+// Checks the tensors (defined, contiguous, one dtype, one device) and the stream (on the tensors'
+// device, never relabelled: a CPU stream with CUDA tensors is a DeviceMismatch); fills dtype and
+// device.
 void check_tensors(Call& c, const Stream& stream) {
   const std::string op = op_name(c.op);
   if (c.tensors.empty()) {
@@ -45,10 +48,12 @@ void check_tensors(Call& c, const Stream& stream) {
     c.device = stream.device;
     return;
   }
-  const TensorView& first = c.tensors.front();
+  for (const auto& [name, t] : c.tensors)
+    MESHFUSE_CHECK(t.defined(), ErrorCode::InvalidArgument, "{}: '{}' is undefined", op, name);
+  const TensorView& first = c.tensors.front().second;
   c.dtype = first.dtype();
   c.device = first.device();
-  for (const TensorView& t : c.tensors) {
+  for (const TensorView& t : c.tensors | std::views::values) {
     MESHFUSE_CHECK(t.is_contiguous(), ErrorCode::InvalidArgument,
                    "{}: tensors must be contiguous, got {}", op, t.str());
     MESHFUSE_CHECK(t.dtype() == c.dtype, ErrorCode::DTypeMismatch,
@@ -176,7 +181,7 @@ std::int64_t bytes_of(std::int64_t elements, DType dtype) {
 }  // namespace
 
 Work Communicator::all_reduce(const TensorView& tensor, ReduceOp op, const Stream& stream) {
-  Call c(CommOp::AllReduce, {tensor});
+  Call c(CommOp::AllReduce, {{"tensor", tensor}});
   c.reduction = op;
   check_tensors(c, stream);
   c.count = tensor.numel();
@@ -186,7 +191,7 @@ Work Communicator::all_reduce(const TensorView& tensor, ReduceOp op, const Strea
 }
 
 Work Communicator::broadcast(const TensorView& tensor, int root, const Stream& stream) {
-  Call c(CommOp::Broadcast, {tensor});
+  Call c(CommOp::Broadcast, {{"tensor", tensor}});
   check_rank(root, size(), "root", c.op);
   c.root = root;
   check_tensors(c, stream);
@@ -198,7 +203,7 @@ Work Communicator::broadcast(const TensorView& tensor, int root, const Stream& s
 }
 
 Work Communicator::reduce(const TensorView& tensor, int root, ReduceOp op, const Stream& stream) {
-  Call c(CommOp::Reduce, {tensor});
+  Call c(CommOp::Reduce, {{"tensor", tensor}});
   check_rank(root, size(), "root", c.op);
   c.root = root;
   c.reduction = op;
@@ -212,7 +217,7 @@ Work Communicator::reduce(const TensorView& tensor, int root, ReduceOp op, const
 
 Work Communicator::all_gather(const TensorView& input, const TensorView& output,
                               const Stream& stream) {
-  Call c(CommOp::AllGather, {input, output});
+  Call c(CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   check_numel(output, size() * input.numel(), "output", c.op);
   c.count = input.numel();
@@ -226,7 +231,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
 Work Communicator::all_gather(const TensorView& input, const TensorView& output,
                               const std::vector<std::int64_t>& output_split_sizes,
                               const Stream& stream) {
-  Call c(CommOp::AllGather, {input, output});
+  Call c(CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
   c.uneven = true;
@@ -241,7 +246,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
 
 Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output, ReduceOp op,
                                   const Stream& stream) {
-  Call c(CommOp::ReduceScatter, {input, output});
+  Call c(CommOp::ReduceScatter, {{"input", input}, {"output", output}});
   c.reduction = op;
   check_tensors(c, stream);
   check_numel(input, size() * output.numel(), "input", c.op);
@@ -256,7 +261,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
 Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output,
                                   const std::vector<std::int64_t>& input_split_sizes, ReduceOp op,
                                   const Stream& stream) {
-  Call c(CommOp::ReduceScatter, {input, output});
+  Call c(CommOp::ReduceScatter, {{"input", input}, {"output", output}});
   c.reduction = op;
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
@@ -274,8 +279,8 @@ Work Communicator::gather(const TensorView& input, const TensorView& output, int
                           const Stream& stream) {
   check_rank(root, size(), "root", CommOp::Gather);
   const bool is_root = rank() == root;
-  Call c(CommOp::Gather, {input});
-  if (is_root) c.tensors.push_back(output);
+  Call c(CommOp::Gather, {{"input", input}});
+  if (is_root) c.tensors.emplace_back("output", output);
   c.root = root;
   check_tensors(c, stream);
   if (is_root) check_numel(output, size() * input.numel(), "output", c.op);
@@ -290,8 +295,8 @@ Work Communicator::scatter(const TensorView& input, const TensorView& output, in
                            const Stream& stream) {
   check_rank(root, size(), "root", CommOp::Scatter);
   const bool is_root = rank() == root;
-  Call c(CommOp::Scatter, {output});
-  if (is_root) c.tensors.push_back(input);
+  Call c(CommOp::Scatter, {{"output", output}});
+  if (is_root) c.tensors.emplace_back("input", input);
   c.root = root;
   check_tensors(c, stream);
   if (is_root) check_numel(input, size() * output.numel(), "input", c.op);
@@ -306,7 +311,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
                               const std::vector<std::int64_t>& input_split_sizes,
                               const std::vector<std::int64_t>& output_split_sizes,
                               const Stream& stream) {
-  Call c(CommOp::AllToAll, {input, output});
+  Call c(CommOp::AllToAll, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   const int n = size();
   if (input_split_sizes.empty() && output_split_sizes.empty()) {
@@ -330,7 +335,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
 }
 
 Work Communicator::send(const TensorView& tensor, int dst, int tag, const Stream& stream) {
-  Call c(CommOp::Send, {tensor});
+  Call c(CommOp::Send, {{"tensor", tensor}});
   check_rank(dst, size(), "destination", c.op);
   MESHFUSE_CHECK(dst != rank() && tag >= 0, ErrorCode::InvalidArgument,
                  "send: to rank {} with tag {} from rank {} (no sends to self, tags >= 0)", dst,
@@ -344,7 +349,7 @@ Work Communicator::send(const TensorView& tensor, int dst, int tag, const Stream
 }
 
 Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream& stream) {
-  Call c(CommOp::Recv, {tensor});
+  Call c(CommOp::Recv, {{"tensor", tensor}});
   check_rank(src, size(), "source", c.op);
   MESHFUSE_CHECK(src != rank() && tag >= 0, ErrorCode::InvalidArgument,
                  "recv: from rank {} with tag {} on rank {} (no receives from self, tags >= 0)",
@@ -359,7 +364,7 @@ Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream
 
 Work Communicator::send_recv(const TensorView& send_tensor, int dst, const TensorView& recv_tensor,
                              int src, int tag, const Stream& stream) {
-  Call c(CommOp::SendRecv, {send_tensor, recv_tensor});
+  Call c(CommOp::SendRecv, {{"send_tensor", send_tensor}, {"recv_tensor", recv_tensor}});
   check_rank(dst, size(), "destination", c.op);
   check_rank(src, size(), "source", c.op);
   MESHFUSE_CHECK(dst != rank() && src != rank() && tag >= 0, ErrorCode::InvalidArgument,

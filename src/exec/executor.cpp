@@ -39,22 +39,40 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
 // one that the others never call: before the first communication of a backend, the ranks compare
 // a hash of the program's text (ops, shapes, placements) and one of the params that decide which
 // communications run, how and where, and fail together when one differs.
+std::string MultiDeviceExecutor::params_text() const {
+  return fmt::format("backend {}, overlap {}, chunks {}, streams {}, profile {}",
+                     params_.lowering.communicator_backend
+                         ? to_string(*params_.lowering.communicator_backend)
+                         : "the communicator's",
+                     to_string(params_.overlap.overlap), params_.overlap.chunks,
+                     params_.overlap.number_of_streams, params_.profile);
+}
+
+void MultiDeviceExecutor::set_params(MultiDeviceExecutorParams params) {
+  check_overlap_params(params.overlap);
+  const std::string before = params_text();
+  params_ = std::move(params);
+  if (params_text() != before) checked_.clear();  // compared again before the next communication
+}
+
 void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,
                                              const Stream& stream) const {
   const Device device = type == DeviceType::CPU ? Device{} : stream.device;
-  const std::string params = fmt::format(
-      "backend {}, overlap {}, chunks {}, streams {}, profile {}",
-      params_.lowering.communicator_backend ? to_string(*params_.lowering.communicator_backend)
-                                            : "the communicator's",
-      to_string(params_.overlap.overlap), params_.overlap.chunks, params_.overlap.number_of_streams,
-      params_.profile);
+  const std::string params = params_text();
   Tensor mine({2}, DType::I64);
   mine.data_ptr<std::int64_t>()[0] =
       static_cast<std::int64_t>(std::hash<std::string>{}(program_.to_string()));
   mine.data_ptr<std::int64_t>()[1] = static_cast<std::int64_t>(std::hash<std::string>{}(params));
   const int n = world.size();
   const Tensor all({2 * n}, DType::I64, device, stream);
-  world.all_gather(mine.to(device, stream), all, stream).wait();
+  try {
+    world.all_gather(mine.to(device, stream), all, stream).wait();
+  } catch (const Error& e) {  // the first collective of a run, which the user did not write
+    throw Error(e.code(),
+                "MultiDeviceExecutor: comparing the program and params of the ranks "
+                "before the run's first communication (does every rank call run()?): " +
+                    e.message());
+  }
   Tensor host({2 * n}, DType::I64);
   copy(all, host, stream);
   const std::int64_t* h = host.data_ptr<std::int64_t>();
@@ -101,8 +119,9 @@ const Plan& MultiDeviceExecutor::plan(DeviceType type) { return lowered(type).pl
 
 const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
     CommunicatorBackend backend, DeviceType type, const Stream& stream) {
-  auto it = teams_.find({backend, type});
-  if (it != teams_.end()) return it->second;
+  const std::pair key(backend, type);
+  auto it = teams_.find(key);
+  if (it != teams_.end() && checked_.contains(key)) return it->second;
   const auto& spec = communicator_->spec().backends;
   const auto served = spec.find(type);
   std::shared_ptr<Communicator> world =
@@ -110,8 +129,9 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
           ? communicator_
           : communicator_->with_backends(BackendSpec{{{type, backend}}});
   check_same_program(*world, type, stream);
-  std::vector<std::shared_ptr<Communicator>> teams = world->mesh_teams(mesh_);
-  return teams_.emplace(std::pair(backend, type), std::move(teams)).first->second;
+  checked_.insert(key);
+  if (it == teams_.end()) it = teams_.emplace(key, world->mesh_teams(mesh_)).first;
+  return it->second;
 }
 
 std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inputs,
@@ -166,7 +186,16 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
   for (const Placement& p : placements)
     MESHFUSE_CHECK(!std::holds_alternative<Partial>(p), ErrorCode::InvalidArgument,
                    "shard_tensor: a whole tensor cannot be placed as {}", to_string(p));
-  const LocalPart part = local_part(tensor.shape(), mesh, placements, rank);
+  const LocalPart part = [&] {
+    try {
+      return local_part(tensor.shape(), mesh, placements, rank);
+    } catch (const Error& e) {  // its checks are of shard_tensor's arguments: say so
+      std::string message = e.message();
+      if (message.starts_with("local_part: "))
+        message.erase(0, std::string_view("local_part: ").size());
+      throw Error(e.code(), "shard_tensor: " + message);
+    }
+  }();
   TensorView v = tensor;
   for (std::int64_t d = 0; d < v.dim(); ++d) {
     const auto di = static_cast<std::size_t>(d);

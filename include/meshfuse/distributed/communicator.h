@@ -35,12 +35,12 @@
 // Error(CommunicationFailure) saying so; a mismatch error leaves it usable. Any timeout counts,
 // also a short one given to Work::wait(timeout): to poll, use Work::is_completed().
 //
-// Tensors: contiguous (InvalidArgument otherwise); one dtype per operation (any DType moves;
-// reductions take f32, f64, f16, bf16, i32, i64, u8, u32, and Avg only floating types); all tensors
-// of an operation on one device, and the stream on that device too (DeviceMismatch otherwise: the
-// default Stream{} is the CPU's, CUDA tensors take Stream{device} or a CudaStream of their device).
-// 16-bit reductions are computed in fp32 where the backend lets us
-// choose (local, CPU and CUDA, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
+// Tensors: defined and contiguous (InvalidArgument otherwise); one dtype per operation (any DType
+// moves; reductions take f32, f64, f16, bf16, i32, i64, u8, u32, and Avg only floating types); all
+// tensors of an operation on one device, and the stream on that device too (DeviceMismatch
+// otherwise: the default Stream{} is the CPU's, CUDA tensors take Stream{device} or a CudaStream of
+// their device). 16-bit reductions are computed in fp32 where the backend lets us choose (local,
+// CPU and CUDA, and gloo's reduce_scatter: the whole reduction in fp32, rounded once; gloo's
 // all_reduce and reduce, and mpi: fp32 per pairwise step, rounded at each).
 // Split sizes count slices along dim 0 (as in torch.distributed.all_to_all_single): a tensor
 // with dim-0 size S split into sizes s_0..s_{n-1} (sum S) gives rank r the rows of s_r.
@@ -52,8 +52,8 @@
 // operations that had not finished (gloo and mpi cannot cancel a transfer): keep them alive until
 // the communicator is destroyed (mpi: until the process ends, MPI never gives them up).
 //
-// Errors of every call: InvalidArgument (bad root/peer, non-contiguous tensors, sizes that do not
-// add up, a mismatch between ranks), DTypeMismatch (input and output dtypes differ),
+// Errors of every call: InvalidArgument (bad root/peer, undefined or non-contiguous tensors, sizes
+// that do not add up, a mismatch between ranks), DTypeMismatch (input and output dtypes differ),
 // DeviceMismatch (tensors or stream on different devices), BackendUnavailable (the spec names a
 // backend this build lacks, or no backend serves the device type), Timeout,
 // CommunicationFailure.

@@ -14,8 +14,8 @@ namespace meshfuse {
 // The joint program of `program` for the gradients of `loss` with respect to `wrt`:
 //   inputs   program's inputs, then "grad_loss" (loss's shape and dtype: the upstream gradient,
 //            1 for a loss that ends the computation); on a mesh placed as the loss is output
-//            when it was given placements (e.g. per-token losses as Shard(0); Partial made
-//            Replicate; a loss output twice: its first output's), else Replicate
+//            when it was given placements (e.g. per-token losses as Shard(0); Partial(sum)
+//            made Replicate; a loss output twice: its first output's), else Replicate
 //   outputs  program's outputs, then the gradient of each of `wrt` in order, placed as that
 //            input is (Replicate when not set, and where it is Partial: the gradient of a sum's
 //            every term is the whole gradient); inputs with the same gradient (an add's operands)
@@ -26,7 +26,8 @@ namespace meshfuse {
 // Errors: InvalidArgument (loss not a floating value of the program, a wrt that is not a floating
 // input or is listed twice, a wrt the loss does not depend on, an input already named
 // "grad_loss"), Unsupported (a fused_linear_cross_entropy whose loss is not `loss`, a
-// fused_residual_add_rmsnorm whose y is unused while r is used).
+// fused_residual_add_rmsnorm whose y is unused while r is used, a wrt or a loss placed Partial
+// with a reduction other than sum).
 Program grad(const Program& program, Value loss, const std::vector<Value>& wrt);
 
 }  // namespace meshfuse

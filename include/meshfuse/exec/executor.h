@@ -4,9 +4,10 @@
 //
 // Every rank of the communicator's team builds an executor of the same program and calls run()
 // the same number of times; the mesh's ranks are the team's ranks (a mesh over a subset, or a
-// rank the mesh lacks, is InvalidArgument). Before a backend's first communication the ranks
-// compare a hash of the program (ops, shapes, placements): programs that differ are
-// InvalidArgument on every rank. A rank that calls run() with a program that communicates nothing
+// rank the mesh lacks, is InvalidArgument). Before a backend's first communication, and again
+// after set_params() changes what decides the communications, the ranks compare a hash of the
+// program (ops, shapes, placements) and of those params: ones that differ are InvalidArgument on
+// every rank. A rank that calls run() with a program that communicates nothing
 // while the others' do leaves them waiting for the communicator's timeout (Error(Timeout)).
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
@@ -30,6 +31,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -96,10 +99,9 @@ class MultiDeviceExecutor {
 
   const Program& program() const { return program_; }
   const MultiDeviceExecutorParams& params() const { return params_; }
-  void set_params(MultiDeviceExecutorParams params) {
-    check_overlap_params(params.overlap);
-    params_ = std::move(params);
-  }
+  // Every rank sets the same params before its next run(): params that decide the communications
+  // (backend, overlap, chunks, streams, profile) are compared across ranks again then.
+  void set_params(MultiDeviceExecutorParams params);
 
  private:
   CommunicatorBackend backend_for(DeviceType type) const;
@@ -107,6 +109,7 @@ class MultiDeviceExecutor {
   const std::vector<std::shared_ptr<Communicator>>& teams(CommunicatorBackend backend,
                                                           DeviceType type, const Stream& stream);
   void check_same_program(Communicator& world, DeviceType type, const Stream& stream) const;
+  std::string params_text() const;  // the params that check_same_program compares
 
   Program program_;
   std::shared_ptr<Communicator> communicator_;
@@ -126,6 +129,8 @@ class MultiDeviceExecutor {
   std::map<std::pair<CommunicatorBackend, DeviceType>, Lowered> plans_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, std::vector<std::shared_ptr<Communicator>>>
       teams_;
+  // The (backend, device type)s whose ranks compared programs and params since these last changed.
+  std::set<std::pair<CommunicatorBackend, DeviceType>> checked_;
   std::vector<StepProfile> profile_;
   // Per CUDA device index: the chunks' streams, owned, and as Streams.
   std::map<int, std::pair<std::vector<std::shared_ptr<CudaStream>>, std::vector<Stream>>>
