@@ -389,7 +389,7 @@ CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& l
   try {
     backend = parse_communicator_backend(chosen);
   } catch (const Error& e) {
-    fail(ErrorCode::InvalidArgument, "--backend: {}", e.what());
+    fail(ErrorCode::InvalidArgument, "--backend: {}", e.message());
   }
   MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
                  "--backend: {} is not in this build", chosen);

@@ -33,11 +33,13 @@ std::int64_t positive_int(const json& config, const std::string& source, const c
 }  // namespace
 
 std::vector<fs::path> model_config_dirs() {
-  // The source tree's, then an install's: <prefix>/bin/meshfuse reads <prefix>/share/meshfuse/
-  // models, and a pip install's meshfuse/bin/meshfuse reads meshfuse/share/meshfuse/models.
+  // An install's, then the source tree's (a build tree has no share/ beside its bin): an
+  // installed <prefix>/bin/meshfuse reads <prefix>/share/meshfuse/models, and a pip install's
+  // meshfuse/bin/meshfuse reads meshfuse/share/meshfuse/models, whether or not the tree it was
+  // built from is still there.
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  return {MESHFUSE_CONFIG_DIR, exe.parent_path().parent_path() / "share" / "meshfuse" / "models"};
+  return {exe.parent_path().parent_path() / "share" / "meshfuse" / "models", MESHFUSE_CONFIG_DIR};
 }
 
 std::vector<std::string> known_models() {

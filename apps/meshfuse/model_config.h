@@ -21,8 +21,8 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;  // HF LlamaConfig's default
 };
 
-// The directories searched for configs/models/<name>.json: the source tree's, then the installed
-// share/meshfuse/models.
+// The directories searched for <name>.json: an install's share/meshfuse/models (beside the
+// binary's bin/), then the source tree's configs/models.
 std::vector<std::filesystem::path> model_config_dirs();
 
 // The names of the shipped configs (file stems), sorted.

@@ -50,13 +50,16 @@ Setup check_options(const RunOptions& o) {
                  "--dtype: expected bf16 or f32, got '{}'", o.dtype);
   s.dtype = o.dtype == "f32" ? DType::F32 : DType::BF16;
   s.tokens = o.tokens ? o.tokens : cuda ? 4096 : 256;
-  MESHFUSE_CHECK(s.tokens >= 1 && o.repeats >= 1, ErrorCode::InvalidArgument,
-                 "--tokens and --repeats: expected >= 1, got {} and {}", s.tokens, o.repeats);
+  MESHFUSE_CHECK(s.tokens >= 1, ErrorCode::InvalidArgument, "--tokens: expected >= 1, got {}",
+                 s.tokens);
+  MESHFUSE_CHECK(o.repeats >= 1, ErrorCode::InvalidArgument, "--repeats: expected >= 1, got {}",
+                 o.repeats);
   MESHFUSE_CHECK(o.format == "table" || o.format == "json", ErrorCode::InvalidArgument,
                  "--format: expected table or json, got '{}'", o.format);
   s.overlap = {parse_overlap(o.overlap), o.chunks, o.streams};
-  MESHFUSE_CHECK(o.chunks >= 0 && o.streams >= 1, ErrorCode::InvalidArgument,
-                 "--chunks and --streams: expected >= 0 and >= 1, got {} and {}", o.chunks,
+  MESHFUSE_CHECK(o.chunks >= 0, ErrorCode::InvalidArgument, "--chunks: expected >= 0, got {}",
+                 o.chunks);
+  MESHFUSE_CHECK(o.streams >= 1, ErrorCode::InvalidArgument, "--streams: expected >= 1, got {}",
                  o.streams);
   MESHFUSE_CHECK(o.chunks == 0 || s.overlap.overlap == Overlap::Collective,
                  ErrorCode::InvalidArgument,

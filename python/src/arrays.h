@@ -20,7 +20,8 @@ namespace meshfuse::python {
 
 namespace nb = nanobind;
 
-inline DType to_dtype(nb::dlpack::dtype t) {
+// The DType of argument `name`'s array; DTypeMismatch naming the argument for one meshfuse lacks.
+inline DType to_dtype(nb::dlpack::dtype t, std::string_view name) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(t.code);
   if (t.lanes == 1) {
@@ -38,15 +39,15 @@ inline DType to_dtype(nb::dlpack::dtype t) {
   constexpr std::pair<Code, const char*> kKinds[] = {
       {Code::Int, "int"},       {Code::UInt, "uint"},       {Code::Float, "float"},
       {Code::Bfloat, "bfloat"}, {Code::Complex, "complex"}, {Code::Bool, "bool"}};
-  std::string name =
+  std::string kind =
       "(DLPack code " + std::to_string(t.code) + ") of " + std::to_string(t.bits) + " bits";
-  for (const auto& [kind_code, kind] : kKinds)
-    if (kind_code == code) name = kind + std::to_string(t.bits);
-  if (t.lanes != 1) name += " x " + std::to_string(t.lanes) + " lanes";
+  for (const auto& [kind_code, kind_name] : kKinds)
+    if (kind_code == code) kind = kind_name + std::to_string(t.bits);
+  if (t.lanes != 1) kind += " x " + std::to_string(t.lanes) + " lanes";
   throw Error(ErrorCode::DTypeMismatch,
-              "meshfuse: an array of dtype " + name +
-                  " came; meshfuse takes float32, float64, bfloat16, float16, int32, int64, "
-                  "uint8, uint32 and bool arrays (each op's docstring says which it takes)");
+              "'" + std::string(name) + "' is an array of dtype " + kind +
+                  "; meshfuse takes float32, float64, bfloat16, float16, int32, int64, uint8, "
+                  "uint32 and bool arrays (each op's docstring says which it takes)");
 }
 
 inline Device to_device(int type, int id) {
@@ -57,14 +58,15 @@ inline Device to_device(int type, int id) {
                                           " are not supported (cpu and cuda are)");
 }
 
+// Argument `name`'s array as a view.
 template <typename... Ts>
-TensorView view(const nb::ndarray<Ts...>& a) {
+TensorView view(const nb::ndarray<Ts...>& a, std::string_view name) {
   Shape shape(a.ndim()), strides(a.ndim());
   for (std::size_t d = 0; d < a.ndim(); ++d) {
     shape[d] = static_cast<std::int64_t>(a.shape(d));
     strides[d] = a.stride(d);
   }
-  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype()),
+  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype(), name),
           std::move(shape), std::move(strides), to_device(a.device_type(), a.device_id())};
 }
 
@@ -79,7 +81,7 @@ struct Output {
 };
 
 inline TensorView view(const Output& out, std::string_view name) {
-  if (out.problem == Output::Problem::None) return view(out.array);
+  if (out.problem == Output::Problem::None) return view(out.array, name);
   const std::string what = "output '" + std::string(name) + "' ";
   if (out.problem == Output::Problem::ReadOnly)  // a bad value, as NumPy's ValueError for one
     throw Error(ErrorCode::InvalidArgument,
@@ -94,8 +96,8 @@ inline TensorView view(const std::optional<Output>& out, std::string_view name) 
 }
 
 template <typename A>
-TensorView view(const std::optional<A>& a) {
-  return a ? view(*a) : TensorView{};
+TensorView view(const std::optional<A>& a, std::string_view name) {
+  return a ? view(*a, name) : TensorView{};
 }
 
 template <typename... Ts>

@@ -170,7 +170,7 @@ void bind_communicator(nb::module_& m) {
           "all_gather",
           [](Communicator& c, Array input, Out output, const Splits& splits,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output, "output");
+            const TensorView in = view(input, "input"), out = view(output, "output");
             const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
@@ -183,7 +183,7 @@ void bind_communicator(nb::module_& m) {
           "reduce_scatter",
           [](Communicator& c, Array input, Out output, const Splits& splits, const std::string& op,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output, "output");
+            const TensorView in = view(input, "input"), out = view(output, "output");
             const ReduceOp r = parse_reduce_op(op);
             const Stream s = stream_on(in.device(), stream);
             return run(
@@ -198,7 +198,7 @@ void bind_communicator(nb::module_& m) {
           "gather",
           [](Communicator& c, Array input, const std::optional<Out>& output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output, "output");
+            const TensorView in = view(input, "input"), out = view(output, "output");
             return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
                        output ? std::vector<Array>{output->array} : std::vector<Array>{});
           },
@@ -207,7 +207,7 @@ void bind_communicator(nb::module_& m) {
       .def(
           "scatter",
           [](Communicator& c, const OptArray& input, Out output, int root, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output, "output");
+            const TensorView in = view(input, "input"), out = view(output, "output");
             std::vector<Array> keep = present({&input});
             keep.push_back(output.array);
             return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
@@ -219,7 +219,7 @@ void bind_communicator(nb::module_& m) {
           "all_to_all",
           [](Communicator& c, Array input, Out output, const Splits& in_splits,
              const Splits& out_splits, std::uintptr_t stream) {
-            const TensorView in = view(input), out = view(output, "output");
+            const TensorView in = view(input, "input"), out = view(output, "output");
             return run(
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
@@ -233,7 +233,7 @@ void bind_communicator(nb::module_& m) {
       .def(
           "send",
           [](Communicator& c, Array t, int dst, int tag, std::uintptr_t stream) {
-            const TensorView v = view(t);
+            const TensorView v = view(t, "tensor");
             return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
@@ -249,7 +249,7 @@ void bind_communicator(nb::module_& m) {
           "send_recv",
           [](Communicator& c, Array send, int dst, Out recv, int src, int tag,
              std::uintptr_t stream) {
-            const TensorView out = view(send), in = view(recv, "recv_tensor");
+            const TensorView out = view(send, "send_tensor"), in = view(recv, "recv_tensor");
             return run(
                 [&] {
                   return c.send_recv(out, dst, in, src, tag, stream_on(out.device(), stream));

@@ -240,7 +240,7 @@ void bind_mesh_and_placements(nb::module_& m) {
       [](nb::handle array, const DeviceMesh& mesh, nb::handle placements, int rank,
          std::uintptr_t stream) {
         const In held = array_from(array, [] { return std::string("shard_tensor: 'array'"); });
-        const TensorView v = view(held);
+        const TensorView v = view(held, "array");
         const std::vector<Placement> pl = placements_from(placements, "shard_tensor");
         Tensor part;
         {
@@ -258,7 +258,7 @@ void bind_mesh_and_placements(nb::module_& m) {
       [](nb::handle local, std::vector<std::int64_t> shape, const DeviceMesh& mesh,
          nb::handle placements, std::shared_ptr<Communicator> communicator, std::uintptr_t stream) {
         const In held = array_from(local, [] { return std::string("gather_tensor: 'local'"); });
-        const TensorView v = view(held);
+        const TensorView v = view(held, "local");
         const std::vector<Placement> pl = placements_from(placements, "gather_tensor");
         Tensor whole;
         {
@@ -642,7 +642,8 @@ void bind_executor(nb::module_& m) {
                 return "MultiDeviceExecutor.run: input " +
                        (i < p.inputs().size() ? p.describe(p.inputs()[i]) : std::to_string(i));
               }));
-              views.push_back(view(arrays.back()));
+              views.push_back(view(arrays.back(), i < p.inputs().size() ? p.info(p.inputs()[i]).name
+                                                                        : std::to_string(i)));
             }
             const Stream s = views.empty() ? Stream{} : stream_on(views[0].device(), stream);
             std::vector<Tensor> outputs;

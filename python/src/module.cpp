@@ -174,149 +174,180 @@ GemmOptions gemm_options(bool transpose_a, bool transpose_b, double alpha, doubl
 
 void bind_gemm(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
-  m.def("gemm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
-                   double beta, std::uintptr_t stream) {
-    gemm(view(a), view(b), view(c), view(d, "d"),
-         gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
-  }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
-     "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
-     "d = alpha * op(a) @ op(b) + beta * c (op: transpose when asked). a (M, K), b (K, N), c "
-     "(M, N) or None, d (M, N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
-     "computed in fp32, rounded once); d written in place. Raises meshfuse.Error subclasses: "
-     "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
-     "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. "
-     "Outputs are caller-allocated arrays written in place; `stream` is a cudaStream_t as an "
-     "integer on the arrays' device (0: its default stream).");
-  m.def("bmm", [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha,
-                  double beta, std::uintptr_t stream) {
-    bmm(view(a), view(b), view(c), view(d, "d"),
-        gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
-  }, "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
-     "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
-     "The batched gemm: a (B, M, K), b (B, K, N), c (B, M, N) or None, d (B, M, N), one float "
-     "dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once). "
-     "Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are caller-allocated arrays written "
-     "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
-     "stream).");
+  m.def(
+      "gemm",
+      [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha, double beta,
+         std::uintptr_t stream) {
+        gemm(view(a, "a"), view(b, "b"), view(c, "c"), view(d, "d"),
+             gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
+      },
+      "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
+      "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
+      "d = alpha * op(a) @ op(b) + beta * c (op: transpose when asked). a (M, K), b (K, N), c "
+      "(M, N) or None, d (M, N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
+      "computed in fp32, rounded once); d written in place. Raises meshfuse.Error subclasses: "
+      "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
+      "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. "
+      "Outputs are caller-allocated arrays written in place; `stream` is a cudaStream_t as an "
+      "integer on the arrays' device (0: its default stream).");
+  m.def(
+      "bmm",
+      [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha, double beta,
+         std::uintptr_t stream) {
+        bmm(view(a, "a"), view(b, "b"), view(c, "c"), view(d, "d"),
+            gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
+      },
+      "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
+      "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
+      "The batched gemm: a (B, M, K), b (B, K, N), c (B, M, N) or None, d (B, M, N), one float "
+      "dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once). "
+      "Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
+      "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
+      "(RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are caller-allocated arrays written "
+      "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
+      "stream).");
   m.def("cublaslt_library", &cublaslt_library,
         "The cuBLASLt of the cuda backend's GEMMs, e.g. 'cuBLASLt 13.0.2 (libcublasLt.so.13)': "
         "opened at first use, so a process with torch imported first shares torch's. Raises "
         "meshfuse.Error in a build without CUDA or when none loads (MESHFUSE_CUBLASLT_LIBRARY "
         "names one).");
-  m.def("linear", [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
-    linear(view(x), view(weight), view(bias), view(out, "out"), stream_on(device_of(x), stream));
-  }, "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release,
-     "out = x @ weight.T + bias (torch.nn.functional.linear). x (..., K), weight (N, K), bias "
-     "(N,) or None, out (..., N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
-     "computed in fp32, rounded once). Raises meshfuse.Error subclasses: ShapeMismatchError, "
-     "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
-  m.def("linear_backward", [](In grad_out, In x, In weight, OptOut grad_x, OptOut grad_weight,
-                              OptOut grad_bias, std::uintptr_t stream) {
-    linear_backward(view(grad_out), view(x), view(weight), view(grad_x, "grad_x"),
-                    view(grad_weight, "grad_weight"),
-                    view(grad_bias, "grad_bias"), stream_on(device_of(grad_out), stream));
-  }, "grad_out"_a, "x"_a, "weight"_a, "grad_x"_a.none(), "grad_weight"_a.none(),
-     "grad_bias"_a.none(), "stream"_a = 0, release,
-     "The gradients of linear for grad_out (..., N): grad_x (..., K), grad_weight (N, K), "
-     "grad_bias (N,), each None when not wanted. Raises meshfuse.Error subclasses: "
-     "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
-     "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. "
-     "Outputs are caller-allocated arrays written in place; `stream` is a cudaStream_t as an "
-     "integer on the arrays' device (0: its default stream).");
-  m.def("fused_linear_cross_entropy",
-        [](In x, In weight, OptIn bias, In labels, OptIn grad_loss, Out loss, OptOut grad_x,
-           OptOut grad_weight, OptOut grad_bias, std::int64_t ignore_index,
-           const std::string& reduction, double label_smoothing, double logits_multiplier,
-           double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
-          fused_linear_cross_entropy(
-              view(x), view(weight), view(bias), view(labels), view(grad_loss), view(loss, "loss"),
-              view(grad_x, "grad_x"), view(grad_weight, "grad_weight"),
-              view(grad_bias, "grad_bias"),
-              ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
-                         z_loss_scale),
-              chunk_rows, stream_on(device_of(x), stream));
-        },
-        "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
-        "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(),
-        "ignore_index"_a = -100, "reduction"_a = "mean", "label_smoothing"_a = 0.0,
-        "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
-        "chunk_rows"_a = kFusedLinearCrossEntropyChunkRows, "stream"_a = 0, release,
-     "cross_entropy(linear(x, weight, bias), labels) and its gradients without the (N, V) "
-     "logits: x (N, H), weight (V, H), bias (V,) or None, labels (N,) int32/int64; loss () or "
-     "(N,) for reduction none, in x's dtype or float32 for 16-bit x; grad_x (N, H), "
-     "grad_weight (V, H), grad_bias (V,) written when given (then grad_loss, in the loss's "
-     "dtype, is required; grad_weight and grad_bias may be float32 for 16-bit x). Raises "
-     "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/fused_linear_cross_entropy.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
+  m.def(
+      "linear",
+      [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
+        linear(view(x, "x"), view(weight, "weight"), view(bias, "bias"), view(out, "out"),
+               stream_on(device_of(x), stream));
+      },
+      "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release,
+      "out = x @ weight.T + bias (torch.nn.functional.linear). x (..., K), weight (N, K), bias "
+      "(N,) or None, out (..., N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
+      "computed in fp32, rounded once). Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
+  m.def(
+      "linear_backward",
+      [](In grad_out, In x, In weight, OptOut grad_x, OptOut grad_weight, OptOut grad_bias,
+         std::uintptr_t stream) {
+        linear_backward(view(grad_out, "grad_out"), view(x, "x"), view(weight, "weight"),
+                        view(grad_x, "grad_x"), view(grad_weight, "grad_weight"),
+                        view(grad_bias, "grad_bias"), stream_on(device_of(grad_out), stream));
+      },
+      "grad_out"_a, "x"_a, "weight"_a, "grad_x"_a.none(), "grad_weight"_a.none(),
+      "grad_bias"_a.none(), "stream"_a = 0, release,
+      "The gradients of linear for grad_out (..., N): grad_x (..., K), grad_weight (N, K), "
+      "grad_bias (N,), each None when not wanted. Raises meshfuse.Error subclasses: "
+      "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
+      "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. "
+      "Outputs are caller-allocated arrays written in place; `stream` is a cudaStream_t as an "
+      "integer on the arrays' device (0: its default stream).");
+  m.def(
+      "fused_linear_cross_entropy",
+      [](In x, In weight, OptIn bias, In labels, OptIn grad_loss, Out loss, OptOut grad_x,
+         OptOut grad_weight, OptOut grad_bias, std::int64_t ignore_index,
+         const std::string& reduction, double label_smoothing, double logits_multiplier,
+         double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
+        fused_linear_cross_entropy(
+            view(x, "x"), view(weight, "weight"), view(bias, "bias"), view(labels, "labels"),
+            view(grad_loss, "grad_loss"), view(loss, "loss"), view(grad_x, "grad_x"),
+            view(grad_weight, "grad_weight"), view(grad_bias, "grad_bias"),
+            ce_options(ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale),
+            chunk_rows, stream_on(device_of(x), stream));
+      },
+      "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
+      "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(), "ignore_index"_a = -100,
+      "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+      "z_loss_scale"_a = 0.0, "chunk_rows"_a = kFusedLinearCrossEntropyChunkRows, "stream"_a = 0,
+      release,
+      "cross_entropy(linear(x, weight, bias), labels) and its gradients without the (N, V) "
+      "logits: x (N, H), weight (V, H), bias (V,) or None, labels (N,) int32/int64; loss () or "
+      "(N,) for reduction none, in x's dtype or float32 for 16-bit x; grad_x (N, H), "
+      "grad_weight (V, H), grad_bias (V,) written when given (then grad_loss, in the loss's "
+      "dtype, is required; grad_weight and grad_bias may be float32 for 16-bit x). Raises "
+      "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
+      "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
+      "(RuntimeError). Spec: meshfuse/ops/fused_linear_cross_entropy.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
 }
 
 void bind_ops(nb::module_& m) {
   const auto release = nb::call_guard<nb::gil_scoped_release>();
-  m.def("swiglu", [](In gate, In up, Out out, std::uintptr_t stream) {
-    swiglu(view(gate), view(up), view(out, "out"), stream_on(device_of(gate), stream));
-  }, "gate"_a, "up"_a, "out"_a, "stream"_a = 0, release,
-     "out = up * silu(gate) (SwiGLU, Shazeer 2020, arXiv:2002.05202). gate, up, out: (..., I), "
-     "one float dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded "
-     "once). Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError "
-     "(ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
-  m.def("swiglu_backward", [](In grad_out, In gate, In up, Out grad_gate, Out grad_up,
-                              std::uintptr_t stream) {
-    swiglu_backward(view(grad_out), view(gate), view(up), view(grad_gate, "grad_gate"),
-                    view(grad_up, "grad_up"),
-                    stream_on(device_of(grad_out), stream));
-  }, "grad_out"_a, "gate"_a, "up"_a, "grad_gate"_a, "grad_up"_a, "stream"_a = 0, release,
-     "grad_gate, grad_up of swiglu for grad_out, all (..., I), one float dtype (float32, "
-     "float64, bfloat16, float16; 16-bit computed in fp32, rounded once). Raises "
-     "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written "
-     "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
-     "stream).");
-  m.def("swiglu_packed", [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
-    swiglu_packed(view(x), parse_layout(layout), view(out, "out"), stream_on(device_of(x), stream));
-  }, "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release,
-     "swiglu of one tensor x (..., 2I) holding gate and up, layout 'halves' ([gate | up]) or "
-     "'interleaved' (g0 u0 g1 u1 ...); out (..., I). Raises meshfuse.Error subclasses: "
-     "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
-     "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: "
-     "meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written in place; `stream` is "
-     "a cudaStream_t as an integer on the arrays' device (0: its default stream).");
-  m.def("swiglu_packed_backward", [](In grad_out, In x, const std::string& layout, Out grad_x,
-                                     std::uintptr_t stream) {
-    swiglu_packed_backward(view(grad_out), view(x), parse_layout(layout), view(grad_x, "grad_x"),
-                           stream_on(device_of(grad_out), stream));
-  }, "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release,
-     "grad_x (..., 2I) of swiglu_packed for grad_out (..., I), in x's layout. Raises "
-     "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written "
-     "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
-     "stream).");
+  m.def(
+      "swiglu",
+      [](In gate, In up, Out out, std::uintptr_t stream) {
+        swiglu(view(gate, "gate"), view(up, "up"), view(out, "out"),
+               stream_on(device_of(gate), stream));
+      },
+      "gate"_a, "up"_a, "out"_a, "stream"_a = 0, release,
+      "out = up * silu(gate) (SwiGLU, Shazeer 2020, arXiv:2002.05202). gate, up, out: (..., I), "
+      "one float dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded "
+      "once). Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError "
+      "(ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
+  m.def(
+      "swiglu_backward",
+      [](In grad_out, In gate, In up, Out grad_gate, Out grad_up, std::uintptr_t stream) {
+        swiglu_backward(view(grad_out, "grad_out"), view(gate, "gate"), view(up, "up"),
+                        view(grad_gate, "grad_gate"), view(grad_up, "grad_up"),
+                        stream_on(device_of(grad_out), stream));
+      },
+      "grad_out"_a, "gate"_a, "up"_a, "grad_gate"_a, "grad_up"_a, "stream"_a = 0, release,
+      "grad_gate, grad_up of swiglu for grad_out, all (..., I), one float dtype (float32, "
+      "float64, bfloat16, float16; 16-bit computed in fp32, rounded once). Raises "
+      "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
+      "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
+      "(RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written "
+      "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
+      "stream).");
+  m.def(
+      "swiglu_packed",
+      [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
+        swiglu_packed(view(x, "x"), parse_layout(layout), view(out, "out"),
+                      stream_on(device_of(x), stream));
+      },
+      "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release,
+      "swiglu of one tensor x (..., 2I) holding gate and up, layout 'halves' ([gate | up]) or "
+      "'interleaved' (g0 u0 g1 u1 ...); out (..., I). Raises meshfuse.Error subclasses: "
+      "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
+      "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: "
+      "meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written in place; `stream` is "
+      "a cudaStream_t as an integer on the arrays' device (0: its default stream).");
+  m.def(
+      "swiglu_packed_backward",
+      [](In grad_out, In x, const std::string& layout, Out grad_x, std::uintptr_t stream) {
+        swiglu_packed_backward(view(grad_out, "grad_out"), view(x, "x"), parse_layout(layout),
+                               view(grad_x, "grad_x"), stream_on(device_of(grad_out), stream));
+      },
+      "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release,
+      "grad_x (..., 2I) of swiglu_packed for grad_out (..., I), in x's layout. Raises "
+      "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
+      "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
+      "(RuntimeError). Spec: meshfuse/ops/swiglu.h. Outputs are caller-allocated arrays written "
+      "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
+      "stream).");
 
-  m.def("add", [](In a, In b, Out out, double alpha, std::uintptr_t stream) {
-    add(view(a), view(b), view(out, "out"), alpha, stream_on(device_of(a), stream));
-  }, "a"_a, "b"_a, "out"_a, "alpha"_a = 1.0, "stream"_a = 0, release,
-     "out = a + alpha * b (torch.add); out may be a or b itself (in place).");
-  m.def("mul", [](In a, double scalar, Out out, std::uintptr_t stream) {
-    mul(view(a), scalar, view(out, "out"), stream_on(device_of(a), stream));
-  }, "a"_a, "scalar"_a, "out"_a, "stream"_a = 0, release,
-     "out = a * scalar (torch.mul); out may be a itself (in place).");
+  m.def(
+      "add",
+      [](In a, In b, Out out, double alpha, std::uintptr_t stream) {
+        add(view(a, "a"), view(b, "b"), view(out, "out"), alpha, stream_on(device_of(a), stream));
+      },
+      "a"_a, "b"_a, "out"_a, "alpha"_a = 1.0, "stream"_a = 0, release,
+      "out = a + alpha * b (torch.add); out may be a or b itself (in place).");
+  m.def(
+      "mul",
+      [](In a, double scalar, Out out, std::uintptr_t stream) {
+        mul(view(a, "a"), scalar, view(out, "out"), stream_on(device_of(a), stream));
+      },
+      "a"_a, "scalar"_a, "out"_a, "stream"_a = 0, release,
+      "out = a * scalar (torch.mul); out may be a itself (in place).");
 
   m.def(
       "rmsnorm",
       [](In x, OptIn weight, Out y, OptOut rstd, double eps, std::uintptr_t stream) {
-        rmsnorm(view(x), view(weight), view(y, "y"), view(rstd, "rstd"), eps,
+        rmsnorm(view(x, "x"), view(weight, "weight"), view(y, "y"), view(rstd, "rstd"), eps,
                 stream_on(device_of(x), stream));
       },
       "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release,
@@ -329,25 +360,27 @@ void bind_ops(nb::module_& m) {
       "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
       "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on the "
       "arrays' device (0: its default stream).");
-  m.def("rmsnorm_backward", [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight,
-                               std::uintptr_t stream) {
-    rmsnorm_backward(view(grad_y), view(x), view(weight), view(rstd), view(dx, "dx"),
-                     view(dweight, "dweight"),
-                     stream_on(device_of(grad_y), stream));
-  }, "grad_y"_a, "x"_a, "weight"_a.none(), "rstd"_a, "dx"_a, "dweight"_a.none(), "stream"_a = 0,
-     release,
-     "dx (..., H) and dweight (H,) (or None) of rmsnorm for grad_y, from x, weight and the "
-     "forward's rstd. Raises meshfuse.Error subclasses: ShapeMismatchError, "
-     "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
+  m.def(
+      "rmsnorm_backward",
+      [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight, std::uintptr_t stream) {
+        rmsnorm_backward(view(grad_y, "grad_y"), view(x, "x"), view(weight, "weight"),
+                         view(rstd, "rstd"), view(dx, "dx"), view(dweight, "dweight"),
+                         stream_on(device_of(grad_y), stream));
+      },
+      "grad_y"_a, "x"_a, "weight"_a.none(), "rstd"_a, "dx"_a, "dweight"_a.none(), "stream"_a = 0,
+      release,
+      "dx (..., H) and dweight (H,) (or None) of rmsnorm for grad_y, from x, weight and the "
+      "forward's rstd. Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
   m.def(
       "fused_residual_add_rmsnorm",
       [](In x, OptIn residual, OptIn weight, Out y, OptOut r, OptOut rstd, double eps,
          double multiplier, std::uintptr_t stream) {
-        fused_residual_add_rmsnorm(view(x), view(residual), view(weight), view(y, "y"),
-                                   view(r, "r"), view(rstd, "rstd"), eps, multiplier,
+        fused_residual_add_rmsnorm(view(x, "x"), view(residual, "residual"), view(weight, "weight"),
+                                   view(y, "y"), view(r, "r"), view(rstd, "rstd"), eps, multiplier,
                                    stream_on(device_of(x), stream));
       },
       "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(), "eps"_a,
@@ -359,76 +392,88 @@ void bind_ops(nb::module_& m) {
       "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
       "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
       "the arrays' device (0: its default stream).");
-  m.def("fused_residual_add_rmsnorm_backward",
-        [](In grad_y, OptIn grad_r, In r, OptIn weight, In rstd, Out dx, OptOut dresidual,
-           OptOut dweight, double multiplier, std::uintptr_t stream) {
-          fused_residual_add_rmsnorm_backward(view(grad_y), view(grad_r), view(r), view(weight),
-                                              view(rstd), view(dx, "dx"),
-                                              view(dresidual, "dresidual"),
-                                              view(dweight, "dweight"), multiplier,
-                                              stream_on(device_of(grad_y), stream));
-        },
-        "grad_y"_a, "grad_r"_a.none(), "r"_a, "weight"_a.none(), "rstd"_a, "dx"_a,
-        "dresidual"_a.none(), "dweight"_a.none(), "multiplier"_a = 1.0, "stream"_a = 0, release,
-     "dx, dresidual, dweight of fused_residual_add_rmsnorm for grad_y (and grad_r, the "
-     "gradient of r, or None), from r, weight and rstd; dresidual may be dx itself when "
-     "multiplier is 1. Raises meshfuse.Error subclasses: ShapeMismatchError, "
-     "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
+  m.def(
+      "fused_residual_add_rmsnorm_backward",
+      [](In grad_y, OptIn grad_r, In r, OptIn weight, In rstd, Out dx, OptOut dresidual,
+         OptOut dweight, double multiplier, std::uintptr_t stream) {
+        fused_residual_add_rmsnorm_backward(
+            view(grad_y, "grad_y"), view(grad_r, "grad_r"), view(r, "r"), view(weight, "weight"),
+            view(rstd, "rstd"), view(dx, "dx"), view(dresidual, "dresidual"),
+            view(dweight, "dweight"), multiplier, stream_on(device_of(grad_y), stream));
+      },
+      "grad_y"_a, "grad_r"_a.none(), "r"_a, "weight"_a.none(), "rstd"_a, "dx"_a,
+      "dresidual"_a.none(), "dweight"_a.none(), "multiplier"_a = 1.0, "stream"_a = 0, release,
+      "dx, dresidual, dweight of fused_residual_add_rmsnorm for grad_y (and grad_r, the "
+      "gradient of r, or None), from r, weight and rstd; dresidual may be dx itself when "
+      "multiplier is 1. Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/rmsnorm.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
 
-  m.def("softmax", [](In x, Out y, double logits_multiplier, std::uintptr_t stream) {
-    softmax(view(x), view(y, "y"), logits_multiplier, stream_on(device_of(x), stream));
-  }, "x"_a, "y"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
-     "y = softmax(x * logits_multiplier) over the last dim (torch.softmax). x, y (..., V), one "
-     "float dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded "
-     "once); a row all -inf gives NaN. Raises meshfuse.Error subclasses: ShapeMismatchError, "
-     "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
-     "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/softmax.h. Outputs are "
-     "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-     "the arrays' device (0: its default stream).");
-  m.def("softmax_backward", [](In grad_y, In y, Out grad_x, double logits_multiplier,
-                               std::uintptr_t stream) {
-    softmax_backward(view(grad_y), view(y), view(grad_x, "grad_x"), logits_multiplier,
-                     stream_on(device_of(grad_y), stream));
-  }, "grad_y"_a, "y"_a, "grad_x"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
-     "grad_x of softmax for grad_y, from the forward's output y; all (..., V). Raises "
-     "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
-     "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-     "(RuntimeError). Spec: meshfuse/ops/softmax.h. Outputs are caller-allocated arrays "
-     "written in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its "
-     "default stream).");
+  m.def(
+      "softmax",
+      [](In x, Out y, double logits_multiplier, std::uintptr_t stream) {
+        softmax(view(x, "x"), view(y, "y"), logits_multiplier, stream_on(device_of(x), stream));
+      },
+      "x"_a, "y"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
+      "y = softmax(x * logits_multiplier) over the last dim (torch.softmax). x, y (..., V), one "
+      "float dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded "
+      "once); a row all -inf gives NaN. Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
+      "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/softmax.h. Outputs are "
+      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
+      "the arrays' device (0: its default stream).");
+  m.def(
+      "softmax_backward",
+      [](In grad_y, In y, Out grad_x, double logits_multiplier, std::uintptr_t stream) {
+        softmax_backward(view(grad_y, "grad_y"), view(y, "y"), view(grad_x, "grad_x"),
+                         logits_multiplier, stream_on(device_of(grad_y), stream));
+      },
+      "grad_y"_a, "y"_a, "grad_x"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
+      "grad_x of softmax for grad_y, from the forward's output y; all (..., V). Raises "
+      "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
+      "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
+      "(RuntimeError). Spec: meshfuse/ops/softmax.h. Outputs are caller-allocated arrays "
+      "written in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its "
+      "default stream).");
 
-  m.def("cross_entropy", [](In logits, In labels, Out loss, OptOut lse, std::int64_t ignore_index,
-                            const std::string& reduction, double label_smoothing,
-                            double logits_multiplier, double z_loss_scale,
-                            std::int64_t vocab_start, std::int64_t vocab_size,
-                            std::uintptr_t stream) {
-    cross_entropy(view(logits), view(labels), view(loss, "loss"), view(lse, "lse"),
-                  ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
-                             z_loss_scale, vocab_start, vocab_size),
-                  stream_on(device_of(logits), stream));
-  }, "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
-     "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-     "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
-     "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
-     "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h). lse None: not written "
-     "(inference; the backward needs it)."),
-  m.def("cross_entropy_backward", [](In grad_loss, In logits, In labels, In lse, Out grad_logits,
-                                     std::int64_t ignore_index, const std::string& reduction,
-                                     double label_smoothing, double logits_multiplier,
-                                     double z_loss_scale, std::int64_t vocab_start,
-                                     std::int64_t vocab_size, std::uintptr_t stream) {
-    cross_entropy_backward(view(grad_loss), view(logits), view(labels), view(lse),
-                           view(grad_logits, "grad_logits"),
-                           ce_options(ignore_index, reduction, label_smoothing,
-                                      logits_multiplier, z_loss_scale, vocab_start, vocab_size),
-                           stream_on(device_of(grad_loss), stream));
-  }, "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
-     "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-     "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
-     "For a shard (vocab_start, vocab_size as in cross_entropy), lse is the whole vocabulary's.");
+  m.def(
+      "cross_entropy",
+      [](In logits, In labels, Out loss, OptOut lse, std::int64_t ignore_index,
+         const std::string& reduction, double label_smoothing, double logits_multiplier,
+         double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
+         std::uintptr_t stream) {
+        cross_entropy(view(logits, "logits"), view(labels, "labels"), view(loss, "loss"),
+                      view(lse, "lse"),
+                      ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
+                                 z_loss_scale, vocab_start, vocab_size),
+                      stream_on(device_of(logits), stream));
+      },
+      "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
+      "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+      "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
+      "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h). lse None: not written "
+      "(inference; the backward needs it)."),
+      m.def(
+          "cross_entropy_backward",
+          [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
+             const std::string& reduction, double label_smoothing, double logits_multiplier,
+             double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
+             std::uintptr_t stream) {
+            cross_entropy_backward(
+                view(grad_loss, "grad_loss"), view(logits, "logits"), view(labels, "labels"),
+                view(lse, "lse"), view(grad_logits, "grad_logits"),
+                ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
+                           z_loss_scale, vocab_start, vocab_size),
+                stream_on(device_of(grad_loss), stream));
+          },
+          "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
+          "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+          "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+          "For a shard (vocab_start, vocab_size as in cross_entropy), lse is the whole "
+          "vocabulary's.");
 }
 
 }  // namespace

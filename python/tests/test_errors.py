@@ -158,7 +158,13 @@ def test_send_recv_names_a_read_only_receive_buffer():
         meshfuse.run_local(1, rank_fn)
 
 
-def test_an_array_of_a_dtype_meshfuse_lacks_is_named_by_its_dtype():
+def test_an_array_of_a_dtype_meshfuse_lacks_names_the_argument_and_its_dtype():
     x = np.ones((2, 4), np.int16)
-    with pytest.raises(meshfuse.DTypeMismatchError, match="an array of dtype int16 came.*float32"):
+    with pytest.raises(meshfuse.DTypeMismatchError,
+                       match="'x' is an array of dtype int16; meshfuse takes float32"):
         meshfuse.softmax(x, np.empty((2, 4), np.float32))
+    with pytest.raises(meshfuse.DTypeMismatchError, match="'labels' is an array of dtype int16"):
+        meshfuse.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int16),
+                               np.empty((), np.float32), None)
+    with pytest.raises(meshfuse.DTypeMismatchError, match="'y' is an array of dtype complex64"):
+        meshfuse.softmax(np.zeros((2, 4), np.float32), np.empty((2, 4), np.complex64))

@@ -260,12 +260,15 @@ TEST(Cli, RunJsonHasTimesCollectivesAndChecks) {
 TEST(Cli, RunRejectsBadOptionsNamingThem) {
   const ScratchDir dir;
   const std::string model = tiny_model(dir);
-  expect_usage_error("run --model " + model + " --backend carrier-pigeon", "--backend");
+  expect_usage_error("run --model " + model + " --backend carrier-pigeon",
+                     "[invalid argument] --backend: communicator backend: unknown name");
   expect_usage_error("run --model " + model + " --dtype f16", "--dtype: expected bf16 or f32");
   expect_usage_error("run --model " + model + " --tokens -3", "--tokens");
   expect_usage_error("run --model " + model + " --tokens 0", "--tokens");  // not the default
   expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
   expect_usage_error("run --model " + model + " --ranks 0", "--ranks");  // not the default 4
+  expect_usage_error("run --model " + model + " --repeats 0", "--repeats: expected >= 1, got 0");
+  expect_usage_error("run --model " + model + " --streams 0", "--streams: expected >= 1, got 0");
   // Chunks without the overlap that takes them would be silently ignored.
   expect_usage_error("run --model " + model + " --chunks 5",
                      "--chunks 5: only --overlap collective takes chunks");
