@@ -117,7 +117,9 @@ std::pair<exp_sum_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const
       sum = hn::Zero(d);
     };
     // The values of x from j (fewer than a vector at the row's end: the other lanes give 0).
-    const auto add_exps = [&](std::int64_t j) {
+    // Always inlined: GCC called it out of line (through the PLT) from the AVX2 and SSE4 16-bit
+    // loops below, each call spilling the exp's constants.
+    const auto add_exps = [&](std::int64_t j) __attribute__((always_inline)) {
       const bool full = j + lanes <= n;
       const VF v = full ? LoadF(d, x + j) : LoadFTail(d, x + j, n - j);
       VF e = VExp(d, hn::MulSub(v, vm, vshift));
