@@ -648,6 +648,14 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   again.set_params(ring);
   expect_error([&] { again.run(views(parts)); }, ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
+  // Rank 0 alone changing its params while the others set theirs unchanged: all compare again.
+  MultiDeviceExecutor third(same, comm);
+  third.run(views(parts));
+  MultiDeviceExecutorParams streams;
+  if (comm->rank() == 0) streams.overlap.number_of_streams = 3;
+  third.set_params(streams);
+  expect_error([&] { third.run(views(parts)); }, ErrorCode::InvalidArgument,
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
 }
 
 }  // namespace meshfuse::test::exec

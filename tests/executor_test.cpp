@@ -444,15 +444,16 @@ TEST(Executor, GradOfANonSumPartialIsUnsupported) {
     p.set_mesh(DeviceMesh::of_shape({4}));
     p.set_placements(x, {Partial{op}});
     p.add_output(y);
-    expect_error(
-        [&] { grad(p, y, {x}); }, ErrorCode::Unsupported,
-        {"grad", "'x'", to_string(std::vector<Placement>{Partial{op}}), "only Partial(sum)"});
+    expect_error([&] { grad(p, y, {x}); }, ErrorCode::Unsupported,
+                 {"grad: %0 'x'", "is placed " + to_string(std::vector<Placement>{Partial{op}}),
+                  "only Partial(sum)"});
     Program q;
     const Value a = q.define_tensor("a", {4, 8}, DType::F32);
     const Value b = q.add(a, a);
     q.set_mesh(DeviceMesh::of_shape({4}));
     q.add_output(b, {Partial{op}});
-    expect_error([&] { grad(q, b, {a}); }, ErrorCode::Unsupported, {"grad", "only Partial(sum)"});
+    expect_error([&] { grad(q, b, {a}); }, ErrorCode::Unsupported,
+                 {"grad: the loss", "is output as", "only Partial(sum)"});
   }
 }
 

@@ -66,8 +66,9 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   s.max_bytes = parse_bytes(o.max_bytes, "--max-bytes");
   MESHFUSE_CHECK(s.min_bytes <= s.max_bytes, ErrorCode::InvalidArgument,
                  "--min-bytes ({}) is larger than --max-bytes ({})", o.min_bytes, o.max_bytes);
-  MESHFUSE_CHECK(o.iters >= 1 && o.warmup >= 0, ErrorCode::InvalidArgument,
-                 "--iters: expected >= 1 (and --warmup >= 0), got {} (warm-up {})", o.iters,
+  MESHFUSE_CHECK(o.iters >= 1, ErrorCode::InvalidArgument, "--iters: expected >= 1, got {}",
+                 o.iters);
+  MESHFUSE_CHECK(o.warmup >= 0, ErrorCode::InvalidArgument, "--warmup: expected >= 0, got {}",
                  o.warmup);
   MESHFUSE_CHECK(o.format == "table" || o.format == "csv" || o.format == "json",
                  ErrorCode::InvalidArgument, "--format: expected table, csv or json, got '{}'",

@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
       "backward, and check it against the reference backend");
   bench
       ->add_option("--model", bench_options.model,
-                   "a shipped model (configs/models/NAME.json) or the path of a Hugging Face "
+                   "a shipped model's NAME (configs/models/NAME.json, installed in "
+                   "share/meshfuse/models) or the path of a Hugging Face "
                    "config.json")
       ->required();
   bench->add_option("--tokens", bench_options.tokens, "rows (tokens) per call")
@@ -70,7 +71,8 @@ int main(int argc, char** argv) {
       "run a model's MLP block (tensor + sequence parallel) and head on N ranks, forward and "
       "backward, through the multi-device executor, and check it against one device");
   run->add_option("--model", run_options.model,
-                  "a shipped model (configs/models/NAME.json) or a config.json path")
+                  "a shipped model's NAME (configs/models/NAME.json, installed in "
+                  "share/meshfuse/models) or a config.json path")
       ->required();
   run->add_option("--ranks", run_options.ranks,
                   "ranks as threads of this process (local backend; default 4); under a launcher "

@@ -39,6 +39,7 @@ std::vector<fs::path> model_config_dirs() {
   // built from is still there.
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return {MESHFUSE_CONFIG_DIR};  // no /proc: not a path relative to the working directory
   return {exe.parent_path().parent_path() / "share" / "meshfuse" / "models", MESHFUSE_CONFIG_DIR};
 }
 

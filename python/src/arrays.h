@@ -20,8 +20,9 @@ namespace meshfuse::python {
 
 namespace nb = nanobind;
 
-// The DType of argument `name`'s array; DTypeMismatch naming the argument for one meshfuse lacks.
-inline DType to_dtype(nb::dlpack::dtype t, std::string_view name) {
+// The DType of an array; DTypeMismatch naming it (`what`: "op: 'argument'") for one meshfuse
+// lacks.
+inline DType to_dtype(nb::dlpack::dtype t, std::string_view what) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(t.code);
   if (t.lanes == 1) {
@@ -45,7 +46,7 @@ inline DType to_dtype(nb::dlpack::dtype t, std::string_view name) {
     if (kind_code == code) kind = kind_name + std::to_string(t.bits);
   if (t.lanes != 1) kind += " x " + std::to_string(t.lanes) + " lanes";
   throw Error(ErrorCode::DTypeMismatch,
-              "'" + std::string(name) + "' is an array of dtype " + kind +
+              std::string(what) + " is an array of dtype " + kind +
                   "; meshfuse takes float32, float64, bfloat16, float16, int32, int64, uint8, "
                   "uint32 and bool arrays (each op's docstring says which it takes)");
 }
@@ -58,20 +59,20 @@ inline Device to_device(int type, int id) {
                                           " are not supported (cpu and cuda are)");
 }
 
-// Argument `name`'s array as a view.
+// An array as a view; `what` names it in errors ("op: 'argument'", or a description).
 template <typename... Ts>
-TensorView view(const nb::ndarray<Ts...>& a, std::string_view name) {
+TensorView view(const nb::ndarray<Ts...>& a, std::string_view what) {
   Shape shape(a.ndim()), strides(a.ndim());
   for (std::size_t d = 0; d < a.ndim(); ++d) {
     shape[d] = static_cast<std::int64_t>(a.shape(d));
     strides[d] = a.stride(d);
   }
-  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype(), name),
+  return {const_cast<void*>(static_cast<const void*>(a.data())), to_dtype(a.dtype(), what),
           std::move(shape), std::move(strides), to_device(a.device_type(), a.device_id())};
 }
 
 // An output argument: a writable array, converted with the other arguments (the GIL held). A
-// conversion that fails is kept and raised by view(out, name), naming the argument, instead of
+// conversion that fails is kept and raised by view(out, op, name), naming the argument, instead of
 // nanobind's "incompatible function arguments" for the whole call.
 struct Output {
   enum class Problem { None, ReadOnly, NotAnArray };
@@ -80,9 +81,15 @@ struct Output {
   const char* type = "";  // the Python type that came (its tp_name, alive for the call)
 };
 
-inline TensorView view(const Output& out, std::string_view name) {
-  if (out.problem == Output::Problem::None) return view(out.array, name);
-  const std::string what = "output '" + std::string(name) + "' ";
+// Argument `name` of `op` as a view; its errors name both.
+template <typename... Ts>
+TensorView view(const nb::ndarray<Ts...>& a, std::string_view op, std::string_view name) {
+  return view(a, std::string(op) + ": '" + std::string(name) + "'");
+}
+
+inline TensorView view(const Output& out, std::string_view op, std::string_view name) {
+  if (out.problem == Output::Problem::None) return view(out.array, op, name);
+  const std::string what = std::string(op) + ": output '" + std::string(name) + "' ";
   if (out.problem == Output::Problem::ReadOnly)  // a bad value, as NumPy's ValueError for one
     throw Error(ErrorCode::InvalidArgument,
                 what + "is a read-only " + out.type + " (outputs are written in place)");
@@ -91,13 +98,9 @@ inline TensorView view(const Output& out, std::string_view name) {
   throw nb::type_error(message.c_str());
 }
 
-inline TensorView view(const std::optional<Output>& out, std::string_view name) {
-  return out ? view(*out, name) : TensorView{};
-}
-
 template <typename A>
-TensorView view(const std::optional<A>& a, std::string_view name) {
-  return a ? view(*a, name) : TensorView{};
+TensorView view(const std::optional<A>& a, std::string_view op, std::string_view name) {
+  return a ? view(*a, op, name) : TensorView{};
 }
 
 template <typename... Ts>

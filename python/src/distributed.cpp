@@ -143,7 +143,7 @@ void bind_communicator(nb::module_& m) {
       .def(
           "all_reduce",
           [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t, "tensor");
+            const TensorView v = view(t, "all_reduce", "tensor");
             const ReduceOp r = parse_reduce_op(op);
             return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); },
                        {t.array});
@@ -152,7 +152,7 @@ void bind_communicator(nb::module_& m) {
       .def(
           "broadcast",
           [](Communicator& c, Out t, int root, std::uintptr_t stream) {
-            const TensorView v = view(t, "tensor");
+            const TensorView v = view(t, "broadcast", "tensor");
             return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); },
                        {t.array});
           },
@@ -160,7 +160,7 @@ void bind_communicator(nb::module_& m) {
       .def(
           "reduce",
           [](Communicator& c, Out t, int root, const std::string& op, std::uintptr_t stream) {
-            const TensorView v = view(t, "tensor");
+            const TensorView v = view(t, "reduce", "tensor");
             const ReduceOp r = parse_reduce_op(op);
             return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); },
                        {t.array});
@@ -170,7 +170,8 @@ void bind_communicator(nb::module_& m) {
           "all_gather",
           [](Communicator& c, Array input, Out output, const Splits& splits,
              std::uintptr_t stream) {
-            const TensorView in = view(input, "input"), out = view(output, "output");
+            const TensorView in = view(input, "all_gather", "input"),
+                             out = view(output, "all_gather", "output");
             const Stream s = stream_on(in.device(), stream);
             return run(
                 [&] {
@@ -183,7 +184,8 @@ void bind_communicator(nb::module_& m) {
           "reduce_scatter",
           [](Communicator& c, Array input, Out output, const Splits& splits, const std::string& op,
              std::uintptr_t stream) {
-            const TensorView in = view(input, "input"), out = view(output, "output");
+            const TensorView in = view(input, "reduce_scatter", "input"),
+                             out = view(output, "reduce_scatter", "output");
             const ReduceOp r = parse_reduce_op(op);
             const Stream s = stream_on(in.device(), stream);
             return run(
@@ -198,7 +200,8 @@ void bind_communicator(nb::module_& m) {
           "gather",
           [](Communicator& c, Array input, const std::optional<Out>& output, int root,
              std::uintptr_t stream) {
-            const TensorView in = view(input, "input"), out = view(output, "output");
+            const TensorView in = view(input, "gather", "input"),
+                             out = view(output, "gather", "output");
             return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
                        output ? std::vector<Array>{output->array} : std::vector<Array>{});
           },
@@ -207,7 +210,8 @@ void bind_communicator(nb::module_& m) {
       .def(
           "scatter",
           [](Communicator& c, const OptArray& input, Out output, int root, std::uintptr_t stream) {
-            const TensorView in = view(input, "input"), out = view(output, "output");
+            const TensorView in = view(input, "scatter", "input"),
+                             out = view(output, "scatter", "output");
             std::vector<Array> keep = present({&input});
             keep.push_back(output.array);
             return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
@@ -219,7 +223,8 @@ void bind_communicator(nb::module_& m) {
           "all_to_all",
           [](Communicator& c, Array input, Out output, const Splits& in_splits,
              const Splits& out_splits, std::uintptr_t stream) {
-            const TensorView in = view(input, "input"), out = view(output, "output");
+            const TensorView in = view(input, "all_to_all", "input"),
+                             out = view(output, "all_to_all", "output");
             return run(
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
@@ -233,14 +238,14 @@ void bind_communicator(nb::module_& m) {
       .def(
           "send",
           [](Communicator& c, Array t, int dst, int tag, std::uintptr_t stream) {
-            const TensorView v = view(t, "tensor");
+            const TensorView v = view(t, "send", "tensor");
             return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); }, {t});
           },
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "recv",
           [](Communicator& c, Out t, int src, int tag, std::uintptr_t stream) {
-            const TensorView v = view(t, "tensor");
+            const TensorView v = view(t, "recv", "tensor");
             return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); },
                        {t.array});
           },
@@ -249,7 +254,8 @@ void bind_communicator(nb::module_& m) {
           "send_recv",
           [](Communicator& c, Array send, int dst, Out recv, int src, int tag,
              std::uintptr_t stream) {
-            const TensorView out = view(send, "send_tensor"), in = view(recv, "recv_tensor");
+            const TensorView out = view(send, "send_recv", "send_tensor"),
+                             in = view(recv, "send_recv", "recv_tensor");
             return run(
                 [&] {
                   return c.send_recv(out, dst, in, src, tag, stream_on(out.device(), stream));

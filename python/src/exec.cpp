@@ -240,7 +240,7 @@ void bind_mesh_and_placements(nb::module_& m) {
       [](nb::handle array, const DeviceMesh& mesh, nb::handle placements, int rank,
          std::uintptr_t stream) {
         const In held = array_from(array, [] { return std::string("shard_tensor: 'array'"); });
-        const TensorView v = view(held, "array");
+        const TensorView v = view(held, "shard_tensor", "array");
         const std::vector<Placement> pl = placements_from(placements, "shard_tensor");
         Tensor part;
         {
@@ -258,7 +258,7 @@ void bind_mesh_and_placements(nb::module_& m) {
       [](nb::handle local, std::vector<std::int64_t> shape, const DeviceMesh& mesh,
          nb::handle placements, std::shared_ptr<Communicator> communicator, std::uintptr_t stream) {
         const In held = array_from(local, [] { return std::string("gather_tensor: 'local'"); });
-        const TensorView v = view(held, "local");
+        const TensorView v = view(held, "gather_tensor", "local");
         const std::vector<Placement> pl = placements_from(placements, "gather_tensor");
         Tensor whole;
         {
@@ -487,7 +487,8 @@ void bind_program(nb::module_& m) {
       "wrt. Its inputs: program's, then 'grad_loss' (loss's shape and dtype; 1 for a loss that "
       "ends the computation; placed as the loss is output when given placements, else "
       "Replicate). Its outputs: program's, then one gradient per wrt, placed as that input "
-      "(Replicate where it is Partial). Raises meshfuse.Error (see "
+      "(Replicate where it is Partial(sum); another reduction's Partial is Unsupported). Raises "
+      "meshfuse.Error (see "
       "include/meshfuse/exec/autodiff.h).");
 }
 
@@ -638,12 +639,12 @@ void bind_executor(nb::module_& m) {
             std::vector<In> arrays;
             std::vector<TensorView> views;
             for (std::size_t i = 0; i < objects.size(); ++i) {
-              arrays.push_back(array_from(objects[i], [&] {
+              const auto named = [&] {
                 return "MultiDeviceExecutor.run: input " +
                        (i < p.inputs().size() ? p.describe(p.inputs()[i]) : std::to_string(i));
-              }));
-              views.push_back(view(arrays.back(), i < p.inputs().size() ? p.info(p.inputs()[i]).name
-                                                                        : std::to_string(i)));
+              };
+              arrays.push_back(array_from(objects[i], named));
+              views.push_back(view(arrays.back(), named()));
             }
             const Stream s = views.empty() ? Stream{} : stream_on(views[0].device(), stream);
             std::vector<Tensor> outputs;
@@ -677,8 +678,8 @@ void bind_executor(nb::module_& m) {
           "params", [](const MultiDeviceExecutor& e) { return e.params(); },
           &MultiDeviceExecutor::set_params,
           "The MultiDeviceExecutorParams (a copy: assign to change them, e.g. executor.params = "
-          "MultiDeviceExecutorParams('gloo')). Another backend lowers again at the next plan() or "
-          "run().");
+          "MultiDeviceExecutorParams('gloo'), on every rank: the next run() compares them across "
+          "ranks). Another backend lowers again at the next plan() or run().");
 }
 
 }  // namespace

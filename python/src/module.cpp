@@ -178,7 +178,7 @@ void bind_gemm(nb::module_& m) {
       "gemm",
       [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha, double beta,
          std::uintptr_t stream) {
-        gemm(view(a, "a"), view(b, "b"), view(c, "c"), view(d, "d"),
+        gemm(view(a, "gemm", "a"), view(b, "gemm", "b"), view(c, "gemm", "c"), view(d, "gemm", "d"),
              gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
       },
       "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
@@ -194,7 +194,7 @@ void bind_gemm(nb::module_& m) {
       "bmm",
       [](In a, In b, OptIn c, Out d, bool transpose_a, bool transpose_b, double alpha, double beta,
          std::uintptr_t stream) {
-        bmm(view(a, "a"), view(b, "b"), view(c, "c"), view(d, "d"),
+        bmm(view(a, "bmm", "a"), view(b, "bmm", "b"), view(c, "bmm", "c"), view(d, "bmm", "d"),
             gemm_options(transpose_a, transpose_b, alpha, beta), stream_on(device_of(a), stream));
       },
       "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
@@ -214,7 +214,8 @@ void bind_gemm(nb::module_& m) {
   m.def(
       "linear",
       [](In x, In weight, OptIn bias, Out out, std::uintptr_t stream) {
-        linear(view(x, "x"), view(weight, "weight"), view(bias, "bias"), view(out, "out"),
+        linear(view(x, "linear", "x"), view(weight, "linear", "weight"),
+               view(bias, "linear", "bias"), view(out, "linear", "out"),
                stream_on(device_of(x), stream));
       },
       "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release,
@@ -229,9 +230,12 @@ void bind_gemm(nb::module_& m) {
       "linear_backward",
       [](In grad_out, In x, In weight, OptOut grad_x, OptOut grad_weight, OptOut grad_bias,
          std::uintptr_t stream) {
-        linear_backward(view(grad_out, "grad_out"), view(x, "x"), view(weight, "weight"),
-                        view(grad_x, "grad_x"), view(grad_weight, "grad_weight"),
-                        view(grad_bias, "grad_bias"), stream_on(device_of(grad_out), stream));
+        linear_backward(view(grad_out, "linear_backward", "grad_out"),
+                        view(x, "linear_backward", "x"), view(weight, "linear_backward", "weight"),
+                        view(grad_x, "linear_backward", "grad_x"),
+                        view(grad_weight, "linear_backward", "grad_weight"),
+                        view(grad_bias, "linear_backward", "grad_bias"),
+                        stream_on(device_of(grad_out), stream));
       },
       "grad_out"_a, "x"_a, "weight"_a, "grad_x"_a.none(), "grad_weight"_a.none(),
       "grad_bias"_a.none(), "stream"_a = 0, release,
@@ -248,9 +252,15 @@ void bind_gemm(nb::module_& m) {
          const std::string& reduction, double label_smoothing, double logits_multiplier,
          double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
         fused_linear_cross_entropy(
-            view(x, "x"), view(weight, "weight"), view(bias, "bias"), view(labels, "labels"),
-            view(grad_loss, "grad_loss"), view(loss, "loss"), view(grad_x, "grad_x"),
-            view(grad_weight, "grad_weight"), view(grad_bias, "grad_bias"),
+            view(x, "fused_linear_cross_entropy", "x"),
+            view(weight, "fused_linear_cross_entropy", "weight"),
+            view(bias, "fused_linear_cross_entropy", "bias"),
+            view(labels, "fused_linear_cross_entropy", "labels"),
+            view(grad_loss, "fused_linear_cross_entropy", "grad_loss"),
+            view(loss, "fused_linear_cross_entropy", "loss"),
+            view(grad_x, "fused_linear_cross_entropy", "grad_x"),
+            view(grad_weight, "fused_linear_cross_entropy", "grad_weight"),
+            view(grad_bias, "fused_linear_cross_entropy", "grad_bias"),
             ce_options(ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale),
             chunk_rows, stream_on(device_of(x), stream));
       },
@@ -276,7 +286,7 @@ void bind_ops(nb::module_& m) {
   m.def(
       "swiglu",
       [](In gate, In up, Out out, std::uintptr_t stream) {
-        swiglu(view(gate, "gate"), view(up, "up"), view(out, "out"),
+        swiglu(view(gate, "swiglu", "gate"), view(up, "swiglu", "up"), view(out, "swiglu", "out"),
                stream_on(device_of(gate), stream));
       },
       "gate"_a, "up"_a, "out"_a, "stream"_a = 0, release,
@@ -290,9 +300,10 @@ void bind_ops(nb::module_& m) {
   m.def(
       "swiglu_backward",
       [](In grad_out, In gate, In up, Out grad_gate, Out grad_up, std::uintptr_t stream) {
-        swiglu_backward(view(grad_out, "grad_out"), view(gate, "gate"), view(up, "up"),
-                        view(grad_gate, "grad_gate"), view(grad_up, "grad_up"),
-                        stream_on(device_of(grad_out), stream));
+        swiglu_backward(
+            view(grad_out, "swiglu_backward", "grad_out"), view(gate, "swiglu_backward", "gate"),
+            view(up, "swiglu_backward", "up"), view(grad_gate, "swiglu_backward", "grad_gate"),
+            view(grad_up, "swiglu_backward", "grad_up"), stream_on(device_of(grad_out), stream));
       },
       "grad_out"_a, "gate"_a, "up"_a, "grad_gate"_a, "grad_up"_a, "stream"_a = 0, release,
       "grad_gate, grad_up of swiglu for grad_out, all (..., I), one float dtype (float32, "
@@ -305,8 +316,8 @@ void bind_ops(nb::module_& m) {
   m.def(
       "swiglu_packed",
       [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
-        swiglu_packed(view(x, "x"), parse_layout(layout), view(out, "out"),
-                      stream_on(device_of(x), stream));
+        swiglu_packed(view(x, "swiglu_packed", "x"), parse_layout(layout),
+                      view(out, "swiglu_packed", "out"), stream_on(device_of(x), stream));
       },
       "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release,
       "swiglu of one tensor x (..., 2I) holding gate and up, layout 'halves' ([gate | up]) or "
@@ -318,8 +329,10 @@ void bind_ops(nb::module_& m) {
   m.def(
       "swiglu_packed_backward",
       [](In grad_out, In x, const std::string& layout, Out grad_x, std::uintptr_t stream) {
-        swiglu_packed_backward(view(grad_out, "grad_out"), view(x, "x"), parse_layout(layout),
-                               view(grad_x, "grad_x"), stream_on(device_of(grad_out), stream));
+        swiglu_packed_backward(view(grad_out, "swiglu_packed_backward", "grad_out"),
+                               view(x, "swiglu_packed_backward", "x"), parse_layout(layout),
+                               view(grad_x, "swiglu_packed_backward", "grad_x"),
+                               stream_on(device_of(grad_out), stream));
       },
       "grad_out"_a, "x"_a, "layout"_a, "grad_x"_a, "stream"_a = 0, release,
       "grad_x (..., 2I) of swiglu_packed for grad_out (..., I), in x's layout. Raises "
@@ -332,14 +345,15 @@ void bind_ops(nb::module_& m) {
   m.def(
       "add",
       [](In a, In b, Out out, double alpha, std::uintptr_t stream) {
-        add(view(a, "a"), view(b, "b"), view(out, "out"), alpha, stream_on(device_of(a), stream));
+        add(view(a, "add", "a"), view(b, "add", "b"), view(out, "add", "out"), alpha,
+            stream_on(device_of(a), stream));
       },
       "a"_a, "b"_a, "out"_a, "alpha"_a = 1.0, "stream"_a = 0, release,
       "out = a + alpha * b (torch.add); out may be a or b itself (in place).");
   m.def(
       "mul",
       [](In a, double scalar, Out out, std::uintptr_t stream) {
-        mul(view(a, "a"), scalar, view(out, "out"), stream_on(device_of(a), stream));
+        mul(view(a, "mul", "a"), scalar, view(out, "mul", "out"), stream_on(device_of(a), stream));
       },
       "a"_a, "scalar"_a, "out"_a, "stream"_a = 0, release,
       "out = a * scalar (torch.mul); out may be a itself (in place).");
@@ -347,8 +361,8 @@ void bind_ops(nb::module_& m) {
   m.def(
       "rmsnorm",
       [](In x, OptIn weight, Out y, OptOut rstd, double eps, std::uintptr_t stream) {
-        rmsnorm(view(x, "x"), view(weight, "weight"), view(y, "y"), view(rstd, "rstd"), eps,
-                stream_on(device_of(x), stream));
+        rmsnorm(view(x, "rmsnorm", "x"), view(weight, "rmsnorm", "weight"), view(y, "rmsnorm", "y"),
+                view(rstd, "rmsnorm", "rstd"), eps, stream_on(device_of(x), stream));
       },
       "x"_a, "weight"_a.none(), "y"_a, "rstd"_a.none(), "eps"_a, "stream"_a = 0, release,
       "y = x / sqrt(mean(x^2) + eps) * weight over the last dim (Zhang & Sennrich 2019; "
@@ -363,9 +377,11 @@ void bind_ops(nb::module_& m) {
   m.def(
       "rmsnorm_backward",
       [](In grad_y, In x, OptIn weight, In rstd, Out dx, OptOut dweight, std::uintptr_t stream) {
-        rmsnorm_backward(view(grad_y, "grad_y"), view(x, "x"), view(weight, "weight"),
-                         view(rstd, "rstd"), view(dx, "dx"), view(dweight, "dweight"),
-                         stream_on(device_of(grad_y), stream));
+        rmsnorm_backward(
+            view(grad_y, "rmsnorm_backward", "grad_y"), view(x, "rmsnorm_backward", "x"),
+            view(weight, "rmsnorm_backward", "weight"), view(rstd, "rmsnorm_backward", "rstd"),
+            view(dx, "rmsnorm_backward", "dx"), view(dweight, "rmsnorm_backward", "dweight"),
+            stream_on(device_of(grad_y), stream));
       },
       "grad_y"_a, "x"_a, "weight"_a.none(), "rstd"_a, "dx"_a, "dweight"_a.none(), "stream"_a = 0,
       release,
@@ -379,9 +395,13 @@ void bind_ops(nb::module_& m) {
       "fused_residual_add_rmsnorm",
       [](In x, OptIn residual, OptIn weight, Out y, OptOut r, OptOut rstd, double eps,
          double multiplier, std::uintptr_t stream) {
-        fused_residual_add_rmsnorm(view(x, "x"), view(residual, "residual"), view(weight, "weight"),
-                                   view(y, "y"), view(r, "r"), view(rstd, "rstd"), eps, multiplier,
-                                   stream_on(device_of(x), stream));
+        fused_residual_add_rmsnorm(view(x, "fused_residual_add_rmsnorm", "x"),
+                                   view(residual, "fused_residual_add_rmsnorm", "residual"),
+                                   view(weight, "fused_residual_add_rmsnorm", "weight"),
+                                   view(y, "fused_residual_add_rmsnorm", "y"),
+                                   view(r, "fused_residual_add_rmsnorm", "r"),
+                                   view(rstd, "fused_residual_add_rmsnorm", "rstd"), eps,
+                                   multiplier, stream_on(device_of(x), stream));
       },
       "x"_a, "residual"_a.none(), "weight"_a.none(), "y"_a, "r"_a.none(), "rstd"_a.none(), "eps"_a,
       "multiplier"_a = 1.0, "stream"_a = 0, release,
@@ -397,9 +417,15 @@ void bind_ops(nb::module_& m) {
       [](In grad_y, OptIn grad_r, In r, OptIn weight, In rstd, Out dx, OptOut dresidual,
          OptOut dweight, double multiplier, std::uintptr_t stream) {
         fused_residual_add_rmsnorm_backward(
-            view(grad_y, "grad_y"), view(grad_r, "grad_r"), view(r, "r"), view(weight, "weight"),
-            view(rstd, "rstd"), view(dx, "dx"), view(dresidual, "dresidual"),
-            view(dweight, "dweight"), multiplier, stream_on(device_of(grad_y), stream));
+            view(grad_y, "fused_residual_add_rmsnorm_backward", "grad_y"),
+            view(grad_r, "fused_residual_add_rmsnorm_backward", "grad_r"),
+            view(r, "fused_residual_add_rmsnorm_backward", "r"),
+            view(weight, "fused_residual_add_rmsnorm_backward", "weight"),
+            view(rstd, "fused_residual_add_rmsnorm_backward", "rstd"),
+            view(dx, "fused_residual_add_rmsnorm_backward", "dx"),
+            view(dresidual, "fused_residual_add_rmsnorm_backward", "dresidual"),
+            view(dweight, "fused_residual_add_rmsnorm_backward", "dweight"), multiplier,
+            stream_on(device_of(grad_y), stream));
       },
       "grad_y"_a, "grad_r"_a.none(), "r"_a, "weight"_a.none(), "rstd"_a, "dx"_a,
       "dresidual"_a.none(), "dweight"_a.none(), "multiplier"_a = 1.0, "stream"_a = 0, release,
@@ -414,7 +440,8 @@ void bind_ops(nb::module_& m) {
   m.def(
       "softmax",
       [](In x, Out y, double logits_multiplier, std::uintptr_t stream) {
-        softmax(view(x, "x"), view(y, "y"), logits_multiplier, stream_on(device_of(x), stream));
+        softmax(view(x, "softmax", "x"), view(y, "softmax", "y"), logits_multiplier,
+                stream_on(device_of(x), stream));
       },
       "x"_a, "y"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
       "y = softmax(x * logits_multiplier) over the last dim (torch.softmax). x, y (..., V), one "
@@ -427,8 +454,10 @@ void bind_ops(nb::module_& m) {
   m.def(
       "softmax_backward",
       [](In grad_y, In y, Out grad_x, double logits_multiplier, std::uintptr_t stream) {
-        softmax_backward(view(grad_y, "grad_y"), view(y, "y"), view(grad_x, "grad_x"),
-                         logits_multiplier, stream_on(device_of(grad_y), stream));
+        softmax_backward(view(grad_y, "softmax_backward", "grad_y"),
+                         view(y, "softmax_backward", "y"),
+                         view(grad_x, "softmax_backward", "grad_x"), logits_multiplier,
+                         stream_on(device_of(grad_y), stream));
       },
       "grad_y"_a, "y"_a, "grad_x"_a, "logits_multiplier"_a = 1.0, "stream"_a = 0, release,
       "grad_x of softmax for grad_y, from the forward's output y; all (..., V). Raises "
@@ -444,8 +473,9 @@ void bind_ops(nb::module_& m) {
          const std::string& reduction, double label_smoothing, double logits_multiplier,
          double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
          std::uintptr_t stream) {
-        cross_entropy(view(logits, "logits"), view(labels, "labels"), view(loss, "loss"),
-                      view(lse, "lse"),
+        cross_entropy(view(logits, "cross_entropy", "logits"),
+                      view(labels, "cross_entropy", "labels"), view(loss, "cross_entropy", "loss"),
+                      view(lse, "cross_entropy", "lse"),
                       ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                                  z_loss_scale, vocab_start, vocab_size),
                       stream_on(device_of(logits), stream));
@@ -463,8 +493,11 @@ void bind_ops(nb::module_& m) {
              double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
              std::uintptr_t stream) {
             cross_entropy_backward(
-                view(grad_loss, "grad_loss"), view(logits, "logits"), view(labels, "labels"),
-                view(lse, "lse"), view(grad_logits, "grad_logits"),
+                view(grad_loss, "cross_entropy_backward", "grad_loss"),
+                view(logits, "cross_entropy_backward", "logits"),
+                view(labels, "cross_entropy_backward", "labels"),
+                view(lse, "cross_entropy_backward", "lse"),
+                view(grad_logits, "cross_entropy_backward", "grad_logits"),
                 ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
                            z_loss_scale, vocab_start, vocab_size),
                 stream_on(device_of(grad_loss), stream));

@@ -31,9 +31,10 @@ void bind_sequence(nb::module_& m) {
   m.def(
       "pack_sequence",
       [](In x, In cu_seqlens, Out out, const std::string& padding_side, std::uintptr_t stream) {
-        pack_sequence(view(x, "x"), view(cu_seqlens, "cu_seqlens"), view(out, "out"),
-                      parse_padding_side("pack_sequence", padding_side),
-                      stream_on(device_of(x), stream));
+        pack_sequence(
+            view(x, "pack_sequence", "x"), view(cu_seqlens, "pack_sequence", "cu_seqlens"),
+            view(out, "pack_sequence", "out"), parse_padding_side("pack_sequence", padding_side),
+            stream_on(device_of(x), stream));
       },
       "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release,
       "out (T, ...) = the tokens of each padded row of x (B, S, ...), sequence after sequence, "
@@ -46,9 +47,10 @@ void bind_sequence(nb::module_& m) {
   m.def(
       "unpack_sequence",
       [](In x, In cu_seqlens, Out out, const std::string& padding_side, std::uintptr_t stream) {
-        unpack_sequence(view(x, "x"), view(cu_seqlens, "cu_seqlens"), view(out, "out"),
-                        parse_padding_side("unpack_sequence", padding_side),
-                        stream_on(device_of(x), stream));
+        unpack_sequence(
+            view(x, "unpack_sequence", "x"), view(cu_seqlens, "unpack_sequence", "cu_seqlens"),
+            view(out, "unpack_sequence", "out"),
+            parse_padding_side("unpack_sequence", padding_side), stream_on(device_of(x), stream));
       },
       "x"_a, "cu_seqlens"_a, "out"_a, "padding_side"_a = "left", "stream"_a = 0, release,
       "The inverse of pack_sequence: x (T, ...) into out (B, S, ...), the padding zero-filled. "
@@ -60,7 +62,8 @@ void bind_sequence(nb::module_& m) {
   m.def(
       "continuous_count",
       [](In x, Out out, std::uintptr_t stream) {
-        continuous_count(view(x, "x"), view(out, "out"), stream_on(device_of(x), stream));
+        continuous_count(view(x, "continuous_count", "x"), view(out, "continuous_count", "out"),
+                         stream_on(device_of(x), stream));
       },
       "x"_a, "out"_a, "stream"_a = 0, release,
       "out (bins,) int64 = the count of each value of the 1-D int32/int64 x in [0, bins); "

@@ -28,15 +28,15 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
   // The gradient of a sum's every term is the whole gradient: `v`'s Partial(sum) placements become
   // Replicate. Another reduction's terms have other gradients (each an avg's 1/n of it, a max's
   // all to the largest term): Unsupported.
-  const auto whole_where_partial = [&](Value v, const std::vector<Placement>& given) {
+  // `what` names v and how it is placed, for the error.
+  const auto whole_where_partial = [&](const std::vector<Placement>& given, const auto& what) {
     std::vector<Placement> placed = given;
     for (Placement& p : placed) {
       const auto* partial = std::get_if<Partial>(&p);
       if (!partial) continue;
       MESHFUSE_CHECK(partial->op == ReduceOp::Sum, ErrorCode::Unsupported,
-                     "grad: {} is placed {}: of the Partial placements only Partial(sum) is "
-                     "differentiated",
-                     program.describe(v), to_string(given));
+                     "grad: {} {}: of the Partial placements only Partial(sum) is differentiated",
+                     what(), to_string(given));
       p = Replicate{};
     }
     return placed;
@@ -47,7 +47,9 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
       program.mesh() && it != outputs.end() &&
       !program.output_placements()[it - outputs.begin()].empty())
     j.set_placements(grad_loss,
-                     whole_where_partial(loss, program.output_placements()[it - outputs.begin()]));
+                     whole_where_partial(program.output_placements()[it - outputs.begin()], [&] {
+                       return "the loss " + program.describe(loss) + " is output as";
+                     }));
   std::vector<Value> g(j.values().size());  // the gradient of each value, as far as summed
   const auto grad_of = [&](Value v) { return g[static_cast<std::size_t>(v.id)]; };
   const auto accumulate = [&](Value primal, Value d) {
@@ -152,7 +154,8 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
                    program.describe(w));
     // The gradient lies as w does, Replicate where w is Partial (as DTensor's redistribute
     // backward has it).
-    std::vector<Placement> placed = whole_where_partial(w, program.placements(w));
+    std::vector<Placement> placed = whole_where_partial(
+        program.placements(w), [&] { return program.describe(w) + " is placed"; });
     if (placed.empty() && program.mesh())
       placed.assign(static_cast<std::size_t>(program.mesh()->ndim()), Replicate{});
     j.add_output(d, std::move(placed));

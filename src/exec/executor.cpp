@@ -50,9 +50,10 @@ std::string MultiDeviceExecutor::params_text() const {
 
 void MultiDeviceExecutor::set_params(MultiDeviceExecutorParams params) {
   check_overlap_params(params.overlap);
-  const std::string before = params_text();
   params_ = std::move(params);
-  if (params_text() != before) checked_.clear();  // compared again before the next communication
+  // Compared again before the next communication, on every rank: each rank calls set_params, and
+  // one whose params did not change must still meet the one whose params did.
+  checked_.clear();
 }
 
 void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,

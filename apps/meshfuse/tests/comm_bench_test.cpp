@@ -123,7 +123,8 @@ TEST(CommBench, BadOptionsAreUsageErrors) {
            {"--max-bytes lots", "--max-bytes: expected a number of bytes"},
            {"--backend tcp", "--backend"},
            {"--format xml", "--format: expected table, csv or json, got 'xml'"},
-           {"--iters 0", "--iters: expected >= 1"},
+           {"--iters 0", "--iters: expected >= 1, got 0"},
+           {"--warmup -1", "--warmup: expected >= 0, got -1"},
            {"-n 0", "--nranks"},  // not the default 2
            {"-n 3 --min-bytes 1 --max-bytes 4",
             "no size from --min-bytes 1 to --max-bytes 4 holds an element of f32 per rank"}}) {

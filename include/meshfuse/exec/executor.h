@@ -5,10 +5,11 @@
 // Every rank of the communicator's team builds an executor of the same program and calls run()
 // the same number of times; the mesh's ranks are the team's ranks (a mesh over a subset, or a
 // rank the mesh lacks, is InvalidArgument). Before a backend's first communication, and again
-// after set_params() changes what decides the communications, the ranks compare a hash of the
-// program (ops, shapes, placements) and of those params: ones that differ are InvalidArgument on
-// every rank. A rank that calls run() with a program that communicates nothing
-// while the others' do leaves them waiting for the communicator's timeout (Error(Timeout)).
+// after set_params(), the ranks compare a hash of the program (ops, shapes, placements) and of the
+// params that decide the communications: ones that differ are InvalidArgument on every rank (a
+// rank that set another backend compares on another team: the others' Timeout). A rank that calls
+// run() with a program that communicates nothing while the others' do leaves them waiting for the
+// communicator's timeout (Error(Timeout)).
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
@@ -99,8 +100,8 @@ class MultiDeviceExecutor {
 
   const Program& program() const { return program_; }
   const MultiDeviceExecutorParams& params() const { return params_; }
-  // Every rank sets the same params before its next run(): params that decide the communications
-  // (backend, overlap, chunks, streams, profile) are compared across ranks again then.
+  // Collective: every rank calls it, with the same params, before its next run(), which compares
+  // them across ranks again (backend, overlap, chunks, streams, profile).
   void set_params(MultiDeviceExecutorParams params);
 
  private:
@@ -129,7 +130,8 @@ class MultiDeviceExecutor {
   std::map<std::pair<CommunicatorBackend, DeviceType>, Lowered> plans_;
   std::map<std::pair<CommunicatorBackend, DeviceType>, std::vector<std::shared_ptr<Communicator>>>
       teams_;
-  // The (backend, device type)s whose ranks compared programs and params since these last changed.
+  // The (backend, device type)s whose ranks compared programs and params since the last
+  // set_params().
   std::set<std::pair<CommunicatorBackend, DeviceType>> checked_;
   std::vector<StepProfile> profile_;
   // Per CUDA device index: the chunks' streams, owned, and as Streams.
