@@ -61,6 +61,28 @@ TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
 
 TEST(DistLocal, ARankThatNeverCallsGivesTheOthersATimeout) { on_four_ranks(dist::check_timeout); }
 
+// A collective that fails its argument checks on one rank only is skipped there: the next
+// exchange pairs the ranks' different operations. It once paired them as a mismatch (leaving the
+// team one operation apart for good); the exchange numbers now tell, and the team fails.
+TEST(DistLocal, ACollectiveThatFailsItsChecksOnOneRankLeavesTheTeamFailedOutOfStep) {
+  run_local(2, [](Communicator& c) {
+    const Tensor in = Tensor::zeros({2}, DType::F32);
+    if (c.rank() == 1)
+      expect_error([&] { c.all_gather(in, Tensor::zeros({5}, DType::F32)); },
+                   ErrorCode::ShapeMismatch, {"all_gather", "should have 4 elements"});
+    const auto out_of_step = [&](const std::function<void()>& call) {
+      expect_error(call, ErrorCode::CommunicationFailure,
+                   {"ranks out of step", "rank 0: #0 (all_gather f32 x 2)",
+                    "rank 1: #1 (all_reduce(sum) f32 x 3)", "cannot be used again"});
+    };
+    if (c.rank() == 0)
+      out_of_step([&] { c.all_gather(in, Tensor::zeros({4}, DType::F32)).wait(); });
+    else
+      out_of_step([&] { c.all_reduce(Tensor::zeros({3}, DType::F32)).wait(); });
+    expect_error([&] { c.barrier().wait(); }, ErrorCode::CommunicationFailure, {"out of step"});
+  });
+}
+
 TEST(DistLocal, IsCompletedAnswersAtOnceWhileAnotherThreadWaits) {
   on_four_ranks(dist::check_is_completed_while_waiting);
 }

@@ -99,7 +99,8 @@ void bind_record(nb::module_& m) {
           },
           "timeout"_a = nb::none(),
           "Blocks until done (timeout in seconds; default: the communicator's). Raises the "
-          "operation's error.")
+          "operation's error. A timeout that expires fails the communicator (a transfer cannot be "
+          "cancelled): to poll, use is_completed().")
       .def("is_completed", [](const PyWork& w) { return w.work.is_completed(); })
       .def_prop_ro("record", [](const PyWork& w) { return w.work.record(); })
       .def("__repr__", [](const PyWork& w) {
@@ -131,7 +132,9 @@ void bind_communicator(nb::module_& m) {
       .def_prop_rw("history_size", &Communicator::history_size, &Communicator::set_history_size)
       .def("history", &Communicator::history, "The last history_size records, oldest first.")
       .def("split", &Communicator::split, "color"_a, "key"_a = 0,
-           nb::call_guard<nb::gil_scoped_release>())
+           nb::call_guard<nb::gil_scoped_release>(),
+           "The team of the ranks that pass the same color, ordered by key then rank (MPI's "
+           "Comm_split; collective). Returns None on a rank that passes a negative color.")
       .def("new_group", &Communicator::new_group, "ranks"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("mesh_teams", &Communicator::mesh_teams, "mesh"_a,

@@ -1,6 +1,7 @@
 // The operations of a Communicator (collectives, send and recv, barrier): the argument checks
 // every backend shares, the metadata check, the record, then the backend of the tensors' device.
 #include <algorithm>
+#include <exception>
 #include <optional>
 #include <ranges>
 #include <string>
@@ -20,7 +21,18 @@ namespace {
 // One call, as the generic layer sees it.
 struct Call {
   using Named = std::pair<const char*, TensorView>;  // the argument's name, the tensor
-  Call(CommOp op, std::vector<Named> tensors) : op(op), tensors(std::move(tensors)) {}
+  Call(CommState& state, CommOp op, std::vector<Named> tensors)
+      : op(op), tensors(std::move(tensors)), state_(&state) {}
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  // A collective whose arguments fail this rank's checks (an exception before start() exchanges
+  // its metadata) still counts as an exchange, so that the next exchange finds this rank out of
+  // step with the ranks that did exchange (CommState::exchanges).
+  ~Call() {
+    const bool p2p = op == CommOp::Send || op == CommOp::Recv || op == CommOp::SendRecv;
+    if (!exchanged && state_->check && !p2p && std::uncaught_exceptions() > exceptions_)
+      ++state_->exchanges;
+  }
 
   CommOp op;
   std::vector<Named> tensors;  // the ones this rank passes (a gather's output only on the root)
@@ -34,6 +46,11 @@ struct Call {
   Stream stream;
   DType dtype = DType::U8;
   Device device{};
+  bool exchanged = false;  // start() reached the metadata exchange (or has none to make)
+
+ private:
+  CommState* state_;
+  int exceptions_ = std::uncaught_exceptions();
 };
 
 std::string op_name(CommOp op) { return std::string(to_string(op)); }
@@ -150,6 +167,7 @@ Work start(CommState& s, Call& c, F&& run) {
   record.uneven = c.uneven;
   s.remember(record);
 
+  c.exchanged = true;
   try {
     if (s.check && c.op != CommOp::Send && c.op != CommOp::Recv && c.op != CommOp::SendRecv) {
       const int n = s.size();
@@ -181,7 +199,7 @@ std::int64_t bytes_of(std::int64_t elements, DType dtype) {
 }  // namespace
 
 Work Communicator::all_reduce(const TensorView& tensor, ReduceOp op, const Stream& stream) {
-  Call c(CommOp::AllReduce, {{"tensor", tensor}});
+  Call c(*state_, CommOp::AllReduce, {{"tensor", tensor}});
   c.reduction = op;
   check_tensors(c, stream);
   c.count = tensor.numel();
@@ -191,7 +209,7 @@ Work Communicator::all_reduce(const TensorView& tensor, ReduceOp op, const Strea
 }
 
 Work Communicator::broadcast(const TensorView& tensor, int root, const Stream& stream) {
-  Call c(CommOp::Broadcast, {{"tensor", tensor}});
+  Call c(*state_, CommOp::Broadcast, {{"tensor", tensor}});
   check_rank(root, size(), "root", c.op);
   c.root = root;
   check_tensors(c, stream);
@@ -203,7 +221,7 @@ Work Communicator::broadcast(const TensorView& tensor, int root, const Stream& s
 }
 
 Work Communicator::reduce(const TensorView& tensor, int root, ReduceOp op, const Stream& stream) {
-  Call c(CommOp::Reduce, {{"tensor", tensor}});
+  Call c(*state_, CommOp::Reduce, {{"tensor", tensor}});
   check_rank(root, size(), "root", c.op);
   c.root = root;
   c.reduction = op;
@@ -217,7 +235,7 @@ Work Communicator::reduce(const TensorView& tensor, int root, ReduceOp op, const
 
 Work Communicator::all_gather(const TensorView& input, const TensorView& output,
                               const Stream& stream) {
-  Call c(CommOp::AllGather, {{"input", input}, {"output", output}});
+  Call c(*state_, CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   check_numel(output, size() * input.numel(), "output", c.op);
   c.count = input.numel();
@@ -231,7 +249,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
 Work Communicator::all_gather(const TensorView& input, const TensorView& output,
                               const std::vector<std::int64_t>& output_split_sizes,
                               const Stream& stream) {
-  Call c(CommOp::AllGather, {{"input", input}, {"output", output}});
+  Call c(*state_, CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
   c.uneven = true;
@@ -246,7 +264,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
 
 Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output, ReduceOp op,
                                   const Stream& stream) {
-  Call c(CommOp::ReduceScatter, {{"input", input}, {"output", output}});
+  Call c(*state_, CommOp::ReduceScatter, {{"input", input}, {"output", output}});
   c.reduction = op;
   check_tensors(c, stream);
   check_numel(input, size() * output.numel(), "input", c.op);
@@ -261,7 +279,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
 Work Communicator::reduce_scatter(const TensorView& input, const TensorView& output,
                                   const std::vector<std::int64_t>& input_split_sizes, ReduceOp op,
                                   const Stream& stream) {
-  Call c(CommOp::ReduceScatter, {{"input", input}, {"output", output}});
+  Call c(*state_, CommOp::ReduceScatter, {{"input", input}, {"output", output}});
   c.reduction = op;
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
@@ -277,9 +295,9 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
 
 Work Communicator::gather(const TensorView& input, const TensorView& output, int root,
                           const Stream& stream) {
-  check_rank(root, size(), "root", CommOp::Gather);
+  Call c(*state_, CommOp::Gather, {{"input", input}});
+  check_rank(root, size(), "root", c.op);
   const bool is_root = rank() == root;
-  Call c(CommOp::Gather, {{"input", input}});
   if (is_root) c.tensors.emplace_back("output", output);
   c.root = root;
   check_tensors(c, stream);
@@ -293,9 +311,9 @@ Work Communicator::gather(const TensorView& input, const TensorView& output, int
 
 Work Communicator::scatter(const TensorView& input, const TensorView& output, int root,
                            const Stream& stream) {
-  check_rank(root, size(), "root", CommOp::Scatter);
+  Call c(*state_, CommOp::Scatter, {{"output", output}});
+  check_rank(root, size(), "root", c.op);
   const bool is_root = rank() == root;
-  Call c(CommOp::Scatter, {{"output", output}});
   if (is_root) c.tensors.emplace_back("input", input);
   c.root = root;
   check_tensors(c, stream);
@@ -311,7 +329,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
                               const std::vector<std::int64_t>& input_split_sizes,
                               const std::vector<std::int64_t>& output_split_sizes,
                               const Stream& stream) {
-  Call c(CommOp::AllToAll, {{"input", input}, {"output", output}});
+  Call c(*state_, CommOp::AllToAll, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   const int n = size();
   if (input_split_sizes.empty() && output_split_sizes.empty()) {
@@ -335,7 +353,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
 }
 
 Work Communicator::send(const TensorView& tensor, int dst, int tag, const Stream& stream) {
-  Call c(CommOp::Send, {{"tensor", tensor}});
+  Call c(*state_, CommOp::Send, {{"tensor", tensor}});
   check_rank(dst, size(), "destination", c.op);
   MESHFUSE_CHECK(dst != rank() && tag >= 0, ErrorCode::InvalidArgument,
                  "send: to rank {} with tag {} from rank {} (no sends to self, tags >= 0)", dst,
@@ -349,7 +367,7 @@ Work Communicator::send(const TensorView& tensor, int dst, int tag, const Stream
 }
 
 Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream& stream) {
-  Call c(CommOp::Recv, {{"tensor", tensor}});
+  Call c(*state_, CommOp::Recv, {{"tensor", tensor}});
   check_rank(src, size(), "source", c.op);
   MESHFUSE_CHECK(src != rank() && tag >= 0, ErrorCode::InvalidArgument,
                  "recv: from rank {} with tag {} on rank {} (no receives from self, tags >= 0)",
@@ -364,7 +382,7 @@ Work Communicator::recv(const TensorView& tensor, int src, int tag, const Stream
 
 Work Communicator::send_recv(const TensorView& send_tensor, int dst, const TensorView& recv_tensor,
                              int src, int tag, const Stream& stream) {
-  Call c(CommOp::SendRecv, {{"send_tensor", send_tensor}, {"recv_tensor", recv_tensor}});
+  Call c(*state_, CommOp::SendRecv, {{"send_tensor", send_tensor}, {"recv_tensor", recv_tensor}});
   check_rank(dst, size(), "destination", c.op);
   check_rank(src, size(), "source", c.op);
   MESHFUSE_CHECK(dst != rank() && src != rank() && tag >= 0, ErrorCode::InvalidArgument,
@@ -382,7 +400,7 @@ Work Communicator::send_recv(const TensorView& send_tensor, int dst, const Tenso
 }
 
 Work Communicator::barrier(const Stream& stream) {
-  Call c(CommOp::Barrier, {});
+  Call c(*state_, CommOp::Barrier, {});
   check_tensors(c, stream);
   return start(*state_, c, [&](detail::CommImpl& impl) { return impl.barrier(c.stream); });
 }

@@ -81,8 +81,8 @@ struct MetaHeader {
   std::int32_t root;
   std::int32_t reduction;  // -1: none
   std::int32_t uneven;
-  std::int32_t pad = 0;
-  std::int64_t count;  // see CommRecord::count; split: key
+  std::int32_t exchange = 0;  // CommState::exchanges when it was made (modulo 2^32), stamped there
+  std::int64_t count;         // see CommRecord::count; split: key
 };
 
 struct Meta {
@@ -131,6 +131,9 @@ struct CommState {
 
   std::map<CommunicatorBackend, std::shared_ptr<CommImpl>> impls;
   std::uint64_t seq = 0;
+  // The metadata exchanges this rank has made, and the collectives it would have exchanged for
+  // had their arguments passed its checks: equal on every rank while the team is in step.
+  std::uint32_t exchanges = 0;
   int splits = 0;
   int respecs = 0;  // with_backends() teams made, naming them
   // What with_backends() and mesh_teams() made, by spec and by mesh (BackendSpec::str,
@@ -159,7 +162,8 @@ struct CommState {
   void bootstrap_exchange(CommunicatorBackend backend, const void* mine, void* all,
                           std::size_t bytes);
 
-  // All ranks' metadata through the backend; throws the mismatch on every rank.
+  // All ranks' metadata through the backend, `mine` stamped with the next exchange number; throws
+  // the mismatch on every rank (CommunicationFailure when the ranks are out of step).
   std::vector<Meta> exchange_meta(CommImpl& impl, const Meta& mine);
 
   void remember(const CommRecord& record);

@@ -94,7 +94,9 @@ std::vector<Meta> CommState::exchange_meta(CommImpl& impl, const Meta& mine) {
   const int n = size();
   const std::size_t bytes = Meta::bytes(n);
   std::vector<std::uint8_t> packed(bytes), all(bytes * n);
-  mine.pack(packed.data());
+  Meta stamped = mine;
+  stamped.h.exchange = static_cast<std::int32_t>(exchanges++);
+  stamped.pack(packed.data());
   impl.exchange(packed.data(), all.data(), bytes, CommClock::now() + timeout);
   std::vector<Meta> metas;
   for (int r = 0; r < n; ++r) metas.push_back(Meta::unpack(all.data() + r * bytes, n));

@@ -44,6 +44,20 @@ std::string signature(const Meta& m) {
 
 void compare(const std::vector<Meta>& metas) {
   const int n = static_cast<int>(metas.size());
+  // Each rank's exchange number: ranks that differ met in different operations, and cannot meet
+  // in the same one again.
+  std::string numbers;
+  bool in_step = true;
+  for (int r = 0; r < n; ++r) {
+    numbers += fmt::format("{}rank {}: #{} ({})", r ? ", " : "", r,
+                           static_cast<std::uint32_t>(metas[r].h.exchange), signature(metas[r]));
+    in_step = in_step && metas[r].h.exchange == metas[0].h.exchange;
+  }
+  MESHFUSE_CHECK(in_step, ErrorCode::CommunicationFailure,
+                 "ranks out of step: they reached different operations ({}); a collective that "
+                 "failed its argument checks on some ranks only is skipped there: the team "
+                 "cannot be used again",
+                 numbers);
   const std::string first = signature(metas[0]);
   std::string others;
   for (int r = 1; r < n; ++r)
