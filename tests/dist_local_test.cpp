@@ -160,6 +160,18 @@ TEST(DistLocal, SplitSizesWhoseSumWrapsAroundAreRefused) {
   });
 }
 
+TEST(DistLocal, AZeroOrNegativeTimeoutIsAnError) {
+  CommOptions zero;
+  zero.timeout = std::chrono::milliseconds(0);
+  expect_error([&] { LocalWorld(2, zero); }, ErrorCode::InvalidArgument,
+               {"LocalWorld: timeout: expected > 0 ms, got 0 ms"});
+  run_local(1, [](Communicator& c) {
+    expect_error([&] { c.set_timeout(std::chrono::milliseconds(-5)); }, ErrorCode::InvalidArgument,
+                 {"set_timeout", "got -5 ms"});
+    EXPECT_GT(c.timeout().count(), 0);
+  });
+}
+
 TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
   // Each rank fails on its own: nothing is exchanged, so nothing waits for the others.
   run_local(2, [](Communicator& c) {

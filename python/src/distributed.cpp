@@ -34,8 +34,8 @@ struct PyWork {
 };
 
 std::chrono::milliseconds milliseconds(double seconds) {
-  MESHFUSE_CHECK(std::isfinite(seconds) && seconds >= 0, ErrorCode::InvalidArgument,
-                 "communicator: timeout: expected seconds >= 0, got {}", seconds);
+  MESHFUSE_CHECK(std::isfinite(seconds) && seconds > 0, ErrorCode::InvalidArgument,
+                 "communicator: timeout: expected seconds > 0, got {}", seconds);
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1e3)));
 }
 

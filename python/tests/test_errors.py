@@ -168,3 +168,10 @@ def test_an_array_of_a_dtype_meshfuse_lacks_names_the_argument_and_its_dtype():
                                np.empty((), np.float32), None)
     with pytest.raises(meshfuse.DTypeMismatchError, match="'y' is an array of dtype complex64"):
         meshfuse.softmax(np.zeros((2, 4), np.float32), np.empty((2, 4), np.complex64))
+
+
+def test_a_zero_timeout_is_a_value_error():
+    # 0 would fail every operation that waits at all; it once reached the rendezvous as "cannot
+    # reach the store within 0 ms".
+    with pytest.raises(meshfuse.InvalidArgumentError, match="timeout: expected seconds > 0, got 0"):
+        meshfuse.run_local(1, lambda comm: None, timeout=0)

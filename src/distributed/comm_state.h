@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "distributed/comm_impl.h"
@@ -67,6 +68,9 @@ struct WorkState {
 
   void wait(std::chrono::milliseconds wait_timeout);
 };
+
+// Throws InvalidArgument, naming `who`, unless a communicator's timeout is positive.
+void check_timeout(std::chrono::milliseconds timeout, std::string_view who);
 
 // --- the metadata check (metadata_check.cpp)
 

@@ -90,6 +90,12 @@ void CommState::bootstrap_exchange(CommunicatorBackend backend, const void* mine
        name, to_string(backend), spec.str());
 }
 
+void check_timeout(std::chrono::milliseconds timeout, std::string_view who) {
+  // Zero would fail every operation that has to wait at all, at once.
+  MESHFUSE_CHECK(timeout.count() > 0, ErrorCode::InvalidArgument,
+                 "{}: timeout: expected > 0 ms, got {} ms", who, timeout.count());
+}
+
 std::vector<Meta> CommState::exchange_meta(CommImpl& impl, const Meta& mine) {
   const int n = size();
   const std::size_t bytes = Meta::bytes(n);
@@ -164,6 +170,7 @@ CommunicatorBackend Communicator::backend(DeviceType type) const {
 }
 std::chrono::milliseconds Communicator::timeout() const { return state_->timeout; }
 void Communicator::set_timeout(std::chrono::milliseconds timeout) {
+  detail::check_timeout(timeout, "Communicator::set_timeout");
   state_->timeout = timeout;
   for_kept_teams([&](Communicator& kept) { kept.set_timeout(timeout); });
 }

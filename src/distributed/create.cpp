@@ -43,6 +43,7 @@ std::unique_ptr<CommState> world_state(const LaunchInfo& launch, BackendSpec spe
 }  // namespace
 
 std::shared_ptr<Communicator> init_communicator(const CommOptions& given) {
+  detail::check_timeout(given.timeout, "init_communicator");
   CommOptions options = given;
   if (const char* env = std::getenv("MESHFUSE_BACKEND"); options.backend.empty() && env)
     options.backend = env;
@@ -77,6 +78,7 @@ std::shared_ptr<Communicator> init_communicator(const LaunchInfo& launch,
 LocalWorld::LocalWorld(int size, const CommOptions& options) : size_(size), options_(options) {
   MESHFUSE_CHECK(size >= 1, ErrorCode::InvalidArgument, "LocalWorld: size {} is not positive",
                  size);
+  detail::check_timeout(options.timeout, "LocalWorld");
   spec_ = BackendSpec::parse(options.backend.empty() ? "local" : options.backend);
   for (const auto& [device, backend] : spec_.backends)
     MESHFUSE_CHECK(backend == CommunicatorBackend::Local, ErrorCode::InvalidArgument,

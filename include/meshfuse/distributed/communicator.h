@@ -202,7 +202,8 @@ class Work {
 struct CommOptions {
   // Backend spec (BackendSpec::parse); empty: BackendSpec::defaults(), or "local" for LocalWorld.
   std::string backend;
-  // How long a rank waits for its peers (the check, Work::wait, the backends' own transfers).
+  // How long a rank waits for its peers (the check, Work::wait, the backends' own transfers);
+  // positive (InvalidArgument otherwise, also from set_timeout).
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   // The metadata check before each collective.
   bool check = true;
