@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <exception>
 #include <optional>
-#include <ranges>
 #include <string>
 #include <vector>
 
@@ -70,7 +69,7 @@ void check_tensors(Call& c, const Stream& stream) {
   const TensorView& first = c.tensors.front().second;
   c.dtype = first.dtype();
   c.device = first.device();
-  for (const TensorView& t : c.tensors | std::views::values) {
+  for (const auto& [name, t] : c.tensors) {
     MESHFUSE_CHECK(t.is_contiguous(), ErrorCode::InvalidArgument,
                    "{}: tensors must be contiguous, got {}", op, t.str());
     MESHFUSE_CHECK(t.dtype() == c.dtype, ErrorCode::DTypeMismatch,
