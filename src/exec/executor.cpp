@@ -39,27 +39,15 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
 // one that the others never call: before the first communication of a backend, the ranks compare
 // a hash of the program's text (ops, shapes, placements) and one of the params that decide which
 // communications run, how and where, and fail together when one differs.
-std::string MultiDeviceExecutor::params_text() const {
-  return fmt::format("backend {}, overlap {}, chunks {}, streams {}, profile {}",
-                     params_.lowering.communicator_backend
-                         ? to_string(*params_.lowering.communicator_backend)
-                         : "the communicator's",
-                     to_string(params_.overlap.overlap), params_.overlap.chunks,
-                     params_.overlap.number_of_streams, params_.profile);
-}
-
-void MultiDeviceExecutor::set_params(MultiDeviceExecutorParams params) {
-  check_overlap_params(params.overlap);
-  params_ = std::move(params);
-  // Compared again before the next communication, on every rank: each rank calls set_params, and
-  // one whose params did not change must still meet the one whose params did.
-  checked_.clear();
-}
-
 void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,
                                              const Stream& stream) const {
   const Device device = type == DeviceType::CPU ? Device{} : stream.device;
-  const std::string params = params_text();
+  const std::string params = fmt::format(
+      "backend {}, overlap {}, chunks {}, streams {}, profile {}",
+      params_.lowering.communicator_backend ? to_string(*params_.lowering.communicator_backend)
+                                            : "the communicator's",
+      to_string(params_.overlap.overlap), params_.overlap.chunks, params_.overlap.number_of_streams,
+      params_.profile);
   Tensor mine({2}, DType::I64);
   mine.data_ptr<std::int64_t>()[0] =
       static_cast<std::int64_t>(std::hash<std::string>{}(program_.to_string()));
@@ -88,6 +76,14 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
                    "must pass the same: this rank has {})",
                    rank, params);
   }
+}
+
+void MultiDeviceExecutor::set_params(MultiDeviceExecutorParams params) {
+  check_overlap_params(params.overlap);
+  params_ = std::move(params);
+  // Compared again before the next communication, on every rank: each rank calls set_params, and
+  // one whose params did not change must still meet the one whose params did.
+  checked_.clear();
 }
 
 CommunicatorBackend MultiDeviceExecutor::backend_for(DeviceType type) const {

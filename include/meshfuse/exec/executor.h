@@ -33,7 +33,6 @@
 #include <memory>
 #include <optional>
 #include <set>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -110,7 +109,6 @@ class MultiDeviceExecutor {
   const std::vector<std::shared_ptr<Communicator>>& teams(CommunicatorBackend backend,
                                                           DeviceType type, const Stream& stream);
   void check_same_program(Communicator& world, DeviceType type, const Stream& stream) const;
-  std::string params_text() const;  // the params that check_same_program compares
 
   Program program_;
   std::shared_ptr<Communicator> communicator_;
