@@ -145,6 +145,25 @@ TEST(DistLocal, RecordsNameTheOperationTeamBackendAndSize) {
   });
 }
 
+TEST(DistLocal, RecordsCallSplitSizesUnevenOnlyWhenTheyDiffer) {
+  on_four_ranks([](Communicator& c) {
+    Tensor in = Tensor::zeros({2}, DType::F32), out = Tensor::zeros({8}, DType::F32);
+    Work equal = c.all_gather(in, out, {2, 2, 2, 2});
+    equal.wait();
+    EXPECT_FALSE(equal.record().uneven);
+    EXPECT_EQ(
+        equal.record().to_string(),
+        fmt::format("all_gather f32 x 2 (32 B) on local, team [0 1 2 3], rank {}, #0", c.rank()));
+    Tensor mine = Tensor::zeros({c.rank() == 3 ? 3 : 1}, DType::F32);
+    Tensor all = Tensor::zeros({6}, DType::F32);
+    Work uneven = c.all_gather(mine, all, {1, 1, 1, 3});
+    uneven.wait();
+    EXPECT_TRUE(uneven.record().uneven);
+    EXPECT_NE(uneven.record().to_string().find(" uneven "), std::string::npos)
+        << uneven.record().to_string();
+  });
+}
+
 TEST(DistLocal, SplitSizesWhoseSumWrapsAroundAreRefused) {
   // 2 * (2^63 - 1) + 6 wraps around 2^64 to 4, the tensor's rows: summed unchecked, these sizes
   // passed and the copy ran past the buffers.

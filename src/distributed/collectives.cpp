@@ -2,6 +2,7 @@
 // every backend shares, the metadata check, the record, then the backend of the tensors' device.
 #include <algorithm>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,7 +41,7 @@ struct Call {
   std::optional<ReduceOp> reduction;
   std::int64_t count = 0;  // see CommRecord::count
   std::int64_t bytes = 0;
-  bool uneven = false;
+  bool split_sizes = false;  // called with split sizes (the metadata check compares them)
   std::vector<std::int64_t> in_counts, out_counts;  // elements per rank, where they apply
   Stream stream;
   DType dtype = DType::U8;
@@ -53,6 +54,10 @@ struct Call {
 };
 
 std::string op_name(CommOp op) { return std::string(to_string(op)); }
+
+bool all_equal(const std::vector<std::int64_t>& counts) {
+  return std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) == counts.end();
+}
 
 // Checks the tensors (defined, contiguous, one dtype, one device) and the stream (on the tensors'
 // device, never relabelled: a CPU stream with CUDA tensors is a DeviceMismatch); fills dtype and
@@ -163,7 +168,7 @@ Work start(CommState& s, Call& c, F&& run) {
   record.count = c.count;
   record.bytes = c.bytes;
   record.seq = s.seq++;
-  record.uneven = c.uneven;
+  record.uneven = !all_equal(c.in_counts) || !all_equal(c.out_counts);
   s.remember(record);
 
   c.exchanged = true;
@@ -172,7 +177,7 @@ Work start(CommState& s, Call& c, F&& run) {
       const int n = s.size();
       detail::Meta meta{
           {static_cast<std::int32_t>(c.op), static_cast<std::int32_t>(c.dtype), c.root,
-           c.reduction ? static_cast<std::int32_t>(*c.reduction) : -1, c.uneven, 0, c.count},
+           c.reduction ? static_cast<std::int32_t>(*c.reduction) : -1, c.split_sizes, 0, c.count},
           c.in_counts,
           c.out_counts};
       meta.in.resize(n, 0);
@@ -251,7 +256,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
   Call c(*state_, CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
-  c.uneven = true;
+  c.split_sizes = true;
   c.out_counts = split_elements(output_split_sizes, output, size(), "output_split_sizes", c.op);
   check_numel(input, c.out_counts[rank()], "input", c.op);
   c.count = input.numel();
@@ -282,7 +287,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
   c.reduction = op;
   check_tensors(c, stream);
   check_same_rows(input, output, c.op);
-  c.uneven = true;
+  c.split_sizes = true;
   c.in_counts = split_elements(input_split_sizes, input, size(), "input_split_sizes", c.op);
   check_numel(output, c.in_counts[rank()], "output", c.op);
   c.count = output.numel();
@@ -340,7 +345,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
     c.out_counts = c.in_counts;
   } else {
     check_same_rows(input, output, c.op);
-    c.uneven = true;
+    c.split_sizes = true;
     c.in_counts = split_elements(input_split_sizes, input, n, "input_split_sizes", c.op);
     c.out_counts = split_elements(output_split_sizes, output, n, "output_split_sizes", c.op);
   }

@@ -84,7 +84,7 @@ struct MetaHeader {
   std::int32_t dtype;
   std::int32_t root;
   std::int32_t reduction;  // -1: none
-  std::int32_t uneven;
+  std::int32_t split_sizes;   // called with split sizes; for kSplitOp: new_group (ranks in `in`)
   std::int32_t exchange = 0;  // CommState::exchanges when it was made (modulo 2^32), stamped there
   std::int64_t count;         // see CommRecord::count; split: key
 };

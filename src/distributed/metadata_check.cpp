@@ -19,7 +19,7 @@ namespace {
 // The part of a rank's metadata every rank must agree on, as text for the error.
 std::string signature(const Meta& m) {
   if (m.h.op == kSplitOp) {
-    if (!m.h.uneven) return "split";
+    if (!m.h.split_sizes) return "split";
     // The list of ranks, without the -1s that pad it to the team's size.
     std::vector<std::int64_t> ranks;
     for (const std::int64_t r : m.in)
@@ -31,7 +31,8 @@ std::string signature(const Meta& m) {
   if (m.h.reduction >= 0) s += fmt::format("({})", to_string(static_cast<ReduceOp>(m.h.reduction)));
   if (op == CommOp::Barrier) return s;
   s += fmt::format(" {}", to_string(static_cast<DType>(m.h.dtype)));
-  const bool shared_splits = m.h.uneven && (op == CommOp::AllGather || op == CommOp::ReduceScatter);
+  const bool shared_splits =
+      m.h.split_sizes && (op == CommOp::AllGather || op == CommOp::ReduceScatter);
   if (shared_splits)
     s += " split " + list_str(op == CommOp::AllGather ? m.out : m.in) + " elements";
   else if (op != CommOp::AllToAll)

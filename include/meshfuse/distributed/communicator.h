@@ -162,7 +162,7 @@ struct CommRecord {
   std::int64_t bytes = 0;  // the larger of the caller's input and output bytes: the nccl-tests
                            // "size" (all_gather: the gathered output, reduce_scatter: the input)
   std::uint64_t seq = 0;   // position among the operations of this communicator, from 0
-  bool uneven = false;     // called with split sizes
+  bool uneven = false;     // called with split sizes that differ between ranks
 
   // e.g. "all_reduce(sum) f32 x 1024 (4 KiB) on gloo, team [0 1 2 3], rank 1, #7";
   // "broadcast f32 x 8 (32 B) on local, team [0 1], rank 0, root 1, #0".
