@@ -298,6 +298,43 @@ TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
   expect_error([&] { world.communicator(1); }, ErrorCode::InvalidArgument, {"already taken"});
 }
 
+TEST(DistLocal, AnExceptionFromPollAbortsTheWaitingRanksAndIsRethrown) {
+  // Both ranks wait in a collective that can never complete (rank 1 waits for a message): poll
+  // (Python's Ctrl-C check) throwing must end them at once, not after the timeout.
+  CommOptions options;
+  options.timeout = std::chrono::seconds(120);
+  std::vector<std::string> seen(2);
+  int polls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  expect_error(
+      [&] {
+        run_local(
+            2,
+            [&](const std::shared_ptr<Communicator>& c) {
+              try {
+                if (c->rank() == 0)
+                  c->barrier().wait();
+                else
+                  c->recv(Tensor::zeros({4}, DType::F32), 0).wait();
+              } catch (const Error& e) {
+                seen[static_cast<std::size_t>(c->rank())] = e.what();
+                throw;
+              }
+            },
+            options,
+            [&] {
+              if (++polls == 3) fail(ErrorCode::Internal, "interrupted by the test");
+            });
+      },
+      ErrorCode::Internal, {"interrupted by the test"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ(polls, 3);
+  for (const std::string& e : seen) {
+    EXPECT_NE(e.find("[communication failure]"), std::string::npos) << e;
+    EXPECT_NE(e.find("local: run_local was interrupted"), std::string::npos) << e;
+  }
+}
+
 TEST(DistLocal, ARankThatThrowsStopsTheOthersWaitingAndItsErrorIsRethrown) {
   // Ranks 0 and 1 wait in an all_reduce for rank 2, which throws instead: they used to wait out
   // the whole timeout, and run_local then rethrew rank 0's timeout rather than rank 2's error.

@@ -330,7 +330,13 @@ void bind_communicator(nb::module_& m) {
                   throw;
                 }
               },
-              options("", timeout, check));
+              options("", timeout, check),
+              // Ctrl-C: Python runs its signal handlers only when asked, and this thread waits
+              // in C++; the KeyboardInterrupt aborts the world and comes back once ranks return.
+              [] {
+                nb::gil_scoped_acquire acquire;
+                if (PyErr_CheckSignals() != 0) throw nb::python_error();
+              });
         }
         nb::list out;
         for (const nb::object& result : results) out.append(result);
@@ -340,7 +346,8 @@ void bind_communicator(nb::module_& m) {
       "Runs fn(communicator) for ranks 0..size-1 on threads of a LocalWorld, joins them and "
       "returns the list of their results, rank by rank; re-raises the exception raised first, as "
       "it was raised (type and message), with a note naming the rank; the other ranks stop "
-      "waiting for that one at once (CommunicationFailure). The "
+      "waiting for that one at once (CommunicationFailure). Ctrl-C (KeyboardInterrupt) makes "
+      "the ranks waiting in communications fail at once, and is raised once they return. The "
       "communicators stay valid after fn returns (e.g. kept by a MultiDeviceExecutor).");
 }
 

@@ -1,6 +1,8 @@
 """Errors as Python code expects them: meshfuse.Error subclasses by code, each also the built-in
 exception of its kind; outputs that cannot be written named; a rank's exception kept whole."""
 
+import _thread
+import threading
 import time
 
 import numpy as np
@@ -105,6 +107,28 @@ def test_a_rank_that_raises_stops_the_others_waiting_for_it():
     assert time.monotonic() - start < 30
     assert isinstance(seen[0], meshfuse.CommunicationError)
     assert "rank 1 of run_local raised" in str(seen[0]) and "the real cause" in str(seen[0])
+
+
+def test_ctrl_c_during_run_local_stops_the_waiting_ranks_at_once():
+    # Both ranks wait for messages that never come; Ctrl-C (interrupt_main, as SIGINT does) used
+    # to arrive only after the 120 s timeout.
+    seen = []
+
+    def rank_fn(comm):
+        try:
+            comm.recv(np.empty(4, np.float32), src=1 - comm.rank).wait()
+        except meshfuse.Error as e:
+            seen.append(e)
+            raise
+
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        meshfuse.run_local(2, rank_fn, timeout=120)
+    assert time.monotonic() - start < 30
+    assert len(seen) == 2
+    assert all(isinstance(e, meshfuse.CommunicationError) for e in seen)
+    assert "run_local was interrupted" in str(seen[0])
 
 
 def test_a_collective_that_waits_too_long_raises_timeout_error():

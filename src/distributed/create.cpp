@@ -1,5 +1,6 @@
 // Creating communicators: init_communicator (a process of a launched job), LocalWorld and
 // run_local (ranks as threads of one process).
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -109,11 +110,13 @@ std::shared_ptr<Communicator> LocalWorld::communicator(int rank) {
 void LocalWorld::abort(const std::string& why) { detail::abort_local_world(*state_, why); }
 
 void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
-               const CommOptions& options) {
+               const CommOptions& options, const std::function<void()>& poll) {
   LocalWorld world(size, options);
   std::vector<std::shared_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) comms.push_back(world.communicator(r));
   std::mutex mutex;
+  std::condition_variable finished;
+  int running = size;
   std::exception_ptr first;  // the others' errors are most likely its consequences
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r)
@@ -134,8 +137,26 @@ void run_local(int size, const std::function<void(const std::shared_ptr<Communic
         }
         world.abort(fmt::format("rank {} of run_local raised: {}", r, what));
       }
+      const std::lock_guard lock(mutex);
+      if (--running == 0) finished.notify_all();
     });
+  std::exception_ptr polled;
+  if (poll) {
+    std::unique_lock lock(mutex);
+    while (!finished.wait_for(lock, std::chrono::milliseconds(100), [&] { return running == 0; })) {
+      lock.unlock();
+      try {
+        poll();
+      } catch (...) {
+        polled = std::current_exception();
+        world.abort("run_local was interrupted");
+        break;
+      }
+      lock.lock();
+    }
+  }
   for (std::thread& t : threads) t.join();
+  if (polled) std::rethrow_exception(polled);
   if (first) std::rethrow_exception(first);
 }
 

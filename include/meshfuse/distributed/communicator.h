@@ -386,8 +386,11 @@ class LocalWorld {
 void run_local(int size, const std::function<void(Communicator&)>& fn,
                const CommOptions& options = {});
 // The same with fn given each rank's communicator as owned: what fn builds on it (a
-// MultiDeviceExecutor) may keep it past run_local.
+// MultiDeviceExecutor) may keep it past run_local. `poll`, when given, is called on the calling
+// thread about every 100 ms while ranks run (the Python binding checks for Ctrl-C there); an
+// exception from it aborts the world, so the ranks waiting in collectives or recvs fail at once,
+// and is rethrown once every rank has returned.
 void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
-               const CommOptions& options = {});
+               const CommOptions& options = {}, const std::function<void()>& poll = {});
 
 }  // namespace meshfuse
