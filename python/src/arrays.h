@@ -81,6 +81,14 @@ struct Output {
   const char* type = "";  // the Python type that came (its tp_name, alive for the call)
 };
 
+// An input argument of the collectives: any array, read-only ones too, converted as Output is, so
+// that one that is not an array is named by view(in, op, name).
+struct Input {
+  nb::ndarray<nb::ro> array;
+  bool is_array = false;
+  const char* type = "";  // the Python type that came (its tp_name, alive for the call)
+};
+
 // Argument `name` of `op` as a view; its errors name both.
 template <typename... Ts>
 TensorView view(const nb::ndarray<Ts...>& a, std::string_view op, std::string_view name) {
@@ -95,6 +103,15 @@ inline TensorView view(const Output& out, std::string_view op, std::string_view 
                 what + "is a read-only " + out.type + " (outputs are written in place)");
   const std::string message =  // a bad type
       what + "must be a writable array of a DLPack dtype (PyTorch, NumPy, CuPy), got " + out.type;
+  throw nb::type_error(message.c_str());
+}
+
+inline TensorView view(const Input& in, std::string_view op, std::string_view name) {
+  if (in.is_array) return view(in.array, op, name);
+  const std::string message = std::string(op) + ": '" + std::string(name) +
+                              "' must be an array of a DLPack dtype on the CPU or a CUDA device "
+                              "(PyTorch, NumPy, CuPy, JAX), got " +
+                              in.type;
   throw nb::type_error(message.c_str());
 }
 
@@ -202,6 +219,17 @@ inline nb::object to_array(Tensor tensor, ArrayKind kind) {
 }  // namespace meshfuse::python
 
 namespace nanobind::detail {
+
+template <>
+struct type_caster<meshfuse::python::Input> {
+  NB_TYPE_CASTER(meshfuse::python::Input, const_name("numpy.typing.ArrayLike"))
+
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    value.type = Py_TYPE(src.ptr())->tp_name;
+    value.is_array = try_cast(src, value.array, false);
+    return true;
+  }
+};
 
 template <>
 struct type_caster<meshfuse::python::Output> {

@@ -1,6 +1,6 @@
 // Communicators in the _meshfuse extension: init_communicator (from the launcher's environment),
 // LocalWorld / run_local (ranks as threads), the collectives on DLPack arrays, Work, CommRecord.
-// Collectives and waits release the GIL. A Work keeps its arrays alive until it is gone.
+// Collectives and waits release the GIL. The arrays of an operation stay alive until it completes.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
@@ -22,16 +22,55 @@ namespace meshfuse::python {
 namespace {
 
 using namespace nb::literals;
-using Array = nb::ndarray<>;
-using OptArray = std::optional<Array>;
-using Out = Output;  // an array the collective writes: a read-only one is named (arrays.h)
+using In = Input;    // an array the collective reads: one that is not an array is named (arrays.h)
+using Out = Output;  // an array the collective writes: a read-only one is named too
 using Splits = std::optional<std::vector<std::int64_t>>;
+using Kept = nb::ndarray<nb::ro>;
 
-// A Work and the arrays it reads and writes.
+// A Work and the arrays it reads and writes, which the backend uses until the operation
+// completes. A PyWork dropped before then (a collective whose Work was never kept) hands them to
+// `orphans`, freed once done by a later operation's start: freed with the handle, they were
+// written after their memory went back to Python. One that failed keeps them for good (after a
+// timeout gloo and mpi may still write them).
 struct PyWork {
+  PyWork(Work work, std::vector<Kept> arrays) : work(std::move(work)), arrays(std::move(arrays)) {}
+  PyWork(PyWork&&) = default;
+  PyWork& operator=(PyWork&&) = default;
+  ~PyWork();
+
   Work work;
-  std::vector<Array> arrays;
+  std::vector<Kept> arrays;
 };
+
+struct Orphan {
+  Work work;
+  std::vector<Kept> arrays;
+};
+
+// Never destroyed: its arrays must not be released after the interpreter has ended.
+std::vector<Orphan>& orphans() {
+  static auto* kept = new std::vector<Orphan>();
+  return *kept;
+}
+
+bool failed(Work work) {
+  try {
+    work.wait();  // completed: returns or rethrows at once
+    return false;
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
+PyWork::~PyWork() {
+  if (!arrays.empty() && !work.is_completed())
+    orphans().push_back({std::move(work), std::move(arrays)});
+}
+
+void free_finished_orphans() {
+  std::erase_if(orphans(),
+                [](const Orphan& o) { return o.work.is_completed() && !failed(o.work); });
+}
 
 std::chrono::milliseconds milliseconds(double seconds) {
   MESHFUSE_CHECK(std::isfinite(seconds) && seconds > 0, ErrorCode::InvalidArgument,
@@ -47,9 +86,31 @@ CommOptions options(const std::string& backend, double timeout, bool check) {
   return o;
 }
 
-// Calls `op` with the GIL released; the Work holds `arrays`.
+// The binding's own checks of a collective's arguments (their conversion to views, the reduce op's
+// name). A collective that fails them is counted as one that fails the C++ call's checks
+// (Communicator::count_failed_collective): uncounted, this rank's next collective would pair with
+// the peers' current one.
+class ArgumentChecks {
+ public:
+  explicit ArgumentChecks(Communicator& c) : c_(c) {}
+  ArgumentChecks(const ArgumentChecks&) = delete;
+  ArgumentChecks& operator=(const ArgumentChecks&) = delete;
+  ~ArgumentChecks() {
+    if (!passed_ && std::uncaught_exceptions() > exceptions_) c_.count_failed_collective();
+  }
+  void passed() { passed_ = true; }
+
+ private:
+  Communicator& c_;
+  bool passed_ = false;
+  int exceptions_ = std::uncaught_exceptions();
+};
+
+// Calls `op` with the GIL released; the Work holds `arrays`. `checks`: a collective's, passed.
 template <typename Op>
-PyWork run(Op&& op, std::vector<Array> arrays) {
+PyWork run(Op&& op, std::vector<Kept> arrays, ArgumentChecks* checks = nullptr) {
+  free_finished_orphans();
+  if (checks) checks->passed();
   Work work;
   {
     nb::gil_scoped_release release;
@@ -58,11 +119,15 @@ PyWork run(Op&& op, std::vector<Array> arrays) {
   return {std::move(work), std::move(arrays)};
 }
 
-std::vector<Array> present(std::initializer_list<const OptArray*> arrays) {
-  std::vector<Array> out;
-  for (const OptArray* a : arrays)
-    if (*a) out.push_back(**a);
-  return out;
+// The arrays of `args` to keep (In, Out, and optional ones when given).
+std::vector<Kept> kept(std::initializer_list<const In*> ins,
+                       std::initializer_list<const Out*> outs = {}) {
+  std::vector<Kept> k;
+  for (const In* in : ins)
+    if (in) k.push_back(in->array);
+  for (const Out* out : outs)
+    if (out) k.emplace_back(out->array);
+  return k;
 }
 
 void bind_record(nb::module_& m) {
@@ -146,33 +211,36 @@ void bind_communicator(nb::module_& m) {
       .def(
           "all_reduce",
           [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView v = view(t, "all_reduce", "tensor");
             const ReduceOp r = parse_reduce_op(op);
             return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); },
-                       {t.array});
+                       kept({}, {&t}), &checks);
           },
           "tensor"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "broadcast",
           [](Communicator& c, Out t, int root, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView v = view(t, "broadcast", "tensor");
             return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); },
-                       {t.array});
+                       kept({}, {&t}), &checks);
           },
           "tensor"_a, "root"_a, "stream"_a = 0)
       .def(
           "reduce",
           [](Communicator& c, Out t, int root, const std::string& op, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView v = view(t, "reduce", "tensor");
             const ReduceOp r = parse_reduce_op(op);
             return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); },
-                       {t.array});
+                       kept({}, {&t}), &checks);
           },
           "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "all_gather",
-          [](Communicator& c, Array input, Out output, const Splits& splits,
-             std::uintptr_t stream) {
+          [](Communicator& c, In input, Out output, const Splits& splits, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView in = view(input, "all_gather", "input"),
                              out = view(output, "all_gather", "output");
             const Stream s = stream_on(in.device(), stream);
@@ -180,13 +248,14 @@ void bind_communicator(nb::module_& m) {
                 [&] {
                   return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
                 },
-                {input, output.array});
+                kept({&input}, {&output}), &checks);
           },
           "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "reduce_scatter",
-          [](Communicator& c, Array input, Out output, const Splits& splits, const std::string& op,
+          [](Communicator& c, In input, Out output, const Splits& splits, const std::string& op,
              std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView in = view(input, "reduce_scatter", "input"),
                              out = view(output, "reduce_scatter", "output");
             const ReduceOp r = parse_reduce_op(op);
@@ -196,36 +265,38 @@ void bind_communicator(nb::module_& m) {
                   return splits ? c.reduce_scatter(in, out, *splits, r, s)
                                 : c.reduce_scatter(in, out, r, s);
                 },
-                {input, output.array});
+                kept({&input}, {&output}), &checks);
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
       .def(
           "gather",
-          [](Communicator& c, Array input, const std::optional<Out>& output, int root,
+          [](Communicator& c, In input, const std::optional<Out>& output, int root,
              std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView in = view(input, "gather", "input"),
                              out = view(output, "gather", "output");
             return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
-                       output ? std::vector<Array>{output->array} : std::vector<Array>{});
+                       kept({&input}, {output ? &*output : nullptr}), &checks);
           },
           "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
           "output is only used on the root (None elsewhere).")
       .def(
           "scatter",
-          [](Communicator& c, const OptArray& input, Out output, int root, std::uintptr_t stream) {
+          [](Communicator& c, const std::optional<In>& input, Out output, int root,
+             std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView in = view(input, "scatter", "input"),
                              out = view(output, "scatter", "output");
-            std::vector<Array> keep = present({&input});
-            keep.push_back(output.array);
             return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
-                       std::move(keep));
+                       kept({input ? &*input : nullptr}, {&output}), &checks);
           },
           "input"_a.none(), "output"_a, "root"_a, "stream"_a = 0,
           "input is only used on the root (None elsewhere).")
       .def(
           "all_to_all",
-          [](Communicator& c, Array input, Out output, const Splits& in_splits,
+          [](Communicator& c, In input, Out output, const Splits& in_splits,
              const Splits& out_splits, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const TensorView in = view(input, "all_to_all", "input"),
                              out = view(output, "all_to_all", "output");
             return run(
@@ -234,15 +305,16 @@ void bind_communicator(nb::module_& m) {
                                       out_splits.value_or(std::vector<std::int64_t>{}),
                                       stream_on(in.device(), stream));
                 },
-                {input, output.array});
+                kept({&input}, {&output}), &checks);
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(),
           "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "send",
-          [](Communicator& c, Array t, int dst, int tag, std::uintptr_t stream) {
+          [](Communicator& c, In t, int dst, int tag, std::uintptr_t stream) {
             const TensorView v = view(t, "send", "tensor");
-            return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); }, {t});
+            return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); },
+                       kept({&t}));
           },
           "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
@@ -250,20 +322,19 @@ void bind_communicator(nb::module_& m) {
           [](Communicator& c, Out t, int src, int tag, std::uintptr_t stream) {
             const TensorView v = view(t, "recv", "tensor");
             return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); },
-                       {t.array});
+                       kept({}, {&t}));
           },
           "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
       .def(
           "send_recv",
-          [](Communicator& c, Array send, int dst, Out recv, int src, int tag,
-             std::uintptr_t stream) {
+          [](Communicator& c, In send, int dst, Out recv, int src, int tag, std::uintptr_t stream) {
             const TensorView out = view(send, "send_recv", "send_tensor"),
                              in = view(recv, "send_recv", "recv_tensor");
             return run(
                 [&] {
                   return c.send_recv(out, dst, in, src, tag, stream_on(out.device(), stream));
                 },
-                {send, recv.array});
+                kept({&send}, {&recv}));
           },
           "send_tensor"_a, "dst"_a, "recv_tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0,
           "Sends send_tensor to dst and receives recv_tensor from src as one operation (a ring "
@@ -271,8 +342,9 @@ void bind_communicator(nb::module_& m) {
       .def(
           "barrier",
           [](Communicator& c, const std::string& device, std::uintptr_t stream) {
+            ArgumentChecks checks(c);
             const Stream s = stream_on(Device::parse(device), stream);
-            return run([&] { return c.barrier(s); }, {});
+            return run([&] { return c.barrier(s); }, {}, &checks);
           },
           "device"_a = "cpu", "stream"_a = 0,
           "Completes once every rank has called it, on the backend of `device`.");

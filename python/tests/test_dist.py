@@ -1,10 +1,12 @@
 """Communicators from Python: the local backend (ranks as threads) and gloo (two processes)."""
 
+import gc
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +94,66 @@ def test_mismatched_counts_raise_naming_the_ranks():
     # new_group lists as the ranks gave them, without the padding of the exchanged record.
     with pytest.raises(ValueError, match=r"new_group \[0\] but rank 1 has new_group \[1\]"):
         meshfuse.run_local(2, lambda comm: comm.new_group([comm.rank]))
+
+
+def test_a_collective_refused_by_the_binding_leaves_the_ranks_out_of_step():
+    # Rank 1's first all_reduce is refused before it reaches the communicator (a read-only
+    # output): uncounted, rank 0's first call paired with rank 1's second and summed into the
+    # wrong array, silently.
+    errors = {}
+
+    def rank_fn(comm):
+        x = np.ones(4, np.float32)
+        if comm.rank == 1:
+            x.flags.writeable = False
+            with pytest.raises(ValueError, match="all_reduce: output 'tensor' is a read-only"):
+                comm.all_reduce(x)
+        try:
+            comm.all_reduce(np.full(4, 1000.0, np.float32)).wait()
+        except meshfuse.CommunicationError as e:
+            errors[comm.rank] = str(e)
+
+    meshfuse.run_local(2, rank_fn, timeout=60)
+    assert sorted(errors) == [0, 1]
+    assert all("ranks out of step" in e for e in errors.values())
+
+
+def test_collective_arrays_live_until_the_operation_completes():
+    # A Work dropped at once (fire and forget) and a gather whose input goes out of scope: the
+    # backend still reads the arrays after their handles are gone, when the late rank arrives.
+    got = {}
+
+    def rank_fn(comm):
+        if comm.rank == 0:
+            comm.all_reduce(np.full(1 << 18, 1.0, np.float32))
+            work = comm.gather(input=np.full(1 << 18, 7.0, np.float32), output=None, root=1)
+            gc.collect()
+            np.full(1 << 20, -1.0, np.float32)  # would reuse freed memory
+            work.wait()
+        else:
+            time.sleep(0.3)
+            x = np.full(1 << 18, 2.0, np.float32)
+            comm.all_reduce(x).wait()
+            out = np.empty(2 << 18, np.float32)
+            comm.gather(input=np.zeros(1 << 18, np.float32), output=out, root=1).wait()
+            got["sum"], got["gathered"] = x, out
+
+    meshfuse.run_local(2, rank_fn)
+    np.testing.assert_array_equal(got["sum"], 3.0)
+    np.testing.assert_array_equal(got["gathered"][: 1 << 18], 7.0)
+
+
+def test_collective_arguments_that_are_not_arrays_are_named():
+    def rank_fn(comm):
+        with pytest.raises(TypeError, match="send: 'tensor' must be an array .* got list"):
+            comm.send([1.0, 2.0], 1 - comm.rank)
+        readonly = np.arange(2, dtype=np.float32)
+        readonly.flags.writeable = False
+        out = np.empty(4, np.float32)
+        comm.all_gather(readonly, out).wait()  # an input may be read-only
+        np.testing.assert_array_equal(out, [0, 1, 0, 1])
+
+    meshfuse.run_local(2, rank_fn)
 
 
 def test_mesh_teams_are_the_mesh_lines_split_once_and_kept():

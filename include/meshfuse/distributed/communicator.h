@@ -270,6 +270,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // asks for the same meshes in the same order. Error(InvalidArgument) for a mesh of other ranks.
   std::vector<std::shared_ptr<Communicator>> mesh_teams(const DeviceMesh& mesh);
 
+  // For language bindings that check a collective's arguments before calling it: counts a
+  // collective that failed those checks as a call that fails its own checks is counted, so that
+  // the team's next metadata exchange finds the ranks out of step (CommunicationFailure on every
+  // rank) instead of pairing this rank's next collective with the others' current one. Not for
+  // send, recv and send_recv, which have no exchange.
+  void count_failed_collective();
+
   // In place: tensor = op over the ranks' tensors (same numel and dtype on every rank).
   Work all_reduce(const TensorView& tensor, ReduceOp op = ReduceOp::Sum, const Stream& stream = {});
   // In place: every rank's tensor = root's.
