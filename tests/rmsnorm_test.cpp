@@ -333,6 +333,38 @@ TEST_P(RmsNormEveryBackend, DresidualAsDxItselfWithMultiplierOneGivesTheSameBits
   }
 }
 
+// In place: y over x (rmsnorm, and the fused op), or over residual, gives the bits of separate
+// memory (y is written element by element after its row's sum).
+TEST_P(RmsNormEveryBackend, YOverXOrResidualGivesTheBitsOfSeparateOutputs) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{3, 40}, Shape{24, 4096}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Inputs plain_in = on(make_inputs(shape, dtype, {.weight = true}, 5), d, stream);
+    const Forward plain_out = forward(plain_in, stream);
+    const Tensor y = plain_in.x.clone(stream);
+    Tensor rstd({shape[0]}, rmsnorm_rstd_dtype(dtype), d, stream);
+    rmsnorm(y, plain_in.weight, y, rstd, plain_in.eps, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(y, stream), to_cpu(plain_out.y, stream)));
+    const Inputs in =
+        on(make_inputs(shape, dtype, {.weight = true, .residual = true, .multiplier = 0.5}, 6), d,
+           stream);
+    const Forward out = forward(in, stream);
+    for (const bool over_x : {true, false}) {
+      const Tensor x = in.x.clone(stream), residual = in.residual.clone(stream);
+      const Tensor& over = over_x ? x : residual;
+      Tensor r(shape, dtype, d, stream);
+      fused_residual_add_rmsnorm(x, residual, in.weight, over, r, rstd, in.eps, in.multiplier,
+                                 stream);
+      EXPECT_TRUE(testing::bitwise_equal(to_cpu(over, stream), to_cpu(out.y, stream))) << over_x;
+      EXPECT_TRUE(testing::bitwise_equal(to_cpu(r, stream), to_cpu(out.r, stream))) << over_x;
+    }
+  }
+}
+
 // 33: one element per CUDA vector; 40: 16-byte vectors.
 TEST_P(RmsNormEveryBackend, NanOrInfInARowPoisonsOnlyThatRow) {
   const auto [target, dtype] = GetParam();

@@ -268,6 +268,29 @@ TEST_P(SoftmaxEveryBackend, NonContiguousInputsGiveTheContiguousResult) {
   }
 }
 
+// In place: y over x, and grad_x over grad_y or over y, give the bits of separate outputs.
+TEST_P(SoftmaxEveryBackend, InPlaceGivesTheBitsOfSeparateOutputs) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  const Device d = target.device;
+  ForceKernelBackend force(target.backend);
+  for (const Shape& shape : {Shape{3, 5}, Shape{6, 1000}}) {
+    SCOPED_TRACE(shape_str(shape));
+    const Tensor x = on(randn(shape, dtype, 21), d, stream),
+                 dy = on(randn(shape, dtype, 22), d, stream);
+    const Result separate = run(x, dy, 0.7, stream);
+    const Tensor y = x.clone(stream);
+    softmax(y, y, 0.7, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(y, stream), to_cpu(separate.y, stream)));
+    const Tensor over_dy = dy.clone(stream), over_y = separate.y.clone(stream);
+    softmax_backward(over_dy, separate.y, over_dy, 0.7, stream);
+    softmax_backward(dy, over_y, over_y, 0.7, stream);
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(over_dy, stream), to_cpu(separate.grad_x, stream)));
+    EXPECT_TRUE(testing::bitwise_equal(to_cpu(over_y, stream), to_cpu(separate.grad_x, stream)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(, SoftmaxEveryBackend,
                          ::testing::ValuesIn(test::op_cases(test::all_targets())),
                          test::op_case_name);
@@ -366,12 +389,40 @@ TEST(Softmax, OutputPartlyOverlappingAnOperandIsAnErrorAndInPlaceWorks) {
                           grads.view().narrow(0, 1, 4));
         },
         ErrorCode::InvalidArgument, {"swiglu_backward", "overlaps"});
-    // In place: the result of separate memory.
-    const Tensor x = randn({4, 6}, DType::F32, 35);
-    Tensor y({4, 6}, DType::F32), in_place = Tensor::copy_of(x);
-    softmax(x, y, 1.0);
-    softmax(in_place, in_place, 1.0);
-    EXPECT_TRUE(testing::bitwise_equal(in_place, y));
+  }
+}
+
+// The same view as an input is taken only where the op writes in place (every backend reads each
+// element before writing it): fused_residual_add_rmsnorm's r over residual came out wrong (its
+// second pass reads residual again), and so did rmsnorm_backward's dx over x on the reference,
+// linear_backward's grad_x over x, and two outputs given the same memory.
+TEST(Softmax, TheSameViewAsAnInputIsRefusedWhereTheOpDoesNotWriteInPlace) {
+  for (const KernelBackend backend : {KernelBackend::Reference, KernelBackend::CPU}) {
+    SCOPED_TRACE(std::string(to_string(backend)));
+    const ForceKernelBackend force(backend);
+    const Tensor x = randn({4, 6}, DType::F32, 41), residual = randn({4, 6}, DType::F32, 42),
+                 w = randn({6}, DType::F32, 43), grad_y = randn({4, 6}, DType::F32, 44);
+    Tensor y({4, 6}, DType::F32), r({4, 6}, DType::F32), rstd({4}, DType::F32);
+    test::expect_error(
+        [&] { fused_residual_add_rmsnorm(x, residual, w, y, residual, rstd, 1e-5, 0.5); },
+        ErrorCode::InvalidArgument,
+        {"fused_residual_add_rmsnorm: output 'r'", "is the same memory as 'residual'",
+         "writes in place only 'y' over 'x', 'y' over 'residual'"});
+    test::expect_error([&] { fused_residual_add_rmsnorm(x, residual, w, y, y, rstd, 1e-5, 0.5); },
+                       ErrorCode::InvalidArgument, {"output 'r'", "same memory as 'y'"});
+    rmsnorm(x, w, y, rstd, 1e-5);
+    test::expect_error([&] { rmsnorm_backward(grad_y, x, w, rstd, x, TensorView()); },
+                       ErrorCode::InvalidArgument,
+                       {"rmsnorm_backward: output 'dx'", "same memory as 'x'", "nowhere"});
+    const Tensor weight = randn({5, 6}, DType::F32, 45), grad_out = randn({4, 5}, DType::F32, 46);
+    Tensor grad_weight({5, 6}, DType::F32);
+    test::expect_error([&] { linear_backward(grad_out, x, weight, x, grad_weight, TensorView()); },
+                       ErrorCode::InvalidArgument,
+                       {"linear_backward: output 'grad_x'", "same memory as 'x'"});
+    Tensor grads({4, 6}, DType::F32);
+    test::expect_error([&] { swiglu_backward(grad_y, x, residual, grads, grads); },
+                       ErrorCode::InvalidArgument,
+                       {"swiglu_backward: output 'grad_", "same memory as 'grad_"});
   }
 }
 

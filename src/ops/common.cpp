@@ -1,5 +1,9 @@
 #include "ops/common.h"
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 namespace meshfuse::detail {
 
 void check_defined(std::string_view op, std::string_view name, const TensorView& t) {
@@ -75,9 +79,11 @@ void check_output(std::string_view op, std::string_view name, const TensorView& 
 }
 
 KernelCall::KernelCall(std::string_view op, std::initializer_list<NamedTensor> tensors,
-                       KernelBackend backend, Device device, const Stream& stream)
+                       std::initializer_list<InPlace> in_place, KernelBackend backend,
+                       Device device, const Stream& stream)
     : op_(op),
       tensors_(tensors),
+      in_place_(in_place),
       host_(backend == KernelBackend::Reference && device.type == DeviceType::CUDA),
       stream_(stream) {
   MESHFUSE_CHECK(stream.device == device, ErrorCode::DeviceMismatch,
@@ -119,15 +125,36 @@ std::pair<std::uintptr_t, std::uintptr_t> byte_span(const TensorView& t) {
 
 void KernelCall::check_overlap(const TensorView& out) const {
   if (!out.defined() || out.numel() == 0) return;
-  std::string_view name = "output";
+  // The arguments that are `out` itself: several when one view object was passed for several;
+  // the last is the output (run_kernel's lists give outputs after inputs).
+  std::vector<std::string_view> selves;
   for (const NamedTensor& n : tensors_)
-    if (&n.tensor == &out) name = n.name;
+    if (&n.tensor == &out) selves.push_back(n.name);
+  const std::string_view name = selves.empty() ? "output" : selves.back();
+  const auto in_place = [&](std::string_view a, std::string_view b) {
+    return std::any_of(in_place_.begin(), in_place_.end(), [&](const InPlace& p) {
+      return (p.output == a && p.input == b) || (p.output == b && p.input == a);
+    });
+  };
+  const auto check_same = [&](std::string_view output, std::string_view input) {
+    if (in_place(output, input)) return;
+    std::string where;
+    for (const InPlace& p : in_place_)
+      where += fmt::format("{}'{}' over '{}'", where.empty() ? "" : ", ", p.output, p.input);
+    fail(ErrorCode::InvalidArgument,
+         "{}: output '{}' ({}) is the same memory as '{}'; {} writes in place only {}: pass "
+         "separate memory",
+         op_, output, out.str(), input, op_, where.empty() ? "nowhere" : where);
+  };
+  for (std::size_t i = 0; i + 1 < selves.size(); ++i) check_same(name, selves[i]);
   const auto [first, last] = byte_span(out);
   for (const NamedTensor& n : tensors_) {
     const TensorView& t = n.tensor;
     if (&t == &out || !t.defined() || t.numel() == 0 || t.device() != out.device()) continue;
-    if (t.data() == out.data() && t.shape() == out.shape() && t.strides() == out.strides())
-      continue;  // the very same elements: in place
+    if (t.data() == out.data() && t.shape() == out.shape() && t.strides() == out.strides()) {
+      check_same(name, n.name);  // the very same elements: in place where the op allows it
+      continue;
+    }
     const auto [f, l] = byte_span(t);
     MESHFUSE_CHECK(l <= first || last <= f, ErrorCode::InvalidArgument,
                    "{}: output '{}' ({}) overlaps '{}' ({}) without being the same view; write "

@@ -76,6 +76,12 @@ KernelTable<Fn> kernel_table(std::string op, const std::vector<DType>& dtypes, F
   return KernelTable<Fn>(std::move(op), entries);
 }
 
+// An output that an op may write over one of its inputs, the very same view (every backend reads
+// each element before writing it, and reads nothing of that input afterwards): {"y", "x"}.
+struct InPlace {
+  std::string_view output, input;
+};
+
 // The operands of one kernel call, as the selected kernel reads them, and the stream it runs on.
 // The caller's stream must be on the tensors' device (Error(DeviceMismatch) otherwise: a stream is
 // never relabelled). Inputs are handed out contiguous (why: backends read rows with unit stride; a
@@ -85,9 +91,10 @@ KernelTable<Fn> kernel_table(std::string op, const std::vector<DType>& dtypes, F
 class KernelCall {
  public:
   // `tensors`: every operand of the call, by name (run_kernel's list), which outputs are checked
-  // against; it must outlive the call.
-  KernelCall(std::string_view op, std::initializer_list<NamedTensor> tensors, KernelBackend backend,
-             Device device, const Stream& stream);
+  // against; `in_place`: the outputs the op may write over an input. Both must outlive the call.
+  KernelCall(std::string_view op, std::initializer_list<NamedTensor> tensors,
+             std::initializer_list<InPlace> in_place, KernelBackend backend, Device device,
+             const Stream& stream);
   KernelCall(const KernelCall&) = delete;  // one call finishes once
   KernelCall& operator=(const KernelCall&) = delete;
   // `t` contiguous, on the kernel's device (undefined stays undefined).
@@ -96,9 +103,9 @@ class KernelCall {
   // host copy, contiguous, when the reference runs on CUDA tensors.
   TensorView strided_input(const TensorView& t);
   // Where the kernel writes `t`; a host copy holds its current contents (some kernels accumulate
-  // into outputs). Error(InvalidArgument) when `t` overlaps another operand without being the
-  // same view of it (in place is the same view): a kernel writing `t` would change elements it
-  // has yet to read, or another output.
+  // into outputs). Error(InvalidArgument) when `t` overlaps another operand, unless it is the same
+  // view of an input that `in_place` lets it write over: a kernel writing `t` would change
+  // elements it has yet to read, or another output.
   TensorView output(const TensorView& t);
   const Stream& stream() const { return host_ ? host_stream_ : stream_; }
   void finish();
@@ -108,6 +115,7 @@ class KernelCall {
 
   std::string_view op_;
   std::initializer_list<NamedTensor> tensors_;
+  std::initializer_list<InPlace> in_place_;
   bool host_;
   Stream stream_;
   Stream host_stream_{};
@@ -122,14 +130,22 @@ class KernelCall {
 //                      [&](auto* fn, detail::KernelCall& call) {
 //                        fn(shape, call.input(x).data(), call.output(y).data(), call.stream());
 //                      });
+// `tensors` lists inputs before outputs (one view object passed as several arguments is named by
+// its last); `in_place`: the outputs that may be written over an input (KernelCall::output).
+template <typename Fn, typename Body>
+void run_kernel(const KernelTable<Fn>& table, std::initializer_list<NamedTensor> tensors,
+                std::initializer_list<InPlace> in_place, const Stream& stream, Body&& body) {
+  const typename KernelTable<Fn>::Selection kernel =
+      table.select({tensors.begin(), tensors.size()});
+  KernelCall call(table.op(), tensors, in_place, kernel.backend, kernel.device, stream);
+  body(kernel.fn, call);
+  call.finish();
+}
+
 template <typename Fn, typename Body>
 void run_kernel(const KernelTable<Fn>& table, std::initializer_list<NamedTensor> tensors,
                 const Stream& stream, Body&& body) {
-  const typename KernelTable<Fn>::Selection kernel =
-      table.select({tensors.begin(), tensors.size()});
-  KernelCall call(table.op(), tensors, kernel.backend, kernel.device, stream);
-  body(kernel.fn, call);
-  call.finish();
+  run_kernel(table, tensors, {}, stream, std::forward<Body>(body));
 }
 
 // Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers below).

@@ -56,8 +56,9 @@
 // are contiguous and preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) (for a shard [0, vocab_size)) that is not
 // ignore_index (the message names the first such row and its value; nothing is computed),
-// label_smoothing outside [0, 1], a shard outside its vocabulary, a wrong rank or a
-// non-contiguous output; ShapeMismatch, DTypeMismatch, DeviceMismatch,
+// label_smoothing outside [0, 1], a shard outside its vocabulary, a wrong rank, a
+// non-contiguous output or one sharing an operand's memory (but grad_logits may be logits
+// itself, in place); ShapeMismatch, DTypeMismatch, DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 

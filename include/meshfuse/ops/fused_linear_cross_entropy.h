@@ -87,7 +87,7 @@
 // chunk_rows < 0, label_smoothing outside [0, 1], a label outside [0, V) that is not ignore_index
 // (naming the first such row and value; nothing is computed), a vocabulary shard (vocab_start or
 // vocab_size not 0), a gradient output without grad_loss, grad_bias without bias, an output not
-// contiguous), ShapeMismatch, DTypeMismatch, DeviceMismatch,
+// contiguous or sharing an operand's memory), ShapeMismatch, DTypeMismatch, DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 

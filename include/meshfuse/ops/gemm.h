@@ -11,7 +11,7 @@
 // BLAS semantics for the scalars, like cuBLAS and torch.addmm: beta = 0 means C is not read (NaN
 // or inf in C do not propagate), alpha = 0 or K = 0 means A and B are not read (D = beta * C, or
 // zeros without C). beta must be 0 when C is absent. D may be C itself (in place); any other
-// overlap of D with an input is undefined.
+// overlap of an output with an operand is InvalidArgument.
 //
 // linear_backward, with dy = grad_out and the leading dims of x flattened into R rows:
 //   grad_x = dy @ weight                      (..., K)

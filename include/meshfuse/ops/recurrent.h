@@ -51,7 +51,7 @@
 // (the input's rank not 4 without / 3 with cu_seqlens; cu_seqlens that does not start at 0,
 // decreases or does not end at T; max_seqlen smaller than a sequence, or given for padded input;
 // gradient_clipping negative or NaN; grad_input_state without input_state; an output not
-// contiguous), DeviceMismatch,
+// contiguous or sharing an operand's memory), DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 

@@ -23,12 +23,14 @@
 // double over fixed row blocks combined in a fixed order (cpu: exact terms, one rounding; cuda:
 // each block's sum rounded once to fp32, f64 for f64, then the blocks in double), so it is within
 // about one rounding of the exact sum and bitwise the same run to run whatever the thread count.
-// Outputs are caller-allocated and contiguous; optional arguments are undefined TensorViews.
+// Outputs are caller-allocated and contiguous; optional arguments are undefined TensorViews. In
+// place: y may be x (or residual) itself, and dresidual may be dx at multiplier 1; no other output
+// may share an operand's memory (r over residual would be read again after it is written).
 // Errors: DTypeMismatch (dtypes differ or not floating; rstd not rmsnorm_rstd_dtype), ShapeMismatch
 // (weight not (H,), residual / r / gradients not x's shape, rstd not (rows,)), InvalidArgument (0-d
-// x, eps < 0 or NaN, an output not contiguous or partly overlapping an operand, an optional output
-// given without the input it belongs to), DeviceMismatch (tensors on different devices, or a stream
-// of another device), Unsupported / BackendUnavailable (see kernel_backend.h).
+// x, eps < 0 or NaN, an output not contiguous or overlapping an operand other than in place, an
+// optional output given without the input it belongs to), DeviceMismatch (tensors on different
+// devices, or a stream of another device), Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

@@ -10,7 +10,8 @@
 // All tensors share one dtype: f32, f64, bf16 or f16 (16-bit types are computed in fp32 and
 // rounded once). Any rank; outputs are contiguous and preallocated by the caller.
 // Errors: DTypeMismatch (dtypes differ or not floating), ShapeMismatch (shapes differ),
-// InvalidArgument (output not contiguous, or overlapping an operand without being the same view),
+// InvalidArgument (output not contiguous, or overlapping an operand other than in place: out may be
+// gate or up itself; swiglu_packed's out never shares x's memory),
 // DeviceMismatch (tensors on different devices, or a stream of another device), Unsupported /
 // BackendUnavailable (see kernel_backend.h).
 #pragma once

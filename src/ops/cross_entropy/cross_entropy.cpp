@@ -159,7 +159,7 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
                       {"labels", labels},
                       {"lse", lse},
                       {"grad_logits", grad_logits}},
-                     stream, [&](auto* fn, detail::KernelCall& call) {
+                     {{"grad_logits", "logits"}}, stream, [&](auto* fn, detail::KernelCall& call) {
                        fn(s, call.input(grad_loss).data(), call.input(logits).data(),
                           call.input(labels).data(), call.input(lse).data(),
                           call.output(grad_logits).data(), options, call.stream());

@@ -84,18 +84,19 @@ void add(const TensorView& a, const TensorView& b, const TensorView& out, double
   detail::check_float(op, "a", a);
   detail::check_like(op, "b", b, a, "a");
   detail::check_output(op, "out", out, a.shape(), a.dtype());
-  detail::run_kernel(
-      kAdd, {{"a", a}, {"b", b}, {"out", out}}, stream, [&](auto* fn, detail::KernelCall& call) {
-        const ElementwiseLayout l = layout_of<2>(call, {a, b});
-        fn(l.shape, l.inputs[0], l.inputs[1], call.output(out).data(), alpha, call.stream());
-      });
+  detail::run_kernel(kAdd, {{"a", a}, {"b", b}, {"out", out}}, {{"out", "a"}, {"out", "b"}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       const ElementwiseLayout l = layout_of<2>(call, {a, b});
+                       fn(l.shape, l.inputs[0], l.inputs[1], call.output(out).data(), alpha,
+                          call.stream());
+                     });
 }
 
 void mul(const TensorView& a, double scalar, const TensorView& out, const Stream& stream) {
   constexpr std::string_view op = "mul";
   detail::check_float(op, "a", a);
   detail::check_output(op, "out", out, a.shape(), a.dtype());
-  detail::run_kernel(kMul, {{"a", a}, {"out", out}}, stream,
+  detail::run_kernel(kMul, {{"a", a}, {"out", out}}, {{"out", "a"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        const ElementwiseLayout l = layout_of<1>(call, {a});
                        fn(l.shape, l.inputs[0], call.output(out).data(), scalar, call.stream());

@@ -112,7 +112,7 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
                    "{}: beta must be 0 when no 'c' is given, got beta = {}", op, o.beta);
   }
   detail::check_output(op, "d", d, out_shape, a.dtype());
-  detail::run_kernel(table, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, stream,
+  detail::run_kernel(table, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, {{"d", "c"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        const Operand oa(call.strided_input(a), o.transpose_a, call.stream()),
                            ob(call.strided_input(b), o.transpose_b, call.stream()),

@@ -60,7 +60,9 @@ void forward(std::string_view op, const KernelTable<detail::RmsNormForwardFn>& t
   detail::run_kernel(
       table,
       {{"x", x}, {"residual", residual}, {"weight", weight}, {"y", y}, {"r", r}, {"rstd", rstd}},
-      stream, [&](auto* fn, detail::KernelCall& call) {
+      // y is written element by element after its row's sum; r is not (the second pass reads x
+      // and residual again).
+      {{"y", "x"}, {"y", "residual"}}, stream, [&](auto* fn, detail::KernelCall& call) {
         fn(s,
            {call.input(x).data(), call.input(residual).data(), call.input(weight).data(),
             call.output(y).data(), call.output(r).data(), call.output(rstd).data(), eps,
@@ -79,7 +81,7 @@ void backward(std::string_view op, const KernelTable<detail::RmsNormBackwardFn>&
   detail::check_like(op, input_name, input, grad_y, "grad_y");
   const bool residual = dresidual.defined();
   // dresidual may be dx itself when multiplier is 1 (then they are equal): written once.
-  const bool shared = residual && dresidual.data() == dx.data();
+  const bool shared = residual && dx.numel() > 0 && dresidual.data() == dx.data();
   MESHFUSE_CHECK(!shared || multiplier == 1.0, ErrorCode::InvalidArgument,
                  "{}: 'dresidual' may share dx's memory only when multiplier is 1 (they differ "
                  "otherwise), got multiplier {}",

@@ -26,10 +26,11 @@ void softmax(const TensorView& x, const TensorView& y, double logits_multiplier,
   constexpr std::string_view op = "softmax";
   const detail::SoftmaxShape s = rows_of(op, "x", x);
   detail::check_output(op, "y", y, x.shape(), x.dtype());
-  detail::run_kernel(
-      kForward, {{"x", x}, {"y", y}}, stream, [&](auto* fn, detail::KernelCall& call) {
-        fn(s, call.input(x).data(), call.output(y).data(), logits_multiplier, call.stream());
-      });
+  detail::run_kernel(kForward, {{"x", x}, {"y", y}}, {{"y", "x"}}, stream,
+                     [&](auto* fn, detail::KernelCall& call) {
+                       fn(s, call.input(x).data(), call.output(y).data(), logits_multiplier,
+                          call.stream());
+                     });
 }
 
 void softmax_backward(const TensorView& grad_y, const TensorView& y, const TensorView& grad_x,
@@ -38,7 +39,8 @@ void softmax_backward(const TensorView& grad_y, const TensorView& y, const Tenso
   const detail::SoftmaxShape s = rows_of(op, "y", y);
   detail::check_like(op, "grad_y", grad_y, y, "y");
   detail::check_output(op, "grad_x", grad_x, y.shape(), y.dtype());
-  detail::run_kernel(kBackward, {{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}}, stream,
+  detail::run_kernel(kBackward, {{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}},
+                     {{"grad_x", "grad_y"}, {"grad_x", "y"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        fn(s, call.input(grad_y).data(), call.input(y).data(),
                           call.output(grad_x).data(), logits_multiplier, call.stream());

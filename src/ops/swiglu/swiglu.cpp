@@ -50,7 +50,8 @@ void swiglu(const TensorView& gate, const TensorView& up, const TensorView& out,
   detail::check_output(op, "out", out, gate.shape(), gate.dtype());
   const SwigluShape s{gate.dtype(), detail::leading_rows(gate),
                       gate.dim() == 0 ? 1 : gate.size(-1)};
-  detail::run_kernel(kForward, {{"gate", gate}, {"up", up}, {"out", out}}, stream,
+  detail::run_kernel(kForward, {{"gate", gate}, {"up", up}, {"out", out}},
+                     {{"out", "gate"}, {"out", "up"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        fn(s, plain(call.input(gate)), plain(call.input(up)),
                           plain(call.output(out)), call.stream());
@@ -73,6 +74,13 @@ void swiglu_backward(const TensorView& grad_out, const TensorView& gate, const T
                       {"grad_out", grad_out},
                       {"grad_gate", grad_gate},
                       {"grad_up", grad_up}},
+                     // Elementwise: every input element is read before either output's.
+                     {{"grad_gate", "gate"},
+                      {"grad_gate", "up"},
+                      {"grad_gate", "grad_out"},
+                      {"grad_up", "gate"},
+                      {"grad_up", "up"},
+                      {"grad_up", "grad_out"}},
                      stream, [&](auto* fn, detail::KernelCall& call) {
                        fn(s, plain(call.input(grad_out)), plain(call.input(gate)),
                           plain(call.input(up)), plain(call.output(grad_gate)),
