@@ -94,6 +94,9 @@ TEST(Tensor, ViewsShareMemoryAndIndexIn64Bits) {
   EXPECT_EQ(tt.shape(), (Shape{3, 2}));
   EXPECT_FALSE(tt.is_contiguous());
   EXPECT_EQ(tt.data(), t.view().data());
+  // No elements: contiguous whatever the strides (NumPy gives an empty array's dims stride 0).
+  EXPECT_TRUE(TensorView(nullptr, DType::F32, {0, 7}, {0, 0}).is_contiguous());
+  EXPECT_TRUE(TensorView(nullptr, DType::F32, {7, 0}, {0, 0}).is_contiguous());
   // A view of 2^33 bytes: strides and offsets stay exact in int64 (no buffer is touched).
   char dummy = 0;
   TensorView huge(&dummy, DType::BF16, {1 << 20, 1 << 13});

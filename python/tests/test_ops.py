@@ -92,6 +92,26 @@ def test_softmax_rows_sum_to_one_and_all_minus_inf_rows_give_nan():
     assert np.isnan(y[2]).all()
 
 
+def test_empty_numpy_outputs_are_taken_whatever_their_strides():
+    # NumPy gives an empty array's dims stride 0: these were refused as not contiguous.
+    x = np.empty((0, 7), np.float32)
+    assert x.strides == (0, 0) or x.strides == (28, 4)
+    for y in (np.empty_like(x), np.lib.stride_tricks.as_strided(np.empty(1, np.float32), (0, 7), (0, 0))):
+        meshfuse.softmax(x, y)
+        meshfuse.rmsnorm(x, np.ones(7, np.float32), y, None, 1e-5)
+
+
+def test_an_output_over_an_input_is_refused_where_the_op_cannot_write_in_place():
+    # r over residual gave a wrong y (the kernel reads residual again after writing r).
+    x, residual = np.ones((5, 8), np.float32), np.full((5, 8), 2.0, np.float32)
+    y, rstd = np.empty_like(x), np.empty(5, np.float32)
+    with pytest.raises(ValueError, match="output 'r' .* is the same memory as 'residual'"):
+        meshfuse.fused_residual_add_rmsnorm(x, residual, None, y, residual, rstd, 1e-5, 0.5)
+    meshfuse.fused_residual_add_rmsnorm(x, residual, None, residual, y, rstd, 1e-5, 0.5)  # y over it
+    np.testing.assert_allclose(residual, 1.0, rtol=1e-6)  # 0.5 + 2 = 2.5 in every element
+    np.testing.assert_array_equal(y, 2.5)
+
+
 def test_cross_entropy_mean_skips_ignored_rows():
     logits = randn(4, 11, dtype=np.float64, seed=6)
     labels = np.array([3, -100, 10, 0], dtype=np.int64)

@@ -180,3 +180,13 @@ def test_meta_tensors_give_meta_results_of_the_right_shapes():
     for y, shape in [(mt.softmax(x), (3, 4)), (mt.rmsnorm(x, w, 1e-5), (3, 4)),
                      (mt.swiglu(x, x), (3, 4)), (mt.cross_entropy(x, labels), ())]:
         assert y.is_meta and y.shape == shape
+
+
+def test_zero_rows_fused_rmsnorm_backward_with_a_multiplier():
+    # Two empty tensors have the same (null) data pointer: dresidual was taken for dx itself,
+    # which a multiplier other than 1 refuses.
+    x = torch.randn(0, 7, requires_grad=True)
+    r = torch.randn(0, 7, requires_grad=True)
+    y, _ = mt.fused_residual_add_rmsnorm(x, r, None, 1e-6, 0.5)
+    y.sum().backward()
+    assert x.grad.shape == (0, 7) and r.grad.shape == (0, 7)
