@@ -634,17 +634,26 @@ void bind_executor(nb::module_& m) {
           "run",
           [](MultiDeviceExecutor& e, nb::handle inputs, std::uintptr_t stream) {
             const Program& p = e.program();
-            const std::vector<nb::object> objects = ordered_inputs(p, inputs);
+            std::vector<nb::object> objects;
             // The arrays stay held until run() returns; the views point into them.
             std::vector<In> arrays;
             std::vector<TensorView> views;
-            for (std::size_t i = 0; i < objects.size(); ++i) {
-              const auto named = [&] {
-                return "MultiDeviceExecutor.run: input " +
-                       (i < p.inputs().size() ? p.describe(p.inputs()[i]) : std::to_string(i));
-              };
-              arrays.push_back(array_from(objects[i], named));
-              views.push_back(view(arrays.back(), named()));
+            try {
+              objects = ordered_inputs(p, inputs);
+              for (std::size_t i = 0; i < objects.size(); ++i) {
+                const auto named = [&] {
+                  return "MultiDeviceExecutor.run: input " +
+                         (i < p.inputs().size() ? p.describe(p.inputs()[i]) : std::to_string(i));
+                };
+                arrays.push_back(array_from(objects[i], named));
+                views.push_back(view(arrays.back(), named()));
+              }
+            } catch (...) {  // refused here on this rank: the peers must not pair with the next run
+              try {
+                e.count_failed_run(views.empty() ? DeviceType::CPU : views[0].device().type);
+              } catch (...) {  // the conversion's error is the one to report
+              }
+              throw;
             }
             const Stream s = views.empty() ? Stream{} : stream_on(views[0].device(), stream);
             std::vector<Tensor> outputs;

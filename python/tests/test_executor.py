@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -226,6 +227,51 @@ def test_errors_name_the_mesh_the_rank_and_the_input():
         return True
 
     assert on_ranks(4, rank_fn) == {r: True for r in range(4)}
+
+
+def test_a_run_that_fails_on_one_rank_fails_the_others_instead_of_pairing_runs():
+    # A bad label (or a bad input) on rank 1 only: its run stopped before the loss's collectives,
+    # and the others' run 0 paired with its run 1, returning a loss that mixed two batches.
+    t, h, v = 6, 4, 5
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [t, h], "f32")
+    w = p.define_tensor("w", [v, h], "f32")
+    labels = p.define_tensor("labels", [t], "i64")
+    p.add_output(p.cross_entropy(p.linear(x, w), labels, reduction="sum"))
+    p.set_mesh(DeviceMesh.of_shape([3]))
+    p.set_placements(x, Shard(0))
+    p.set_placements(labels, Shard(0))
+    xs, ws = randn(t, h, seed=1), randn(v, h, seed=2)
+
+    def rank_fn(comm, bad):
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        part = meshfuse.shard_tensor(xs, p.mesh, Shard(0), comm.rank)
+        mine = meshfuse.shard_tensor(np.arange(t, dtype=np.int64) % v, p.mesh, Shard(0), comm.rank)
+        outcomes = []
+        for step in range(2):  # rank 1's first run fails; its second is in step no more
+            inputs = {"x": part, "w": ws, "labels": mine.copy()}
+            if comm.rank == 1 and step == 0:
+                if bad == "label":
+                    inputs["labels"][0] = 99
+                elif bad == "input":
+                    inputs["x"] = np.zeros((part.shape[0] + 1, h), np.float32)
+                else:  # refused by the binding, before the C++ run
+                    del inputs["w"]
+            try:
+                executor.run(inputs)
+                outcomes.append("ran")
+            except meshfuse.Error as e:
+                outcomes.append(type(e).__name__ + (": out of step" if "out of step" in str(e) else ""))
+        return outcomes
+
+    for bad, error in (("label", "InvalidArgumentError"), ("input", "ShapeMismatchError"),
+                       ("dict", "InvalidArgumentError")):
+        start = time.monotonic()
+        results = on_ranks(3, lambda comm: rank_fn(comm, bad))
+        assert time.monotonic() - start < TIMEOUT
+        out_of_step = "CommunicationError: out of step"
+        assert results[0] == results[2] == [out_of_step, out_of_step], (bad, results)
+        assert results[1] == [error, out_of_step], (bad, results)
 
 
 def test_builder_errors_values_and_placements():

@@ -114,31 +114,63 @@ const MultiDeviceExecutor::Lowered& MultiDeviceExecutor::lowered(DeviceType type
 
 const Plan& MultiDeviceExecutor::plan(DeviceType type) { return lowered(type).plan; }
 
+std::shared_ptr<Communicator> MultiDeviceExecutor::world(CommunicatorBackend backend,
+                                                         DeviceType type) {
+  const auto& spec = communicator_->spec().backends;
+  const auto served = spec.find(type);
+  return served != spec.end() && served->second == backend
+             ? communicator_
+             : communicator_->with_backends(BackendSpec{{{type, backend}}});
+}
+
 const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
     CommunicatorBackend backend, DeviceType type, const Stream& stream) {
   const std::pair key(backend, type);
   auto it = teams_.find(key);
   if (it != teams_.end() && checked_.contains(key)) return it->second;
-  const auto& spec = communicator_->spec().backends;
-  const auto served = spec.find(type);
-  std::shared_ptr<Communicator> world =
-      served != spec.end() && served->second == backend
-          ? communicator_
-          : communicator_->with_backends(BackendSpec{{{type, backend}}});
+  const std::shared_ptr<Communicator> world = this->world(backend, type);
   check_same_program(*world, type, stream);
   checked_.insert(key);
   if (it == teams_.end()) it = teams_.emplace(key, world->mesh_teams(mesh_)).first;
   return it->second;
 }
 
+void MultiDeviceExecutor::count_failed_run(DeviceType type) {
+  const Lowered& l = lowered(type);
+  if (!l.facts.communicates) return;
+  const CommunicatorBackend backend = l.plan.backend;
+  std::set<Communicator*> counted;  // a 1-D mesh's team is the world itself
+  const auto count = [&](Communicator& c) {
+    if (counted.insert(&c).second) c.count_failed_collective();
+  };
+  count(*world(backend, type));
+  const auto it = teams_.find({backend, type});
+  if (it != teams_.end())
+    for (const std::shared_ptr<Communicator>& team : it->second) count(*team);
+}
+
 std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inputs,
+                                             const Stream& stream) {
+  const Device device = inputs.empty() ? stream.device : inputs[0].device();
+  const Lowered& lowered = this->lowered(device.type);
+  try {
+    return run(lowered, inputs, device, stream);
+  } catch (...) {
+    try {
+      count_failed_run(device.type);
+    } catch (...) {  // the run's own error is the one to report
+    }
+    throw;
+  }
+}
+
+std::vector<Tensor> MultiDeviceExecutor::run(const Lowered& lowered,
+                                             const std::vector<TensorView>& inputs, Device device,
                                              const Stream& stream) {
   const std::vector<Value>& declared = program_.inputs();
   MESHFUSE_CHECK(inputs.size() == declared.size(), ErrorCode::InvalidArgument,
                  "MultiDeviceExecutor.run: {} inputs given, the program takes {}", inputs.size(),
                  declared.size());
-  const Device device = inputs.empty() ? stream.device : inputs[0].device();
-  const Lowered& lowered = this->lowered(device.type);
   const Plan& plan = lowered.plan;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = inputs[i];

@@ -9,7 +9,11 @@
 // params that decide the communications: ones that differ are InvalidArgument on every rank (a
 // rank that set another backend compares on another team: the others' Timeout). A rank that calls
 // run() with a program that communicates nothing while the others' do leaves them waiting for the
-// communicator's timeout (Error(Timeout)).
+// communicator's timeout (Error(Timeout)). A run that throws on some ranks only (an input of the
+// wrong shape, a bad label) counts as a failed collective on each of the executor's teams
+// (Communicator::count_failed_collective): the ranks still in its communications, and every rank
+// at the next run, then fail with CommunicationFailure "ranks out of step" (with the checks on)
+// instead of pairing one run's communications with another's.
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
@@ -99,15 +103,22 @@ class MultiDeviceExecutor {
 
   const Program& program() const { return program_; }
   const MultiDeviceExecutorParams& params() const { return params_; }
+  // For language bindings whose own conversion of run()'s arguments failed: counts the run as
+  // failed on this rank, as run() counts one that throws (see the top of this file). `type`: the
+  // inputs' device type.
+  void count_failed_run(DeviceType type);
+
   // Collective: every rank calls it, with the same params, before its next run(), which compares
   // them across ranks again (backend, overlap, chunks, streams, profile).
   void set_params(MultiDeviceExecutorParams params);
 
  private:
   CommunicatorBackend backend_for(DeviceType type) const;
-  // The communicator of each mesh dimension on `backend`.
+  // The team on `backend` that the ranks compare programs on, and those of each mesh dimension.
+  std::shared_ptr<Communicator> world(CommunicatorBackend backend, DeviceType type);
   const std::vector<std::shared_ptr<Communicator>>& teams(CommunicatorBackend backend,
                                                           DeviceType type, const Stream& stream);
+
   void check_same_program(Communicator& world, DeviceType type, const Stream& stream) const;
 
   Program program_;
@@ -122,6 +133,8 @@ class MultiDeviceExecutor {
     std::optional<OverlapParams> segments_for;
   };
   const Lowered& lowered(DeviceType type);
+  std::vector<Tensor> run(const Lowered& lowered, const std::vector<TensorView>& inputs,
+                          Device device, const Stream& stream);
   const std::vector<Stream>& chunk_streams(Device device,
                                            const std::vector<OverlapSegment>& segments);
 
