@@ -421,19 +421,24 @@ inline void check_executors_share_mesh_teams(const std::shared_ptr<Communicator>
 }
 
 // The vocabulary split over both dimensions of a 2 x 2 mesh: the loss combines over one, so the
-// lowering says so rather than combining half the shards.
-inline void check_vocabulary_on_two_mesh_dimensions_is_an_error(
-    const std::shared_ptr<Communicator>& comm) {
+// lowering gathers the head along the other (it used to refuse the program; each dimension chose
+// the vocabulary-parallel loss on its own).
+inline void check_vocabulary_on_two_mesh_dimensions(const std::shared_ptr<Communicator>& comm) {
   if (comm->size() != 4) GTEST_SKIP() << "written for 4 ranks";
-  Program p;
-  const Value x = p.define_tensor("x", {6, 8}, DType::F32);
-  const Value w = p.define_tensor("head_weight", {29, 8}, DType::F32);
-  const Value labels = p.define_tensor("labels", {6}, DType::I64);
-  p.add_output(p.fused_linear_cross_entropy(x, w, {}, labels));
-  p.set_mesh(DeviceMesh::of_shape({2, 2}));
-  p.set_placements(w, {Shard{0}, Shard{0}});
-  expect_error([&] { lower(p, comm->rank(), CommunicatorBackend::Local); },
-               ErrorCode::InvalidArgument, {"vocabulary split over mesh dimensions 0 and 1"});
+  const auto build = [&](bool sharded) {
+    Program p;
+    const Value x = p.define_tensor("x", {6, 8}, DType::F32);
+    const Value w = p.define_tensor("head_weight", {29, 8}, DType::F32);
+    const Value labels = p.define_tensor("labels", {6}, DType::I64);
+    p.add_output(p.fused_linear_cross_entropy(x, w, {}, labels));
+    if (sharded) {
+      p.set_mesh(DeviceMesh::of_shape({2, 2}));
+      p.set_placements(w, {Shard{0}, Shard{0}});
+    }
+    return with_grad(p);
+  };
+  const std::string plan = expect_matches_single_device(build, comm, 5e-5);
+  EXPECT_NE(plan.find("with all_gather of its row statistics"), std::string::npos) << plan;
 }
 
 // The MLP block in bf16, forward and backward: Partial terms are rounded to bf16 before they are

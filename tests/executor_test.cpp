@@ -73,8 +73,8 @@ TEST(ExecutorLocal, VocabularyParallelFusedLossOverSeveralChunksMatchesOneDevice
   on_four_ranks(exec::check_vocabulary_parallel_fused_loss);
 }
 
-TEST(ExecutorLocal, AVocabularySplitOverTwoMeshDimensionsIsAnError) {
-  on_four_ranks(exec::check_vocabulary_on_two_mesh_dimensions_is_an_error);
+TEST(ExecutorLocal, AVocabularySplitOverTwoMeshDimensionsIsGatheredAlongOneAndMatchesOneDevice) {
+  on_four_ranks(exec::check_vocabulary_on_two_mesh_dimensions);
 }
 
 TEST(ExecutorLocal, MlpBlockInBf16MatchesOneDeviceWithinBf16Rounding) {

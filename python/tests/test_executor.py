@@ -123,6 +123,44 @@ def test_mlp_block_forward_and_backward_on_four_ranks_match_one_device():
                                        err_msg=f"output {i} on rank {rank}")
 
 
+def test_a_loss_whose_operands_could_split_the_vocabulary_on_two_mesh_dims_splits_it_on_one():
+    # The head split on mesh dim 0 and x's hidden dim on dim 1: each dim on its own chose the
+    # vocabulary-parallel loss, and the lowering then refused the program it had made.
+    def program(mesh=None):
+        p = meshfuse.Program()
+        x = p.define_tensor("x", [5, 6], "f32")
+        head = p.define_tensor("head", [9, 6], "f32")
+        labels = p.define_tensor("labels", [5], "i64")
+        loss = p.cross_entropy(p.linear(x, head), labels)
+        if mesh:
+            p.set_mesh(mesh)
+            p.set_placements(head, [Shard(0), Replicate()])
+            p.set_placements(x, [Replicate(), Shard(1)])
+        p.add_output(loss)
+        return meshfuse.grad(p, loss, [x, head])
+
+    single, sharded = program(), program(DeviceMesh.of_shape([2, 2]))
+    inputs = {"x": randn(5, 6, seed=1), "head": randn(9, 6, seed=2),
+              "labels": np.array([0, 8, 3, 4, 7], np.int64), "grad_loss": np.ones((), np.float32)}
+    expected = meshfuse.MultiDeviceExecutor(single, meshfuse.LocalWorld(1).communicator(0)).run(inputs)
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(sharded, comm)
+        plan = executor.plan()
+        parts = {v.name: meshfuse.shard_tensor(inputs[v.name], sharded.mesh,
+                                               sharded.placements(v) or [Replicate()] * 2,
+                                               comm.rank)
+                 for v in sharded.inputs}
+        return [meshfuse.gather_tensor(out, v.shape, sharded.mesh, placements, comm)
+                for out, v, placements in zip(executor.run(parts), sharded.outputs,
+                                              plan.output_placements)]
+
+    for rank, gathered in on_ranks(4, rank_fn).items():
+        for i, (ours, theirs) in enumerate(zip(gathered, expected)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"output {i} on rank {rank}")
+
+
 @pytest.mark.parametrize("overlap,chunks", [("collective", 1), ("collective", 2),
                                             ("collective", 0), ("collective", 8), ("ring", 0)])
 def test_overlapped_mlp_block_matches_one_device_and_runs_alike_twice(overlap, chunks):

@@ -204,12 +204,15 @@ class Lowering {
 
   void lower_op(const ProgramOp& op) {
     const std::vector<ShardingStrategy> strategies = sharding_strategies(p_, op);
-    // The strategy of each mesh dimension.
-    std::vector<const ShardingStrategy*> chosen;
+    // The strategy of each mesh dimension, and the best one without a collective (a
+    // vocabulary-parallel loss) with what it costs over the chosen one.
+    std::vector<const ShardingStrategy*> chosen, plain;
+    std::vector<double> plain_extra;
     for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
       const auto mi = static_cast<std::size_t>(m);
       const ShardingStrategy* best = nullptr;
-      double best_cost = kNoRule;
+      const ShardingStrategy* best_plain = nullptr;
+      double best_cost = kNoRule, plain_cost = kNoRule;
       for (const ShardingStrategy& s : strategies) {
         double cost = 0;
         for (std::size_t i = 0; i < op.inputs.size(); ++i) {
@@ -221,6 +224,7 @@ class Lowering {
           cost += transition_cost(v.placements[mi], s.inputs[i], bytes);
         }
         if (cost < best_cost) best = &s, best_cost = cost;
+        if (!s.collective && cost < plain_cost) best_plain = &s, plain_cost = cost;
       }
       if (!best) {
         std::vector<std::string> operands;
@@ -235,7 +239,18 @@ class Lowering {
              to_string(op.type), op.outputs[0].id, m, fmt::join(operands, ", "));
       }
       chosen.push_back(best);
+      plain.push_back(best_plain);
+      plain_extra.push_back(plain_cost - best_cost);  // infinite without one
     }
+    // A vocabulary-parallel loss combines over one mesh dimension: where several dimensions chose
+    // it on their own, the one it saves most on keeps it, and the others take their best strategy
+    // without it.
+    std::size_t keep = chosen.size();
+    for (std::size_t m = 0; m < chosen.size(); ++m)
+      if (chosen[m]->collective && (keep == chosen.size() || plain_extra[m] > plain_extra[keep]))
+        keep = m;
+    for (std::size_t m = 0; m < chosen.size(); ++m)
+      if (m != keep && chosen[m]->collective && plain[m]) chosen[m] = plain[m];
     ProgramOp local = op;
     for (std::size_t i = 0; i < op.inputs.size(); ++i) {
       if (!op.inputs[i].defined()) continue;
