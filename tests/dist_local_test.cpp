@@ -183,7 +183,7 @@ TEST(DistLocal, AZeroOrNegativeTimeoutIsAnError) {
   CommOptions zero;
   zero.timeout = std::chrono::milliseconds(0);
   expect_error([&] { LocalWorld(2, zero); }, ErrorCode::InvalidArgument,
-               {"LocalWorld: timeout: expected > 0 ms, got 0 ms"});
+               {"LocalWorld: timeout: expected > 0 ms", "got 0 ms"});
   run_local(1, [](Communicator& c) {
     expect_error([&] { c.set_timeout(std::chrono::milliseconds(-5)); }, ErrorCode::InvalidArgument,
                  {"set_timeout", "got -5 ms"});
@@ -296,6 +296,28 @@ TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
   LocalWorld world(2);
   world.communicator(1);
   expect_error([&] { world.communicator(1); }, ErrorCode::InvalidArgument, {"already taken"});
+}
+
+// A longer timeout set after the backend was set up applies to its own transfers too (local's
+// meetings kept the one of its set-up, and failed a peer 1 s late after 0.3 s). Checks off: with
+// them on, the metadata exchange, which always took the current timeout, waits for the peer.
+TEST(DistLocal, SetTimeoutAfterTheBackendIsSetUpAppliesToItsTransfers) {
+  CommOptions options;
+  options.timeout = std::chrono::milliseconds(300);
+  options.check = false;
+  run_local(
+      2,
+      [](Communicator& c) {
+        c.barrier().wait();  // the backend set up with 300 ms
+        c.set_timeout(std::chrono::seconds(20));
+        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(1));
+        Tensor t = Tensor::zeros({4}, DType::F32);
+        c.all_reduce(t).wait();
+      },
+      options);
+  // A timeout past a year overflowed now + timeout, failing every wait at once.
+  expect_error([] { LocalWorld(2, {.timeout = std::chrono::milliseconds::max()}); },
+               ErrorCode::InvalidArgument, {"LocalWorld: timeout", "at most a year"});
 }
 
 TEST(DistLocal, AnExceptionFromPollAbortsTheWaitingRanksAndIsRethrown) {

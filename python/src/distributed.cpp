@@ -73,8 +73,10 @@ void free_finished_orphans() {
 }
 
 std::chrono::milliseconds milliseconds(double seconds) {
-  MESHFUSE_CHECK(std::isfinite(seconds) && seconds > 0, ErrorCode::InvalidArgument,
-                 "communicator: timeout: expected seconds > 0, got {}", seconds);
+  MESHFUSE_CHECK(std::isfinite(seconds) && seconds > 0 && seconds * 1e3 <= kMaxTimeout.count(),
+                 ErrorCode::InvalidArgument,
+                 "communicator: timeout: expected seconds > 0 and at most a year ({}), got {}",
+                 kMaxTimeout.count() / 1000, seconds);
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1e3)));
 }
 

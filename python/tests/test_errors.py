@@ -197,5 +197,8 @@ def test_an_array_of_a_dtype_meshfuse_lacks_names_the_argument_and_its_dtype():
 def test_a_zero_timeout_is_a_value_error():
     # 0 would fail every operation that waits at all; it once reached the rendezvous as "cannot
     # reach the store within 0 ms".
-    with pytest.raises(meshfuse.InvalidArgumentError, match="timeout: expected seconds > 0, got 0"):
+    with pytest.raises(meshfuse.InvalidArgumentError, match="timeout: expected seconds > 0.*got 0"):
         meshfuse.run_local(1, lambda comm: None, timeout=0)
+    # Past a year, now + timeout overflowed the clock: every wait failed at once.
+    with pytest.raises(meshfuse.InvalidArgumentError, match="at most a year.*got 10000000000"):
+        meshfuse.run_local(1, lambda comm: None, timeout=1e10)

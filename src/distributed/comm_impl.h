@@ -3,6 +3,7 @@
 // wraps errors with it; a backend only moves bytes.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -22,6 +23,20 @@ namespace meshfuse::detail {
 
 using CommClock = std::chrono::steady_clock;
 using Deadline = CommClock::time_point;
+
+// A backend's own timeout for its transfers: the team's when it is set up, then what
+// Communicator::set_timeout gives, for the operations that start waiting afterwards (worker
+// threads read it).
+class BackendTimeout {
+ public:
+  explicit BackendTimeout(std::chrono::milliseconds timeout) : ms_(timeout.count()) {}
+  std::chrono::milliseconds get() const { return std::chrono::milliseconds(ms_.load()); }
+  void set(std::chrono::milliseconds timeout) { ms_.store(timeout.count()); }
+  Deadline from_now() const { return CommClock::now() + get(); }
+
+ private:
+  std::atomic<std::int64_t> ms_;
+};
 
 // One operation in flight, as a backend tracks it.
 class WorkImpl {
@@ -145,6 +160,8 @@ class CommImpl {
   // Called once after a timeout or failure: give up in-flight operations as far as the library
   // allows (NCCL: ncclCommAbort). The communicator makes no further calls but the destructor.
   virtual void abort() {}
+  // Communicator::set_timeout: a backend with timeouts of its own takes it (BackendTimeout).
+  virtual void set_timeout(std::chrono::milliseconds) {}
 };
 
 // One factory per backend, each defined in its backend's file. A backend this build lacks has a

@@ -91,9 +91,11 @@ void CommState::bootstrap_exchange(CommunicatorBackend backend, const void* mine
 }
 
 void check_timeout(std::chrono::milliseconds timeout, std::string_view who) {
-  // Zero would fail every operation that has to wait at all, at once.
-  MESHFUSE_CHECK(timeout.count() > 0, ErrorCode::InvalidArgument,
-                 "{}: timeout: expected > 0 ms, got {} ms", who, timeout.count());
+  // Zero would fail every operation that has to wait at all, at once; past a year, now + timeout
+  // overflows the clock (and did, for milliseconds::max()), failing every wait at once too.
+  MESHFUSE_CHECK(timeout.count() > 0 && timeout <= kMaxTimeout, ErrorCode::InvalidArgument,
+                 "{}: timeout: expected > 0 ms and at most a year ({} ms), got {} ms", who,
+                 kMaxTimeout.count(), timeout.count());
 }
 
 std::vector<Meta> CommState::exchange_meta(CommImpl& impl, const Meta& mine) {
@@ -172,6 +174,7 @@ std::chrono::milliseconds Communicator::timeout() const { return state_->timeout
 void Communicator::set_timeout(std::chrono::milliseconds timeout) {
   detail::check_timeout(timeout, "Communicator::set_timeout");
   state_->timeout = timeout;
+  for (const auto& [backend, impl] : state_->impls) impl->set_timeout(timeout);
   for_kept_teams([&](Communicator& kept) { kept.set_timeout(timeout); });
 }
 bool Communicator::checks() const { return state_->check; }

@@ -177,13 +177,14 @@ class GlooComm : public CommImpl {
                    "MASTER_PORT, or MESHFUSE_STORE_PATH)");
     auto device = shared_device(context.launch);
     auto ctx = std::make_shared<gloo::rendezvous::Context>(context.rank, size_);
-    ctx->setTimeout(timeout_);
+    ctx->setTimeout(timeout_.get());
     StoreForGloo store(context.store);
     as_errors([&] { ctx->connectFullMesh(store, device); });
     context_ = std::move(ctx);
   }
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_.set(timeout); }
 
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
     // The task owns its buffers: after a timeout here the caller's are gone, and the queued
@@ -196,8 +197,8 @@ class GlooComm : public CommImpl {
           gloo::AllgatherOptions opts(context_);
           opts.setInput(in->data(), bytes);
           opts.setOutput(out->data(), out->size());
-          opts.setTimeout(timeout_);
-          gloo::allgather(opts);
+          opts.setTimeout(timeout_.get());
+          as_errors([&] { gloo::allgather(opts); });  // gloo's timeout as Error(Timeout)
         })
         ->wait(deadline);
     std::memcpy(all, out->data(), out->size());
@@ -210,7 +211,7 @@ class GlooComm : public CommImpl {
         gloo::AllreduceOptions opts(context_);
         opts.setOutput(t.data_ptr<W>(), static_cast<std::size_t>(t.numel()));
         opts.setReduceFunction(pairwise(t.dtype(), op));
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::allreduce(opts);
       });
       if (op == ReduceOp::Avg) divide_buffer(t.dtype(), t.data(), t.numel(), size_);
@@ -230,7 +231,7 @@ class GlooComm : public CommImpl {
         opts.setOutput(context_->rank == root ? t.data_ptr<W>() : scratch.data(), n);
         opts.setRoot(root);
         opts.setReduceFunction(pairwise(t.dtype(), op));
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::reduce(opts);
       });
       if (op == ReduceOp::Avg && context_->rank == root)
@@ -245,7 +246,7 @@ class GlooComm : public CommImpl {
         gloo::BroadcastOptions opts(context_);
         opts.setOutput(t.data_ptr<W>(), static_cast<std::size_t>(t.numel()));
         opts.setRoot(root);
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::broadcast(opts);
       });
     });
@@ -260,7 +261,7 @@ class GlooComm : public CommImpl {
         gloo::AllgathervOptions opts(context_);
         opts.setInput(in.data_ptr<W>(), static_cast<std::size_t>(in.numel()));
         opts.setOutput(out.data_ptr<W>(), as_sizes(counts));
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::allgatherv(opts);
       });
     });
@@ -292,7 +293,7 @@ class GlooComm : public CommImpl {
         if (context_->rank == root)
           opts.setOutput(out.data_ptr<W>(), static_cast<std::size_t>(out.numel()));
         opts.setRoot(root);
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::gather(opts);
       });
     });
@@ -312,7 +313,7 @@ class GlooComm : public CommImpl {
         }
         opts.setOutput(out.data_ptr<W>(), n);
         opts.setRoot(root);
-        opts.setTimeout(timeout_);
+        opts.setTimeout(timeout_.get());
         gloo::scatter(opts);
       });
     });
@@ -328,19 +329,19 @@ class GlooComm : public CommImpl {
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
     as_errors([&] { buffer->send(peer, p2p_slot(tag, t.nbytes())); });
-    return std::make_shared<P2pWork>(std::move(buffer), true, timeout_);
+    return std::make_shared<P2pWork>(std::move(buffer), true, timeout_.get());
   }
 
   std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
     as_errors([&] { buffer->recv(peer, p2p_slot(tag, t.nbytes())); });
-    return std::make_shared<P2pWork>(std::move(buffer), false, timeout_);
+    return std::make_shared<P2pWork>(std::move(buffer), false, timeout_.get());
   }
 
   std::shared_ptr<WorkImpl> barrier(const Stream&) override {
     return run([this] {
       gloo::BarrierOptions opts(context_);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(timeout_.get());
       gloo::barrier(opts);
     });
   }
@@ -376,13 +377,13 @@ class GlooComm : public CommImpl {
       gloo::AlltoallvOptions opts(context_);
       opts.setInput(in.data_ptr<W>(), in_counts);
       opts.setOutput(static_cast<W*>(out), out_counts);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(timeout_.get());
       gloo::alltoallv(opts);
     });
   }
 
   int size_;
-  std::chrono::milliseconds timeout_;
+  BackendTimeout timeout_;
   std::shared_ptr<gloo::Context> context_;
   WorkerQueue queue_;  // last: joined before the context goes
 };

@@ -148,6 +148,11 @@ class LocalComm : public CommImpl {
         queue_("local " + context.name) {}
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Local; }
+  void set_timeout(std::chrono::milliseconds timeout) override {
+    timeout_.set(timeout);
+    context_.timeout = timeout;  // for the CUDA side made later
+    if (cuda_) cuda_->set_timeout(timeout);
+  }
 
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
     const auto ptrs = team_->checks.meet(rank_, mine, deadline);
@@ -311,9 +316,9 @@ class LocalComm : public CommImpl {
   template <typename Body>
   std::shared_ptr<WorkImpl> collective(Args args, Body body) {
     return queue_.submit([this, args, body = std::move(body)] {
-      const auto all = team_->ops.meet(rank_, &args, CommClock::now() + timeout_);
+      const auto all = team_->ops.meet(rank_, &args, timeout_.from_now());
       body(all);
-      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+      team_->ops.meet(rank_, nullptr, timeout_.from_now());
     });
   }
 
@@ -325,23 +330,23 @@ class LocalComm : public CommImpl {
       const std::size_t es = element_size(t.dtype());
       const std::int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
       const Args args(t.data());
-      const auto all = team_->ops.meet(rank_, &args, CommClock::now() + timeout_);
+      const auto all = team_->ops.meet(rank_, &args, timeout_.from_now());
       std::vector<const void*> srcs;
       for (int s = 0; s < size_; ++s) srcs.push_back(args_of(all, s).in + begin * es);
       std::vector<std::uint8_t> chunk((end - begin) * es);
       reduce_buffers(t.dtype(), op, srcs, chunk.data(), end - begin);
-      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+      team_->ops.meet(rank_, nullptr, timeout_.from_now());
       for (int s = 0; s < size_; ++s)
         if (root < 0 || s == root)
           copy_bytes(const_cast<std::uint8_t*>(args_of(all, s).in) + begin * es, chunk.data(),
                      chunk.size());
-      team_->ops.meet(rank_, nullptr, CommClock::now() + timeout_);
+      team_->ops.meet(rank_, nullptr, timeout_.from_now());
     });
   }
 
   TeamContext context_;
   int rank_, size_;
-  std::chrono::milliseconds timeout_;
+  BackendTimeout timeout_;
   std::shared_ptr<LocalTeam> team_;
   std::unique_ptr<CommImpl> cuda_;
   WorkerQueue queue_;  // last: joined before the rest goes

@@ -233,6 +233,7 @@ class LocalCudaComm : public CommImpl {
         peer_ready_(static_cast<std::size_t>(size_), false) {}
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Local; }
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_.set(timeout); }
 
   void exchange(const void*, void*, std::size_t, Deadline) override {
     fail(ErrorCode::Internal, "local: the metadata exchange goes through the CPU side");
@@ -338,10 +339,9 @@ class LocalCudaComm : public CommImpl {
     const P2PKey key{peer, rank_, tag};
     std::unique_lock lock(team_->p2p_mutex);
     auto& queue = team_->sent[key];
-    MESHFUSE_CHECK(team_->p2p_changed.wait_until(lock, CommClock::now() + timeout_,
-                                                 [&] { return !queue.empty(); }),
-                   ErrorCode::Timeout, "local: no matching send from rank {} (tag {}) arrived",
-                   peer, tag);
+    MESHFUSE_CHECK(
+        team_->p2p_changed.wait_until(lock, timeout_.from_now(), [&] { return !queue.empty(); }),
+        ErrorCode::Timeout, "local: no matching send from rank {} (tag {}) arrived", peer, tag);
     const std::shared_ptr<Message> message = std::move(queue.front());
     queue.pop_front();
     message->taken = true;
@@ -405,7 +405,7 @@ class LocalCudaComm : public CommImpl {
     posts_[turn_] = mine;
     const Post* slot = &posts_[turn_];
     turn_ ^= 1;
-    const auto all = team_->ops.meet(rank_, slot, CommClock::now() + timeout_);
+    const auto all = team_->ops.meet(rank_, slot, timeout_.from_now());
     std::vector<Post> posts;
     for (int s = 0; s < size_; ++s) {
       posts.push_back(*static_cast<const Post*>(all[s]));
@@ -493,7 +493,7 @@ class LocalCudaComm : public CommImpl {
   }
 
   int rank_, size_;
-  std::chrono::milliseconds timeout_;
+  BackendTimeout timeout_;
   std::shared_ptr<LocalCudaTeam> team_;
   int device_ = -1;                   // bound by the first operation
   std::unique_ptr<Event> events_[2];  // used in turn, see the top of this file

@@ -179,6 +179,7 @@ void Work::wait() {
 }
 
 void Work::wait(std::chrono::milliseconds timeout) {
+  detail::check_timeout(timeout, "Work::wait");
   if (state_) state_->wait(timeout);
 }
 

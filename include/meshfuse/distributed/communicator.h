@@ -199,11 +199,15 @@ class Work {
   std::shared_ptr<detail::WorkState> state_;
 };
 
+// The longest timeout taken: a year (now + timeout must not overflow the clock).
+inline constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
+
 struct CommOptions {
   // Backend spec (BackendSpec::parse); empty: BackendSpec::defaults(), or "local" for LocalWorld.
   std::string backend;
   // How long a rank waits for its peers (the check, Work::wait, the backends' own transfers);
-  // positive (InvalidArgument otherwise, also from set_timeout).
+  // positive and at most kMaxTimeout (InvalidArgument otherwise, also from set_timeout and
+  // Work::wait(timeout)).
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   // The metadata check before each collective.
   bool check = true;
@@ -228,10 +232,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The backend serving a device type; Error(BackendUnavailable) when the spec has none.
   CommunicatorBackend backend(DeviceType type = DeviceType::CPU) const;
 
-  // The timeout of the metadata check and of Work::wait() for operations started afterwards. A
-  // backend takes the timeout current when it is set up (first use of its device type) and keeps
-  // it for its own transfers: gloo gives up on that one, and so does local; mpi and nccl have
-  // none of their own. Set it before the first operation to have it apply everywhere.
+  // The timeout of the metadata check, of Work::wait() and of the backends' own transfers (gloo's
+  // and local's; mpi and nccl have none of their own) for operations started afterwards (gloo:
+  // also those queued but not yet begun).
   // set_timeout and set_checks also set them, at once, on the teams this communicator keeps
   // (with_backends, mesh_teams); a kept team set directly keeps its own setting until then. Teams
   // from split and new_group take them when made.
