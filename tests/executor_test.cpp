@@ -28,6 +28,13 @@ void on_four_ranks(const std::function<void(const std::shared_ptr<Communicator>&
   run_local(4, fn, options);
 }
 
+TEST(Executor, ANullCommunicatorIsAnError) {  // it was dereferenced while the mesh was set up
+  Program p;
+  p.add_output(p.define_tensor("t", {2}, DType::F32));
+  expect_error([&] { MultiDeviceExecutor(p, nullptr); }, ErrorCode::InvalidArgument,
+               {"MultiDeviceExecutor: communicator is null"});
+}
+
 TEST(ExecutorLocal, EveryTransitionOfOneMeshDimensionGivesTheParts) {
   on_four_ranks(exec::check_every_transition);
 }

@@ -407,6 +407,7 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
                              {"normwise_err", c.normwise_err},
                              {"pass", c.pass}});
     j["pass"] = pass;
+    if (o.dump_plan) j["plan"] = r.plan;  // rank 0's, as text
     out << j.dump(2) << "\n";
     return;
   }

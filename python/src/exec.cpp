@@ -377,8 +377,8 @@ void bind_program(nb::module_& m) {
       .def(
           "swiglu_packed",
           [](Program& p, V x, const std::string& layout) {
-            return wrap(p,
-                        p.swiglu_packed(operand(p, "swiglu_packed", "x", x), parse_layout(layout)));
+            return wrap(p, p.swiglu_packed(operand(p, "swiglu_packed", "x", x),
+                                           parse_layout(layout, "Program.swiglu_packed")));
           },
           "x"_a, "layout"_a = "halves",
           "x (..., 2I) holding gate and up ('halves' or 'interleaved') -> (..., I).")
@@ -393,11 +393,12 @@ void bind_program(nb::module_& m) {
           [](Program& p, V logits, V labels, const std::string& reduction,
              std::int64_t ignore_index, double label_smoothing, double logits_multiplier,
              double z_loss_scale, nb::handle loss_dtype) {
-            return wrap(p, p.cross_entropy(operand(p, "cross_entropy", "logits", logits),
-                                           operand(p, "cross_entropy", "labels", labels),
-                                           ce_options(ignore_index, reduction, label_smoothing,
-                                                      logits_multiplier, z_loss_scale),
-                                           optional_dtype(loss_dtype, "Program.cross_entropy")));
+            return wrap(
+                p, p.cross_entropy(operand(p, "cross_entropy", "logits", logits),
+                                   operand(p, "cross_entropy", "labels", labels),
+                                   ce_options("Program.cross_entropy", ignore_index, reduction,
+                                              label_smoothing, logits_multiplier, z_loss_scale),
+                                   optional_dtype(loss_dtype, "Program.cross_entropy")));
           },
           "logits"_a, "labels"_a, "reduction"_a = "mean", "ignore_index"_a = -100,
           "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
@@ -410,12 +411,13 @@ void bind_program(nb::module_& m) {
              std::int64_t ignore_index, double label_smoothing, double logits_multiplier,
              double z_loss_scale, nb::handle loss_dtype) {
             const std::string_view op = "fused_linear_cross_entropy";
-            return wrap(p, p.fused_linear_cross_entropy(
-                               operand(p, op, "x", x), operand(p, op, "weight", weight),
-                               operand(p, op, "bias", bias), operand(p, op, "labels", labels),
-                               ce_options(ignore_index, reduction, label_smoothing,
-                                          logits_multiplier, z_loss_scale),
-                               optional_dtype(loss_dtype, "Program.fused_linear_cross_entropy")));
+            return wrap(
+                p, p.fused_linear_cross_entropy(
+                       operand(p, op, "x", x), operand(p, op, "weight", weight),
+                       operand(p, op, "bias", bias), operand(p, op, "labels", labels),
+                       ce_options("Program.fused_linear_cross_entropy", ignore_index, reduction,
+                                  label_smoothing, logits_multiplier, z_loss_scale),
+                       optional_dtype(loss_dtype, "Program.fused_linear_cross_entropy")));
           },
           "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "reduction"_a = "mean",
           "ignore_index"_a = -100, "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,

@@ -251,18 +251,18 @@ void bind_gemm(nb::module_& m) {
          OptOut grad_weight, OptOut grad_bias, std::int64_t ignore_index,
          const std::string& reduction, double label_smoothing, double logits_multiplier,
          double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
-        fused_linear_cross_entropy(
-            view(x, "fused_linear_cross_entropy", "x"),
-            view(weight, "fused_linear_cross_entropy", "weight"),
-            view(bias, "fused_linear_cross_entropy", "bias"),
-            view(labels, "fused_linear_cross_entropy", "labels"),
-            view(grad_loss, "fused_linear_cross_entropy", "grad_loss"),
-            view(loss, "fused_linear_cross_entropy", "loss"),
-            view(grad_x, "fused_linear_cross_entropy", "grad_x"),
-            view(grad_weight, "fused_linear_cross_entropy", "grad_weight"),
-            view(grad_bias, "fused_linear_cross_entropy", "grad_bias"),
-            ce_options(ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale),
-            chunk_rows, stream_on(device_of(x), stream));
+        fused_linear_cross_entropy(view(x, "fused_linear_cross_entropy", "x"),
+                                   view(weight, "fused_linear_cross_entropy", "weight"),
+                                   view(bias, "fused_linear_cross_entropy", "bias"),
+                                   view(labels, "fused_linear_cross_entropy", "labels"),
+                                   view(grad_loss, "fused_linear_cross_entropy", "grad_loss"),
+                                   view(loss, "fused_linear_cross_entropy", "loss"),
+                                   view(grad_x, "fused_linear_cross_entropy", "grad_x"),
+                                   view(grad_weight, "fused_linear_cross_entropy", "grad_weight"),
+                                   view(grad_bias, "fused_linear_cross_entropy", "grad_bias"),
+                                   ce_options("fused_linear_cross_entropy", ignore_index, reduction,
+                                              label_smoothing, logits_multiplier, z_loss_scale),
+                                   chunk_rows, stream_on(device_of(x), stream));
       },
       "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
       "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(), "ignore_index"_a = -100,
@@ -316,7 +316,7 @@ void bind_ops(nb::module_& m) {
   m.def(
       "swiglu_packed",
       [](In x, const std::string& layout, Out out, std::uintptr_t stream) {
-        swiglu_packed(view(x, "swiglu_packed", "x"), parse_layout(layout),
+        swiglu_packed(view(x, "swiglu_packed", "x"), parse_layout(layout, "swiglu_packed"),
                       view(out, "swiglu_packed", "out"), stream_on(device_of(x), stream));
       },
       "x"_a, "layout"_a, "out"_a, "stream"_a = 0, release,
@@ -330,7 +330,8 @@ void bind_ops(nb::module_& m) {
       "swiglu_packed_backward",
       [](In grad_out, In x, const std::string& layout, Out grad_x, std::uintptr_t stream) {
         swiglu_packed_backward(view(grad_out, "swiglu_packed_backward", "grad_out"),
-                               view(x, "swiglu_packed_backward", "x"), parse_layout(layout),
+                               view(x, "swiglu_packed_backward", "x"),
+                               parse_layout(layout, "swiglu_packed_backward"),
                                view(grad_x, "swiglu_packed_backward", "grad_x"),
                                stream_on(device_of(grad_out), stream));
       },
@@ -476,8 +477,8 @@ void bind_ops(nb::module_& m) {
         cross_entropy(view(logits, "cross_entropy", "logits"),
                       view(labels, "cross_entropy", "labels"), view(loss, "cross_entropy", "loss"),
                       view(lse, "cross_entropy", "lse"),
-                      ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
-                                 z_loss_scale, vocab_start, vocab_size),
+                      ce_options("cross_entropy", ignore_index, reduction, label_smoothing,
+                                 logits_multiplier, z_loss_scale, vocab_start, vocab_size),
                       stream_on(device_of(logits), stream));
       },
       "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
@@ -498,8 +499,8 @@ void bind_ops(nb::module_& m) {
                 view(labels, "cross_entropy_backward", "labels"),
                 view(lse, "cross_entropy_backward", "lse"),
                 view(grad_logits, "cross_entropy_backward", "grad_logits"),
-                ce_options(ignore_index, reduction, label_smoothing, logits_multiplier,
-                           z_loss_scale, vocab_start, vocab_size),
+                ce_options("cross_entropy_backward", ignore_index, reduction, label_smoothing,
+                           logits_multiplier, z_loss_scale, vocab_start, vocab_size),
                 stream_on(device_of(grad_loss), stream));
           },
           "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,

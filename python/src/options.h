@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "meshfuse/core/error.h"
 #include "meshfuse/ops/cross_entropy.h"
@@ -12,22 +13,23 @@
 
 namespace meshfuse::python {
 
-inline SwigluLayout parse_layout(const std::string& name) {
+inline SwigluLayout parse_layout(const std::string& name, std::string_view op) {
   if (name == "halves") return SwigluLayout::Halves;
   if (name == "interleaved") return SwigluLayout::Interleaved;
   throw Error(ErrorCode::InvalidArgument,
-              "swiglu_packed: layout must be 'halves' or 'interleaved', got '" + name + "'");
+              std::string(op) + ": layout must be 'halves' or 'interleaved', got '" + name + "'");
 }
 
-inline CrossEntropyOptions ce_options(std::int64_t ignore_index, const std::string& reduction,
-                                      double label_smoothing, double logits_multiplier,
-                                      double z_loss_scale, std::int64_t vocab_start = 0,
-                                      std::int64_t vocab_size = 0) {
+// `op` names the caller in errors.
+inline CrossEntropyOptions ce_options(std::string_view op, std::int64_t ignore_index,
+                                      const std::string& reduction, double label_smoothing,
+                                      double logits_multiplier, double z_loss_scale,
+                                      std::int64_t vocab_start = 0, std::int64_t vocab_size = 0) {
   const std::optional<Reduction> r = parse_reduction(reduction);
   if (!r)
     throw Error(
         ErrorCode::InvalidArgument,
-        "cross_entropy: reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
+        std::string(op) + ": reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
   return {.ignore_index = ignore_index,
           .reduction = *r,
           .label_smoothing = label_smoothing,

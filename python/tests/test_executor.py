@@ -312,6 +312,11 @@ def test_a_run_that_fails_on_one_rank_fails_the_others_instead_of_pairing_runs()
         assert results[1] == [error, out_of_step], (bad, results)
 
 
+def test_executor_arguments_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="chunks 3: only overlap collective takes chunks"):
+        meshfuse.MultiDeviceExecutorParams(overlap="ring", chunks=3)  # chunks were ignored
+
+
 def test_builder_errors_values_and_placements():
     p, q = meshfuse.Program(), meshfuse.Program()
     x = p.define_tensor("x", (4, 8), "bf16")

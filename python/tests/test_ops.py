@@ -112,6 +112,16 @@ def test_an_output_over_an_input_is_refused_where_the_op_cannot_write_in_place()
     np.testing.assert_array_equal(y, 2.5)
 
 
+def test_option_errors_name_the_op_that_was_called():
+    x, w = np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)
+    labels, loss = np.zeros(2, np.int64), np.empty((), np.float32)
+    with pytest.raises(ValueError, match="^.*fused_linear_cross_entropy: reduction must be"):
+        meshfuse.fused_linear_cross_entropy(x, w, None, labels, None, loss, None, None, None,
+                                            reduction="batchmean")
+    with pytest.raises(ValueError, match="swiglu_packed_backward: layout must be"):
+        meshfuse.swiglu_packed_backward(np.ones((2, 2), np.float32), x, "pairs", np.empty_like(x))
+
+
 def test_cross_entropy_mean_skips_ignored_rows():
     logits = randn(4, 11, dtype=np.float64, seed=6)
     labels = np.array([3, -100, 10, 0], dtype=np.int64)

@@ -15,11 +15,21 @@
 
 namespace meshfuse {
 
+namespace {
+
+std::shared_ptr<Communicator> defined(std::shared_ptr<Communicator> communicator) {
+  MESHFUSE_CHECK(communicator != nullptr, ErrorCode::InvalidArgument,
+                 "MultiDeviceExecutor: communicator is null");
+  return communicator;
+}
+
+}  // namespace
+
 MultiDeviceExecutor::MultiDeviceExecutor(Program program,
                                          std::shared_ptr<Communicator> communicator,
                                          MultiDeviceExecutorParams params)
     : program_(std::move(program)),
-      communicator_(std::move(communicator)),
+      communicator_(defined(std::move(communicator))),
       params_(std::move(params)),
       mesh_(program_.mesh().value_or(DeviceMesh(std::vector<int>{communicator_->rank()}))) {
   check_overlap_params(params_.overlap);

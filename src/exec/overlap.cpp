@@ -223,6 +223,10 @@ void check_overlap_params(const OverlapParams& params) {
   MESHFUSE_CHECK(params.chunks >= 0, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutorParams: chunks must be >= 1, or 0 for the team size; got {}",
                  params.chunks);
+  MESHFUSE_CHECK(params.overlap != Overlap::Ring || params.chunks <= 1, ErrorCode::InvalidArgument,
+                 "MultiDeviceExecutorParams: chunks {}: only overlap collective takes chunks (ring "
+                 "moves one part per rank)",
+                 params.chunks);
   MESHFUSE_CHECK(params.number_of_streams >= 1, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutorParams: number_of_streams must be >= 1, got {}",
                  params.number_of_streams);

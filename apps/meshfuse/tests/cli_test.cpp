@@ -246,10 +246,11 @@ TEST(Cli, RunChecksEveryOutputAndGradientOfTheShardedProgramAgainstOneDevice) {
 TEST(Cli, RunJsonHasTimesCollectivesAndChecks) {
   const ScratchDir dir;
   const CliResult r = run_cli("run --model " + tiny_model(dir) +
-                              " --ranks 2 --tokens 7 --repeats 1 --format json");
+                              " --ranks 2 --tokens 7 --repeats 1 --format json --dump-plan");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["ranks"], 2);
+  EXPECT_NE(j["plan"].get<std::string>().find("all_gather"), std::string::npos) << j["plan"];
   EXPECT_EQ(j["backend"], "local");
   EXPECT_EQ(j["per_rank"].size(), 2u);
   EXPECT_GT(j["collectives"].size(), 0u);
