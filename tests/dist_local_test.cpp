@@ -575,6 +575,10 @@ TEST(DistStore, AFileStoreDirectoryReusedByALaterJobHoldsNoneOfItsKeys) {
   EXPECT_TRUE(store_from_env(LaunchInfo{})->check({"world/gloo/rank_0"}));  // the same job
   ::setenv("MESHFUSE_STORE_SECRET", "the second job", 1);
   EXPECT_FALSE(store_from_env(LaunchInfo{})->check({"world/gloo/rank_0"}));
+  // One exported secret for every job (and a static torchrun's run id "none"): a run id apart.
+  ::setenv("MESHFUSE_RUN_ID", "run 2", 1);
+  EXPECT_FALSE(store_from_env(LaunchInfo{})->check({"world/gloo/rank_0"}));
+  ::unsetenv("MESHFUSE_RUN_ID");
   ::unsetenv("MESHFUSE_STORE_SECRET");
   ::unsetenv("MESHFUSE_STORE_PATH");
   std::filesystem::remove_all(dir);

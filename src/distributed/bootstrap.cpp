@@ -178,13 +178,14 @@ namespace {
 
 // What sets this job apart from earlier ones that used the same store directory, whose keys stay
 // there and would be read as this job's: the launcher's job identity (meshfuse launch's per-job
-// secret, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace), hashed;
-// empty when the environment has none.
+// secret, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace) and the
+// user's MESHFUSE_RUN_ID (a static torchrun's run id is "none", and an exported secret is the
+// same for every job), hashed; empty when the environment has none.
 std::string job_namespace() {
   std::string job;
   for (const char* name :
-       {"MESHFUSE_STORE_SECRET", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-        "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE"})
+       {"MESHFUSE_STORE_SECRET", "MESHFUSE_RUN_ID", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE"})
     if (const char* value = std::getenv(name); value && *value)
       job += fmt::format("{}={}\n", name, value);
   return job.empty() ? "" : fmt::format("job-{:016x}", std::hash<std::string>{}(job));
