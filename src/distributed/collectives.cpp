@@ -155,6 +155,7 @@ Work start(CommState& s, Call& c, F&& run) {
                  "{}: cannot reduce bool tensors (use u8)", op_name(c.op));
   if (c.reduction) detail::check_reducible(c.dtype, *c.reduction, op_name(c.op));
   detail::CommImpl& impl = s.impl(backend);
+  impl.check_device(c.device);
 
   CommRecord record;
   record.op = c.op;

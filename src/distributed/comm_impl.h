@@ -160,6 +160,10 @@ class CommImpl {
   // Called once after a timeout or failure: give up in-flight operations as far as the library
   // allows (NCCL: ncclCommAbort). The communicator makes no further calls but the destructor.
   virtual void abort() {}
+  // Refuses, before the metadata exchange, tensors on a device this rank's operations cannot run
+  // on (Error(DeviceMismatch)): refused later, after the others had exchanged, they waited in
+  // the operation until the timeout.
+  virtual void check_device(const Device&) {}
   // Communicator::set_timeout: a backend with timeouts of its own takes it (BackendTimeout).
   virtual void set_timeout(std::chrono::milliseconds) {}
 };

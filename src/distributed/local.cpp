@@ -291,6 +291,10 @@ class LocalComm : public CommImpl {
     if (cuda_) cuda_->abort();
   }
 
+  void check_device(const Device& device) override {
+    if (CommImpl* cuda = cuda_for(Stream{device})) cuda->check_device(device);
+  }
+
  private:
   // The CUDA side for operations on a CUDA stream (the tensors' device), set up on first use;
   // nullptr for CPU ones.

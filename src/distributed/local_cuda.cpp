@@ -369,6 +369,7 @@ class LocalCudaComm : public CommImpl {
   }
 
   void abort() override { team_->ops.abort(); }
+  void check_device(const Device& device) override { bind(device); }
 
  private:
   // One operation: its device made current and checked against this rank's.

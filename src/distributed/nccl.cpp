@@ -465,6 +465,8 @@ class NcclComm : public CommImpl {
     if (!handle_->aborted.exchange(true)) nccl().CommAbort(comm_);
   }
 
+  void check_device(const Device& device) override { check_device(device, "tensor"); }
+
  private:
   // The scope of one operation: the device made current and the tensors' device checked.
   struct Launch {
