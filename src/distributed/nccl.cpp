@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -168,6 +169,9 @@ struct Handle {
   int device = 0;
   ncclComm_t comm = nullptr;
   std::atomic<bool> aborted{false};
+  // Works may be waited from several threads, and one that fails aborts the communicator, which
+  // frees it: held shared around the queries of `comm`, exclusively around its abort.
+  mutable std::shared_mutex abort_mutex;
 
   ~Handle() {
     if (comm && !aborted) {
@@ -177,6 +181,7 @@ struct Handle {
   }
   // The communicator's asynchronous error (a failed peer, a network error), as an Error.
   void check_async() const {
+    const std::shared_lock lock(abort_mutex);
     MESHFUSE_CHECK(!aborted, ErrorCode::CommunicationFailure,
                    "nccl: the communicator was aborted after an earlier failure");
     ncclResult_t async = ncclSuccess;
@@ -462,6 +467,7 @@ class NcclComm : public CommImpl {
   }
 
   void abort() override {
+    const std::unique_lock lock(handle_->abort_mutex);
     if (!handle_->aborted.exchange(true)) nccl().CommAbort(comm_);
   }
 
