@@ -8,7 +8,8 @@
 //
 // Teams: the world team duplicates MPI_COMM_WORLD, sub-teams come from MPI_Comm_create_group
 // (collective over the team's members only). Both block without a timeout, like MPI itself.
-// Counts are MPI ints: more than 2^31 - 1 elements per rank and message is Unsupported.
+// Counts and displacements are MPI ints: a message of more than 2^31 - 1 elements, and an
+// all_gather, reduce_scatter or all_to_all whose whole tensor has more, is Unsupported.
 #include "distributed/comm_impl.h"
 #include "meshfuse/core/error.h"
 
