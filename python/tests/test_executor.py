@@ -315,6 +315,21 @@ def test_a_run_that_fails_on_one_rank_fails_the_others_instead_of_pairing_runs()
 def test_executor_arguments_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="chunks 3: only overlap collective takes chunks"):
         meshfuse.MultiDeviceExecutorParams(overlap="ring", chunks=3)  # chunks were ignored
+    p = meshfuse.Program()
+    counts = p.define_tensor("counts", [4], "i64")
+    p.set_mesh(DeviceMesh.of_shape([2]))
+    with pytest.raises(ValueError, match=r"'counts' \[4\] i64: Partial\(avg\) cannot reduce it"):
+        p.set_placements(counts, Partial("avg"))  # refused only by the run's all_reduce
+
+    def nccl_on_cpu(comm):
+        q = all_gather_matmul(4, 3, 2, 2)
+        params = meshfuse.MultiDeviceExecutorParams("nccl")
+        executor = meshfuse.MultiDeviceExecutor(q, comm, params)
+        # It said "does every rank call run()?" around a CUDA driver error.
+        with pytest.raises(meshfuse.BackendUnavailableError, match="nccl cannot serve cpu tensors"):
+            executor.run({"x": randn(2, 3, seed=1), "w": randn(3, 2, seed=2)})
+
+    on_ranks(2, nccl_on_cpu)
 
 
 def test_builder_errors_values_and_placements():

@@ -223,10 +223,16 @@ std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ra
 
 std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spec) {
   state_->health->check(state_->name);
-  for (const auto& [device, backend] : spec.backends)
+  for (const auto& [device, backend] : spec.backends) {
     MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
                    "communicator {}: with_backends: this build has no {} backend", state_->name,
                    to_string(backend));
+    const std::vector<DeviceType> served = communicator_backend_devices(backend);
+    MESHFUSE_CHECK(std::find(served.begin(), served.end(), device) != served.end(),
+                   ErrorCode::BackendUnavailable,
+                   "communicator {}: with_backends: {} cannot serve {} tensors", state_->name,
+                   to_string(backend), to_string(device));
+  }
   std::shared_ptr<Communicator>& kept = state_->respecced[spec.str()];
   if (!kept) {
     auto c = state_->child(state_->team, state_->rank,

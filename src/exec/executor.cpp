@@ -67,10 +67,15 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
   try {
     world.all_gather(mine.to(device, stream), all, stream).wait();
   } catch (const Error& e) {  // the first collective of a run, which the user did not write
+    const bool waited =
+        e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure;
     throw Error(e.code(),
-                "MultiDeviceExecutor: comparing the program and params of the ranks "
-                "before the run's first communication (does every rank call run()?): " +
-                    e.message());
+                fmt::format("MultiDeviceExecutor: {}: {}",
+                            waited ? "comparing the program and params of the ranks before the "
+                                     "run's first communication (does every rank call run()?)"
+                                   : fmt::format("the first {} communication of {} tensors",
+                                                 to_string(world.backend(type)), to_string(type)),
+                            e.message()));
   }
   Tensor host({2 * n}, DType::I64);
   copy(all, host, stream);
