@@ -649,8 +649,21 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------
-def _recurrent_shapes(inputs, weights, input_state, cu_seqlens):
+def _check_cu_seqlens(op, cu_seqlens):
+    """The offsets' shape, checked before output shapes are taken from it (torch's errors of an
+    empty or 2-D cu_seqlens named neither the op nor the argument)."""
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
+        raise _C.ShapeMismatchError(f"[shape mismatch] {op}: cu_seqlens must be 1-D with B + 1 >= 1 "
+                                    f"offsets, got shape {list(cu_seqlens.shape)}")
+
+
+def _recurrent_shapes(op, inputs, weights, input_state, cu_seqlens):
     """(output shape, final_state shape): N = the largest head count (head broadcasting)."""
+    _check_cu_seqlens(op, cu_seqlens)
+    for name, t in (("input", inputs[0]), ("weight", weights[0])):
+        if t.dim() < (2 if name == "input" else 1):  # what the shapes below read
+            raise _C.ShapeMismatchError(f"[shape mismatch] {op}: {name} has too few dims, got "
+                                        f"shape {list(t.shape)} (include/meshfuse/ops/recurrent.h)")
     heads = max([x.shape[-2] for x in inputs] + [w.shape[0] for w in weights] +
                 ([] if input_state is None else [input_state.shape[1]]))
     x = inputs[0]
@@ -664,7 +677,7 @@ def _max_seqlen(max_seqlen):
 
 def rnn_forward(input, weight, input_state=None, cu_seqlens=None, max_seqlen=None):
     """Returns (output, final_state); see rnn()."""
-    out_shape, state_shape = _recurrent_shapes([input], [weight], input_state, cu_seqlens)
+    out_shape, state_shape = _recurrent_shapes("rnn", [input], [weight], input_state, cu_seqlens)
     output = input.new_empty(out_shape)
     final_state = input.new_empty(state_shape)
     _C.rnn(_d(input), _d(weight), _d(input_state), _d(output), _d(final_state),
@@ -693,7 +706,7 @@ def gru_forward(input, weight, forget_input, forget_weight, reset_input, reset_w
                 input_state=None, cu_seqlens=None, max_seqlen=None):
     """Returns (output, final_state); see gru()."""
     inputs, weights = [input, forget_input, reset_input], [weight, forget_weight, reset_weight]
-    out_shape, state_shape = _recurrent_shapes(inputs, weights, input_state, cu_seqlens)
+    out_shape, state_shape = _recurrent_shapes("gru", inputs, weights, input_state, cu_seqlens)
     output = input.new_empty(out_shape)
     final_state = input.new_empty(state_shape)
     _C.gru(_d(input), _d(weight), _d(forget_input), _d(forget_weight), _d(reset_input),
@@ -732,7 +745,7 @@ def _rnn(input: Tensor, weight: Tensor, input_state: Optional[Tensor],
 
 @_rnn.register_fake
 def _(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen):
-    out_shape, state_shape = _recurrent_shapes([input], [weight], input_state, cu_seqlens)
+    out_shape, state_shape = _recurrent_shapes("rnn", [input], [weight], input_state, cu_seqlens)
     return input.new_empty(out_shape), input.new_empty(state_shape)
 
 
@@ -808,7 +821,7 @@ def _gru(input: Tensor, weight: Tensor, forget_input: Tensor, forget_weight: Ten
 @_gru.register_fake
 def _(input, weight, forget_input, forget_weight, reset_input, reset_weight, input_state,
       gradient_clipping, cu_seqlens, max_seqlen):
-    out_shape, state_shape = _recurrent_shapes([input, forget_input, reset_input],
+    out_shape, state_shape = _recurrent_shapes("gru", [input, forget_input, reset_input],
                                                [weight, forget_weight, reset_weight],
                                                input_state, cu_seqlens)
     return input.new_empty(out_shape), input.new_empty(state_shape)
@@ -938,12 +951,18 @@ def pack_sequence(x, cu_seqlens, padding_side="left"):
     row; T = cu_seqlens[-1]). Any dtype; the backward is unpack_sequence. Raises
     InvalidArgumentError (ValueError: cu_seqlens not increasing, a sequence longer than S),
     ShapeMismatchError. Spec: include/meshfuse/ops/pack_sequence.h."""
+    _check_cu_seqlens("pack_sequence", cu_seqlens)
     return _pack_sequence(x, cu_seqlens, padding_side)
 
 
 def unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side="left"):
     """(T, ...) -> (batch_size, sequence_length, ...), the padding zero-filled; the inverse of
     :func:`pack_sequence`, whose forward is its backward. Errors as pack_sequence."""
+    _check_cu_seqlens("unpack_sequence", cu_seqlens)
+    if batch_size < 0 or sequence_length < 0:
+        raise _C.InvalidArgumentError(f"[invalid argument] unpack_sequence: batch_size and "
+                                      f"sequence_length must be >= 0, got {batch_size} and "
+                                      f"{sequence_length}")
     return _unpack_sequence(x, cu_seqlens, batch_size, sequence_length, padding_side)
 
 

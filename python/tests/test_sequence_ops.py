@@ -102,3 +102,21 @@ def test_bad_cu_seqlens_and_padding_side_raise_meshfuse_errors():
         meshfuse.pack_sequence(x, torch.tensor([0, 1, 2, 5]), out, padding_side="up")
     with pytest.raises(meshfuse.Error, match=r"continuous_count: output 'out' must be i64"):
         meshfuse.continuous_count(torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+
+
+def test_the_torch_ops_check_cu_seqlens_before_taking_shapes_from_it():
+    # torch's own errors came first: "only one element tensors can be converted to Python
+    # scalars", an IndexError, "negative dimension -1".
+    x = torch.zeros(3, 4, 2)
+    with pytest.raises(meshfuse.ShapeMismatchError, match=r"pack_sequence: cu_seqlens must be 1-D"):
+        mt.pack_sequence(x, torch.tensor([[0, 1], [2, 3]]))
+    with pytest.raises(meshfuse.ShapeMismatchError, match=r"pack_sequence: cu_seqlens .* shape \[0\]"):
+        mt.pack_sequence(x, torch.tensor([], dtype=torch.int64))
+    with pytest.raises(meshfuse.InvalidArgumentError, match="unpack_sequence: batch_size and "
+                       "sequence_length must be >= 0, got 3 and -1"):
+        mt.unpack_sequence(torch.zeros(5, 2), torch.tensor([0, 1, 2, 5]), 3, -1)
+    weight = torch.zeros(1, 2, 2)
+    with pytest.raises(meshfuse.ShapeMismatchError, match="rnn: cu_seqlens must be 1-D"):
+        mt.rnn(torch.zeros(5, 1, 2), weight, cu_seqlens=torch.tensor([], dtype=torch.int32))
+    with pytest.raises(meshfuse.ShapeMismatchError, match="rnn: input has too few dims"):
+        mt.rnn(torch.zeros(5), weight)
