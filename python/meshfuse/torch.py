@@ -992,6 +992,8 @@ def continuous_count(x, bins):
 # --- modules -------------------------------------------------------------------------------------
 class RMSNorm(torch.nn.Module):
     """``torch.nn.RMSNorm`` on meshfuse's kernel: the same arguments, parameters and state dict.
+    The weight's dtype must be the input's (torch also takes a float32 weight for 16-bit input,
+    off its fused kernel; meshfuse raises DTypeMismatchError).
 
     normalized_shape: int or the trailing shape to normalise over (several trailing dims are
     flattened into one row); eps None: PyTorch's default (see :func:`rmsnorm`);

@@ -484,9 +484,15 @@ void bind_ops(nb::module_& m) {
       "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
       "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
       "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+      "torch.nn.functional.cross_entropy of logits (N, V) float32/float64/bfloat16/float16 and "
+      "labels (N,) int32/int64 (ignore_index rows skipped), with label_smoothing, a z-loss "
+      "(z_loss_scale * lse^2) and logits scaled by logits_multiplier: loss () for 'mean' and "
+      "'sum', (N,) for 'none', in the logits' dtype or float32 for 16-bit logits; lse (N,) "
+      "float32 (float64 for float64), or None: not written (inference; the backward needs it). "
       "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
-      "vocab_size classes (a shard: meshfuse/ops/cross_entropy.h). lse None: not written "
-      "(inference; the backward needs it)."),
+      "vocab_size classes (a shard). Raises InvalidArgumentError (ValueError: a label outside "
+      "[0, V) that is not ignore_index, naming its row), ShapeMismatchError, DTypeMismatchError "
+      "(TypeError), DeviceMismatchError. Spec: meshfuse/ops/cross_entropy.h."),
       m.def(
           "cross_entropy_backward",
           [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
@@ -506,8 +512,10 @@ void bind_ops(nb::module_& m) {
           "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
           "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
           "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
-          "For a shard (vocab_start, vocab_size as in cross_entropy), lse is the whole "
-          "vocabulary's.");
+          "grad_logits (N, V), the logits' dtype, from grad_loss (the loss's shape; the logits' "
+          "dtype or float32 for 16-bit logits) and the forward's logits, labels and lse; "
+          "grad_logits may be logits itself (in place). For a shard (vocab_start, vocab_size as "
+          "in cross_entropy), lse is the whole vocabulary's. Errors as cross_entropy.");
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 //   y    = r * rstd * weight                              (weight optional: 1)
 //
 // rmsnorm(x, weight, eps) equals torch.nn.functional.rms_norm(x, (H,), weight, eps) (torch's
-// default eps, None = finfo(dtype).eps, has no counterpart here: eps is always explicit).
+// default eps, None = the machine epsilon of its computation type, fp32 for 16-bit x, has no
+// counterpart here: eps is always explicit). weight has x's dtype (torch also takes a float32
+// weight for 16-bit x, off its fused kernel).
 //
 // Backward, with n = r * rstd, dy the gradient of y and grad_r the gradient of the r output when r
 // itself is used downstream (the residual stream of a transformer):
