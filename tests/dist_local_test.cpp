@@ -320,6 +320,24 @@ TEST(DistLocal, SetTimeoutAfterTheBackendIsSetUpAppliesToItsTransfers) {
                ErrorCode::InvalidArgument, {"LocalWorld: timeout", "at most a year"});
 }
 
+// in_flight: true while the backend may still touch the tensors, false once it is done with them.
+TEST(DistLocal, AWorkIsInFlightUntilItsTransferHasEnded) {
+  CommOptions options;
+  options.check = false;  // the call returns before the late rank arrives
+  run_local(
+      2,
+      [](Communicator& c) {
+        Tensor t = Tensor::zeros({4}, DType::F32);
+        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        Work w = c.all_reduce(t);
+        if (c.rank() == 0) EXPECT_TRUE(w.in_flight());
+        w.wait();
+        EXPECT_FALSE(w.in_flight());
+        EXPECT_FALSE(Work().in_flight());
+      },
+      options);
+}
+
 TEST(DistLocal, AnExceptionFromPollAbortsTheWaitingRanksAndIsRethrown) {
   // Both ranks wait in a collective that can never complete (rank 1 waits for a message): poll
   // (Python's Ctrl-C check) throwing must end them at once, not after the timeout.

@@ -27,11 +27,11 @@ using Out = Output;  // an array the collective writes: a read-only one is named
 using Splits = std::optional<std::vector<std::int64_t>>;
 using Kept = nb::ndarray<nb::ro>;
 
-// A Work and the arrays it reads and writes, which the backend uses until the operation
-// completes. A PyWork dropped before then (a collective whose Work was never kept) hands them to
-// `orphans`, freed once done by a later operation's start: freed with the handle, they were
-// written after their memory went back to Python. One that failed keeps them for good (after a
-// timeout gloo and mpi may still write them).
+// A Work and the arrays it reads and writes, which the backend uses while the operation is in
+// flight (Work::in_flight: after a wait that timed out, gloo and mpi may still write them). A
+// PyWork dropped before then (a collective whose Work was never kept) hands them to `orphans`,
+// freed by a later operation's start once the backend is done with them: freed with the handle,
+// they were written after their memory went back to Python.
 struct PyWork {
   PyWork(Work work, std::vector<Kept> arrays) : work(std::move(work)), arrays(std::move(arrays)) {}
   PyWork(PyWork&&) = default;
@@ -53,23 +53,13 @@ std::vector<Orphan>& orphans() {
   return *kept;
 }
 
-bool failed(Work work) {
-  try {
-    work.wait();  // completed: returns or rethrows at once
-    return false;
-  } catch (const std::exception&) {
-    return true;
-  }
-}
-
 PyWork::~PyWork() {
-  if (!arrays.empty() && !work.is_completed())
+  if (!arrays.empty() && work.in_flight())
     orphans().push_back({std::move(work), std::move(arrays)});
 }
 
 void free_finished_orphans() {
-  std::erase_if(orphans(),
-                [](const Orphan& o) { return o.work.is_completed() && !failed(o.work); });
+  std::erase_if(orphans(), [](const Orphan& o) { return !o.work.in_flight(); });
 }
 
 std::chrono::milliseconds milliseconds(double seconds) {

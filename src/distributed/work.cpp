@@ -192,6 +192,15 @@ bool Work::is_completed() const {
   return state_->impl->test();
 }
 
+bool Work::in_flight() const {
+  if (!state_) return false;
+  try {
+    return !state_->impl->test();
+  } catch (const std::exception&) {  // a backend that cannot tell: still in flight, to be safe
+    return true;
+  }
+}
+
 const CommRecord& Work::record() const {
   static const CommRecord kEmpty;
   return state_ ? state_->record : kEmpty;

@@ -192,6 +192,10 @@ class Work {
   void wait(std::chrono::milliseconds timeout);
   // True once the operation has finished, successfully or not; never blocks.
   bool is_completed() const;
+  // Whether the backend may still read or write the operation's tensors: until its transfer has
+  // ended, successfully or not. After a wait that timed out the transfer may go on (gloo, mpi),
+  // so a binding that keeps the tensors alive keeps them while this is true. Never blocks.
+  bool in_flight() const;
   // The operation's record; an empty handle has a default record.
   const CommRecord& record() const;
 
