@@ -652,7 +652,8 @@ void bind_executor(nb::module_& m) {
               }
             } catch (...) {  // refused here on this rank: the peers must not pair with the next run
               try {
-                e.count_failed_run(views.empty() ? DeviceType::CPU : views[0].device().type);
+                e.count_failed_run(views.empty() ? std::nullopt
+                                                 : std::optional(views[0].device().type));
               } catch (...) {  // the conversion's error is the one to report
               }
               throw;

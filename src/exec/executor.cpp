@@ -150,7 +150,8 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
   return it->second;
 }
 
-void MultiDeviceExecutor::count_failed_run(DeviceType type) {
+void MultiDeviceExecutor::count_failed_run(std::optional<DeviceType> given) {
+  const DeviceType type = given.value_or(last_type_);
   const Lowered& l = lowered(type);
   if (!l.facts.communicates) return;
   const CommunicatorBackend backend = l.plan.backend;
@@ -167,9 +168,9 @@ void MultiDeviceExecutor::count_failed_run(DeviceType type) {
 std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inputs,
                                              const Stream& stream) {
   const Device device = inputs.empty() ? stream.device : inputs[0].device();
-  const Lowered& lowered = this->lowered(device.type);
+  last_type_ = device.type;
   try {
-    return run(lowered, inputs, device, stream);
+    return run(lowered(device.type), inputs, device, stream);
   } catch (...) {
     try {
       count_failed_run(device.type);

@@ -12,8 +12,9 @@
 // communicator's timeout (Error(Timeout)). A run that throws on some ranks only (an input of the
 // wrong shape, a bad label) counts as a failed collective on each of the executor's teams
 // (Communicator::count_failed_collective): the ranks still in its communications, and every rank
-// at the next run, then fail with CommunicationFailure "ranks out of step" (with the checks on)
-// instead of pairing one run's communications with another's.
+// at the next run, then fail with CommunicationFailure "ranks out of step" (with the checks on;
+// on a mesh of several dimensions, ranks whose teams the failing rank no longer reaches fail at
+// their timeout) instead of pairing one run's communications with another's.
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
@@ -105,8 +106,8 @@ class MultiDeviceExecutor {
   const MultiDeviceExecutorParams& params() const { return params_; }
   // For language bindings whose own conversion of run()'s arguments failed: counts the run as
   // failed on this rank, as run() counts one that throws (see the top of this file). `type`: the
-  // inputs' device type.
-  void count_failed_run(DeviceType type);
+  // inputs' device type; none: that of the last run (the CPU before any).
+  void count_failed_run(std::optional<DeviceType> type = std::nullopt);
 
   // Collective: every rank calls it, with the same params, before its next run(), which compares
   // them across ranks again (backend, overlap, chunks, streams, profile).
@@ -145,6 +146,7 @@ class MultiDeviceExecutor {
   // set_params().
   std::set<std::pair<CommunicatorBackend, DeviceType>> checked_;
   std::vector<StepProfile> profile_;
+  DeviceType last_type_ = DeviceType::CPU;  // the inputs' device type at the last run()
   // Per CUDA device index: the chunks' streams, owned, and as Streams.
   std::map<int, std::pair<std::vector<std::shared_ptr<CudaStream>>, std::vector<Stream>>>
       chunk_streams_;
