@@ -316,8 +316,10 @@ TEST(DistLocal, SetTimeoutAfterTheBackendIsSetUpAppliesToItsTransfers) {
       },
       options);
   // A timeout past a year overflowed now + timeout, failing every wait at once.
-  expect_error([] { LocalWorld(2, {.timeout = std::chrono::milliseconds::max()}); },
-               ErrorCode::InvalidArgument, {"LocalWorld: timeout", "at most a year"});
+  CommOptions forever;
+  forever.timeout = std::chrono::milliseconds::max();
+  expect_error([&] { LocalWorld(2, forever); }, ErrorCode::InvalidArgument,
+               {"LocalWorld: timeout", "at most a year"});
 }
 
 // in_flight: true while the backend may still touch the tensors, false once it is done with them.
@@ -330,7 +332,9 @@ TEST(DistLocal, AWorkIsInFlightUntilItsTransferHasEnded) {
         Tensor t = Tensor::zeros({4}, DType::F32);
         if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
         Work w = c.all_reduce(t);
-        if (c.rank() == 0) EXPECT_TRUE(w.in_flight());
+        if (c.rank() == 0) {
+          EXPECT_TRUE(w.in_flight());
+        }
         w.wait();
         EXPECT_FALSE(w.in_flight());
         EXPECT_FALSE(Work().in_flight());
