@@ -660,8 +660,8 @@ def _check_cu_seqlens(op, cu_seqlens):
 def _recurrent_shapes(op, inputs, weights, input_state, cu_seqlens):
     """(output shape, final_state shape): N = the largest head count (head broadcasting)."""
     _check_cu_seqlens(op, cu_seqlens)
-    for name, t in (("input", inputs[0]), ("weight", weights[0])):
-        if t.dim() < (2 if name == "input" else 1):  # what the shapes below read
+    for name, t, dims in (("input", inputs[0], 2), ("weight", weights[0], 1)):
+        if t.dim() < dims:  # the dims the shapes below read
             raise _C.ShapeMismatchError(f"[shape mismatch] {op}: {name} has too few dims, got "
                                         f"shape {list(t.shape)} (include/meshfuse/ops/recurrent.h)")
     heads = max([x.shape[-2] for x in inputs] + [w.shape[0] for w in weights] +

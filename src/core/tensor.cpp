@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 #endif
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -166,7 +165,7 @@ std::int64_t TensorView::stride(std::int64_t d) const {
 
 bool TensorView::is_contiguous() const {
   // No elements: any strides (NumPy gives an empty array's every dim stride 0).
-  if (std::find(shape_.begin(), shape_.end(), 0) != shape_.end()) return true;
+  if (numel() == 0) return true;
   std::int64_t expected = 1;
   for (std::size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] == 1) continue;

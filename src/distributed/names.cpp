@@ -115,6 +115,10 @@ ReduceOp parse_reduce_op(std::string_view name) {
        names_of(kReduceOps));
 }
 
+bool reducible(DType dtype, ReduceOp op) {
+  return dtype != DType::Bool && (op != ReduceOp::Avg || is_floating_point(dtype));
+}
+
 std::string_view to_string(CommOp op) {
   switch (op) {
     case CommOp::AllGather:

@@ -98,10 +98,11 @@ void reduce_typed(const std::vector<const void*>& srcs, void* dst, std::int64_t 
 }  // namespace
 
 void check_reducible(DType dtype, ReduceOp op, std::string_view what) {
-  MESHFUSE_CHECK(dtype != DType::Bool, ErrorCode::InvalidArgument,
-                 "{}: cannot reduce bool tensors (use u8)", what);
-  MESHFUSE_CHECK(op != ReduceOp::Avg || is_floating_point(dtype), ErrorCode::InvalidArgument,
-                 "{}: avg needs a floating dtype, got {}", what, to_string(dtype));
+  if (reducible(dtype, op)) return;
+  if (dtype == DType::Bool)
+    fail(ErrorCode::InvalidArgument, "{}: cannot reduce bool tensors (use u8)", what);
+  fail(ErrorCode::InvalidArgument, "{}: avg needs a floating dtype, got {}", what,
+       to_string(dtype));
 }
 
 void reduce_buffers(DType dtype, ReduceOp op, const std::vector<const void*>& srcs, void* dst,

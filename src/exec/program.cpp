@@ -376,8 +376,7 @@ std::vector<Placement> Program::checked_placements(std::string_view op, Value v,
     }
     // Caught here, not at the run's all_reduce, which named neither the value nor the op.
     if (const auto* p = std::get_if<Partial>(&pl))
-      MESHFUSE_CHECK(dtype != DType::Bool && (p->op != ReduceOp::Avg || is_floating_point(dtype)),
-                     ErrorCode::InvalidArgument,
+      MESHFUSE_CHECK(reducible(dtype, p->op), ErrorCode::InvalidArgument,
                      "Program.{}: {}: Partial({}) cannot reduce it (bool reduces nowhere, avg "
                      "only floating dtypes)",
                      op, describe(v), meshfuse::to_string(p->op));

@@ -104,6 +104,8 @@ enum class ReduceOp { Sum, Prod, Min, Max, Avg };
 std::string_view to_string(ReduceOp op);
 // Inverse of to_string (also "product", "mean"); Error(InvalidArgument) otherwise.
 ReduceOp parse_reduce_op(std::string_view name);
+// Whether `op` reduces `dtype`: bool never, Avg only floating dtypes.
+bool reducible(DType dtype, ReduceOp op);
 
 // Which backend serves each device type.
 struct BackendSpec {
