@@ -559,4 +559,50 @@ inline void check_late_rank_after_timeout(Communicator& c) {
   c.barrier(place()).wait();
 }
 
+// The last rank arrives only after the others' waits have timed out (300 ms) while their transfer
+// goes on (gloo's own timeout is the communicator's 20 s): gloo then writes into the buffers the
+// others gave to Work::keep_alive and dropped (ASan: freed memory otherwise), and the last rank's
+// sum has every rank's term. An operation queued behind the timed-out one fails at once instead
+// of starting. gloo and local (mpi cannot abandon its second operation), CPU tensors, checks off.
+inline void check_buffers_outlive_a_timed_out_wait(Communicator& c) {
+  using namespace std::chrono_literals;
+  const CommunicatorBackend backend = c.backend();
+  if (backend == CommunicatorBackend::Mpi || c.size() < 2) return;
+  const bool late = c.rank() == c.size() - 1;
+  const auto filled = [&] {
+    Tensor t({1 << 16}, DType::F32);
+    std::fill_n(t.data_ptr<float>(), t.numel(), static_cast<float>(c.rank() + 1));
+    return t;
+  };
+  auto sub = c.split(0, c.rank());
+  sub->set_checks(false);
+  sub->barrier().wait();  // backends set up on every rank
+  if (!late) {
+    Work second;
+    {
+      const Tensor t = filled(), u = filled();
+      Work first = sub->all_reduce(t, ReduceOp::Sum).keep_alive({t});
+      second = sub->all_reduce(u, ReduceOp::Sum).keep_alive({u});
+      expect_error([&] { first.wait(300ms); }, ErrorCode::Timeout, {"all_reduce(sum) f32"});
+    }
+    const auto start = std::chrono::steady_clock::now();
+    expect_error([&] { second.wait(); }, ErrorCode::CommunicationFailure, {});
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "the queued operation ran";
+  }
+  c.barrier().wait();
+  if (late) {
+    const Tensor t = filled();
+    if (backend == CommunicatorBackend::Gloo) {
+      sub->all_reduce(t, ReduceOp::Sum).wait();
+      const float n = static_cast<float>(c.size());
+      EXPECT_EQ(t.data_ptr<float>()[0], n * (n + 1) / 2);
+      EXPECT_EQ(t.data_ptr<float>()[t.numel() - 1], n * (n + 1) / 2);
+    } else {  // local: the team was aborted when the others timed out
+      expect_error([&] { sub->all_reduce(t, ReduceOp::Sum).wait(); },
+                   ErrorCode::CommunicationFailure, {});
+    }
+  }
+  c.barrier().wait();
+}
+
 }  // namespace meshfuse::test::dist

@@ -91,6 +91,10 @@ TEST(DistLocal, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) {
   on_four_ranks(dist::check_late_rank_after_timeout);
 }
 
+TEST(DistLocal, BuffersGivenToAWorkOutliveAWaitThatTimedOut) {
+  on_four_ranks(dist::check_buffers_outlive_a_timed_out_wait);
+}
+
 TEST(DistLocal, OneRankAndThreeRanksWork) {
   for (int n : {1, 3}) {
     run_local(n, [](Communicator& c) {

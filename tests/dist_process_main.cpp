@@ -164,6 +164,10 @@ TEST(DistProcess, ARankThatComesAfterTheOthersTimedOutLeavesThemRunningCleanly) 
   dist::check_late_rank_after_timeout(*world);
 }
 
+TEST(DistProcess, BuffersGivenToAWorkOutliveAWaitThatTimedOut) {
+  dist::check_buffers_outlive_a_timed_out_wait(*world);
+}
+
 TEST(DistProcess, ARankThatNeverCallsGivesTheOthersATimeout) { dist::check_timeout(*world); }
 
 }  // namespace

@@ -149,6 +149,7 @@ void check_numel(const TensorView& t, std::int64_t expected, const char* what, C
 
 template <typename F>
 Work start(CommState& s, Call& c, F&& run) {
+  detail::free_finished_buffers();
   s.health->check(s.name);
   const CommunicatorBackend backend = s.spec.for_device(c.device.type);
   MESHFUSE_CHECK(!c.reduction || c.dtype != DType::Bool, ErrorCode::InvalidArgument,

@@ -83,6 +83,9 @@ class WorkerQueue {
   // The task's exception (an Error, or anything else as CommunicationFailure) is rethrown by
   // wait().
   std::shared_ptr<WorkImpl> submit(std::function<void()> task);
+  // Fails the tasks not yet begun (CommunicationFailure, `why`) without running them, so that
+  // none starts on buffers its caller gave up after an error; the running one goes on.
+  void abort(const std::string& why);
 
  private:
   struct State;

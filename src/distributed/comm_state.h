@@ -56,6 +56,12 @@ struct Health {
                               std::chrono::milliseconds timeout, Health& health, CommImpl* impl);
 
 struct WorkState {
+  WorkState() = default;
+  WorkState(const WorkState&) = delete;
+  WorkState& operator=(const WorkState&) = delete;
+  // Hands `kept` to a process-wide list while the transfer is in flight.
+  ~WorkState();
+
   CommRecord record;
   std::shared_ptr<WorkImpl> impl;
   std::shared_ptr<CommImpl> comm;  // kept alive while the work may run
@@ -65,9 +71,16 @@ struct WorkState {
   std::mutex mutex;
   bool finished = false;
   std::exception_ptr error;
+  std::vector<Tensor> kept;  // Work::keep_alive
 
   void wait(std::chrono::milliseconds wait_timeout);
 };
+
+// Whether the backend may still use an operation's buffers (Work::in_flight).
+bool transfer_in_flight(WorkImpl& impl);
+// Frees the buffers kept by works dropped in flight whose transfers have ended since; cheap when
+// there are none. Called as each operation starts.
+void free_finished_buffers();
 
 // Throws InvalidArgument, naming `who`, unless a communicator's timeout is positive.
 void check_timeout(std::chrono::milliseconds timeout, std::string_view who);

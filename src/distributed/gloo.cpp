@@ -185,6 +185,11 @@ class GlooComm : public CommImpl {
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_.set(timeout); }
+  // Gloo cannot stop a collective under way (it ends at its own timeout); those queued behind it
+  // never start.
+  void abort() override {
+    queue_.abort("gloo: not run: the communicator was aborted after an earlier failure");
+  }
 
   void exchange(const void* mine, void* all, std::size_t bytes, Deadline deadline) override {
     // The task owns its buffers: after a timeout here the caller's are gone, and the queued

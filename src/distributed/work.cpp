@@ -1,9 +1,12 @@
 // Works: the state behind a Communicator's Work (its wait, and the errors that break the
 // communicator), and the backends' finished works and worker queue that makes blocking
 // transfers asynchronous.
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -37,7 +40,48 @@ class JoinedWork : public WorkImpl {
   std::vector<std::shared_ptr<WorkImpl>> parts_;
 };
 
+// The buffers of works whose last handle went while their transfer was in flight, held until it
+// ends. Never destroyed: a transfer may outlast the static destructors.
+struct Graveyard {
+  std::mutex mutex;
+  std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> kept;
+  std::atomic<bool> any{false};
+};
+
+Graveyard& graveyard() {
+  static auto* g = new Graveyard;
+  return *g;
+}
+
 }  // namespace
+
+bool transfer_in_flight(WorkImpl& impl) {
+  try {
+    return !impl.test();
+  } catch (const std::exception&) {  // a backend that cannot tell: still in flight, to be safe
+    return true;
+  }
+}
+
+void free_finished_buffers() {
+  Graveyard& g = graveyard();
+  if (!g.any.load(std::memory_order_acquire)) return;
+  std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> ended;  // freed unlocked
+  std::lock_guard lock(g.mutex);
+  const auto still = std::partition(g.kept.begin(), g.kept.end(),
+                                    [](const auto& k) { return transfer_in_flight(*k.first); });
+  std::move(still, g.kept.end(), std::back_inserter(ended));
+  g.kept.erase(still, g.kept.end());
+  g.any.store(!g.kept.empty(), std::memory_order_release);
+}
+
+WorkState::~WorkState() {
+  if (kept.empty() || !impl || !transfer_in_flight(*impl)) return;
+  Graveyard& g = graveyard();
+  std::lock_guard lock(g.mutex);
+  g.kept.emplace_back(impl, std::move(kept));
+  g.any.store(true, std::memory_order_release);
+}
 
 std::shared_ptr<WorkImpl> completed_work() { return std::make_shared<CompletedWork>(); }
 
@@ -126,6 +170,16 @@ std::shared_ptr<WorkImpl> WorkerQueue::submit(std::function<void()> task) {
   return work;
 }
 
+void WorkerQueue::abort(const std::string& why) {
+  decltype(state_->tasks) dropped;
+  {
+    std::lock_guard lock(state_->mutex);
+    dropped.swap(state_->tasks);
+  }
+  for (auto& [task, work] : dropped)
+    work->finish(std::make_exception_ptr(Error(ErrorCode::CommunicationFailure, why)));
+}
+
 bool breaks_communicator(ErrorCode code) {
   return code == ErrorCode::Timeout || code == ErrorCode::CommunicationFailure;
 }
@@ -192,13 +246,14 @@ bool Work::is_completed() const {
   return state_->impl->test();
 }
 
-bool Work::in_flight() const {
-  if (!state_) return false;
-  try {
-    return !state_->impl->test();
-  } catch (const std::exception&) {  // a backend that cannot tell: still in flight, to be safe
-    return true;
-  }
+bool Work::in_flight() const { return state_ && detail::transfer_in_flight(*state_->impl); }
+
+Work& Work::keep_alive(std::initializer_list<Tensor> buffers) {
+  if (!state_) return *this;
+  std::lock_guard lock(state_->mutex);
+  for (const Tensor& t : buffers)
+    if (t.defined()) state_->kept.push_back(t);
+  return *this;
 }
 
 const CommRecord& Work::record() const {

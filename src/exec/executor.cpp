@@ -65,7 +65,8 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
   const int n = world.size();
   const Tensor all({2 * n}, DType::I64, device, stream);
   try {
-    world.all_gather(mine.to(device, stream), all, stream).wait();
+    const Tensor sent = mine.to(device, stream);
+    world.all_gather(sent, all, stream).keep_alive({sent, all}).wait();
   } catch (const Error& e) {  // the first collective of a run, which the user did not write
     const bool waited =
         e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure;

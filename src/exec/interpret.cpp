@@ -158,7 +158,7 @@ Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s, std::int6
   copy(loss_s, mine.view().narrow(0, n, n), stream);
   write({static_cast<double>(columns)}, mine.view().narrow(0, 2 * n, 1), stream);
   const Tensor all({d * per_rank}, DType::F64, device, stream);
-  team.all_gather(mine, all, stream).wait();
+  team.all_gather(mine, all, stream).keep_alive({mine, all}).wait();
   const std::vector<double> stats = as_doubles(all, stream);
   const auto at = [&](int s, std::int64_t offset) {
     return stats[static_cast<std::size_t>(s * per_rank + offset)];

@@ -78,6 +78,19 @@ Interpreter::Interpreter(const Plan& plan, const PlanFacts& facts,
 std::vector<Tensor> Interpreter::run(const std::vector<TensorView>& inputs) {
   for (std::size_t i = 0; i < inputs.size(); ++i)
     views_[static_cast<std::size_t>(plan_.inputs[i])] = inputs[i];
+  // A CPU backend may go on reading a communication's input after a wait that timed out (gloo,
+  // mpi) and run() has thrown, when the caller may have freed it: the run sends copies it owns,
+  // kept by the Work (Work::keep_alive). A CUDA transfer is ordered on the caller's stream.
+  if (device_.type == DeviceType::CPU)
+    for (const PlanStep& st : plan_.steps) {
+      const auto* c = std::get_if<Communication>(&st);
+      if (!c || owner(c->input).defined() ||
+          std::find(plan_.inputs.begin(), plan_.inputs.end(), c->input) == plan_.inputs.end())
+        continue;
+      const auto id = static_cast<std::size_t>(c->input);
+      owned_[id] = Tensor::copy_of(views_[id], stream_);
+      views_[id] = owned_[id].view();
+    }
   if (profile_) profile_->clear();
   auto segment = segments_.begin();
   for (std::size_t s = 0; s < plan_.steps.size(); ++s) {
@@ -186,25 +199,28 @@ void Interpreter::run_step(const Communication& c) {
   switch (c.type) {
     case CommOp::AllReduce:
       copy(in, out, stream_);
-      finish(team.all_reduce(out, *c.reduction, stream_));
+      finish(team.all_reduce(out, *c.reduction, stream_).keep_alive({owner(c.output)}));
       return;
     case CommOp::AllGather:
       if (c.gather_dim == 0 && in.is_contiguous()) {
-        finish(team.all_gather(in, out, c.sizes, stream_));
+        finish(team.all_gather(in, out, c.sizes, stream_)
+                   .keep_alive({owner(c.input), owner(c.output)}));
       } else {
         const Tensor moved = dim_first(in, c.gather_dim, stream_);
         const Tensor gathered(swapped(out.shape(), c.gather_dim), out.dtype(), device_, stream_);
-        finish(team.all_gather(moved, gathered, c.sizes, stream_));
+        finish(team.all_gather(moved, gathered, c.sizes, stream_).keep_alive({moved, gathered}));
         copy(gathered.view().transpose(0, c.gather_dim), out, stream_);
       }
       return;
     case CommOp::ReduceScatter:
       if (c.scatter_dim == 0 && in.is_contiguous()) {
-        finish(team.reduce_scatter(in, out, c.sizes, *c.reduction, stream_));
+        finish(team.reduce_scatter(in, out, c.sizes, *c.reduction, stream_)
+                   .keep_alive({owner(c.input), owner(c.output)}));
       } else {
         const Tensor moved = dim_first(in, c.scatter_dim, stream_);
         const Tensor part(swapped(out.shape(), c.scatter_dim), out.dtype(), device_, stream_);
-        finish(team.reduce_scatter(moved, part, c.sizes, *c.reduction, stream_));
+        finish(team.reduce_scatter(moved, part, c.sizes, *c.reduction, stream_)
+                   .keep_alive({moved, part}));
         copy(part.view().transpose(0, c.scatter_dim), out, stream_);
       }
       return;
@@ -231,7 +247,8 @@ void Interpreter::all_to_all(Communicator& team, const Communication& c, const T
       mine == 0 || out.size(i) == 0 ? 0 : out.numel() / (mine * out.size(i));
   for (std::int64_t rows : c.gather_sizes) receive.push_back(mine * rows * others);
   const Tensor received({sum(receive)}, out.dtype(), device_, stream_);
-  finish(team.all_to_all(moved.view().reshape({moved.numel()}), received, send, receive, stream_));
+  finish(team.all_to_all(moved.view().reshape({moved.numel()}), received, send, receive, stream_)
+             .keep_alive({moved, received}));
   // In the dim-j-first layout, dim i sits where dim 0 was swapped to (j) when i is 0.
   const std::int64_t i_moved = i == 0 ? j : i;
   const TensorView out_moved = out.transpose(0, j);

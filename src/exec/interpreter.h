@@ -41,6 +41,9 @@ class Interpreter {
   struct Ring;
 
   const TensorView& view(std::int64_t id) const { return views_[static_cast<std::size_t>(id)]; }
+  // The memory of a value this run allocated (undefined: the caller's, or not yet allocated), for
+  // Work::keep_alive.
+  const Tensor& owner(std::int64_t id) const { return owned_[static_cast<std::size_t>(id)]; }
   const TensorView& allocate(std::int64_t id);
   // The mesh dimension whose team the step (or the segment starting there) talks to; -1: none.
   std::int64_t communicates_over(std::int64_t step) const;

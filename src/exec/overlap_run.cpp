@@ -221,10 +221,12 @@ void Interpreter::run_collective_segment(Chunked& ch) {
     const std::vector<std::int64_t> sizes = sizes_of(c);
     if (total(sizes) == 0) return;
     const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(me)], chunks, c);
-    gathers[static_cast<std::size_t>(c)] = ch.team.all_gather(
-        ch.gather_input.narrow(0, first, rows),
-        gather_buf[static_cast<std::size_t>(c) % slots].view().narrow(0, 0, total(sizes)), sizes,
-        on(c));
+    const Tensor& buffer = gather_buf[static_cast<std::size_t>(c) % slots];
+    gathers[static_cast<std::size_t>(c)] =
+        ch.team
+            .all_gather(ch.gather_input.narrow(0, first, rows),
+                        buffer.view().narrow(0, 0, total(sizes)), sizes, on(c))
+            .keep_alive({ch.gather_copy, owner(ch.gather->input), buffer});
   };
   if (ch.gather) gather(0);
   for (std::int64_t c = 0; c < chunks; ++c) {
@@ -247,9 +249,12 @@ void Interpreter::run_collective_segment(Chunked& ch) {
     computed[slot].record(on(c));
     if (ch.scatter && at > 0) {
       const auto [first, rows] = piece(seg.sizes[static_cast<std::size_t>(me)], chunks, c);
-      scatters[static_cast<std::size_t>(c)] = ch.team.reduce_scatter(
-          ch.scattered.narrow(0, 0, at), view(ch.scatter->output).narrow(0, first, rows),
-          sizes_of(c), *ch.scatter->reduction, on(c));
+      scatters[static_cast<std::size_t>(c)] =
+          ch.team
+              .reduce_scatter(ch.scattered.narrow(0, 0, at),
+                              view(ch.scatter->output).narrow(0, first, rows), sizes_of(c),
+                              *ch.scatter->reduction, on(c))
+              .keep_alive({scatter_buf[slot], owner(ch.scatter->output)});
     }
   }
   // The sums over all rows run while the last reduce_scatters do.
@@ -311,7 +316,8 @@ void Interpreter::run_ring_gather(Chunked& ch) {
       computed.wait(T);
       arriving = hold[(s + 1) % 2].view().narrow(0, 0, seg.sizes[static_cast<std::size_t>(
                                                         (r + d - 1) % d)]);
-      passed[0] = ch.team.send_recv(in_hand, next, arriving, prev, 0, T);
+      passed[0] = ch.team.send_recv(in_hand, next, arriving, prev, 0, T)
+                      .keep_alive({ch.gather_copy, owner(ch.gather->input), hold[0], hold[1]});
       received.record(T);
     }
     ch.gathered = in_hand;
@@ -362,8 +368,9 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
       added.record(C);
       added.wait(T);
       const std::int64_t coming = seg.sizes[static_cast<std::size_t>((r + d - 1) % d)];
-      passed[s % 2] = ch.team.send_recv(mine, next, sum[(s + 1) % 2].view().narrow(0, 0, coming),
-                                        prev, 0, T);
+      passed[s % 2] =
+          ch.team.send_recv(mine, next, sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T)
+              .keep_alive({part[s % 2], sum[(s + 1) % 2]});
       received.record(T);
     } else {
       copy(mine, view(ch.scatter->output), C);

@@ -63,6 +63,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -200,6 +201,11 @@ class Work {
   bool in_flight() const;
   // The operation's record; an empty handle has a default record.
   const CommRecord& record() const;
+  // Gives the work the buffers its operation reads or writes, to be freed once the backend is done
+  // with them rather than with the last handle: a wait that timed out leaves gloo's and mpi's
+  // transfers going, and buffers freed as that error unwinds would still be read and written.
+  // Undefined tensors are skipped; an empty handle keeps nothing. Returns *this.
+  Work& keep_alive(std::initializer_list<Tensor> buffers);
 
  private:
   std::shared_ptr<detail::WorkState> state_;
