@@ -28,6 +28,7 @@ try:
 except ModuleNotFoundError as e:  # a bare "No module named 'torch'" does not say who wants it
     raise ModuleNotFoundError("meshfuse.torch needs PyTorch: pip install torch "
                               "(or pip install 'meshfuse[torch]')", name="torch") from e
+import torch.autograd.forward_ad as _fwad  # noqa: E402
 from torch import Tensor
 
 from . import _meshfuse as _C
@@ -70,8 +71,10 @@ def _untraced(*tensors):
     # kernel's result would be a constant in their graph: torch.jit.trace, and the dispatch or
     # function modes that make_fx (real mode), FX proxies and other interposers push. These checks
     # cost ~0.4 us (a loop: a generator expression cost twice as much).
-    if _is_compiling() or _jit_tracing() or _dispatch_modes() or _function_modes() or \
-            _functorch_transforms():
+    if _is_compiling() or _jit_tracing() or _dispatch_modes() or _function_modes():
+        return False
+    if _functorch_transforms() or _fwad._current_level >= 0:
+        _refuse_forward_mode()
         return False
     grad = _grad_enabled()
     for t in tensors:
@@ -89,6 +92,18 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack  # active TorchDispatchMode
 _function_modes = torch._C._is_torch_function_mode_enabled  # active TorchFunctionModes
 # vmap and torch.func's grad wrap tensors that keep type Tensor but have no storage to export.
 _functorch_transforms = torch._C._are_functorch_transforms_active
+
+
+def _refuse_forward_mode():
+    # The ops have no forward-mode derivative: under torch.func.jvp a custom op's tangent came out
+    # as zeros, and the raw kernel dropped a dual tensor's tangent, both without an error.
+    jvp = _fwad._current_level >= 0 or any(
+        i.key() == torch._C._functorch.TransformType.Jvp
+        for i in (torch._C._functorch.get_interpreter_stack() or ()))
+    if jvp:
+        raise NotImplementedError(
+            "meshfuse.torch: the ops have no forward-mode derivative (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use autograd's reverse mode (backward, torch.autograd.grad)")
 
 
 def _empty_like(x):
@@ -411,7 +426,7 @@ def softmax(x, dim=-1, *, logits_multiplier=1.0):
     multiplier would read as a dim. Returns a contiguous tensor like x; a row entirely -inf gives
     NaN, as PyTorch. Raises ValueError for another dim, InvalidArgumentError (ValueError),
     DTypeMismatchError (TypeError). Spec: include/meshfuse/ops/softmax.h."""
-    if dim != -1 and dim != x.dim() - 1:
+    if type(dim) is not int or (dim != -1 and dim != x.dim() - 1):  # 2.0 or True: no dim
         raise ValueError(f"softmax: dim must be the last dim (-1 or {x.dim() - 1}) of x "
                          f"{tuple(x.shape)}, got {dim}")
     if _untraced(x):
@@ -591,7 +606,7 @@ def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore
 
 
 def _flce_setup(ctx, inputs, output):
-    x, weight, bias, labels, _, *computed = inputs[:8]
+    x, weight, bias, labels, scale, *computed = inputs[:8]
     ctx.options = inputs[8:]
     ctx.computed = computed  # the gradients the forward computed (mean and sum)
     ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -599,7 +614,9 @@ def _flce_setup(ctx, inputs, output):
     if ctx.options[1] == "none":  # reduction
         ctx.save_for_backward(x, weight, bias, labels)
     else:
-        ctx.save_for_backward(*output[1:])
+        # The upstream the forward's gradients were computed with (_gradient_scale).
+        ctx.scaled = scale is not None and x.dtype == torch.float16
+        ctx.save_for_backward(*output[1:], scale if ctx.scaled else None)
 
 
 def _flce_grad(ctx, grad_loss, *_):
@@ -609,7 +626,9 @@ def _flce_grad(ctx, grad_loss, *_):
         _, *grads = _fused_linear_cross_entropy(x, weight, bias, labels, grad_loss.contiguous(),
                                                 *wants, *ctx.options)
     else:
-        wants, saved = ctx.computed, ctx.saved_tensors
+        wants, (*saved, scale) = ctx.computed, ctx.saved_tensors
+        if ctx.scaled:
+            grad_loss = grad_loss / scale
         if all(type(g) is torch.Tensor for g in saved):
             # Eager: scaled in place, so that a large head needs no second weight-sized fp32
             # buffer. A second backward (retain_graph) is then refused by autograd's version
@@ -626,6 +645,17 @@ def _flce_grad(ctx, grad_loss, *_):
 _fused_linear_cross_entropy.register_autograd(_flce_grad, setup_context=_flce_setup)
 
 
+def _gradient_scale(x, labels, ignore_index, reduction, dtype):
+    # The upstream the forward computes the gradients with, divided out in the backward. For
+    # float16 and mean it is 2^k <= the rows counted (at most 2^15, which float16 holds), so that
+    # mean's 1/N does not round the small ones to zero in float16 before the real upstream (a
+    # GradScaler's loss scale) reaches them; a power of two scales exactly. On the device: no sync.
+    if x.dtype != torch.float16 or reduction != "mean":
+        return torch.ones((), dtype=dtype, device=x.device)
+    counted = (labels != ignore_index).sum().clamp(min=1).float()
+    return torch.exp2(torch.floor(torch.log2(counted))).clamp(max=2.0 ** 15).to(dtype)
+
+
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                                loss_dtype=None, chunk_rows=0):
@@ -637,13 +667,18 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     float16); labels (N,) int32 or int64. Options and ``loss_dtype`` as :func:`cross_entropy`;
     ``chunk_rows`` 0 picks the device's default. For mean and sum, the gradients are computed in
     the forward (when autograd wants them) and scaled by the upstream in the backward; the
-    weight's and bias's are accumulated in fp32 for 16-bit inputs and rounded once. Errors as
+    weight's and bias's are accumulated in fp32 for 16-bit inputs and rounded once; for float16
+    and mean they are computed scaled by a power of two near the rows counted, so that a loss scale
+    (GradScaler) keeps the small ones as it does for PyTorch's. Errors as
     :func:`cross_entropy`. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    if _functorch_transforms() or _fwad._current_level >= 0:
+        _refuse_forward_mode()
     # Under torch.no_grad() requires_grad still says True: no gradients then.
     grad = torch.is_grad_enabled() and reduction != "none"
     wants = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
-    one = torch.ones((), dtype=loss_dtype or x.dtype, device=x.device) if any(wants) else None
-    return _fused_linear_cross_entropy(x, weight, bias, labels, one, *wants, ignore_index,
+    scale = _gradient_scale(x, labels, ignore_index, reduction,
+                            loss_dtype or x.dtype) if any(wants) else None
+    return _fused_linear_cross_entropy(x, weight, bias, labels, scale, *wants, ignore_index,
                                        reduction, label_smoothing, logits_multiplier,
                                        z_loss_scale, loss_dtype, chunk_rows)[0]
 

@@ -71,6 +71,9 @@ def test_softmax_takes_pytorchs_dim_argument_and_a_keyword_multiplier():
                                rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"softmax: dim must be the last dim \(-1 or 1\).*got 0"):
         mt.softmax(x, 0)
+    for not_a_dim in (1.0, True):  # an old positional multiplier equal to the last dim's index
+        with pytest.raises(ValueError, match="softmax: dim must be the last dim"):
+            mt.softmax(x, not_a_dim)
     with pytest.raises(TypeError):
         mt.softmax_forward(x, 0.5)  # the raw kernels' multiplier is keyword-only too
 
@@ -292,6 +295,28 @@ def test_vmap_runs_the_ops_per_sample():
     ]
     for ours, theirs in cases:
         torch.testing.assert_close(torch.vmap(ours)(x), theirs(x))
+
+
+def test_forward_mode_derivatives_are_refused_instead_of_coming_out_zero():
+    # torch.func.jvp gave zero tangents through the custom ops, and a dual tensor's tangent was
+    # dropped by the raw kernel, without an error.
+    import torch.autograd.forward_ad as fwad
+    x, t, w = torch.randn(2, 5), torch.randn(2, 5), torch.randn(5)
+    labels = torch.tensor([0, 3])
+    calls = [lambda: torch.func.jvp(mt.softmax, (x,), (t,)),
+             lambda: torch.func.jacfwd(mt.swiglu)(x[0], x[1]),
+             lambda: torch.vmap(lambda a: torch.func.jvp(mt.softmax, (a,), (a,)))(x),
+             lambda: torch.func.jvp(lambda a: mt.fused_linear_cross_entropy(a, w[None], labels[:1]),
+                                    (x[:1],), (t[:1],))]
+    for call in calls:
+        with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+            call()
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, t)
+        for call in (lambda: mt.rmsnorm(dual), lambda: mt.cross_entropy(dual, labels)):
+            with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+                call()
+    torch.testing.assert_close(torch.vmap(mt.softmax)(x), torch.softmax(x, -1))  # still taken
 
 
 def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
