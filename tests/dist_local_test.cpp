@@ -53,6 +53,28 @@ TEST(DistLocal, SplitAndNewGroupFormSubTeamsThatCommunicate) {
   on_four_ranks(dist::check_sub_teams);
 }
 
+// new_group's ranks refused on one rank only: its next exchange used to pair with the others'
+// new_group ("ranks disagree"), or leave them waiting; it is now out of step.
+TEST(DistLocal, ANewGroupRefusedOnOneRankLeavesTheTeamFailedOutOfStep) {
+  run_local(2, [](Communicator& c) {
+    if (c.rank() == 1) {
+      expect_error(
+          [&] {
+            c.new_group({0, 2});
+          },
+          ErrorCode::InvalidArgument, {"new_group: rank 2 is outside 0..1"});
+      expect_error([&] { c.all_reduce(Tensor::zeros({3}, DType::F32)).wait(); },
+                   ErrorCode::CommunicationFailure, {"ranks out of step"});
+    } else {
+      expect_error(
+          [&] {
+            c.new_group({0, 1});
+          },
+          ErrorCode::CommunicationFailure, {"ranks out of step"});
+    }
+  });
+}
+
 TEST(DistLocal, MeshTeamsAreTheMeshLinesSplitOnceAndKept) { on_four_ranks(dist::check_mesh_teams); }
 
 TEST(DistLocal, MismatchedCallsFailOnEveryRankNamingTheRanksAndWhatDiffered) {
@@ -510,6 +532,19 @@ TEST(DistBootstrap, OpenMpiAndSlurmVariablesGiveRanks) {
                                              {"SLURM_LOCALID", "2"},
                                              {"SLURM_TASKS_PER_NODE", "4(x2)"}});
   EXPECT_EQ(slurm.str(), "slurm rank 6/8 (local 2/4)");
+  // Uneven nodes: this node's entry (SLURM_NODEID), not the first one.
+  const auto on_node = [](const char* tasks, const char* node, const char* rank,
+                          const char* local) {
+    return parse_launch_env({{"SLURM_PROCID", rank},
+                             {"SLURM_NTASKS", "11"},
+                             {"SLURM_LOCALID", local},
+                             {"SLURM_NODEID", node},
+                             {"SLURM_TASKS_PER_NODE", tasks}})
+        .str();
+  };
+  EXPECT_EQ(on_node("3,5,3", "1", "7", "4"), "slurm rank 7/11 (local 4/5)");
+  EXPECT_EQ(on_node("4(x2),3", "2", "10", "2"), "slurm rank 10/11 (local 2/3)");
+  EXPECT_EQ(on_node("4(x2),3", "1", "5", "1"), "slurm rank 5/11 (local 1/4)");
   EXPECT_EQ(parse_launch_env({}).str(), "none rank 0/1 (local 0/1)");
   // torchrun wins over the launcher around it.
   EXPECT_EQ(parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "3"}}).launcher,
@@ -587,6 +622,30 @@ TEST(DistStore, FileStoreSharesValuesThroughADirectory) {
   FileStore a(dir), b(dir);
   check_store(a, b);
   std::filesystem::remove_all(dir);
+}
+
+// Whoever else can read or write the directory could read or plant the job's keys; a symbolic
+// link could be pointed elsewhere after the check.
+TEST(DistStore, AFileStoreDirectoryOthersCanReachOrALinkIsRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = ::testing::TempDir() + "meshfuse_filestore_private_" +
+                       std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  for (const fs::perms others : {fs::perms::group_read, fs::perms::others_exec}) {
+    fs::permissions(dir, fs::perms::owner_all | others);
+    expect_error([&] { FileStore store(dir.string()); }, ErrorCode::InvalidArgument,
+                 {"nobody else can read or write"});
+  }
+  fs::permissions(dir, fs::perms::owner_all);
+  FileStore(dir.string()).set("k", std::string("v"));
+  const fs::path link = dir.string() + "_link";
+  fs::remove(link);
+  fs::create_directory_symlink(dir, link);
+  expect_error([&] { FileStore store(link.string()); }, ErrorCode::InvalidArgument,
+               {"not a symbolic link"});
+  fs::remove(link);
+  fs::remove_all(dir);
 }
 
 // A store directory used by one job, then by the next: the second must not read the first's keys

@@ -105,8 +105,7 @@ TEST(ExecutorCuda, OneRankNcclMeshRunsTheMlpBlockForwardAndBackward) {
   if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("meshfuse_executor_cuda_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  CommOptions options;
+  CommOptions options;  // the FileStore makes the directory, private
   options.backend = "cuda:nccl";
   options.timeout = 20s;
   const auto comm =
@@ -142,8 +141,7 @@ TEST(ExecutorCuda, VocabularyParallelFusedLossScratchIsOneChunkOnAOneRankTeam) {
   if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("meshfuse_executor_vpm_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  CommOptions options;
+  CommOptions options;  // the FileStore makes the directory, private
   options.backend = "cuda:nccl";
   options.timeout = 20s;
   const auto comm =

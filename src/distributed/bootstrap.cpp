@@ -62,6 +62,23 @@ int to_int(const std::string& name, const std::string& text, bool allow_suffix =
   return value;
 }
 
+// Entry `node` of Slurm's tasks per node, "4(x2),3" meaning 4, 4, 3 (nodes in SLURM_NODEID
+// order); -1 past the end.
+int slurm_tasks_on(const std::string& name, const std::string& list, int node) {
+  std::size_t at = 0;
+  while (at < list.size()) {
+    const std::size_t comma = std::min(list.find(',', at), list.size());
+    const std::string entry = list.substr(at, comma - at);
+    const int tasks = to_int(name, entry, true);
+    const std::size_t x = entry.find("(x");
+    const int times = x == std::string::npos ? 1 : to_int(name, entry.substr(x + 2), true);
+    if (node < times) return tasks;
+    node -= times;
+    at = comma + 1;
+  }
+  return -1;
+}
+
 int require(const Env& env, const std::string& name, const std::string& because) {
   const std::optional<std::string> v = lookup(env, name);
   MESHFUSE_CHECK(v.has_value(), ErrorCode::InvalidArgument,
@@ -98,12 +115,13 @@ LaunchInfo parse_launch_env(const Env& env) {
       info.local_rank = optional_int(env, n.local_rank, info.world_size == 1 ? 0 : -1);
       info.local_world_size = optional_int(env, n.local_size, info.world_size);
     } else {
-      // Slurm: the tasks of this node are the first number of "4(x2),3" in either variable.
+      // Slurm: the tasks of this node (SLURM_NODEID) in "4(x2),3" (one entry when uniform).
       info.local_rank = require(env, n.local_rank, n.rank);
       const char* per_node =
           lookup(env, "SLURM_NTASKS_PER_NODE") ? "SLURM_NTASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
       const std::optional<std::string> v = lookup(env, per_node);
-      info.local_world_size = v ? to_int(per_node, *v, true) : info.world_size;
+      const int node = optional_int(env, "SLURM_NODEID", 0);
+      info.local_world_size = v ? slurm_tasks_on(per_node, *v, node) : info.world_size;
     }
     MESHFUSE_CHECK(info.local_rank >= 0, ErrorCode::InvalidArgument,
                    "launch environment: {} is set but {} is missing (the CUDA device of a rank "

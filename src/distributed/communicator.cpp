@@ -208,12 +208,18 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
 
 std::shared_ptr<Communicator> Communicator::new_group(const std::vector<int>& ranks) {
   const int n = size();
-  MESHFUSE_CHECK(!ranks.empty() && static_cast<int>(ranks.size()) <= n, ErrorCode::InvalidArgument,
-                 "new_group: {} ranks in a team of {}", ranks.size(), n);
+  // Refused here on this rank only, it still counts as the split's exchange (which the others
+  // make, checks on or off): this rank's next exchange is then out of step with theirs.
+  const auto refuse = [&](const std::string& why) {
+    ++state_->exchanges;
+    throw Error(ErrorCode::InvalidArgument, "new_group: " + why);
+  };
+  if (ranks.empty() || static_cast<int>(ranks.size()) > n)
+    refuse(fmt::format("{} ranks in a team of {}", ranks.size(), n));
   std::vector<bool> seen(n);
   for (int r : ranks) {
-    MESHFUSE_CHECK(r >= 0 && r < n && !seen[r], ErrorCode::InvalidArgument,
-                   "new_group: rank {} is outside 0..{} or listed twice", r, n - 1);
+    if (r < 0 || r >= n || seen[r])
+      refuse(fmt::format("rank {} is outside 0..{} or listed twice", r, n - 1));
     seen[r] = true;
   }
   const auto it = std::find(ranks.begin(), ranks.end(), rank());

@@ -20,6 +20,7 @@
 
 #ifdef MESHFUSE_WITH_GLOO
 
+#include <arpa/inet.h>
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
@@ -33,8 +34,9 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
-#include <unistd.h>
+#include <netdb.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <cstdlib>
@@ -69,16 +71,20 @@ class StoreForGloo : public gloo::rendezvous::Store {
   std::shared_ptr<meshfuse::Store> store_;
 };
 
-// Gloo's exceptions as meshfuse errors: its timeouts say "Timed out".
+// Gloo's exceptions as meshfuse errors: its timeouts say "Timed out", or "Connect timeout",
+// "Read timeout", "Write timeout" in its transport; its enforce failures and the system errors of
+// its set-up are not gloo::Exceptions.
 template <typename F>
 void as_errors(F&& f) {
   try {
     f();
-  } catch (const gloo::Exception& e) {
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
     const std::string what = e.what();
-    throw Error(what.find("Timed out") != std::string::npos ? ErrorCode::Timeout
-                                                            : ErrorCode::CommunicationFailure,
-                "gloo: " + what);
+    const bool timeout =
+        what.find("Timed out") != std::string::npos || what.find("timeout") != std::string::npos;
+    throw Error(timeout ? ErrorCode::Timeout : ErrorCode::CommunicationFailure, "gloo: " + what);
   }
 }
 
@@ -99,6 +105,17 @@ void with_word(DType dtype, F&& f) {
 
 std::vector<std::size_t> as_sizes(const std::vector<std::int64_t>& v) {
   return {v.begin(), v.end()};
+}
+
+bool resolves_to_loopback(const char* host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host, nullptr, &hints, &found) != 0 || !found) return false;
+  const auto* a = reinterpret_cast<const sockaddr_in*>(found->ai_addr);
+  const bool loopback = (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+  ::freeaddrinfo(found);
+  return loopback;
 }
 
 // One TCP device per process, shared by every team's context (each device runs a thread).
@@ -123,6 +140,13 @@ std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch)
     char host[256] = {};
     ::gethostname(host, sizeof(host) - 1);
     attr.hostname = host;
+    // Debian maps the host's own name to 127.0.1.1: ranks on other hosts could not reach it, and
+    // those waiting for their connections would wait five timeouts in Gloo.
+    MESHFUSE_CHECK(!resolves_to_loopback(host), ErrorCode::InvalidArgument,
+                   "communicator backend gloo: this host's name '{}' resolves to a loopback "
+                   "address, which the job's ranks on other hosts ({} ranks, {} here) cannot "
+                   "reach: set GLOO_SOCKET_IFNAME to the network interface to use (e.g. eth0)",
+                   host, launch.world_size, launch.local_world_size);
   }
   std::shared_ptr<gloo::transport::Device> device;
   as_errors([&] { device = gloo::transport::tcp::CreateDevice(attr); });

@@ -105,7 +105,9 @@ struct MpiGlobals {
 
 int as_int(std::int64_t n) {
   MESHFUSE_CHECK(n <= INT_MAX, ErrorCode::Unsupported,
-                 "mpi: {} elements in one message; MPI counts stop at 2^31 - 1", n);
+                 "mpi: {} elements in one message or before one in its tensor; MPI counts and "
+                 "displacements stop at 2^31 - 1",
+                 n);
   return static_cast<int>(n);
 }
 
@@ -119,6 +121,7 @@ struct Layout {
       displs.push_back(as_int(at));
       at += n;
     }
+    as_int(at);  // MPI sums the counts in an int too
   }
 };
 

@@ -103,13 +103,14 @@ FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
   MESHFUSE_CHECK(!ec && std::filesystem::is_directory(path_), ErrorCode::InvalidArgument,
                  "FileStore: cannot create the directory '{}': {}", path_, ec.message());
   // One that existed already must be as private as one made here: whoever else can write to it
-  // could plant the job's keys.
+  // could plant the job's keys, whoever else can read it could read them. Not a symbolic link,
+  // which its owner could point elsewhere after this check.
   struct stat st {};
-  MESHFUSE_CHECK(::stat(path_.c_str(), &st) == 0 && st.st_uid == ::getuid() &&
-                     (st.st_mode & (S_IWGRP | S_IWOTH)) == 0,
+  MESHFUSE_CHECK(::lstat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
+                     st.st_uid == ::getuid() && (st.st_mode & (S_IRWXG | S_IRWXO)) == 0,
                  ErrorCode::InvalidArgument,
-                 "FileStore: the directory '{}' must belong to this user and be writable by "
-                 "nobody else, got mode {:o}",
+                 "FileStore: the directory '{}' must be a directory (not a symbolic link) of this "
+                 "user that nobody else can read or write, got mode {:o}",
                  path_, st.st_mode & 07777);
 }
 
@@ -146,13 +147,24 @@ void FileStore::set(const std::string& key, const Bytes& value) {
 Store::Bytes FileStore::get(const std::string& key) {
   wait({key});
   std::ifstream in(file_of(key), std::ios::binary);
-  return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  MESHFUSE_CHECK(in.is_open(), ErrorCode::CommunicationFailure,
+                 "FileStore: cannot read '{}' for key '{}': {}", file_of(key), key,
+                 std::strerror(errno));
+  Bytes value{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  MESHFUSE_CHECK(!in.bad(), ErrorCode::CommunicationFailure,
+                 "FileStore: cannot read '{}' for key '{}'", file_of(key), key);
+  return value;
 }
 
 bool FileStore::check(const std::vector<std::string>& keys) {
   for (const std::string& k : keys) {
     struct stat st;
-    if (::stat(file_of(k).c_str(), &st) != 0) return false;
+    if (::stat(file_of(k).c_str(), &st) == 0) continue;
+    // Not there yet; anything else (no permission, a name too long) would never change.
+    MESHFUSE_CHECK(errno == ENOENT, ErrorCode::CommunicationFailure,
+                   "FileStore: cannot look up '{}' for key '{}': {}", file_of(k), k,
+                   std::strerror(errno));
+    return false;
   }
   return true;
 }

@@ -273,12 +273,11 @@ struct TcpStore::Impl {
           if (stopping) return;
         }
         if (error == EINTR || error == ECONNABORTED) continue;
-        // Out of descriptors or memory, for now: keep serving those who are in.
-        if (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-          continue;
-        }
-        return;
+        // Out of descriptors or memory, or an error of one connection (Linux passes on network
+        // errors of a pending connection): keep serving. Ending here would leave the listener
+        // taking connections that nobody answers.
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
       }
       std::lock_guard lock(mutex);
       if (stopping) {  // stop_server joins what `finished` holds
@@ -391,8 +390,10 @@ struct TcpStore::Impl {
 
   // A connected socket, or -1 with `why` set.
   int connect_once(std::string& why) const {
+    // IPv4 only, as the server listens: with AF_UNSPEC, a name with an IPv6 address (localhost's
+    // ::1) was tried there first, where another user's process could listen and take the secret.
     addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
+    hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* found = nullptr;
     const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
@@ -491,8 +492,13 @@ struct TcpStore::Impl {
       errno = EPROTO;
       lost();
     }
-    Bytes value(len);
-    if (!read_all(client, value.data(), len)) lost();
+    // Read as it arrives, not allocated from the length alone.
+    Bytes value;
+    while (value.size() < len) {
+      const std::size_t at = value.size();
+      value.resize(std::min<std::uint64_t>(len, at + (std::uint64_t{1} << 20)));
+      if (!read_all(client, value.data() + at, value.size() - at)) lost();
+    }
     return value;
   }
 };
@@ -524,7 +530,9 @@ TcpStore::~TcpStore() {
   // are made close-on-exec for the same reason.
   ::shutdown(impl_->client, SHUT_RDWR);
   ::close(impl_->client);
-  if (impl_->listener >= 0) impl_->stop_server(true);
+  // Gone while an error unwinds, the server does not wait for the others to finish with it: they
+  // are failing too, and this rank's exit is how the launcher learns of the failure.
+  if (impl_->listener >= 0) impl_->stop_server(std::uncaught_exceptions() == 0);
 }
 
 int TcpStore::port() const { return impl_->port; }

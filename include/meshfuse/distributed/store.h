@@ -68,7 +68,9 @@ class HashStore : public Store {
 
 // One file per key under a directory every rank can reach (a shared filesystem across machines,
 // or /tmp on one machine). Writes are atomic (write a temporary file, then rename). The directory
-// is created if missing, readable by its owner only (its permissions are what keeps others out); the files are left for the caller to remove. Give every job a fresh
+// is created if missing, readable by its owner only (its permissions are what keeps others out);
+// one that exists must be too, and not a symbolic link (InvalidArgument otherwise). The files are
+// left for the caller to remove. Give every job a fresh
 // directory: keys left by an earlier job would be read as this one's.
 class FileStore : public Store {
  public:
@@ -96,8 +98,10 @@ class FileStore : public Store {
 // Every connection proves `secret` (1 to 4096 bytes, the same in every process of the job;
 // meshfuse launch makes one) within 10 s of connecting (or the timeout, if shorter), before any
 // request; the others are
-// dropped unanswered, and at most 64 may be waiting to prove it at once (more are told the
-// server is busy: a client tries again until its timeout). The secret is sent in the clear: it
+// dropped unanswered, and at most 64 may be waiting to prove it at once (a 65th resets the
+// longest waiting, which, if it was a rank, tries again until its timeout); at most 4096
+// connections are open at once (more are told the server is busy). The secret is sent in the
+// clear: it
 // keeps out whoever can reach the port, not whoever can read the network. A job keeps at most
 // 2^20 keys and 2 GiB; keys are at most 64 KiB and values 1 GiB; a client that breaks the
 // protocol loses its connection, nobody else.
