@@ -19,6 +19,42 @@
 #include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::python {
+
+// A scalar argument of a collective (op, root, split sizes, stream), taken as any object and
+// converted by the binding (Arg::as) once ArgumentChecks is armed, so that a wrong type (op=5,
+// root="0") counts as this rank's failed collective: refused by nanobind before the binding ran,
+// it was not counted, and the rank's next collective paired with the others' current one.
+template <typename T>
+struct Arg {
+  nb::object object;
+
+  T as(std::string_view op, std::string_view name, std::string_view expected) const {
+    T value{};
+    if (!nb::try_cast(object, value))
+      throw nb::type_error(fmt::format("{}: '{}' must be {}, got {}", op, name, expected,
+                                       Py_TYPE(object.ptr())->tp_name)
+                               .c_str());
+    return value;
+  }
+};
+
+}  // namespace meshfuse::python
+
+namespace nanobind::detail {
+
+template <typename T>
+struct type_caster<meshfuse::python::Arg<T>> {
+  NB_TYPE_CASTER(meshfuse::python::Arg<T>, make_caster<T>::Name)  // stubs show T
+
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    value.object = borrow<object>(src);
+    return true;
+  }
+};
+
+}  // namespace nanobind::detail
+
+namespace meshfuse::python {
 namespace {
 
 using namespace nb::literals;
@@ -97,6 +133,29 @@ class ArgumentChecks {
   bool passed_ = false;
   int exceptions_ = std::uncaught_exceptions();
 };
+
+using ReduceArg = Arg<std::string>;
+using RankArg = Arg<int>;
+using SplitsArg = Arg<std::vector<std::int64_t>>;  // or None (its default says so in the stubs)
+using StreamArg = Arg<std::uintptr_t>;
+
+ReduceOp reduce_op(const ReduceArg& op, std::string_view collective) {
+  return parse_reduce_op(op.as(collective, "op", "a str ('sum', 'avg', 'prod', 'min', 'max')"));
+}
+
+int rank_of(const RankArg& root, std::string_view collective) {
+  return root.as(collective, "root", "an int (a rank of the team)");
+}
+
+Splits splits_of(const SplitsArg& splits, std::string_view collective, std::string_view name) {
+  if (splits.object.is_none()) return std::nullopt;
+  return splits.as(collective, name, "a list of ints (rows per rank) or None");
+}
+
+Stream stream_of(const StreamArg& stream, const TensorView& on, std::string_view collective) {
+  return stream_on(on.device(),
+                   stream.as(collective, "stream", "an int (a cudaStream_t; 0: the default)"));
+}
 
 // Calls `op` with the GIL released; the Work holds `arrays`. `checks`: a collective's, passed.
 template <typename Op>
@@ -202,40 +261,43 @@ void bind_communicator(nb::module_& m) {
            "later calls return the same teams. Raises ValueError for a mesh of other ranks.")
       .def(
           "all_reduce",
-          [](Communicator& c, Out t, const std::string& op, std::uintptr_t stream) {
+          [](Communicator& c, Out t, ReduceArg op, StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView v = view(t, "all_reduce", "tensor");
-            const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.all_reduce(v, r, stream_on(v.device(), stream)); },
-                       kept({}, {&t}), &checks);
+            const ReduceOp r = reduce_op(op, "all_reduce");
+            const Stream s = stream_of(stream, v, "all_reduce");
+            return run([&] { return c.all_reduce(v, r, s); }, kept({}, {&t}), &checks);
           },
           "tensor"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "broadcast",
-          [](Communicator& c, Out t, int root, std::uintptr_t stream) {
+          [](Communicator& c, Out t, RankArg root, StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView v = view(t, "broadcast", "tensor");
-            return run([&] { return c.broadcast(v, root, stream_on(v.device(), stream)); },
-                       kept({}, {&t}), &checks);
+            const int r = rank_of(root, "broadcast");
+            const Stream s = stream_of(stream, v, "broadcast");
+            return run([&] { return c.broadcast(v, r, s); }, kept({}, {&t}), &checks);
           },
           "tensor"_a, "root"_a, "stream"_a = 0)
       .def(
           "reduce",
-          [](Communicator& c, Out t, int root, const std::string& op, std::uintptr_t stream) {
+          [](Communicator& c, Out t, RankArg root, ReduceArg op, StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView v = view(t, "reduce", "tensor");
-            const ReduceOp r = parse_reduce_op(op);
-            return run([&] { return c.reduce(v, root, r, stream_on(v.device(), stream)); },
-                       kept({}, {&t}), &checks);
+            const int to = rank_of(root, "reduce");
+            const ReduceOp r = reduce_op(op, "reduce");
+            const Stream s = stream_of(stream, v, "reduce");
+            return run([&] { return c.reduce(v, to, r, s); }, kept({}, {&t}), &checks);
           },
           "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
       .def(
           "all_gather",
-          [](Communicator& c, In input, Out output, const Splits& splits, std::uintptr_t stream) {
+          [](Communicator& c, In input, Out output, SplitsArg split_sizes, StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView in = view(input, "all_gather", "input"),
                              out = view(output, "all_gather", "output");
-            const Stream s = stream_on(in.device(), stream);
+            const Splits splits = splits_of(split_sizes, "all_gather", "output_split_sizes");
+            const Stream s = stream_of(stream, in, "all_gather");
             return run(
                 [&] {
                   return splits ? c.all_gather(in, out, *splits, s) : c.all_gather(in, out, s);
@@ -245,13 +307,14 @@ void bind_communicator(nb::module_& m) {
           "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
       .def(
           "reduce_scatter",
-          [](Communicator& c, In input, Out output, const Splits& splits, const std::string& op,
-             std::uintptr_t stream) {
+          [](Communicator& c, In input, Out output, SplitsArg split_sizes, ReduceArg op,
+             StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView in = view(input, "reduce_scatter", "input"),
                              out = view(output, "reduce_scatter", "output");
-            const ReduceOp r = parse_reduce_op(op);
-            const Stream s = stream_on(in.device(), stream);
+            const Splits splits = splits_of(split_sizes, "reduce_scatter", "input_split_sizes");
+            const ReduceOp r = reduce_op(op, "reduce_scatter");
+            const Stream s = stream_of(stream, in, "reduce_scatter");
             return run(
                 [&] {
                   return splits ? c.reduce_scatter(in, out, *splits, r, s)
@@ -262,40 +325,48 @@ void bind_communicator(nb::module_& m) {
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
       .def(
           "gather",
-          [](Communicator& c, In input, const std::optional<Out>& output, int root,
-             std::uintptr_t stream) {
+          [](Communicator& c, In input, const std::optional<Out>& output, RankArg root,
+             StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView in = view(input, "gather", "input"),
                              out = view(output, "gather", "output");
-            return run([&] { return c.gather(in, out, root, stream_on(in.device(), stream)); },
+            const int r = rank_of(root, "gather");
+            const Stream s = stream_of(stream, in, "gather");
+            return run([&] { return c.gather(in, out, r, s); },
                        kept({&input}, {output ? &*output : nullptr}), &checks);
           },
           "input"_a, "output"_a.none(), "root"_a, "stream"_a = 0,
           "output is only used on the root (None elsewhere).")
       .def(
           "scatter",
-          [](Communicator& c, const std::optional<In>& input, Out output, int root,
-             std::uintptr_t stream) {
+          [](Communicator& c, const std::optional<In>& input, Out output, RankArg root,
+             StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView in = view(input, "scatter", "input"),
                              out = view(output, "scatter", "output");
-            return run([&] { return c.scatter(in, out, root, stream_on(out.device(), stream)); },
+            const int r = rank_of(root, "scatter");
+            const Stream s = stream_of(stream, out, "scatter");
+            return run([&] { return c.scatter(in, out, r, s); },
                        kept({input ? &*input : nullptr}, {&output}), &checks);
           },
           "input"_a.none(), "output"_a, "root"_a, "stream"_a = 0,
           "input is only used on the root (None elsewhere).")
       .def(
           "all_to_all",
-          [](Communicator& c, In input, Out output, const Splits& in_splits,
-             const Splits& out_splits, std::uintptr_t stream) {
+          [](Communicator& c, In input, Out output, SplitsArg input_split_sizes,
+             SplitsArg output_split_sizes, StreamArg stream) {
             ArgumentChecks checks(c);
             const TensorView in = view(input, "all_to_all", "input"),
                              out = view(output, "all_to_all", "output");
+            const Splits in_splits =
+                splits_of(input_split_sizes, "all_to_all", "input_split_sizes");
+            const Splits out_splits =
+                splits_of(output_split_sizes, "all_to_all", "output_split_sizes");
+            const Stream s = stream_of(stream, in, "all_to_all");
             return run(
                 [&] {
                   return c.all_to_all(in, out, in_splits.value_or(std::vector<std::int64_t>{}),
-                                      out_splits.value_or(std::vector<std::int64_t>{}),
-                                      stream_on(in.device(), stream));
+                                      out_splits.value_or(std::vector<std::int64_t>{}), s);
                 },
                 kept({&input}, {&output}), &checks);
           },
@@ -333,9 +404,12 @@ void bind_communicator(nb::module_& m) {
           "step; on nccl one group, which separate send and recv calls cannot be).")
       .def(
           "barrier",
-          [](Communicator& c, const std::string& device, std::uintptr_t stream) {
+          [](Communicator& c, Arg<std::string> device, StreamArg stream) {
             ArgumentChecks checks(c);
-            const Stream s = stream_on(Device::parse(device), stream);
+            const Device d =
+                Device::parse(device.as("barrier", "device", "a str ('cpu', 'cuda', 'cuda:1')"));
+            const Stream s = stream_on(
+                d, stream.as("barrier", "stream", "an int (a cudaStream_t; 0: the default)"));
             return run([&] { return c.barrier(s); }, {}, &checks);
           },
           "device"_a = "cpu", "stream"_a = 0,

@@ -118,6 +118,34 @@ def test_a_collective_refused_by_the_binding_leaves_the_ranks_out_of_step():
     assert all("ranks out of step" in e for e in errors.values())
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda comm, x: comm.all_reduce(x, op=5), "all_reduce: 'op' must be a str"),
+    (lambda comm, x: comm.broadcast(x, root="0"), "broadcast: 'root' must be an int"),
+    (lambda comm, x: comm.all_gather(x, np.empty(8, np.float32), output_split_sizes=[1.5, 2]),
+     "all_gather: 'output_split_sizes' must be a list of ints"),
+    (lambda comm, x: comm.reduce(x, 0, stream="default"), "reduce: 'stream' must be an int"),
+])
+def test_a_scalar_argument_of_the_wrong_type_on_one_rank_leaves_the_ranks_out_of_step(call,
+                                                                                      message):
+    # Refused by nanobind's own conversion before the binding ran, such a call was not counted:
+    # rank 0's next collective then paired with rank 1's and summed 1 + 1000 silently.
+    errors = {}
+
+    def rank_fn(comm):
+        x = np.ones(4, np.float32)
+        if comm.rank == 1:
+            with pytest.raises(TypeError, match=message):
+                call(comm, x)
+        try:
+            comm.all_reduce(np.full(4, 1000.0, np.float32)).wait()
+        except meshfuse.CommunicationError as e:
+            errors[comm.rank] = str(e)
+
+    meshfuse.run_local(2, rank_fn, timeout=60)
+    assert sorted(errors) == [0, 1]
+    assert all("ranks out of step" in e for e in errors.values())
+
+
 def test_collective_arrays_live_until_the_operation_completes():
     # A Work dropped at once (fire and forget) and a gather whose input goes out of scope: the
     # backend still reads the arrays after their handles are gone, when the late rank arrives.
