@@ -614,4 +614,34 @@ inline void check_buffers_outlive_a_timed_out_wait(Communicator& c) {
   c.barrier().wait();
 }
 
+// A receive whose Work is dropped before its message comes (its buffer given to keep_alive) still
+// takes it, and the team goes on: on gloo the dropped receive buffer was freed while posted, and
+// the message then wedged the pair (and spun Gloo's I/O thread), so the next collective timed out.
+inline void check_a_dropped_recv_still_takes_its_message(Communicator& c) {
+  if (c.size() < 2) return;
+  auto sub = c.split(0, c.rank());
+  sub->barrier().wait();  // backends set up on every rank
+  Tensor kept_elsewhere;  // rank 1's buffer, still readable here after the Work is gone
+  if (c.rank() == 1) {
+    const Tensor t = Tensor::zeros({1000}, DType::F32);
+    kept_elsewhere = t;
+    sub->recv(t, 0, 3).keep_alive({t});  // dropped at once
+  }
+  sub->barrier().wait();
+  if (c.rank() == 0) {
+    Tensor t({1000}, DType::F32);
+    std::fill_n(t.data_ptr<float>(), 1000, 2.5f);
+    sub->send(t, 1, 3).wait();
+  }
+  Tensor one = Tensor::zeros({4}, DType::F32);
+  std::fill_n(one.data_ptr<float>(), 4, 1.0f);
+  sub->all_reduce(one, ReduceOp::Sum).wait();
+  EXPECT_EQ(one.data_ptr<float>()[3], static_cast<float>(c.size()));
+  sub->barrier().wait();  // the message has come: the send completed before the all_reduce
+  if (c.rank() == 1) {
+    EXPECT_EQ(kept_elsewhere.data_ptr<float>()[0], 2.5f);
+    EXPECT_EQ(kept_elsewhere.data_ptr<float>()[999], 2.5f);
+  }
+}
+
 }  // namespace meshfuse::test::dist

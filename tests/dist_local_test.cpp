@@ -117,6 +117,10 @@ TEST(DistLocal, BuffersGivenToAWorkOutliveAWaitThatTimedOut) {
   on_four_ranks(dist::check_buffers_outlive_a_timed_out_wait);
 }
 
+TEST(DistLocal, ADroppedRecvStillTakesItsMessageAndTheTeamGoesOn) {
+  on_four_ranks(dist::check_a_dropped_recv_still_takes_its_message);
+}
+
 TEST(DistLocal, OneRankAndThreeRanksWork) {
   for (int n : {1, 3}) {
     run_local(n, [](Communicator& c) {

@@ -168,6 +168,10 @@ TEST(DistProcess, BuffersGivenToAWorkOutliveAWaitThatTimedOut) {
   dist::check_buffers_outlive_a_timed_out_wait(*world);
 }
 
+TEST(DistProcess, ADroppedRecvStillTakesItsMessageAndTheTeamGoesOn) {
+  dist::check_a_dropped_recv_still_takes_its_message(*world);
+}
+
 TEST(DistProcess, ARankThatNeverCallsGivesTheOthersATimeout) { dist::check_timeout(*world); }
 
 }  // namespace

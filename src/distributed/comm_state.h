@@ -59,7 +59,7 @@ struct WorkState {
   WorkState() = default;
   WorkState(const WorkState&) = delete;
   WorkState& operator=(const WorkState&) = delete;
-  // Hands `kept` to a process-wide list while the transfer is in flight.
+  // Hands the operation (`impl`, `kept`) to a process-wide list while its transfer is in flight.
   ~WorkState();
 
   CommRecord record;

@@ -177,8 +177,8 @@ class P2pWork : public TaskWork {
       finish(error);
     });
   }
-  // Unwaited (the work is dropped, or its wait timed out): the waiter would block up to Gloo's
-  // timeout; stop it now.
+  // A work dropped in flight is kept until its waiter has ended (work.cpp): freed while posted,
+  // the buffer wedged the pair once the peer's message came. Stopped here only if it has not.
   ~P2pWork() override {
     is_send_ ? buffer_->abortWaitSend() : buffer_->abortWaitRecv();
     waiter_.join();

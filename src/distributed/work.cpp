@@ -40,8 +40,10 @@ class JoinedWork : public WorkImpl {
   std::vector<std::shared_ptr<WorkImpl>> parts_;
 };
 
-// The buffers of works whose last handle went while their transfer was in flight, held until it
-// ends. Never destroyed: a transfer may outlast the static destructors.
+// The works whose last handle went while their transfer was in flight, with their kept buffers,
+// held until it ends: a backend's own state of the operation too (gloo's receive buffer, which
+// Gloo still writes through if it is freed while posted; MPI's request). Never destroyed: a
+// transfer may outlast the static destructors.
 struct Graveyard {
   std::mutex mutex;
   std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> kept;
@@ -76,7 +78,7 @@ void free_finished_buffers() {
 }
 
 WorkState::~WorkState() {
-  if (kept.empty() || !impl || !transfer_in_flight(*impl)) return;
+  if (!impl || !transfer_in_flight(*impl)) return;
   Graveyard& g = graveyard();
   std::lock_guard lock(g.mutex);
   g.kept.emplace_back(impl, std::move(kept));
