@@ -439,3 +439,30 @@ def test_all_gather_matmul_on_four_gloo_processes():
         assert p.returncode == 0, err
         assert out.strip() == f"{rank} ['all_gather(dim 0) on gloo, mesh dim 0, team [0 1 2 3], " \
                               "sizes [256 256 256 256]']"
+
+
+def test_a_gather_tensor_refused_on_one_rank_fails_the_others_instead_of_mixing_two_calls():
+    # Rank 2's part has the wrong shape at step 0 only. Its refusal was not counted: ranks 0 and 1
+    # then gathered step 0's rows with rank 2's step-1 rows, silently.
+    mesh = DeviceMesh.of_shape([3])
+    steps = [np.zeros((6, 2), np.float32), np.ones((6, 2), np.float32)]
+
+    def rank_fn(comm):
+        got = []
+        for step, whole in enumerate(steps):
+            local = meshfuse.shard_tensor(whole, mesh, Shard(0), comm.rank)
+            if comm.rank == 2 and step == 0:
+                local = np.zeros((5, 2), np.float32)
+            try:
+                got.append(meshfuse.gather_tensor(local, [6, 2], mesh, Shard(0), comm))
+            except meshfuse.Error as e:
+                got.append(type(e).__name__ + ": " + str(e))
+        return got
+
+    results = meshfuse.run_local(3, rank_fn, timeout=20)
+    assert results[2][0].startswith("ShapeMismatchError") and "gather_tensor" in results[2][0]
+    for r in range(3):
+        for got in results[r]:
+            if not isinstance(got, str):  # any gather that returned gathered one call's rows
+                assert np.all(got == got[0, 0]), (r, got)
+    assert all("out of step" in results[r][0] for r in (0, 1)), results

@@ -254,6 +254,7 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
                      const std::vector<Placement>& placements,
                      std::shared_ptr<Communicator> communicator, const Stream& stream) {
   // The identity program, its output wanted whole. Its errors name gather_tensor's arguments.
+  std::optional<MultiDeviceExecutor> executor;
   try {
     Program p;
     const Value v = p.define_tensor("local", shape, local.dtype());
@@ -261,9 +262,9 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
     p.set_placements(v, placements);
     p.add_output(v, std::vector<Placement>(placements.size(), Replicate{}));
     const int rank = communicator ? communicator->rank() : 0;
-    MultiDeviceExecutor executor(std::move(p), std::move(communicator));
+    executor.emplace(std::move(p), communicator);
     if (local.defined()) {
-      const Plan& plan = executor.plan(local.device().type);
+      const Plan& plan = executor->plan(local.device().type);
       const Shape& part = plan.values[static_cast<std::size_t>(plan.inputs[0])].shape;
       MESHFUSE_CHECK(local.shape() == part, ErrorCode::ShapeMismatch,
                      "'local' on rank {} must be {}, this rank's part of a {} tensor placed as {} "
@@ -271,7 +272,22 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
                      rank, shape_str(part), shape_str(shape), to_string(placements),
                      mesh.to_string(), shape_str(local.shape()));
     }
-    return executor.run({local}, stream)[0];
+  } catch (const Error& e) {
+    // Refused on this rank before its communications: counted as the run they would have been
+    // (MultiDeviceExecutor::count_failed_run), so that the others fail out of step instead of
+    // pairing their call with this rank's next one.
+    try {
+      if (executor)
+        executor->count_failed_run(local.defined() ? std::optional(local.device().type)
+                                                   : std::nullopt);
+      else if (communicator)
+        communicator->count_failed_collective();
+    } catch (...) {  // the refusal is the error to report
+    }
+    throw Error(e.code(), "gather_tensor: " + e.message());
+  }
+  try {
+    return executor->run({local}, stream)[0];
   } catch (const Error& e) {
     throw Error(e.code(), "gather_tensor: " + e.message());
   }
