@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "meshfuse/core/error.h"
 
@@ -350,6 +352,13 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
   }
   for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
   if (!backend.empty()) env.push_back("MESHFUSE_BACKEND=" + backend);
+  // N ranks each running OpenMP on every core oversubscribe the machine N times over, and their
+  // spinning threads starve each other: each gets its share of the cores unless the caller chose
+  // (torchrun sets 1).
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+    env.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / world)));
+  }
   return env;
 }
 

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -96,6 +97,24 @@ TEST(Launch, EveryRankGetsTheTorchrunEnvironmentAndPrefixedOutput) {
     EXPECT_TRUE(contains(r.out, fmt::format("[rank{}]: no newline\n", rank))) << r.out;
     EXPECT_TRUE(contains(r.err, fmt::format("[rank{}]: oops\n", rank))) << r.err;
   }
+}
+
+// Each rank gets its share of the cores for OpenMP, unless the caller set OMP_NUM_THREADS.
+TEST(Launch, EveryRankGetsItsShareOfTheCoresUnlessOmpNumThreadsIsSet) {
+  const Scratch dir;
+  const char* callers = std::getenv("OMP_NUM_THREADS");
+  const std::string restore = callers ? callers : "";
+  ::unsetenv("OMP_NUM_THREADS");
+  const int share = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+  LaunchResult r = launch(dir, "-n 2 --no-prefix", "echo \"$OMP_NUM_THREADS\"");
+  EXPECT_EQ(r.out, fmt::format("{0}\n{0}\n", share)) << r.err;
+  ::setenv("OMP_NUM_THREADS", "3", 1);
+  r = launch(dir, "-n 2 --no-prefix", "echo \"$OMP_NUM_THREADS\"");
+  EXPECT_EQ(r.out, "3\n3\n") << r.err;
+  if (callers)
+    ::setenv("OMP_NUM_THREADS", restore.c_str(), 1);
+  else
+    ::unsetenv("OMP_NUM_THREADS");
 }
 
 // The port and the store's secret: the same for every rank, a fresh secret per job.
