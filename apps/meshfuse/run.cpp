@@ -392,6 +392,7 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
     j["overlap"] = {{"form", std::string(to_string(s.overlap.overlap))},
                     {"chunks", s.overlap.chunks},
                     {"streams", s.overlap.number_of_streams}};
+    j["layers"] = nlohmann::json::array();  // empty: no stretch to overlap in this plan
     for (const Layer& l : r.layers) {
       const LayerTimes t = times_of(l);
       j["layers"].push_back({{"stretch", l.what},
@@ -428,9 +429,15 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
       "(one device / ({} x per rank)): {:.2f}\n",
       r.ranks[0].median_ms, r.ranks[0].p20_ms, r.ranks[0].p80_ms, r.single.median_ms, s.ranks,
       efficiency);
-  out << "collectives of rank 0 (each run; times with the stream synchronised around them):\n";
+  out << "collectives of rank 0 (each run; times with the stream synchronised around them; those "
+         "inside an overlapped stretch are timed with it below):\n";
   for (const Collective& c : r.collectives)
     out << fmt::format("  {:>12} B {:>9.3f} ms  {}\n", c.bytes, quantile(c.ms, 0.5), c.what);
+  if (r.layers.empty() && s.overlap.overlap != Overlap::None)
+    out << fmt::format(
+        "overlap {}: the plan has no stretch to overlap (no all_gather over tokens before a "
+        "GEMM, nor a reduce_scatter after one; --dump-plan shows what the lowering chose)\n",
+        to_string(s.overlap.overlap));
   if (!r.layers.empty()) {
     out << fmt::format(
         "overlap {} ({} chunks, {} streams): each stretch's comm and compute alone (without "

@@ -496,7 +496,7 @@ struct TcpStore::Impl {
     Bytes value;
     while (value.size() < len) {
       const std::size_t at = value.size();
-      value.resize(std::min<std::uint64_t>(len, at + (std::uint64_t{1} << 20)));
+      value.resize(std::min<std::uint64_t>(len, at + kReadStep));
       if (!read_all(client, value.data() + at, value.size() - at)) lost();
     }
     return value;

@@ -258,6 +258,20 @@ TEST(Cli, RunJsonHasTimesCollectivesAndChecks) {
   EXPECT_TRUE(j["pass"].get<bool>());
 }
 
+// At 256 tokens the tiny model's lowering gathers weights, not tokens: no stretch to overlap, which
+// the run says instead of leaving the overlap table out without a word.
+TEST(Cli, RunSaysWhenThePlanHasNoStretchToOverlap) {
+  const ScratchDir dir;
+  const std::string run = "run --model " + tiny_model(dir) +
+                          " --ranks 3 --tokens 256 --repeats 1 --overlap collective --chunks 2";
+  const CliResult r = run_cli(run);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "overlap collective: the plan has no stretch to overlap")) << r.out;
+  const CliResult j = run_cli(run + " --format json");
+  ASSERT_EQ(j.exit_code, 0) << j.out << j.err;
+  EXPECT_EQ(nlohmann::json::parse(j.out)["layers"], nlohmann::json::array());
+}
+
 TEST(Cli, RunRejectsBadOptionsNamingThem) {
   const ScratchDir dir;
   const std::string model = tiny_model(dir);
