@@ -7,7 +7,9 @@ set(MESHFUSE_MPI AUTO CACHE STRING "Build the mpi communicator backend: AUTO (if
 set_property(CACHE MESHFUSE_MPI PROPERTY STRINGS AUTO ON OFF)
 
 find_package(Threads REQUIRED)
-target_link_libraries(meshfuse PRIVATE Threads::Threads)
+# libcrypto: the TcpStore's handshake (HMAC-SHA256 of the job's secret, random nonces).
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+target_link_libraries(meshfuse PRIVATE Threads::Threads OpenSSL::Crypto)
 
 set(MESHFUSE_WITH_GLOO OFF)
 if(NOT MESHFUSE_GLOO STREQUAL "OFF")

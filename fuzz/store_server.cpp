@@ -1,10 +1,12 @@
 // The TcpStore server's side of its protocol on arbitrary bytes: each input is sent on a fresh
-// connection to a server on loopback, with the job's hello in front when the first byte is odd,
-// then the connection is closed. The server must drop what it cannot serve without harm to the
-// others: afterwards a genuine client still sets and gets, and a key that only the job wrote is
-// unchanged unless the input proved the secret.
+// connection to a server on loopback, after the job's handshake (the secret proven) when the first
+// byte is odd, then the connection is closed. The server must drop what it cannot serve without
+// harm to the others: afterwards a genuine client still sets and gets, and a key that only the job
+// wrote is unchanged unless the input proved the secret.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <netinet/in.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -44,7 +46,31 @@ Job& job() {
   return *j;
 }
 
-void send_and_hang_up(int port, const std::string& bytes) {
+// The client's side of the handshake (tcp_store.cpp's protocol comment): false if the server
+// did not welcome it, which for the job's own secret is a finding.
+bool prove_secret(int fd) {
+  const std::uint32_t hello = 0x3253464d;
+  const std::string nonce(32, 'n');
+  std::string bytes(reinterpret_cast<const char*>(&hello), 4);
+  bytes += nonce;
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  char challenge[65];
+  std::size_t got = 0;
+  for (ssize_t n; got < sizeof(challenge) &&
+                  (n = ::recv(fd, challenge + got, sizeof(challenge) - got, 0)) > 0;)
+    got += static_cast<std::size_t>(n);
+  if (got != sizeof(challenge) || challenge[0] != 3) return false;
+  const std::string message = "meshfuse store client" + nonce + std::string(challenge + 1, 32);
+  unsigned char mac[32];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), kSecret, static_cast<int>(std::strlen(kSecret)),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &len);
+  ::send(fd, mac, len, MSG_NOSIGNAL);
+  char welcome = 0;
+  return ::recv(fd, &welcome, 1, 0) == 1 && welcome == 1;
+}
+
+void send_and_hang_up(int port, const std::string& bytes, bool proven) {
   // libFuzzer's SIGALRM (its -timeout check) would interrupt this thread's connect and recv:
   // a socket with SO_RCVTIMEO is not restarted after a handler, even under SA_RESTART, and the
   // EINTR looked like a stuck server once in ~19,000 inputs. Blocked here, the signal goes to
@@ -65,10 +91,14 @@ void send_and_hang_up(int port, const std::string& bytes) {
     if (tries == 200) std::abort();
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-  ::shutdown(fd, SHUT_WR);
   const timeval tv{5, 0};  // a server that neither answers nor hangs up within 5 s is stuck
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  if (proven && !prove_secret(fd)) {
+    std::fprintf(stderr, "store_server: the job's handshake was not welcomed\n");
+    std::abort();
+  }
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
   char buf[4096];
   ssize_t n;
   while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
@@ -87,16 +117,9 @@ void send_and_hang_up(int port, const std::string& bytes) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
   const bool proven = in.ConsumeBool();
-  std::string bytes;
-  if (proven) {
-    const std::uint32_t magic = 0x3153464d, len = std::string(kSecret).size();
-    bytes.append(reinterpret_cast<const char*>(&magic), 4);
-    bytes.append(reinterpret_cast<const char*>(&len), 4);
-    bytes += kSecret;
-  }
-  bytes += in.ConsumeRemainingBytesAsString();
+  const std::string bytes = in.ConsumeRemainingBytesAsString();
   Job& j = job();
-  send_and_hang_up(j.server.port(), bytes);
+  send_and_hang_up(j.server.port(), bytes, proven);
   j.client.set("alive", std::string("yes"));
   if (j.client.get_string("alive") != "yes") std::abort();
   if (!proven && j.client.get_string("guard") != "the job's") std::abort();

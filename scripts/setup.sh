@@ -7,6 +7,7 @@ set -euo pipefail
 # Debian builds it with the OpenCL GPU runtime. libgloo-dev, libopenmpi-dev, openmpi-bin: the gloo
 # and mpi communicator backends. libhwy-dev: Google Highway, the cpu kernels' portable SIMD. clang
 # with its runtimes (libFuzzer, the sanitizers) and OpenMP: the fuzz targets (scripts/fuzz.sh).
+# libssl-dev: OpenSSL's libcrypto, the HMAC by which the rendezvous store's ends prove the secret.
 packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev libfmt-dev libcli11-dev nlohmann-json3-dev
@@ -14,6 +15,7 @@ packages=(
   libhwy-dev
   clang libclang-rt-14-dev libomp-14-dev
   libgloo-dev libopenmpi-dev openmpi-bin
+  libssl-dev
 )
 
 missing=()

@@ -2,13 +2,18 @@
 // backend specs, records, argument errors, the launch environment and the stores.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -770,8 +775,45 @@ std::string raw(T v) {
   return std::string(reinterpret_cast<const char*>(&v), sizeof(T));
 }
 
-std::string hello(const std::string& secret) {
-  return raw(std::uint32_t{0x3153464d}) + raw(static_cast<std::uint32_t>(secret.size())) + secret;
+// HMAC-SHA256(key, label || client nonce || server nonce): an end's proof in the handshake
+// (tcp_store.cpp's protocol comment).
+std::string proof_of(const std::string& key, const std::string& label, const std::string& client,
+                     const std::string& server) {
+  const std::string message = label + client + server;
+  unsigned char mac[32];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &len);
+  return std::string(reinterpret_cast<const char*>(mac), len);
+}
+
+constexpr std::uint32_t kHello = 0x3253464d;  // "MFS2"
+
+// Reads n bytes (or fewer if the server hangs up or 2 s pass).
+std::string read_raw(int fd, std::size_t n) {
+  const timeval tv{2, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string got;
+  char buf[256];
+  for (ssize_t r;
+       got.size() < n && (r = ::recv(fd, buf, std::min(sizeof(buf), n - got.size()), 0)) > 0;)
+    got.append(buf, static_cast<std::size_t>(r));
+  return got;
+}
+
+// The client's side of the handshake on a raw socket, proving `secret`: whether it was welcomed.
+bool prove(int fd, const std::string& secret) {
+  const std::string mine(32, 'n');  // any nonce
+  const std::string hello = raw(kHello) + mine;
+  ::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL);
+  const std::string challenge = read_raw(fd, 65);
+  if (challenge.size() != 65 || challenge[0] != 3) return false;
+  const std::string theirs = challenge.substr(1, 32);
+  EXPECT_EQ(challenge.substr(33), proof_of(kSecret, "meshfuse store server", mine, theirs))
+      << "the job's server proves the job's secret";
+  const std::string ours = proof_of(secret, "meshfuse store client", mine, theirs);
+  ::send(fd, ours.data(), ours.size(), MSG_NOSIGNAL);
+  return read_raw(fd, 1) == "\x01";
 }
 
 // A GET of key: [u8 2][u32 length][key].
@@ -791,27 +833,55 @@ TEST(DistStore, TcpStoreLetsNoStrangerReadOrChangeAKey) {
   const std::vector<std::pair<std::string, std::string>> strangers = {
       {"no hello", get_request("nccl_id")},
       {"no hello, a set", set_request("nccl_id", "forged")},
-      {"wrong secret", hello("guess") + get_request("nccl_id")},
-      {"wrong secret, a set", hello("guess") + set_request("nccl_id", "forged")},
-      {"a prefix of the secret", hello("the job") + get_request("nccl_id")},
-      {"the secret and more", hello(std::string(kSecret) + "!") + get_request("nccl_id")},
-      {"a secret of 4 GiB announced", raw(std::uint32_t{0x3153464d}) + raw(~std::uint32_t{0})},
+      {"the old hello, the secret in the clear",
+       raw(std::uint32_t{0x3153464d}) + raw(static_cast<std::uint32_t>(std::strlen(kSecret))) +
+           kSecret + get_request("nccl_id")},
   };
   for (const auto& [who, bytes] : strangers) {
     const int fd = local_socket(server.port(), false);
     EXPECT_EQ(exchange_raw(fd, bytes), "") << who << ": the server answers nothing and hangs up";
     ::close(fd);
   }
+  for (const std::string& guess :
+       {std::string("guess"), std::string("the job"), std::string(kSecret) + "!"}) {
+    const int fd = local_socket(server.port(), false);
+    EXPECT_FALSE(prove(fd, guess)) << guess;
+    EXPECT_EQ(read_raw(fd, 1), "") << guess << ": the server hangs up";
+    ::close(fd);
+  }
   EXPECT_EQ(server.get_string("nccl_id"), "the job's id");
-  // The job's own raw client, for contrast: hello answered, the key read.
+  // The job's own raw client, for contrast: welcomed, the key read.
   const int fd = local_socket(server.port(), false);
-  const std::string got = exchange_raw(fd, hello(kSecret) + get_request("nccl_id") +
-                                                raw(std::uint8_t{7}) + raw(std::uint32_t{0}));
+  ASSERT_TRUE(prove(fd, kSecret));
+  const std::string got =
+      exchange_raw(fd, get_request("nccl_id") + raw(std::uint8_t{7}) + raw(std::uint32_t{0}));
   ::close(fd);
-  EXPECT_EQ(got, std::string("\x01\x01", 2) + raw(std::uint64_t{12}) + "the job's id");
-  // A client of the library with another secret is told so.
+  EXPECT_EQ(got, std::string("\x01", 1) + raw(std::uint64_t{12}) + "the job's id");
+  // A client of the library with another secret finds that the server cannot prove it.
   expect_error([&] { TcpStore("127.0.0.1", server.port(), false, "guess", 5s); },
-               ErrorCode::CommunicationFailure, {"refused this process's secret"});
+               ErrorCode::CommunicationFailure, {"did not prove this job's secret"});
+}
+
+// A process that took the port first (or any server without the secret) learns nothing of it:
+// the client sends its hello and nonce, finds the server's proof wrong and stops.
+TEST(DistStore, TcpStoreClientSendsNothingOfTheSecretToAnImpostor) {
+  const int listener = local_socket(0, true);
+  std::string heard;
+  std::thread impostor([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    heard = read_raw(fd, 36);
+    const std::string challenge = std::string(1, '\x03') + std::string(64, 'x');
+    ::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL);
+    heard += read_raw(fd, 1 << 16);  // whatever else comes, until the client hangs up
+    ::close(fd);
+  });
+  expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 5s); },
+               ErrorCode::CommunicationFailure, {"did not prove this job's secret"});
+  impostor.join();
+  ::close(listener);
+  EXPECT_EQ(heard.size(), 36u) << "the hello and the client's nonce, nothing more";
+  EXPECT_EQ(heard.substr(0, 4), raw(kHello));
+  EXPECT_EQ(heard.find(kSecret), std::string::npos);
 }
 
 int open_descriptors() {
@@ -874,12 +944,12 @@ TEST(DistStore, TcpStoreServerHangsUpOnAnOversizedRequestAndServesTheOthers) {
   TcpStore server("127.0.0.1", 0, true, kSecret, 5s);
   const int rogue = local_socket(server.port(), false);
   const std::uint32_t key_len = 0xFFFFFFFF;  // 4 GiB of key
-  EXPECT_EQ(exchange_raw(rogue, hello(kSecret) + raw(std::uint8_t{1}) + raw(key_len)), "\x01")
-      << "the hello is answered, then the server hangs up";
+  ASSERT_TRUE(prove(rogue, kSecret));
+  EXPECT_EQ(exchange_raw(rogue, raw(std::uint8_t{1}) + raw(key_len)), "") << "the server hangs up";
   ::close(rogue);
   const int unknown = local_socket(server.port(), false);  // a command that does not exist
-  EXPECT_EQ(exchange_raw(unknown, hello(kSecret) + raw(std::uint8_t{9}) + raw(std::uint32_t{0})),
-            "\x01");
+  ASSERT_TRUE(prove(unknown, kSecret));
+  EXPECT_EQ(exchange_raw(unknown, raw(std::uint8_t{9}) + raw(std::uint32_t{0})), "");
   ::close(unknown);
   TcpStore client("127.0.0.1", server.port(), false, kSecret, 5s);
   client.set("k", std::string("v"));
@@ -903,7 +973,7 @@ TEST(DistStore, TcpStoreServesManyClientsAtOnce) {
   for (int s = 0; s < 8; ++s)
     threads.emplace_back([&] {
       const int fd = local_socket(server.port(), false);
-      wrong += !exchange_raw(fd, hello("guess") + set_request("rank0", "forged")).empty();
+      wrong += prove(fd, "guess");
       ::close(fd);
     });
   for (std::thread& t : threads) t.join();

@@ -1,31 +1,42 @@
 // TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
 //
-// Protocol: a connection opens with [u32 kHello][u32 secret length][secret]; the server answers
-// [u8 1] when the secret is the job's, and otherwise hangs up without a word; [u8 2] instead
-// says it is busy (too many connections still to prove themselves: the client tries again).
-// Then a request is [u8 command][u32 key length][key] and for SET [u64 value length][value]. SET
-// replies [u8 1], or [u8 0] when the store is full; GET replies [u8 found] and, when found,
-// [u64 length][value]. Clients poll GET until the key is set, so the server never blocks on a
-// missing key. Keys are at most kMaxKeyLength bytes and values kMaxLength: the server hangs up on
-// a client that announces more, and reads a value as it arrives rather than allocating it first.
+// Protocol: each end proves it holds the job's secret K without sending it (HMAC-SHA256 over both
+// ends' fresh nonces, a label per direction so that neither proof can be replayed as the other):
+//   client: [u32 kHello][Nc: 32 random bytes]
+//   server: [u8 3][Ns: 32 random bytes][HMAC(K, "meshfuse store server" Nc Ns)]
+//   client: [HMAC(K, "meshfuse store client" Nc Ns)], once it has checked the server's
+//   server: [u8 1] when the client's proof holds, and otherwise hangs up without a word.
+// [u8 2] instead of the challenge says the server is busy (the client tries again). Whoever
+// listens on the port (a process that took it first) learns nothing of the secret, and a client
+// stops at a server that cannot prove it. Then a request is [u8 command][u32 key length][key] and
+// for SET [u64 value length][value]. SET replies [u8 1], or [u8 0] when the store is full; GET
+// replies [u8 found] and, when found, [u64 length][value]. Clients poll GET until the key is set,
+// so the server never blocks on a missing key. Keys are at most kMaxKeyLength bytes and values
+// kMaxLength: the server hangs up on a client that announces more, and reads a value as it arrives
+// rather than allocating it first.
 //
 // Who gets in: the server listens on one address (the one its clients are given, unless told
 // otherwise), drops a connection that has not proven the secret within kHelloTimeout (a deadline
 // for the whole hello, however slowly it trickles in), keeps at most kMaxUnproven connections
 // that have not proven it yet (a new one resets the oldest) and kMaxConnections in all, and
 // closes and reaps each connection as it ends. The secret keeps out whoever can reach the port;
-// it is sent in the clear, as is everything after it: on a network others can read, give the job
-// a private one.
+// what follows the handshake is neither encrypted nor authenticated: on a network others can read
+// or change, give the job a private one.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -34,6 +45,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "distributed/store_wait.h"
@@ -50,8 +62,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
-enum : std::uint8_t { kRefused = 0, kWelcome = 1, kBusy = 2 };  // a hello's answers (none: refused)
-constexpr std::uint32_t kHello = 0x3153464d;  // "MFS1"
+// A hello's answers (none: refused).
+enum : std::uint8_t { kRefused = 0, kWelcome = 1, kBusy = 2, kChallenge = 3 };
+constexpr std::uint32_t kHello = 0x3253464d;   // "MFS2"
+constexpr std::size_t kNonce = 32, kMac = 32;  // bytes; kMac: SHA-256's
+using Nonce = std::array<unsigned char, kNonce>;
+using Mac = std::array<unsigned char, kMac>;
 constexpr std::uint64_t kMaxLength = std::uint64_t{1} << 30;
 constexpr std::uint32_t kMaxKeyLength = 1 << 16;
 constexpr std::size_t kReadStep = std::size_t{1} << 20;  // a value grows by this as it arrives
@@ -94,14 +110,33 @@ bool names_loopback(const std::string& name) {
   return name == "localhost" || name.rfind("127.", 0) == 0 || name == "::1";
 }
 
-// Constant time in the secret's content, so that timing does not reveal a matching prefix.
-bool same_secret(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
+Nonce fresh_nonce() {
+  Nonce n{};
+  MESHFUSE_CHECK(RAND_bytes(n.data(), static_cast<int>(n.size())) == 1, ErrorCode::Internal,
+                 "TcpStore: no random bytes for a nonce (OpenSSL RAND_bytes)");
+  return n;
 }
+
+// One end's proof that it holds `secret`: HMAC-SHA256(secret, label || client || server).
+Mac proof(const std::string& secret, std::string_view label, const Nonce& client,
+          const Nonce& server) {
+  std::string message(label);
+  message.append(reinterpret_cast<const char*>(client.data()), client.size());
+  message.append(reinterpret_cast<const char*>(server.data()), server.size());
+  Mac mac{};
+  unsigned int len = 0;
+  MESHFUSE_CHECK(HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+                      reinterpret_cast<const unsigned char*>(message.data()), message.size(),
+                      mac.data(), &len) != nullptr &&
+                     len == mac.size(),
+                 ErrorCode::Internal, "TcpStore: HMAC-SHA256 failed (OpenSSL)");
+  return mac;
+}
+constexpr std::string_view kServerProves = "meshfuse store server";
+constexpr std::string_view kClientProves = "meshfuse store client";
+
+// In constant time, so that timing does not reveal a matching prefix.
+bool same_mac(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(), kMac) == 0; }
 
 bool write_all(int fd, const void* data, std::size_t n) {
   const char* p = static_cast<const char*>(data);
@@ -193,16 +228,25 @@ struct TcpStore::Impl {
     changed.notify_all();
   }
 
-  // True when the client sent the secret within kHelloTimeout, or the store's timeout when that
-  // is shorter (the welcome is then written by serve_connection).
+  // True when the client proved the secret within kHelloTimeout, or the store's timeout when
+  // that is shorter (the welcome is then written by serve_connection).
   bool proves_secret(int fd) {
     const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, kHelloTimeout);
-    std::uint32_t magic = 0, len = 0;
-    if (!read_by(fd, &magic, 4, deadline) || magic != kHello || !read_by(fd, &len, 4, deadline) ||
-        len > 4096)
+    std::uint32_t magic = 0;
+    Nonce theirs{};
+    if (!read_by(fd, &magic, 4, deadline) || magic != kHello ||
+        !read_by(fd, theirs.data(), theirs.size(), deadline))
       return false;
-    std::string given(len, '\0');
-    return read_by(fd, given.data(), len, deadline) && same_secret(given, secret);
+    const Nonce mine = fresh_nonce();
+    std::array<unsigned char, 1 + kNonce + kMac> challenge{kChallenge};
+    std::copy(mine.begin(), mine.end(), challenge.begin() + 1);
+    const Mac ours = proof(secret, kServerProves, theirs, mine);
+    std::copy(ours.begin(), ours.end(), challenge.begin() + 1 + kNonce);
+    Mac given{};
+    // A socket buffer takes the 65 bytes at once: the send does not wait on a stranger.
+    return write_all(fd, challenge.data(), challenge.size()) &&
+           read_by(fd, given.data(), given.size(), deadline) &&
+           same_mac(given, proof(secret, kClientProves, theirs, mine));
   }
 
   // Returns when the client hangs up or breaks the protocol.
@@ -433,15 +477,34 @@ struct TcpStore::Impl {
       ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       // A server that stops answering: reads and writes give up after the timeout.
       set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout));
-      // The answer: welcome; busy, or a reset (a busy server closes on the hello unread), both to
-      // be tried again; the end of the stream, a refusal (the server read the whole hello).
-      const auto len = static_cast<std::uint32_t>(secret.size());
+      // The answer to the hello: the server's challenge and proof; busy, or a reset (a busy
+      // server closes on the hello unread, or drops the oldest connection still to prove itself),
+      // both to be tried again. Then, to this end's proof: welcome; the end of the stream, a
+      // refusal.
+      const Nonce mine = fresh_nonce();
       std::uint8_t answer = kRefused;
       ssize_t got = -1;
-      if (write_all(client, &kHello, 4) && write_all(client, &len, 4) &&
-          write_all(client, secret.data(), secret.size()))
-        do got = ::recv(client, &answer, 1, 0);
-        while (got < 0 && errno == EINTR);
+      if (write_all(client, &kHello, 4) && write_all(client, mine.data(), mine.size()))
+        got = read_byte(answer);
+      if (got == 1 && answer == kChallenge) {
+        Nonce theirs{};
+        Mac server_proof{};
+        got = read_all(client, theirs.data(), theirs.size()) &&
+                      read_all(client, server_proof.data(), server_proof.size())
+                  ? 1
+                  : -1;
+        if (got == 1 && !same_mac(server_proof, proof(secret, kServerProves, mine, theirs))) {
+          ::close(client);
+          client = -1;
+          fail(ErrorCode::CommunicationFailure,
+               "TcpStore: the server at {}:{} did not prove this job's secret "
+               "(MESHFUSE_STORE_SECRET differs from the server's, or another process listens on "
+               "this port); nothing of the secret was sent to it",
+               host, port);
+        }
+        const Mac ours = proof(secret, kClientProves, mine, theirs);
+        got = got == 1 && write_all(client, ours.data(), ours.size()) ? read_byte(answer) : -1;
+      }
       const int error = errno;
       if (got == 1 && answer == kWelcome) return;
       ::close(client);
@@ -458,6 +521,14 @@ struct TcpStore::Impl {
       errno = error;
       lost();
     }
+  }
+
+  // One byte of the server's answer: 1, 0 at the end of the stream, -1 on an error (errno).
+  ssize_t read_byte(std::uint8_t& byte) const {
+    ssize_t got;
+    do got = ::recv(client, &byte, 1, 0);
+    while (got < 0 && errno == EINTR);
+    return got;
   }
 
   // A request failed (errno says why): the connection is out of step, so later requests fail too.

@@ -95,18 +95,21 @@ class FileStore : public Store {
 // address (the one its clients reach: loopback for a job on one host; every interface when host
 // is a name that resolves to loopback, as Debian's own host name does, since the job's other
 // hosts reach it by that name), never on every interface otherwise unless told ("0.0.0.0").
-// Every connection proves `secret` (1 to 4096 bytes, the same in every process of the job;
-// meshfuse launch makes one) within 10 s of connecting (or the timeout, if shorter), before any
-// request; the others are
-// dropped unanswered, and at most 64 may be waiting to prove it at once (a 65th resets the
-// longest waiting, which, if it was a rank, tries again until its timeout); at most 4096
-// connections are open at once (more are told the server is busy). The secret is sent in the
-// clear: it
-// keeps out whoever can reach the port, not whoever can read the network. A job keeps at most
-// 2^20 keys and 2 GiB; keys are at most 64 KiB and values 1 GiB; a client that breaks the
-// protocol loses its connection, nobody else.
+// Both ends of every connection prove `secret` (1 to 4096 bytes, the same in every process of
+// the job; meshfuse launch makes 128 random bits) without sending it: an HMAC-SHA256 of fresh
+// nonces (tcp_store.cpp), the server first, so that a process listening on the port in the
+// server's place learns nothing of it. A client does so within 10 s of connecting (or the
+// timeout, if shorter), before any request; the others are dropped unanswered, and at most 64
+// may be waiting to prove it at once (a 65th resets the longest waiting, which, if it was a rank,
+// tries again until its timeout); at most 4096 connections are open at once (more are told the
+// server is busy). The secret keeps out whoever can reach the port; the requests after the
+// handshake are neither encrypted nor authenticated, so it does not keep out whoever can read or
+// change the network. A guessable secret can be found offline from a recorded handshake. A job
+// keeps at most 2^20 keys and 2 GiB; keys are at most 64 KiB and values 1 GiB; a client that
+// breaks the protocol loses its connection, nobody else.
 // Errors: CommunicationFailure when the address cannot be served or the server not reached
-// (clients retry connecting until the timeout), the secret is refused or the connection is lost;
+// (clients retry connecting until the timeout), the server cannot prove the secret, it refuses
+// this end's proof, or the connection is lost;
 // Timeout as Store and when the server does not answer a request within the timeout given at
 // construction (the connection is then unusable); InvalidArgument for an empty or oversized
 // secret, an oversized key or value, or a set into a full store.
