@@ -74,7 +74,7 @@ def _untraced(*tensors):
     if _is_compiling() or _jit_tracing() or _dispatch_modes() or _function_modes():
         return False
     if _functorch_transforms() or _fwad._current_level >= 0:
-        _refuse_forward_mode()
+        _refuse_forward_mode(tensors)
         return False
     grad = _grad_enabled()
     for t in tensors:
@@ -94,12 +94,14 @@ _function_modes = torch._C._is_torch_function_mode_enabled  # active TorchFuncti
 _functorch_transforms = torch._C._are_functorch_transforms_active
 
 
-def _refuse_forward_mode():
+def _refuse_forward_mode(tensors):
     # The ops have no forward-mode derivative: under torch.func.jvp a custom op's tangent came out
-    # as zeros, and the raw kernel dropped a dual tensor's tangent, both without an error.
-    jvp = _fwad._current_level >= 0 or any(
-        i.key() == torch._C._functorch.TransformType.Jvp
-        for i in (torch._C._functorch.get_interpreter_stack() or ()))
+    # as zeros, and the raw kernel dropped a dual tensor's tangent, both without an error. Called
+    # only inside a functorch transform or a forward-AD level (the checks cost ~1 us a tensor).
+    jvp = any(i.key() == torch._C._functorch.TransformType.Jvp
+              for i in (torch._C._functorch.get_interpreter_stack() or ())) or \
+        (_fwad._current_level >= 0 and any(
+            t is not None and _fwad.unpack_dual(t).tangent is not None for t in tensors))
     if jvp:
         raise NotImplementedError(
             "meshfuse.torch: the ops have no forward-mode derivative (torch.func.jvp, jacfwd, "
@@ -614,9 +616,7 @@ def _flce_setup(ctx, inputs, output):
     if ctx.options[1] == "none":  # reduction
         ctx.save_for_backward(x, weight, bias, labels)
     else:
-        # The upstream the forward's gradients were computed with (_gradient_scale).
-        ctx.scaled = scale is not None and x.dtype == torch.float16
-        ctx.save_for_backward(*output[1:], scale if ctx.scaled else None)
+        ctx.save_for_backward(*output[1:], scale)  # what the gradients were computed with
 
 
 def _flce_grad(ctx, grad_loss, *_):
@@ -627,8 +627,10 @@ def _flce_grad(ctx, grad_loss, *_):
                                                 *wants, *ctx.options)
     else:
         wants, (*saved, scale) = ctx.computed, ctx.saved_tensors
-        if ctx.scaled:
-            grad_loss = grad_loss / scale
+        # The real upstream over the forward's (_gradient_scale), in float32 at least: a float16
+        # quotient of a small upstream by up to 2^15 rounds to a subnormal or to zero.
+        wide = _wide(grad_loss.dtype)
+        grad_loss = grad_loss.to(wide) / scale.to(wide)
         if all(type(g) is torch.Tensor for g in saved):
             # Eager: scaled in place, so that a large head needs no second weight-sized fp32
             # buffer. A second backward (retain_graph) is then refused by autograd's version
@@ -672,7 +674,7 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     (GradScaler) keeps the small ones as it does for PyTorch's. Errors as
     :func:`cross_entropy`. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
     if _functorch_transforms() or _fwad._current_level >= 0:
-        _refuse_forward_mode()
+        _refuse_forward_mode((x, weight, bias))
     # Under torch.no_grad() requires_grad still says True: no gradients then.
     grad = torch.is_grad_enabled() and reduction != "none"
     wants = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
