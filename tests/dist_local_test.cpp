@@ -554,6 +554,15 @@ TEST(DistBootstrap, OpenMpiAndSlurmVariablesGiveRanks) {
   EXPECT_EQ(on_node("3,5,3", "1", "7", "4"), "slurm rank 7/11 (local 4/5)");
   EXPECT_EQ(on_node("4(x2),3", "2", "10", "2"), "slurm rank 10/11 (local 2/3)");
   EXPECT_EQ(on_node("4(x2),3", "1", "5", "1"), "slurm rank 5/11 (local 1/4)");
+  // --ntasks-per-node: one number for every node.
+  EXPECT_EQ(parse_launch_env({{"SLURM_PROCID", "5"},
+                              {"SLURM_NTASKS", "8"},
+                              {"SLURM_LOCALID", "1"},
+                              {"SLURM_NODEID", "1"},
+                              {"SLURM_NTASKS_PER_NODE", "4"},
+                              {"SLURM_TASKS_PER_NODE", "4(x2)"}})
+                .str(),
+            "slurm rank 5/8 (local 1/4)");
   EXPECT_EQ(parse_launch_env({}).str(), "none rank 0/1 (local 0/1)");
   // torchrun wins over the launcher around it.
   EXPECT_EQ(parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "3"}}).launcher,

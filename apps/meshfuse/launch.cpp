@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/signalfd.h>
@@ -356,7 +357,11 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
   // spinning threads starve each other: each gets its share of the cores unless the caller chose
   // (torchrun sets 1).
   if (!std::getenv("OMP_NUM_THREADS")) {
-    const int cores = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+    cpu_set_t allowed;  // the cores this process may run on (taskset, a container's cpuset)
+    CPU_ZERO(&allowed);
+    const int cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                          ? CPU_COUNT(&allowed)
+                          : static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
     env.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / world)));
   }
   return env;

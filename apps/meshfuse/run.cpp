@@ -429,8 +429,9 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
       "(one device / ({} x per rank)): {:.2f}\n",
       r.ranks[0].median_ms, r.ranks[0].p20_ms, r.ranks[0].p80_ms, r.single.median_ms, s.ranks,
       efficiency);
-  out << "collectives of rank 0 (each run; times with the stream synchronised around them; those "
-         "inside an overlapped stretch are timed with it below):\n";
+  out << fmt::format(
+      "collectives of rank 0 (each run; times with the stream synchronised around them{}):\n",
+      r.layers.empty() ? "" : "; those inside an overlapped stretch are timed with it below");
   for (const Collective& c : r.collectives)
     out << fmt::format("  {:>12} B {:>9.3f} ms  {}\n", c.bytes, quantile(c.ms, 0.5), c.what);
   if (r.layers.empty() && s.overlap.overlap != Overlap::None)

@@ -115,13 +115,16 @@ LaunchInfo parse_launch_env(const Env& env) {
       info.local_rank = optional_int(env, n.local_rank, info.world_size == 1 ? 0 : -1);
       info.local_world_size = optional_int(env, n.local_size, info.world_size);
     } else {
-      // Slurm: the tasks of this node (SLURM_NODEID) in "4(x2),3" (one entry when uniform).
+      // Slurm: --ntasks-per-node's number, else this node's (SLURM_NODEID) entry of
+      // SLURM_TASKS_PER_NODE, e.g. "4(x2),3".
       info.local_rank = require(env, n.local_rank, n.rank);
-      const char* per_node =
-          lookup(env, "SLURM_NTASKS_PER_NODE") ? "SLURM_NTASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
-      const std::optional<std::string> v = lookup(env, per_node);
-      const int node = optional_int(env, "SLURM_NODEID", 0);
-      info.local_world_size = v ? slurm_tasks_on(per_node, *v, node) : info.world_size;
+      if (const auto uniform = lookup(env, "SLURM_NTASKS_PER_NODE"))
+        info.local_world_size = to_int("SLURM_NTASKS_PER_NODE", *uniform);
+      else if (const auto per_node = lookup(env, "SLURM_TASKS_PER_NODE"))
+        info.local_world_size =
+            slurm_tasks_on("SLURM_TASKS_PER_NODE", *per_node, optional_int(env, "SLURM_NODEID", 0));
+      else
+        info.local_world_size = info.world_size;
     }
     MESHFUSE_CHECK(info.local_rank >= 0, ErrorCode::InvalidArgument,
                    "launch environment: {} is set but {} is missing (the CUDA device of a rank "

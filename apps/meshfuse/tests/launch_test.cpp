@@ -2,6 +2,7 @@
 // what happens to every process when one rank fails or the launcher is interrupted.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -105,7 +106,10 @@ TEST(Launch, EveryRankGetsItsShareOfTheCoresUnlessOmpNumThreadsIsSet) {
   const char* callers = std::getenv("OMP_NUM_THREADS");
   const std::string restore = callers ? callers : "";
   ::unsetenv("OMP_NUM_THREADS");
-  const int share = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  const int share = std::max(1, CPU_COUNT(&allowed) / 2);
   LaunchResult r = launch(dir, "-n 2 --no-prefix", "echo \"$OMP_NUM_THREADS\"");
   EXPECT_EQ(r.out, fmt::format("{0}\n{0}\n", share)) << r.err;
   ::setenv("OMP_NUM_THREADS", "3", 1);
