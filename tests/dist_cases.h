@@ -614,9 +614,10 @@ inline void check_buffers_outlive_a_timed_out_wait(Communicator& c) {
   c.barrier().wait();
 }
 
-// A receive whose Work is dropped before its message comes (its buffer given to keep_alive) still
-// takes it, and the team goes on: on gloo the dropped receive buffer was freed while posted, and
-// the message then wedged the pair (and spun Gloo's I/O thread), so the next collective timed out.
+// A receive whose Work is dropped before its message comes still takes it (its tensor alive, as
+// the header asks), and the team goes on: on gloo the dropped receive buffer was freed while
+// posted, and the message then wedged the pair (and spun Gloo's I/O thread), so that the next
+// collective timed out.
 inline void check_a_dropped_recv_still_takes_its_message(Communicator& c) {
   if (c.size() < 2) return;
   auto sub = c.split(0, c.rank());
@@ -625,7 +626,7 @@ inline void check_a_dropped_recv_still_takes_its_message(Communicator& c) {
   if (c.rank() == 1) {
     const Tensor t = Tensor::zeros({1000}, DType::F32);
     kept_elsewhere = t;
-    sub->recv(t, 0, 3).keep_alive({t});  // dropped at once
+    sub->recv(t, 0, 3);  // dropped at once
   }
   sub->barrier().wait();
   if (c.rank() == 0) {

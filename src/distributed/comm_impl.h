@@ -83,6 +83,8 @@ class WorkerQueue {
   // The task's exception (an Error, or anything else as CommunicationFailure) is rethrown by
   // wait().
   std::shared_ptr<WorkImpl> submit(std::function<void()> task);
+  // Runs the queued tasks, then joins the thread (also the destructor's work); idempotent.
+  void stop();
   // Fails the tasks not yet begun (CommunicationFailure, `why`) without running them, so that
   // none starts on buffers its caller gave up after an error; the running one goes on.
   void abort(const std::string& why);

@@ -59,7 +59,8 @@ struct WorkState {
   WorkState() = default;
   WorkState(const WorkState&) = delete;
   WorkState& operator=(const WorkState&) = delete;
-  // Hands the operation (`impl`, `kept`) to a process-wide list while its transfer is in flight.
+  // Hands the operation (`impl`, `kept`) to a process-wide list while its transfer is in flight
+  // and it keeps buffers.
   ~WorkState();
 
   CommRecord record;
@@ -80,7 +81,7 @@ struct WorkState {
 bool transfer_in_flight(WorkImpl& impl);
 // Frees the buffers kept by works dropped in flight whose transfers have ended since; cheap when
 // there are none. Called as each operation starts.
-void free_finished_buffers();
+void free_finished_buffers() noexcept;
 
 // Throws InvalidArgument, naming `who`, unless a communicator's timeout is positive.
 void check_timeout(std::chrono::milliseconds timeout, std::string_view who);

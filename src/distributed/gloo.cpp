@@ -154,16 +154,20 @@ std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch)
   return device;
 }
 
-// A send or receive: a thread waits for Gloo to complete it.
-class P2pWork : public TaskWork {
+// A send or receive: a thread waits for Gloo to complete it. A work dropped in flight leaves that
+// thread running with the buffer until Gloo is done with it (the message, Gloo's own timeout, or
+// the communicator's end closing its connections): freed while posted, the buffer wedged the pair
+// once the peer's message came, and spun Gloo's I/O thread.
+class P2pWork : public WorkImpl {
  public:
   P2pWork(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
           std::chrono::milliseconds timeout)
-      : buffer_(std::move(buffer)), is_send_(is_send) {
-    waiter_ = std::thread([this, is_send, timeout] {
+      : state_(std::make_shared<State>()) {
+    state_->buffer = std::move(buffer);
+    waiter_ = std::thread([s = state_, is_send, timeout] {
       std::exception_ptr error;
       try {
-        as_errors([&] { is_send ? buffer_->waitSend(timeout) : buffer_->waitRecv(timeout); });
+        as_errors([&] { is_send ? s->buffer->waitSend(timeout) : s->buffer->waitRecv(timeout); });
       } catch (const Error& e) {
         error = e.code() != ErrorCode::Timeout
                     ? std::current_exception()
@@ -174,19 +178,24 @@ class P2pWork : public TaskWork {
       } catch (...) {
         error = std::current_exception();
       }
-      finish(error);
+      s->done.finish(error);
     });
   }
-  // A work dropped in flight is kept until its waiter has ended (work.cpp): freed while posted,
-  // the buffer wedged the pair once the peer's message came. Stopped here only if it has not.
+  bool test() override { return state_->done.test(); }
+  void wait(Deadline deadline) override { state_->done.wait(deadline); }
   ~P2pWork() override {
-    is_send_ ? buffer_->abortWaitSend() : buffer_->abortWaitRecv();
-    waiter_.join();
+    if (state_->done.test())
+      waiter_.join();
+    else
+      waiter_.detach();
   }
 
  private:
-  std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
-  bool is_send_;
+  struct State {
+    std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+    TaskWork done;
+  };
+  std::shared_ptr<State> state_;
   std::thread waiter_;
 };
 
@@ -205,6 +214,17 @@ class GlooComm : public CommImpl {
     StoreForGloo store(context.store);
     as_errors([&] { ctx->connectFullMesh(store, device); });
     context_ = std::move(ctx);
+  }
+
+  // The queued operations run first; then the connections close, which ends a receive dropped
+  // in flight (P2pWork), so that nothing is written into a caller's tensor once the communicator
+  // is gone.
+  ~GlooComm() override {
+    queue_.stop();
+    try {
+      if (context_) context_->closeConnections();
+    } catch (const std::exception&) {  // closing what is already broken
+    }
   }
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }

@@ -40,10 +40,9 @@ class JoinedWork : public WorkImpl {
   std::vector<std::shared_ptr<WorkImpl>> parts_;
 };
 
-// The works whose last handle went while their transfer was in flight, with their kept buffers,
-// held until it ends: a backend's own state of the operation too (gloo's receive buffer, which
-// Gloo still writes through if it is freed while posted; MPI's request). Never destroyed: a
-// transfer may outlast the static destructors.
+// The works whose last handle went while their transfer was in flight with buffers given to
+// Work::keep_alive, held (with the backend's state of the operation) until the transfer ends. Never
+// destroyed: a transfer may outlast the static destructors.
 struct Graveyard {
   std::mutex mutex;
   std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> kept;
@@ -65,24 +64,31 @@ bool transfer_in_flight(WorkImpl& impl) {
   }
 }
 
-void free_finished_buffers() {
+void free_finished_buffers() noexcept {
   Graveyard& g = graveyard();
   if (!g.any.load(std::memory_order_acquire)) return;
-  std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> ended;  // freed unlocked
-  std::lock_guard lock(g.mutex);
-  const auto still = std::partition(g.kept.begin(), g.kept.end(),
-                                    [](const auto& k) { return transfer_in_flight(*k.first); });
-  std::move(still, g.kept.end(), std::back_inserter(ended));
-  g.kept.erase(still, g.kept.end());
-  g.any.store(!g.kept.empty(), std::memory_order_release);
+  try {
+    std::vector<std::pair<std::shared_ptr<WorkImpl>, std::vector<Tensor>>> ended;  // freed unlocked
+    std::lock_guard lock(g.mutex);
+    const auto still = std::partition(g.kept.begin(), g.kept.end(),
+                                      [](const auto& k) { return transfer_in_flight(*k.first); });
+    ended.reserve(static_cast<std::size_t>(g.kept.end() - still));
+    std::move(still, g.kept.end(), std::back_inserter(ended));
+    g.kept.erase(still, g.kept.end());
+    g.any.store(!g.kept.empty(), std::memory_order_release);
+  } catch (const std::exception&) {  // no memory for the list: a later sweep frees them
+  }
 }
 
 WorkState::~WorkState() {
-  if (!impl || !transfer_in_flight(*impl)) return;
+  if (kept.empty() || !impl || !transfer_in_flight(*impl)) return;
   Graveyard& g = graveyard();
-  std::lock_guard lock(g.mutex);
-  g.kept.emplace_back(impl, std::move(kept));
-  g.any.store(true, std::memory_order_release);
+  try {
+    std::lock_guard lock(g.mutex);
+    g.kept.emplace_back(impl, std::move(kept));
+    g.any.store(true, std::memory_order_release);
+  } catch (const std::exception&) {  // no memory to keep them: freed here, as without keep_alive
+  }
 }
 
 std::shared_ptr<WorkImpl> completed_work() { return std::make_shared<CompletedWork>(); }
@@ -153,13 +159,15 @@ WorkerQueue::WorkerQueue(std::string name) : state_(std::make_shared<State>()) {
   state_->worker = std::thread([s = state_.get()] { s->run(); });
 }
 
-WorkerQueue::~WorkerQueue() {
+WorkerQueue::~WorkerQueue() { stop(); }
+
+void WorkerQueue::stop() {
   {
     std::lock_guard lock(state_->mutex);
     state_->stop = true;
   }
   state_->wake.notify_all();
-  state_->worker.join();
+  if (state_->worker.joinable()) state_->worker.join();
 }
 
 std::shared_ptr<WorkImpl> WorkerQueue::submit(std::function<void()> task) {

@@ -78,19 +78,6 @@ Interpreter::Interpreter(const Plan& plan, const PlanFacts& facts,
 std::vector<Tensor> Interpreter::run(const std::vector<TensorView>& inputs) {
   for (std::size_t i = 0; i < inputs.size(); ++i)
     views_[static_cast<std::size_t>(plan_.inputs[i])] = inputs[i];
-  // A CPU backend may go on reading a communication's input after a wait that timed out (gloo,
-  // mpi) and run() has thrown, when the caller may have freed it: the run sends copies it owns,
-  // kept by the Work (Work::keep_alive). A CUDA transfer is ordered on the caller's stream.
-  if (device_.type == DeviceType::CPU)
-    for (const PlanStep& st : plan_.steps) {
-      const auto* c = std::get_if<Communication>(&st);
-      if (!c || owner(c->input).defined() ||
-          std::find(plan_.inputs.begin(), plan_.inputs.end(), c->input) == plan_.inputs.end())
-        continue;
-      const auto id = static_cast<std::size_t>(c->input);
-      owned_[id] = Tensor::copy_of(views_[id], stream_);
-      views_[id] = owned_[id].view();
-    }
   if (profile_) profile_->clear();
   auto segment = segments_.begin();
   for (std::size_t s = 0; s < plan_.steps.size(); ++s) {
@@ -157,6 +144,11 @@ const TensorView& Interpreter::allocate(std::int64_t id) {
   return views_[static_cast<std::size_t>(id)] = t.view();
 }
 
+Tensor Interpreter::sendable(std::int64_t id) const {
+  if (owner(id).defined()) return owner(id);
+  return device_.type == DeviceType::CPU ? Tensor::copy_of(view(id), stream_) : Tensor();
+}
+
 void Interpreter::release_after(std::int64_t step) {
   for (std::size_t id = 0; id < owned_.size(); ++id)
     if (owned_[id].defined() && facts_.last_use[id] <= step) {
@@ -203,8 +195,9 @@ void Interpreter::run_step(const Communication& c) {
       return;
     case CommOp::AllGather:
       if (c.gather_dim == 0 && in.is_contiguous()) {
-        finish(team.all_gather(in, out, c.sizes, stream_)
-                   .keep_alive({owner(c.input), owner(c.output)}));
+        const Tensor sent = sendable(c.input);
+        finish(team.all_gather(sent.defined() ? sent.view() : in, out, c.sizes, stream_)
+                   .keep_alive({sent, owner(c.output)}));
       } else {
         const Tensor moved = dim_first(in, c.gather_dim, stream_);
         const Tensor gathered(swapped(out.shape(), c.gather_dim), out.dtype(), device_, stream_);
@@ -214,8 +207,10 @@ void Interpreter::run_step(const Communication& c) {
       return;
     case CommOp::ReduceScatter:
       if (c.scatter_dim == 0 && in.is_contiguous()) {
-        finish(team.reduce_scatter(in, out, c.sizes, *c.reduction, stream_)
-                   .keep_alive({owner(c.input), owner(c.output)}));
+        const Tensor sent = sendable(c.input);
+        finish(team.reduce_scatter(sent.defined() ? sent.view() : in, out, c.sizes, *c.reduction,
+                                   stream_)
+                   .keep_alive({sent, owner(c.output)}));
       } else {
         const Tensor moved = dim_first(in, c.scatter_dim, stream_);
         const Tensor part(swapped(out.shape(), c.scatter_dim), out.dtype(), device_, stream_);

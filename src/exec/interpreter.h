@@ -44,6 +44,11 @@ class Interpreter {
   // The memory of a value this run allocated (undefined: the caller's, or not yet allocated), for
   // Work::keep_alive.
   const Tensor& owner(std::int64_t id) const { return owned_[static_cast<std::size_t>(id)]; }
+  // The memory a communication reads for value `id` in place, for Work::keep_alive: this run's
+  // own; on the CPU a copy of a caller's input, which a wait that timed out leaves gloo's and
+  // mpi's transfers reading after run() has thrown, when the caller may have freed it; undefined
+  // on CUDA, where a transfer is ordered on the caller's stream.
+  Tensor sendable(std::int64_t id) const;
   const TensorView& allocate(std::int64_t id);
   // The mesh dimension whose team the step (or the segment starting there) talks to; -1: none.
   std::int64_t communicates_over(std::int64_t step) const;

@@ -42,8 +42,10 @@ struct Interpreter::Chunked {
   const Communication* gather = nullptr;
   const Communication* scatter = nullptr;
   bool gathered_escapes = false;  // a later step reads the gathered tensor: it is kept whole
-  Tensor gather_copy;             // this rank's part made contiguous, when it was not
-  TensorView gather_input;        // this rank's part
+  // This rank's part, and its memory for Work::keep_alive (Interpreter::sendable; a contiguous
+  // copy when it was not contiguous).
+  Tensor gather_memory;
+  TensorView gather_input;
   TensorView gathered, scattered;  // the chunk's communication buffers
 };
 
@@ -115,10 +117,9 @@ void Interpreter::run_segment(const OverlapSegment& seg) {
                                c->op.inputs[i].id == ch.gather->output;
     }
     ch.gather_input = view(ch.gather->input);
-    if (!ch.gather_input.is_contiguous()) {
-      ch.gather_copy = Tensor::copy_of(ch.gather_input, stream_);
-      ch.gather_input = ch.gather_copy.view();
-    }
+    ch.gather_memory = ch.gather_input.is_contiguous() ? sendable(ch.gather->input)
+                                                       : Tensor::copy_of(ch.gather_input, stream_);
+    if (ch.gather_memory.defined()) ch.gather_input = ch.gather_memory.view();
     if (ch.gathered_escapes) allocate(ch.gather->output);
   }
   if (seg.scatter >= 0) {
@@ -226,7 +227,7 @@ void Interpreter::run_collective_segment(Chunked& ch) {
         ch.team
             .all_gather(ch.gather_input.narrow(0, first, rows),
                         buffer.view().narrow(0, 0, total(sizes)), sizes, on(c))
-            .keep_alive({ch.gather_copy, owner(ch.gather->input), buffer});
+            .keep_alive({ch.gather_memory, buffer});
   };
   if (ch.gather) gather(0);
   for (std::int64_t c = 0; c < chunks; ++c) {
@@ -317,7 +318,7 @@ void Interpreter::run_ring_gather(Chunked& ch) {
       arriving = hold[(s + 1) % 2].view().narrow(0, 0, seg.sizes[static_cast<std::size_t>(
                                                         (r + d - 1) % d)]);
       passed[0] = ch.team.send_recv(in_hand, next, arriving, prev, 0, T)
-                      .keep_alive({ch.gather_copy, owner(ch.gather->input), hold[0], hold[1]});
+                      .keep_alive({ch.gather_memory, hold[0], hold[1]});
       received.record(T);
     }
     ch.gathered = in_hand;

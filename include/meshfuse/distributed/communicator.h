@@ -48,9 +48,11 @@
 // Roots and peers are ranks of the team (0 <= r < size()). A Communicator is driven by one thread
 // at a time, and every rank issues the collectives of a team in the same order; Work may be
 // waited on from any thread. Tensors must stay alive (and unmodified, for inputs) until their
-// Work completes. After a Timeout, the backend may still read and write the tensors of the
-// operations that had not finished (gloo and mpi cannot cancel a transfer): keep them alive until
-// the communicator is destroyed (mpi: until the process ends, MPI never gives them up).
+// Work completes. After a Timeout, and for a Work dropped unwaited, the backend may still read and
+// write the tensors of the operations that had not finished (gloo and mpi cannot cancel a
+// transfer): keep them alive while Work::in_flight(), or give them to Work::keep_alive; a dropped
+// Work's until the communicator is destroyed (mpi: until the process ends, MPI never gives them
+// up).
 //
 // Errors of every call: InvalidArgument (bad root/peer, undefined or non-contiguous tensors, sizes
 // that do not add up, a mismatch between ranks), DTypeMismatch (input and output dtypes differ),
@@ -204,6 +206,8 @@ class Work {
   // Gives the work the buffers its operation reads or writes, to be freed once the backend is done
   // with them rather than with the last handle: a wait that timed out leaves gloo's and mpi's
   // transfers going, and buffers freed as that error unwinds would still be read and written.
+  // A work dropped in flight with buffers is kept in a process-wide list; they are freed by the
+  // first operation started (on any communicator, on its thread) after the transfer ends.
   // Undefined tensors are skipped; an empty handle keeps nothing. Returns *this.
   Work& keep_alive(std::initializer_list<Tensor> buffers);
 
