@@ -855,7 +855,8 @@ TEST(DistStore, TcpStoreLetsNoStrangerReadOrChangeAKey) {
        {std::string("guess"), std::string("the job"), std::string(kSecret) + "!"}) {
     const int fd = local_socket(server.port(), false);
     EXPECT_FALSE(prove(fd, guess)) << guess;
-    EXPECT_EQ(read_raw(fd, 1), "") << guess << ": the server hangs up";
+    char byte = 0;
+    EXPECT_EQ(::recv(fd, &byte, 1, 0), 0) << guess << ": the server hangs up";  // 2 s: read_raw's
     ::close(fd);
   }
   EXPECT_EQ(server.get_string("nccl_id"), "the job's id");
@@ -872,25 +873,51 @@ TEST(DistStore, TcpStoreLetsNoStrangerReadOrChangeAKey) {
 }
 
 // A process that took the port first (or any server without the secret) learns nothing of it:
-// the client sends its hello and nonce, finds the server's proof wrong and stops.
+// the client sends its hello and nonce, finds no proof of the secret (a wrong one, or a bare
+// welcome, which a client once took) and stops.
 TEST(DistStore, TcpStoreClientSendsNothingOfTheSecretToAnImpostor) {
+  for (const std::string& answer :
+       {std::string(1, '\x03') + std::string(64, 'x'), std::string(1, '\x01')}) {
+    const int listener = local_socket(0, true);
+    std::string heard;
+    std::thread impostor([&] {
+      const int fd = ::accept(listener, nullptr, nullptr);
+      heard = read_raw(fd, 36);
+      ::send(fd, answer.data(), answer.size(), MSG_NOSIGNAL);
+      heard += read_raw(fd, 1 << 16);  // whatever else comes, until the client hangs up
+      ::close(fd);
+    });
+    expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 5s); },
+                 ErrorCode::CommunicationFailure, {"did not prove this job's secret"});
+    impostor.join();
+    ::close(listener);
+    EXPECT_EQ(heard.size(), 36u) << "the hello and the client's nonce, nothing more";
+    EXPECT_EQ(heard.substr(0, 4), raw(kHello));
+    EXPECT_EQ(heard.find(kSecret), std::string::npos);
+  }
+}
+
+// A server that trickles its challenge a byte at a time holds a client no longer than its timeout
+// (each read had the whole timeout: 66 of them).
+TEST(DistStore, TcpStoreClientGivesUpOnATricklingServerAtItsTimeout) {
   const int listener = local_socket(0, true);
-  std::string heard;
-  std::thread impostor([&] {
+  std::atomic<bool> done{false};
+  std::thread trickler([&] {
     const int fd = ::accept(listener, nullptr, nullptr);
-    heard = read_raw(fd, 36);
-    const std::string challenge = std::string(1, '\x03') + std::string(64, 'x');
-    ::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL);
-    heard += read_raw(fd, 1 << 16);  // whatever else comes, until the client hangs up
+    read_raw(fd, 36);
+    for (int i = 0; i < 65 && !done; ++i) {
+      ::send(fd, i == 0 ? "\x03" : "x", 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(100ms);
+    }
     ::close(fd);
   });
-  expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 5s); },
-               ErrorCode::CommunicationFailure, {"did not prove this job's secret"});
-  impostor.join();
+  const auto start = std::chrono::steady_clock::now();
+  expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 300ms); },
+               ErrorCode::Timeout, {"no answer from", "300 ms"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  done = true;
+  trickler.join();
   ::close(listener);
-  EXPECT_EQ(heard.size(), 36u) << "the hello and the client's nonce, nothing more";
-  EXPECT_EQ(heard.substr(0, 4), raw(kHello));
-  EXPECT_EQ(heard.find(kSecret), std::string::npos);
 }
 
 int open_descriptors() {

@@ -38,6 +38,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -155,15 +156,17 @@ std::shared_ptr<gloo::transport::Device> shared_device(const LaunchInfo& launch)
 }
 
 // A send or receive: a thread waits for Gloo to complete it. A work dropped in flight leaves that
-// thread running with the buffer until Gloo is done with it (the message, Gloo's own timeout, or
-// the communicator's end closing its connections): freed while posted, the buffer wedged the pair
-// once the peer's message came, and spun Gloo's I/O thread.
+// thread running with the buffer until Gloo is done with it (the message, or Gloo's own timeout,
+// which closes the team's connections): freed while posted, the buffer wedged the pair once the
+// peer's message came, and spun Gloo's I/O thread. `dropped` counts the communicator's works so
+// left running (~GlooComm).
 class P2pWork : public WorkImpl {
  public:
   P2pWork(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, bool is_send,
-          std::chrono::milliseconds timeout)
+          std::chrono::milliseconds timeout, std::shared_ptr<std::atomic<int>> dropped)
       : state_(std::make_shared<State>()) {
     state_->buffer = std::move(buffer);
+    state_->dropped = std::move(dropped);
     waiter_ = std::thread([s = state_, is_send, timeout] {
       std::exception_ptr error;
       try {
@@ -179,21 +182,27 @@ class P2pWork : public WorkImpl {
         error = std::current_exception();
       }
       s->done.finish(error);
+      if (s->released.exchange(true)) --*s->dropped;  // the work was dropped before this
     });
   }
   bool test() override { return state_->done.test(); }
   void wait(Deadline deadline) override { state_->done.wait(deadline); }
   ~P2pWork() override {
-    if (state_->done.test())
+    ++*state_->dropped;
+    if (state_->released.exchange(true)) {  // the waiter has ended
+      --*state_->dropped;
       waiter_.join();
-    else
+    } else {
       waiter_.detach();
+    }
   }
 
  private:
   struct State {
     std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
     TaskWork done;
+    std::atomic<bool> released{false};  // set by the first of the waiter's end and the work's
+    std::shared_ptr<std::atomic<int>> dropped;
   };
   std::shared_ptr<State> state_;
   std::thread waiter_;
@@ -216,15 +225,16 @@ class GlooComm : public CommImpl {
     context_ = std::move(ctx);
   }
 
-  // The queued operations run first; then the connections close, which ends a receive dropped
-  // in flight (P2pWork), so that nothing is written into a caller's tensor once the communicator
-  // is gone.
+  // The queued operations run first. A send or receive dropped in flight still has its buffer
+  // posted (P2pWork): only then are the connections closed here, so that Gloo writes nothing into
+  // its tensor once the communicator is gone (its waiter ends at Gloo's timeout). Otherwise Gloo's
+  // own destructor closes them, sending what is still unsent, where this close would reset them.
   ~GlooComm() override {
     queue_.stop();
-    try {
-      if (context_) context_->closeConnections();
-    } catch (const std::exception&) {  // closing what is already broken
-    }
+    if (*dropped_ > 0 && context_) try {
+        context_->closeConnections();
+      } catch (const std::exception&) {  // closing what is already broken
+      }
   }
 
   CommunicatorBackend backend() const override { return CommunicatorBackend::Gloo; }
@@ -378,13 +388,13 @@ class GlooComm : public CommImpl {
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
     as_errors([&] { buffer->send(peer, p2p_slot(tag, t.nbytes())); });
-    return std::make_shared<P2pWork>(std::move(buffer), true, timeout_.get());
+    return std::make_shared<P2pWork>(std::move(buffer), true, timeout_.get(), dropped_);
   }
 
   std::shared_ptr<WorkImpl> recv(const TensorView& t, int peer, int tag, const Stream&) override {
     auto buffer = context_->createUnboundBuffer(t.data(), t.nbytes());
     as_errors([&] { buffer->recv(peer, p2p_slot(tag, t.nbytes())); });
-    return std::make_shared<P2pWork>(std::move(buffer), false, timeout_.get());
+    return std::make_shared<P2pWork>(std::move(buffer), false, timeout_.get(), dropped_);
   }
 
   std::shared_ptr<WorkImpl> barrier(const Stream&) override {
@@ -434,6 +444,8 @@ class GlooComm : public CommImpl {
   int size_;
   BackendTimeout timeout_;
   std::shared_ptr<gloo::Context> context_;
+  // Sends and receives dropped while Gloo still has their buffers posted (P2pWork).
+  std::shared_ptr<std::atomic<int>> dropped_ = std::make_shared<std::atomic<int>>(0);
   WorkerQueue queue_;  // last: joined before the context goes
 };
 

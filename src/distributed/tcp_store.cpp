@@ -7,8 +7,10 @@
 //   client: [HMAC(K, "meshfuse store client" Nc Ns)], once it has checked the server's
 //   server: [u8 1] when the client's proof holds, and otherwise hangs up without a word.
 // [u8 2] instead of the challenge says the server is busy (the client tries again). Whoever
-// listens on the port (a process that took it first) learns nothing of the secret, and a client
-// stops at a server that cannot prove it. Then a request is [u8 command][u32 key length][key] and
+// listens on the port (a process that took it first) learns nothing of the secret that it could
+// not guess offline, and a client stops at a server that does not prove it. Nothing binds the
+// requests to the handshake: a relay between a client and the real server could pass the proofs
+// on and then read and change the requests. Then a request is [u8 command][u32 key length][key] and
 // for SET [u64 value length][value]. SET replies [u8 1], or [u8 0] when the store is full; GET
 // replies [u8 found] and, when found, [u64 length][value]. Clients poll GET until the key is set,
 // so the server never blocks on a missing key. Keys are at most kMaxKeyLength bytes and values
@@ -62,8 +64,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 enum : std::uint8_t { kSet = 1, kGet = 2 };
-// A hello's answers (none: refused).
-enum : std::uint8_t { kRefused = 0, kWelcome = 1, kBusy = 2, kChallenge = 3 };
+// The server's answers in the handshake (none: refused).
+enum : std::uint8_t { kWelcome = 1, kBusy = 2, kChallenge = 3 };
 constexpr std::uint32_t kHello = 0x3253464d;   // "MFS2"
 constexpr std::size_t kNonce = 32, kMac = 32;  // bytes; kMac: SHA-256's
 using Nonce = std::array<unsigned char, kNonce>;
@@ -89,8 +91,8 @@ void set_io_timeout(int fd, std::chrono::microseconds t) {
 bool read_by(int fd, void* data, std::size_t n, Clock::time_point deadline) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    // Rounded up: it is 0 only once the deadline has passed, which the caller may ask after.
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) return false;
     pollfd ready{fd, POLLIN, 0};
     const int r = ::poll(&ready, 1, static_cast<int>(left));
@@ -475,60 +477,55 @@ struct TcpStore::Impl {
       if (client < 0) continue;
       const int one = 1;
       ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      // A server that stops answering: reads and writes give up after the timeout.
+      // A server that stops answering a request: reads and writes give up after the timeout.
       set_io_timeout(client, std::chrono::duration_cast<std::chrono::microseconds>(timeout));
-      // The answer to the hello: the server's challenge and proof; busy, or a reset (a busy
-      // server closes on the hello unread, or drops the oldest connection still to prove itself),
-      // both to be tried again. Then, to this end's proof: welcome; the end of the stream, a
-      // refusal.
-      const Nonce mine = fresh_nonce();
-      std::uint8_t answer = kRefused;
-      ssize_t got = -1;
-      if (write_all(client, &kHello, 4) && write_all(client, mine.data(), mine.size()))
-        got = read_byte(answer);
-      if (got == 1 && answer == kChallenge) {
-        Nonce theirs{};
-        Mac server_proof{};
-        got = read_all(client, theirs.data(), theirs.size()) &&
-                      read_all(client, server_proof.data(), server_proof.size())
-                  ? 1
-                  : -1;
-        if (got == 1 && !same_mac(server_proof, proof(secret, kServerProves, mine, theirs))) {
-          ::close(client);
-          client = -1;
-          fail(ErrorCode::CommunicationFailure,
-               "TcpStore: the server at {}:{} did not prove this job's secret "
-               "(MESHFUSE_STORE_SECRET differs from the server's, or another process listens on "
-               "this port); nothing of the secret was sent to it",
-               host, port);
-        }
-        const Mac ours = proof(secret, kClientProves, mine, theirs);
-        got = got == 1 && write_all(client, ours.data(), ours.size()) ? read_byte(answer) : -1;
-      }
-      const int error = errno;
-      if (got == 1 && answer == kWelcome) return;
+      const Handshake h = handshake(deadline);
+      if (h == Handshake::Welcome) return;
       ::close(client);
       client = -1;
-      if ((got == 1 && answer == kBusy) ||
-          (got < 0 && (error == ECONNRESET || error == EPIPE))) {
+      if (h == Handshake::Busy) {
         why = "the server is busy";
         continue;
       }
-      MESHFUSE_CHECK(got != 0, ErrorCode::CommunicationFailure,
-                     "TcpStore: {}:{} refused this process's secret (MESHFUSE_STORE_SECRET "
-                     "differs from the server's, or the server is not this job's store)",
-                     host, port);
-      errno = error;
-      lost();
+      if (h == Handshake::Silent)
+        fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
+             timeout.count());
+      fail(ErrorCode::CommunicationFailure,
+           "TcpStore: the server at {}:{} did not prove this job's secret (MESHFUSE_STORE_SECRET "
+           "differs from the server's, or another process listens on this port); nothing of the "
+           "secret was sent to it",
+           host, port);
     }
   }
 
-  // One byte of the server's answer: 1, 0 at the end of the stream, -1 on an error (errno).
-  ssize_t read_byte(std::uint8_t& byte) const {
-    ssize_t got;
-    do got = ::recv(client, &byte, 1, 0);
-    while (got < 0 && errno == EINTR);
-    return got;
+  enum class Handshake { Welcome, Busy, Silent, Impostor };
+
+  // The client's side of the protocol (the top of this file), every answer read by `deadline`.
+  // Busy also covers a reset or hang-up (a busy server closes on the hello unread, evicts the
+  // oldest connection still to prove itself, or drops a proof that came after its own deadline):
+  // tried again. Anything but the server's proof before the welcome is an impostor's.
+  Handshake handshake(Clock::time_point deadline) {
+    const auto failed_read = [&] {
+      return Clock::now() >= deadline ? Handshake::Silent : Handshake::Busy;
+    };
+    const Nonce mine = fresh_nonce();
+    if (!write_all(client, &kHello, 4) || !write_all(client, mine.data(), mine.size()))
+      return Handshake::Busy;
+    std::uint8_t answer = 0;
+    if (!read_by(client, &answer, 1, deadline)) return failed_read();
+    if (answer == kBusy) return Handshake::Busy;
+    if (answer != kChallenge) return Handshake::Impostor;
+    Nonce theirs{};
+    Mac server_proof{};
+    if (!read_by(client, theirs.data(), theirs.size(), deadline) ||
+        !read_by(client, server_proof.data(), server_proof.size(), deadline))
+      return failed_read();
+    if (!same_mac(server_proof, proof(secret, kServerProves, mine, theirs)))
+      return Handshake::Impostor;
+    const Mac ours = proof(secret, kClientProves, mine, theirs);
+    if (!write_all(client, ours.data(), ours.size())) return Handshake::Busy;
+    if (!read_by(client, &answer, 1, deadline)) return failed_read();
+    return answer == kWelcome ? Handshake::Welcome : Handshake::Impostor;
   }
 
   // A request failed (errno says why): the connection is out of step, so later requests fail too.

@@ -104,7 +104,9 @@ class FileStore : public Store {
 // tries again until its timeout); at most 4096 connections are open at once (more are told the
 // server is busy). The secret keeps out whoever can reach the port; the requests after the
 // handshake are neither encrypted nor authenticated, so it does not keep out whoever can read or
-// change the network. A guessable secret can be found offline from a recorded handshake. A job
+// change the network, nor a relay between a client and the server. Anyone who can connect gets a
+// proof of the secret from the server, so a guessable one can be found offline: use random bytes
+// (meshfuse launch makes 128 bits). A job
 // keeps at most 2^20 keys and 2 GiB; keys are at most 64 KiB and values 1 GiB; a client that
 // breaks the protocol loses its connection, nobody else.
 // Errors: CommunicationFailure when the address cannot be served or the server not reached
