@@ -31,8 +31,8 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
-#include <openssl/rand.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -112,10 +112,15 @@ bool names_loopback(const std::string& name) {
   return name == "localhost" || name.rfind("127.", 0) == 0 || name == "::1";
 }
 
+// From the kernel's generator: OpenSSL's RAND keeps a generator per thread, state that each of
+// the server's connection threads would make for one nonce.
 Nonce fresh_nonce() {
   Nonce n{};
-  MESHFUSE_CHECK(RAND_bytes(n.data(), static_cast<int>(n.size())) == 1, ErrorCode::Internal,
-                 "TcpStore: no random bytes for a nonce (OpenSSL RAND_bytes)");
+  ssize_t got;
+  do got = ::getrandom(n.data(), n.size(), 0);
+  while (got < 0 && errno == EINTR);
+  MESHFUSE_CHECK(got == static_cast<ssize_t>(n.size()), ErrorCode::Internal,
+                 "TcpStore: no random bytes for a nonce (getrandom: {})", std::strerror(errno));
   return n;
 }
 
@@ -206,6 +211,10 @@ struct TcpStore::Impl {
       proven = proves_secret(fd);
     } catch (const std::exception&) {
     }
+    // The HMAC left this thread's OpenSSL state (its error queue): freed now, since OpenSSL's own
+    // clean-up at a thread's end no longer runs once its clean-up at exit has (a store destroyed
+    // at exit ends its threads then).
+    OPENSSL_thread_stop();
     {
       std::lock_guard lock(mutex);
       const auto it = std::find(unproven.begin(), unproven.end(), fd);
