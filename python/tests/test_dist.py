@@ -96,18 +96,15 @@ def test_mismatched_counts_raise_naming_the_ranks():
         meshfuse.run_local(2, lambda comm: comm.new_group([comm.rank]))
 
 
-def test_a_collective_refused_by_the_binding_leaves_the_ranks_out_of_step():
-    # Rank 1's first all_reduce is refused before it reaches the communicator (a read-only
-    # output): uncounted, rank 0's first call paired with rank 1's second and summed into the
-    # wrong array, silently.
+def _expect_out_of_step_after_a_refusal_on_rank_1(refuse):
+    # refuse(comm, x) on rank 1 raises before the call reaches the communicator; then both ranks
+    # all_reduce, which must fail on both as out of step rather than pair with rank 1's refusal.
     errors = {}
 
     def rank_fn(comm):
         x = np.ones(4, np.float32)
         if comm.rank == 1:
-            x.flags.writeable = False
-            with pytest.raises(ValueError, match="all_reduce: output 'tensor' is a read-only"):
-                comm.all_reduce(x)
+            refuse(comm, x)
         try:
             comm.all_reduce(np.full(4, 1000.0, np.float32)).wait()
         except meshfuse.CommunicationError as e:
@@ -116,6 +113,18 @@ def test_a_collective_refused_by_the_binding_leaves_the_ranks_out_of_step():
     meshfuse.run_local(2, rank_fn, timeout=60)
     assert sorted(errors) == [0, 1]
     assert all("ranks out of step" in e for e in errors.values())
+
+
+def test_a_collective_refused_by_the_binding_leaves_the_ranks_out_of_step():
+    # Rank 1's first all_reduce is refused before it reaches the communicator (a read-only
+    # output): uncounted, rank 0's first call paired with rank 1's second and summed into the
+    # wrong array, silently.
+    def refuse(comm, x):
+        x.flags.writeable = False
+        with pytest.raises(ValueError, match="all_reduce: output 'tensor' is a read-only"):
+            comm.all_reduce(x)
+
+    _expect_out_of_step_after_a_refusal_on_rank_1(refuse)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -129,21 +138,11 @@ def test_a_scalar_argument_of_the_wrong_type_on_one_rank_leaves_the_ranks_out_of
                                                                                       message):
     # Refused by nanobind's own conversion before the binding ran, such a call was not counted:
     # rank 0's next collective then paired with rank 1's and summed 1 + 1000 silently.
-    errors = {}
+    def refuse(comm, x):
+        with pytest.raises(TypeError, match=message):
+            call(comm, x)
 
-    def rank_fn(comm):
-        x = np.ones(4, np.float32)
-        if comm.rank == 1:
-            with pytest.raises(TypeError, match=message):
-                call(comm, x)
-        try:
-            comm.all_reduce(np.full(4, 1000.0, np.float32)).wait()
-        except meshfuse.CommunicationError as e:
-            errors[comm.rank] = str(e)
-
-    meshfuse.run_local(2, rank_fn, timeout=60)
-    assert sorted(errors) == [0, 1]
-    assert all("ranks out of step" in e for e in errors.values())
+    _expect_out_of_step_after_a_refusal_on_rank_1(refuse)
 
 
 def test_collective_arrays_live_until_the_operation_completes():

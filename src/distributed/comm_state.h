@@ -77,8 +77,6 @@ struct WorkState {
   void wait(std::chrono::milliseconds wait_timeout);
 };
 
-// Whether the backend may still use an operation's buffers (Work::in_flight).
-bool transfer_in_flight(WorkImpl& impl);
 // Frees the buffers kept by works dropped in flight whose transfers have ended since; cheap when
 // there are none. Called as each operation starts.
 void free_finished_buffers() noexcept;

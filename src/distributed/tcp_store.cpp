@@ -496,9 +496,7 @@ struct TcpStore::Impl {
         why = "the server is busy";
         continue;
       }
-      if (h == Handshake::Silent)
-        fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
-             timeout.count());
+      if (h == Handshake::Silent) no_answer();
       fail(ErrorCode::CommunicationFailure,
            "TcpStore: the server at {}:{} did not prove this job's secret (MESHFUSE_STORE_SECRET "
            "differs from the server's, or another process listens on this port); nothing of the "
@@ -541,10 +539,13 @@ struct TcpStore::Impl {
   [[noreturn]] void lost() {
     const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
     if (client >= 0) ::shutdown(client, SHUT_RDWR);
-    if (timed_out)
-      fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
-           timeout.count());
+    if (timed_out) no_answer();
     fail(ErrorCode::CommunicationFailure, "TcpStore: lost the connection to {}:{}", host, port);
+  }
+
+  [[noreturn]] void no_answer() const {
+    fail(ErrorCode::Timeout, "TcpStore: no answer from {}:{} within {} ms", host, port,
+         timeout.count());
   }
 
   static void check_length(const char* what, std::uint64_t n, std::uint64_t most) {

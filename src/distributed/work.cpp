@@ -54,8 +54,7 @@ Graveyard& graveyard() {
   return *g;
 }
 
-}  // namespace
-
+// Whether the backend may still use an operation's buffers (Work::in_flight).
 bool transfer_in_flight(WorkImpl& impl) {
   try {
     return !impl.test();
@@ -63,6 +62,8 @@ bool transfer_in_flight(WorkImpl& impl) {
     return true;
   }
 }
+
+}  // namespace
 
 void free_finished_buffers() noexcept {
   Graveyard& g = graveyard();
