@@ -1,9 +1,15 @@
 #include "measure.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -74,7 +80,57 @@ std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& f
   return out;
 }
 
+std::int64_t last_level_cache_bytes(const std::filesystem::path& cpu_root,
+                                    const std::vector<int>& cpus) {
+  // Per instance of the highest cache level seen: its CPUs (shared_cpu_list) and its size.
+  int top_level = 0;
+  std::map<std::string, std::int64_t> instances;
+  for (int cpu : cpus) {
+    std::error_code ec;
+    const auto dir = cpu_root / ("cpu" + std::to_string(cpu)) / "cache";
+    for (const auto& index : std::filesystem::directory_iterator(dir, ec)) {
+      const auto read = [&](const char* name) {
+        std::ifstream in(index.path() / name);
+        std::string value;
+        std::getline(in, value);
+        return value;
+      };
+      if (read("type") == "Instruction") continue;
+      const std::string level_text = read("level"), size_text = read("size");
+      int level = 0;
+      std::int64_t size = 0;
+      char unit = 0;
+      if (std::sscanf(level_text.c_str(), "%d", &level) != 1 ||
+          std::sscanf(size_text.c_str(), "%" SCNd64 "%c", &size, &unit) < 1 || size <= 0)
+        continue;
+      if (unit == 'K') size <<= 10;
+      if (unit == 'M') size <<= 20;
+      if (level > top_level) {
+        top_level = level;
+        instances.clear();
+      }
+      if (level == top_level) instances[read("shared_cpu_list")] = size;
+    }
+  }
+  std::int64_t total = 0;
+  for (const auto& [cpu_list, size] : instances) total += size;
+  return total;
+}
+
 std::int64_t last_level_cache_bytes() {
+  // sysfs first: glibc's sysconf reads CPUID, which in some VMs reports the host's whole L3 (256
+  // MiB on a 2-core Zen 2 guest whose sysfs and lscpu say 16 MiB).
+#ifdef __linux__
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    std::vector<int> cpus;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+    if (const std::int64_t bytes = last_level_cache_bytes("/sys/devices/system/cpu", cpus))
+      return bytes;
+  }
+#endif
   for (int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
     const long bytes = sysconf(name);
     if (bytes > 0) return bytes;

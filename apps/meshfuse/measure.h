@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <vector>
 
@@ -41,8 +42,14 @@ std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& f
 
 using testing::quantile;
 
-// Bytes of the last-level cache (0 when unknown).
+// Bytes of the last-level cache that this process's CPUs (its affinity) reach: the instances of
+// the highest cache level those CPUs have, each counted once; 0 when unknown.
 std::int64_t last_level_cache_bytes();
+
+// The same from a sysfs tree laid out as /sys/devices/system/cpu (cpuN/cache/indexM/{level, type,
+// size, shared_cpu_list}) for the given CPUs; 0 when it has none.
+std::int64_t last_level_cache_bytes(const std::filesystem::path& cpu_root,
+                                    const std::vector<int>& cpus);
 
 struct CopyBandwidth {
   double gbps = 0;                // (read + write bytes) / median time, in GB/s (1e9 B/s)
