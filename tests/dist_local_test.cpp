@@ -320,6 +320,20 @@ TEST(DistLocal, ARecvWithoutASendTimesOutAndASizeMismatchFails) {
   });
 }
 
+// A peer that never joins: gloo's set-up gives up at the communicator's timeout, not at the
+// store's (a minute here; five by default).
+TEST(DistGloo, SetUpWaitsForAMissingPeerOnlyTheCommunicatorsTimeout) {
+  if (!communicator_backend_built(CommunicatorBackend::Gloo)) GTEST_SKIP() << "no gloo backend";
+  LaunchInfo launch;
+  launch.world_size = launch.local_world_size = 2;
+  CommOptions options{"cpu:gloo"};
+  options.timeout = 300ms;
+  const auto start = std::chrono::steady_clock::now();
+  expect_error([&] { init_communicator(launch, std::make_shared<HashStore>(60s), options); },
+               ErrorCode::Timeout, {"300 ms"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
 TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
   expect_error([] { LocalWorld world(2, CommOptions{"gloo"}); }, ErrorCode::InvalidArgument,
                {"not local"});
@@ -967,6 +981,31 @@ TEST(DistStore, TcpStoreLetsTheJobInPastStrangersHoldingEveryUnprovenSlot) {
   client.set("k", std::string("in"));
   EXPECT_EQ(server.get_string("k"), "in");
   for (int fd : holders) ::close(fd);
+}
+
+// A listener whose backlog is full drops new SYNs: a blocking connect waited out the kernel's SYN
+// retries (about two minutes), past the client's timeout.
+TEST(DistStore, TcpStoreClientGivesUpAtItsTimeoutWhenTheServersBacklogIsFull) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  std::vector<int> held;  // fill the backlog, never accepted
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    sockaddr_in to = addr;
+    to.sin_port = htons(static_cast<std::uint16_t>(port_of(listener)));
+    ::connect(held.back(), reinterpret_cast<sockaddr*>(&to), sizeof(to));
+  }
+  std::this_thread::sleep_for(100ms);
+  const auto start = std::chrono::steady_clock::now();
+  expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 300ms); },
+               ErrorCode::CommunicationFailure, {"cannot reach 127.0.0.1", "within 300 ms"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms);
+  for (int fd : held) ::close(fd);
+  ::close(listener);
 }
 
 TEST(DistStore, TcpStoreClientTimesOutWhenTheServerNeverAnswers) {

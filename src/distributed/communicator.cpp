@@ -73,6 +73,10 @@ void CommState::bootstrap_exchange(CommunicatorBackend backend, const void* mine
   if (store) {
     const auto* p = static_cast<const std::uint8_t*>(mine);
     store->set(key + std::to_string(rank), Store::Bytes(p, p + bytes));
+    // Waited for by the communicator's timeout, not the store's (which may be longer).
+    std::vector<std::string> keys;
+    for (int r = 0; r < size(); ++r) keys.push_back(key + std::to_string(r));
+    store->wait(keys, timeout);
     for (int r = 0; r < size(); ++r) {
       const Store::Bytes v = store->get(key + std::to_string(r));
       MESHFUSE_CHECK(v.size() == bytes, ErrorCode::CommunicationFailure,

@@ -25,6 +25,7 @@
 // what follows the handshake is neither encrypted nor authenticated: on a network others can read
 // or change, give the job a private one.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -357,17 +358,23 @@ struct TcpStore::Impl {
       } else {
         const int one = 1;  // replies go out at once
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        // The entry first, so that running out of memory leaves no started thread unowned;
-        // without memory or a thread to be had, this one is turned away.
+        // The lists first, the thread last: once started, the thread owns (and closes) the
+        // socket, so nothing after it may fail. Without memory or a thread to be had, this one is
+        // turned away.
         try {
-          const auto it = handlers.emplace(fd, std::thread()).first;
+          unproven.push_back(fd);
           try {
-            it->second = std::thread([this, fd] { serve_connection(fd); });
+            const auto it = handlers.emplace(fd, std::thread()).first;
+            try {
+              it->second = std::thread([this, fd] { serve_connection(fd); });
+            } catch (...) {
+              handlers.erase(it);
+              throw;
+            }
           } catch (...) {
-            handlers.erase(it);
+            unproven.pop_back();
             throw;
           }
-          unproven.push_back(fd);
         } catch (const std::exception&) {
           ::close(fd);
         }
@@ -443,8 +450,10 @@ struct TcpStore::Impl {
     ::close(listener);
   }
 
-  // A connected socket, or -1 with `why` set.
-  int connect_once(std::string& why) const {
+  // A connected socket, or -1 with `why` set, by `deadline`: a blocking connect would wait out
+  // the kernel's SYN retries (about two minutes) past it where the server's backlog is full or
+  // its packets are dropped.
+  int connect_once(std::string& why, Clock::time_point deadline) const {
     // IPv4 only, as the server listens: with AF_UNSPEC, a name with an IPv6 address (localhost's
     // ::1) was tried there first, where another user's process could listen and take the secret.
     addrinfo hints{};
@@ -458,12 +467,29 @@ struct TcpStore::Impl {
     }
     int connected = -1;
     for (addrinfo* a = found; a && connected < 0; a = a->ai_next) {
-      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      const int fd =
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
       if (fd < 0) continue;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      int error = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+      if (error == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+        const int ready = ::poll(&p, 1, static_cast<int>(std::max<std::int64_t>(left.count(), 0)));
+        socklen_t len = sizeof(error);
+        if (ready < 0)
+          error = errno;
+        else if (ready == 0)
+          error = ETIMEDOUT;
+        else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0)
+          error = errno;
+      }
+      // Blocking again: the handshake and requests read and write with their own timeouts.
+      if (error == 0 && ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
+        error = errno;
+      if (error == 0) {
         connected = fd;
       } else {
-        why = std::strerror(errno);
+        why = std::strerror(error);
         ::close(fd);
       }
     }
@@ -482,7 +508,7 @@ struct TcpStore::Impl {
                      "TcpStore: cannot reach {}:{} within {} ms: {} (rank 0 serves on "
                      "MASTER_ADDR's interface; MESHFUSE_STORE_BIND=0.0.0.0 serves on every one)",
                      host, port, timeout.count(), why);
-      client = connect_once(why);
+      client = connect_once(why, deadline);
       if (client < 0) continue;
       const int one = 1;
       ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
