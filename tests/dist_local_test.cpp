@@ -330,7 +330,10 @@ TEST(DistGloo, SetUpWaitsForAMissingPeerOnlyTheCommunicatorsTimeout) {
   options.timeout = 300ms;
   const auto start = std::chrono::steady_clock::now();
   expect_error([&] { init_communicator(launch, std::make_shared<HashStore>(60s), options); },
-               ErrorCode::Timeout, {"300 ms"});
+               ErrorCode::Timeout,
+               {"communicator world: the gloo backend's set-up on rank 0 of 2 gave up waiting for "
+                "its peers after 300 ms",
+                "'world/gloo/1' not set"});
   EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
 }
 

@@ -50,19 +50,28 @@ CommImpl& CommState::impl(CommunicatorBackend backend) {
     bootstrap_exchange(backend, mine, all, bytes);
   };
   std::unique_ptr<CommImpl> created;
-  switch (backend) {
-    case CommunicatorBackend::Local:
-      created = make_local_comm(context);
-      break;
-    case CommunicatorBackend::Gloo:
-      created = make_gloo_comm(context);
-      break;
-    case CommunicatorBackend::Mpi:
-      created = make_mpi_comm(context);
-      break;
-    case CommunicatorBackend::Nccl:
-      created = make_nccl_comm(context);
-      break;
+  try {
+    switch (backend) {
+      case CommunicatorBackend::Local:
+        created = make_local_comm(context);
+        break;
+      case CommunicatorBackend::Gloo:
+        created = make_gloo_comm(context);
+        break;
+      case CommunicatorBackend::Mpi:
+        created = make_mpi_comm(context);
+        break;
+      case CommunicatorBackend::Nccl:
+        created = make_nccl_comm(context);
+        break;
+    }
+  } catch (const Error& e) {
+    // A store's timeout names only a key: say whose set-up waited, and for what.
+    if (e.code() != ErrorCode::Timeout) throw;
+    fail(ErrorCode::Timeout,
+         "communicator {}: the {} backend's set-up on rank {} of {} gave up waiting for its peers "
+         "after {} ms (has every rank started, with the same MASTER_ADDR and MASTER_PORT?): {}",
+         name, to_string(backend), rank, size(), timeout.count(), e.message());
   }
   return *impls.emplace(backend, std::move(created)).first->second;
 }
