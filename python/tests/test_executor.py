@@ -267,6 +267,32 @@ def test_errors_name_the_mesh_the_rank_and_the_input():
     assert on_ranks(4, rank_fn) == {r: True for r in range(4)}
 
 
+def test_set_params_on_one_rank_only_is_named_where_the_ranks_compare_params():
+    # Rank 0's comparison of params met rank 1's all_gather of the run, and the error called it
+    # "the first local communication of cpu tensors".
+    p = meshfuse.Program()
+    x = p.define_tensor("x", [8, 4], "f32")
+    p.set_mesh(DeviceMesh.of_shape([2]))
+    p.set_placements(x, Shard(0))
+    p.add_output(x, Replicate())
+    errors = {}
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        part = np.full((4, 4), comm.rank, np.float32)
+        np.testing.assert_array_equal(executor.run({"x": part})[0][4:], 1)
+        if comm.rank == 0:
+            executor.params = meshfuse.MultiDeviceExecutorParams(overlap="collective")
+        with pytest.raises(meshfuse.Error) as e:
+            executor.run({"x": part})
+        errors[comm.rank] = str(e.value)
+
+    meshfuse.run_local(2, rank_fn, timeout=TIMEOUT)
+    assert "after set_params() on this rank (does every rank call it" in errors[0]
+    assert "rank 0 has all_gather i64 x 2 but rank 1 has all_gather f32" in errors[0]
+    assert "ranks disagree" in errors[1]
+
+
 def test_a_run_that_fails_on_one_rank_fails_the_others_instead_of_pairing_runs():
     # A bad label (or a bad input) on rank 1 only: its run stopped before the loss's collectives,
     # and the others' run 0 paired with its run 1, returning a loss that mixed two batches.

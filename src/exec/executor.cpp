@@ -68,15 +68,22 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
     const Tensor sent = mine.to(device, stream);
     world.all_gather(sent, all, stream).keep_alive({sent, all}).wait();
   } catch (const Error& e) {  // the first collective of a run, which the user did not write
-    const bool waited =
-        e.code() == ErrorCode::Timeout || e.code() == ErrorCode::CommunicationFailure;
-    throw Error(e.code(),
-                fmt::format("MultiDeviceExecutor: {}: {}",
-                            waited ? "comparing the program and params of the ranks before the "
-                                     "run's first communication (does every rank call run()?)"
-                                   : fmt::format("the first {} communication of {} tensors",
-                                                 to_string(world.backend(type)), to_string(type)),
-                            e.message()));
+    // Waited for, or met by another collective (the metadata check's InvalidArgument): some rank
+    // is elsewhere.
+    const bool elsewhere = e.code() == ErrorCode::Timeout ||
+                           e.code() == ErrorCode::CommunicationFailure ||
+                           e.code() == ErrorCode::InvalidArgument;
+    throw Error(
+        e.code(),
+        fmt::format("MultiDeviceExecutor: {}: {}",
+                    !elsewhere ? fmt::format("the first {} communication of {} tensors",
+                                             to_string(world.backend(type)), to_string(type))
+                    : params_set_
+                        ? "comparing the program and params of the ranks after set_params() on "
+                          "this rank (does every rank call it, and run()?)"
+                        : "comparing the program and params of the ranks before the run's first "
+                          "communication (does every rank call run()?)",
+                    e.message()));
   }
   Tensor host({2 * n}, DType::I64);
   copy(all, host, stream);
@@ -97,6 +104,7 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
 void MultiDeviceExecutor::set_params(MultiDeviceExecutorParams params) {
   check_overlap_params(params.overlap);
   params_ = std::move(params);
+  params_set_ = true;
   // Compared again before the next communication, on every rank: each rank calls set_params, and
   // one whose params did not change must still meet the one whose params did.
   checked_.clear();

@@ -145,6 +145,7 @@ class MultiDeviceExecutor {
   // The (backend, device type)s whose ranks compared programs and params since the last
   // set_params().
   std::set<std::pair<CommunicatorBackend, DeviceType>> checked_;
+  bool params_set_ = false;  // set_params() was called: named when the ranks' params differ
   std::vector<StepProfile> profile_;
   DeviceType last_type_ = DeviceType::CPU;  // the inputs' device type at the last run()
   // Per CUDA device index: the chunks' streams, owned, and as Streams.
