@@ -683,6 +683,30 @@ TEST(DistStore, AFileStoreDirectoryOthersCanReachOrALinkIsRefused) {
   fs::remove_all(dir);
 }
 
+// Whoever controls a directory above the store's could move it away after the check and put
+// their own at its path: the store keeps reading and writing the directory it checked.
+TEST(DistStore, AFileStoreKeepsToTheDirectoryItCheckedWhenAnotherTakesItsPath) {
+  namespace fs = std::filesystem;
+  const fs::path dir = ::testing::TempDir() + "meshfuse_filestore_swap_" +
+                       std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  const fs::path moved = dir.string() + "_moved";
+  fs::remove_all(dir);
+  fs::remove_all(moved);
+  FileStore store(dir.string());
+  store.set("before", std::string("1"));
+  fs::rename(dir, moved);
+  fs::create_directories(dir);  // the stranger's, open to all
+  fs::permissions(dir, fs::perms::all);
+  store.set("after", std::string("2"));
+  EXPECT_TRUE(fs::exists(moved / "after"));
+  EXPECT_FALSE(fs::exists(dir / "after"));
+  std::ofstream(dir / "planted") << "from the stranger";
+  EXPECT_FALSE(store.check({"planted"}));
+  EXPECT_EQ(store.get_string("before"), "1");
+  fs::remove_all(dir);
+  fs::remove_all(moved);
+}
+
 // A store directory used by one job, then by the next: the second must not read the first's keys
 // (gloo's rank addresses, bootstrap keys), which made it hang or connect to dead ranks.
 TEST(DistStore, AFileStoreDirectoryReusedByALaterJobHoldsNoneOfItsKeys) {

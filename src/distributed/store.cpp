@@ -2,6 +2,7 @@
 // and key prefixes (PrefixStore). TcpStore is in tcp_store.cpp.
 #include "meshfuse/distributed/store.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -100,22 +100,28 @@ FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
   std::error_code ec;
   if (std::filesystem::create_directories(path_, ec))
     std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
-  MESHFUSE_CHECK(!ec && std::filesystem::is_directory(path_), ErrorCode::InvalidArgument,
-                 "FileStore: cannot create the directory '{}': {}", path_, ec.message());
-  // One that existed already must be as private as one made here: whoever else can write to it
-  // could plant the job's keys, whoever else can read it could read them. Not a symbolic link,
-  // which its owner could point elsewhere after this check.
+  MESHFUSE_CHECK(!ec, ErrorCode::InvalidArgument, "FileStore: cannot create the directory '{}': {}",
+                 path_, ec.message());
+  // Opened once, and every key read and written relative to that descriptor: whoever controls a
+  // directory above it cannot swap it for another after this check. It must be as private as one
+  // made here: whoever else can write to it could plant the job's keys, whoever else can read it
+  // could read them. Not a symbolic link, which its owner could point elsewhere.
+  dir_ = ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   struct stat st {};
-  MESHFUSE_CHECK(::lstat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
-                     st.st_uid == ::getuid() && (st.st_mode & (S_IRWXG | S_IRWXO)) == 0,
-                 ErrorCode::InvalidArgument,
-                 "FileStore: the directory '{}' must be a directory (not a symbolic link) of this "
-                 "user that nobody else can read or write, got mode {:o}",
-                 path_, st.st_mode & 07777);
+  const bool opened = dir_ >= 0 && ::fstat(dir_, &st) == 0;
+  const std::string why = opened ? "" : std::strerror(errno);
+  if (opened && st.st_uid == ::getuid() && (st.st_mode & (S_IRWXG | S_IRWXO)) == 0) return;
+  if (dir_ >= 0) ::close(dir_);
+  fail(ErrorCode::InvalidArgument,
+       "FileStore: the directory '{}' must be a directory (not a symbolic link) of this user that "
+       "nobody else can read or write, got {}",
+       path_, opened ? fmt::format("mode {:o}, owner uid {}", st.st_mode & 07777, st.st_uid) : why);
 }
 
+FileStore::~FileStore() { ::close(dir_); }
+
 // Keys may hold any byte: everything but [A-Za-z0-9._-] is written as %XX.
-std::string FileStore::file_of(const std::string& key) const {
+std::string FileStore::file_of(const std::string& key) {
   std::string name;
   for (unsigned char c : key) {
     if (std::isalnum(c) || c == '.' || c == '_' || c == '-')
@@ -123,7 +129,7 @@ std::string FileStore::file_of(const std::string& key) const {
     else
       name += fmt::format("%{:02X}", c);
   }
-  return path_ + "/" + name;
+  return name;
 }
 
 void FileStore::set(const std::string& key, const Bytes& value) {
@@ -131,38 +137,64 @@ void FileStore::set(const std::string& key, const Bytes& value) {
   static std::atomic<std::uint64_t> counter{0};
   const std::string file = file_of(key);
   const std::string tmp =
-      fmt::format("{}/.tmp.{}.{}.{}", path_, ::getpid(),
+      fmt::format(".tmp.{}.{}.{}", ::getpid(),
                   std::hash<std::thread::id>{}(std::this_thread::get_id()), counter++);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(value.data()),
-              static_cast<std::streamsize>(value.size()));
-    MESHFUSE_CHECK(out.good(), ErrorCode::CommunicationFailure,
-                   "FileStore: cannot write '{}' for key '{}'", tmp, key);
+  const int fd =
+      ::openat(dir_, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  MESHFUSE_CHECK(fd >= 0, ErrorCode::CommunicationFailure,
+                 "FileStore: cannot create '{}/{}' for key '{}': {}", path_, tmp, key,
+                 std::strerror(errno));
+  std::size_t done = 0;
+  int error = 0;
+  while (done < value.size()) {
+    const ssize_t n = ::write(fd, value.data() + done, value.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      error = errno;
+      break;
+    }
+    done += static_cast<std::size_t>(n);
   }
-  MESHFUSE_CHECK(std::rename(tmp.c_str(), file.c_str()) == 0, ErrorCode::CommunicationFailure,
-                 "FileStore: cannot rename '{}' to '{}': {}", tmp, file, std::strerror(errno));
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error == 0 && ::renameat(dir_, tmp.c_str(), dir_, file.c_str()) == 0) return;
+  if (error == 0) error = errno;
+  ::unlinkat(dir_, tmp.c_str(), 0);
+  fail(ErrorCode::CommunicationFailure, "FileStore: cannot write '{}/{}' for key '{}': {}", path_,
+       file, key, std::strerror(error));
 }
 
 Store::Bytes FileStore::get(const std::string& key) {
   wait({key});
-  std::ifstream in(file_of(key), std::ios::binary);
-  MESHFUSE_CHECK(in.is_open(), ErrorCode::CommunicationFailure,
-                 "FileStore: cannot read '{}' for key '{}': {}", file_of(key), key,
+  const std::string file = file_of(key);
+  const int fd = ::openat(dir_, file.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  MESHFUSE_CHECK(fd >= 0, ErrorCode::CommunicationFailure,
+                 "FileStore: cannot read '{}/{}' for key '{}': {}", path_, file, key,
                  std::strerror(errno));
-  Bytes value{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  MESHFUSE_CHECK(!in.bad(), ErrorCode::CommunicationFailure,
-                 "FileStore: cannot read '{}' for key '{}'", file_of(key), key);
-  return value;
+  Bytes value;
+  for (;;) {
+    std::uint8_t chunk[65536];
+    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : 0;
+      ::close(fd);
+      MESHFUSE_CHECK(error == 0, ErrorCode::CommunicationFailure,
+                     "FileStore: cannot read '{}/{}' for key '{}': {}", path_, file, key,
+                     std::strerror(error));
+      return value;
+    }
+    value.insert(value.end(), chunk, chunk + n);
+  }
 }
 
 bool FileStore::check(const std::vector<std::string>& keys) {
   for (const std::string& k : keys) {
+    const std::string file = file_of(k);
     struct stat st;
-    if (::stat(file_of(k).c_str(), &st) == 0) continue;
+    if (::fstatat(dir_, file.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) continue;
     // Not there yet; anything else (no permission, a name too long) would never change.
     MESHFUSE_CHECK(errno == ENOENT, ErrorCode::CommunicationFailure,
-                   "FileStore: cannot look up '{}' for key '{}': {}", file_of(k), k,
+                   "FileStore: cannot look up '{}/{}' for key '{}': {}", path_, file, k,
                    std::strerror(errno));
     return false;
   }

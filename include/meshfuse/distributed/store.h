@@ -69,12 +69,16 @@ class HashStore : public Store {
 // One file per key under a directory every rank can reach (a shared filesystem across machines,
 // or /tmp on one machine). Writes are atomic (write a temporary file, then rename). The directory
 // is created if missing, readable by its owner only (its permissions are what keeps others out);
-// one that exists must be too, and not a symbolic link (InvalidArgument otherwise). The files are
-// left for the caller to remove. Give every job a fresh
+// one that exists must be too, and not a symbolic link (InvalidArgument otherwise). It is opened
+// once, at construction: keys are read and written in that directory even if another is put at
+// its path later. The files are left for the caller to remove. Give every job a fresh
 // directory: keys left by an earlier job would be read as this one's.
 class FileStore : public Store {
  public:
   explicit FileStore(std::string path, std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  ~FileStore() override;
+  FileStore(const FileStore&) = delete;
+  FileStore& operator=(const FileStore&) = delete;
   void set(const std::string& key, const Bytes& value) override;
   using Store::set;
   Bytes get(const std::string& key) override;
@@ -82,8 +86,9 @@ class FileStore : public Store {
   const std::string& path() const { return path_; }
 
  private:
-  std::string file_of(const std::string& key) const;
+  static std::string file_of(const std::string& key);  // the key's file name in the directory
   std::string path_;
+  int dir_ = -1;  // the directory, opened and checked once
 };
 
 // A store served over TCP by one process (the server, usually world rank 0) at host:port; every
