@@ -267,6 +267,62 @@ def test_errors_name_the_mesh_the_rank_and_the_input():
     assert on_ranks(4, rank_fn) == {r: True for r in range(4)}
 
 
+@pytest.mark.parametrize("options", [{}, {"z_loss_scale": 1e-2}, {"label_smoothing": 0.1}])
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_a_vocabulary_shard_masked_to_minus_inf_gives_the_one_device_loss(op, options):
+    """A padded vocabulary's masked columns (-inf logits, or a -inf bias) filling one rank's shard:
+    that shard's lse and loss were -inf, their difference NaN, and every row's loss NaN. Row 2's
+    label is a masked column (+inf, as on one device); with label smoothing every row is +inf."""
+    n, h, v = 3, 5, 8
+    xs, w = randn(n, h, seed=1), randn(v, h, seed=2)
+    bias = np.where(np.arange(v) >= 4, -np.inf, 0).astype(np.float32)  # shard 1: columns 4..7
+    labels = np.array([0, 2, 6], np.int64)
+
+    def program(mesh):
+        p = meshfuse.Program()
+        if op == "cross_entropy":
+            x = p.define_tensor("x", [n, v], "f32")
+            weight = None
+        else:
+            x = p.define_tensor("x", [n, h], "f32")
+            weight, b = p.define_tensor("w", [v, h], "f32"), p.define_tensor("b", [v], "f32")
+        y = p.define_tensor("labels", [n], "i64")
+        for reduction in ["none", "sum"]:
+            if weight is None:
+                p.add_output(p.cross_entropy(x, y, reduction=reduction, **options))
+            else:
+                p.add_output(p.fused_linear_cross_entropy(x, weight, b, y,
+                                                          reduction=reduction, **options))
+        if mesh:
+            p.set_mesh(mesh)
+            if weight is None:
+                p.set_placements(x, Shard(1))
+            else:
+                p.set_placements(weight, Shard(0))
+                p.set_placements(b, Shard(0))
+        return p
+
+    logits = xs @ w.T + bias
+    inputs = ({"x": logits, "labels": labels} if op == "cross_entropy"
+              else {"x": xs, "w": w, "b": bias, "labels": labels})
+    one = meshfuse.MultiDeviceExecutor(program(None), meshfuse.LocalWorld(1).communicator(0))
+    expected = [np.asarray(t) for t in one.run(inputs)]
+    finite = [np.isfinite(expected[0][i]) for i in range(n)]
+    assert finite == ([True, True, False] if not options.get("label_smoothing") else [False] * 3)
+    sharded = program(DeviceMesh.of_shape([2]))
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(sharded, comm)
+        parts = {t.name: meshfuse.shard_tensor(inputs[t.name], sharded.mesh,
+                                               sharded.placements(t) or [Replicate()], comm.rank)
+                 for t in sharded.inputs}
+        return [np.asarray(t) for t in executor.run(parts)]
+
+    for rank, got in on_ranks(2, rank_fn).items():
+        for ours, theirs in zip(got, expected):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, err_msg=f"rank {rank}")
+
+
 def test_set_params_on_one_rank_only_is_named_where_the_ranks_compare_params():
     # Rank 0's comparison of params met rank 1's all_gather of the run, and the error called it
     # "the first local communication of cpu tensors".

@@ -137,46 +137,58 @@ DType row_loss_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 
 
 // Megatron-LM's vocabulary-parallel cross-entropy over rows [first, first + rows) of `labels`:
 // this rank ran the kernel on its columns (cross_entropy.h, vocab_start / vocab_size: lse_s over
-// them, loss_s with the label term only where the label is its own); the ranks all-gather both per
-// row, and every rank combines them in double in rank order, so that all agree bitwise:
+// them, loss_s with the label term only where the label is its own). Each rank sends per row its
+// lse_s and its part of the loss, part_s = lse_s + z lse_s^2 - loss_s (its (1 - eps) v_y where the
+// label is here, plus eps sum_j v_j / vocab_size); the ranks all-gather them, and every rank
+// combines them in double in rank order, so that all agree bitwise:
 //   lse_i  = log sum_s exp(lse_s,i)
-//   loss_i = lse_i + z lse_i^2 - sum_s (lse_s,i + z lse_s,i^2 - loss_s,i)
-// (0 for ignored rows). A shard of no columns (a vocabulary smaller than the team) adds nothing:
-// its lse and loss are -inf, whose difference is NaN, so each rank sends its width with them. The
-// statistics are a few doubles per row: the host combines them.
+//   loss_i = lse_i + z lse_i^2 - sum_s part_s,i
+// (0 for ignored rows). Where a shard has no mass in a row (lse_s = -inf: no columns, or all of
+// them -inf, as a padded vocabulary's masked columns) that difference is NaN, and part_s is what
+// its definition gives: -inf where the label's logit or one in the smoothing sum is -inf (the row's
+// loss +inf, as on one device), else 0. The statistics are a few doubles per row: the host
+// combines them.
 struct Rows {
   std::vector<double> lse, loss;
 };
 Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s, std::int64_t columns,
                     const std::vector<double>& labels, std::int64_t first,
                     const CrossEntropyOptions& o, Communicator& team, const Stream& stream) {
-  const std::int64_t n = lse_s.numel(), per_rank = 2 * n + 1;
+  const std::int64_t n = lse_s.numel();
   const int d = team.size();
+  const double z = o.z_loss_scale, inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> lse_mine = as_doubles(lse_s, stream),
+                            loss_mine = as_doubles(loss_s, stream);
+  std::vector<double> mine(static_cast<std::size_t>(2 * n));
+  for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) {
+    const double y = labels[static_cast<std::size_t>(first) + i], lse = lse_mine[i];
+    const bool here =
+        y >= static_cast<double>(o.vocab_start) && y < static_cast<double>(o.vocab_start + columns);
+    mine[i] = lse;
+    mine[static_cast<std::size_t>(n) + i] = lse != -inf ? lse + z * lse * lse - loss_mine[i]
+                                            : columns > 0 && (here || o.label_smoothing > 0) ? -inf
+                                                                                             : 0.0;
+  }
   const Device device = lse_s.device();
-  const Tensor mine({per_rank}, DType::F64, device, stream);
-  copy(lse_s, mine.view().narrow(0, 0, n), stream);
-  copy(loss_s, mine.view().narrow(0, n, n), stream);
-  write({static_cast<double>(columns)}, mine.view().narrow(0, 2 * n, 1), stream);
-  const Tensor all({d * per_rank}, DType::F64, device, stream);
-  team.all_gather(mine, all, stream).keep_alive({mine, all}).wait();
+  const Tensor sent({2 * n}, DType::F64, device, stream);
+  write(mine, sent, stream);
+  const Tensor all({d * 2 * n}, DType::F64, device, stream);
+  team.all_gather(sent, all, stream).keep_alive({sent, all}).wait();
   const std::vector<double> stats = as_doubles(all, stream);
   const auto at = [&](int s, std::int64_t offset) {
-    return stats[static_cast<std::size_t>(s * per_rank + offset)];
+    return stats[static_cast<std::size_t>(s * 2 * n + offset)];
   };
-  const double z = o.z_loss_scale;
   Rows rows{std::vector<double>(static_cast<std::size_t>(n)),
             std::vector<double>(static_cast<std::size_t>(n))};
   for (std::int64_t i = 0; i < n; ++i) {
     if (labels[static_cast<std::size_t>(first + i)] == static_cast<double>(o.ignore_index))
       continue;
-    double top = -std::numeric_limits<double>::infinity();
+    double top = -inf;
     for (int s = 0; s < d; ++s) top = std::max(top, at(s, i));
     double exps = 0, parts = 0;
     for (int s = 0; s < d; ++s) {
-      if (at(s, 2 * n) == 0) continue;
-      const double lse = at(s, i);
-      exps += std::exp(lse - top);
-      parts += lse + z * lse * lse - at(s, n + i);
+      exps += std::exp(at(s, i) - top);
+      parts += at(s, n + i);
     }
     const double lse = top + std::log(exps);
     rows.lse[static_cast<std::size_t>(i)] = lse;

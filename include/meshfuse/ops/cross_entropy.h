@@ -34,8 +34,11 @@
 //   loss_i = lse_i + z * lse_i^2 - sum_s (lse_{s,i} + z * lse_{s,i}^2 - loss_{s,i})
 // (each shard's lse + z lse^2 - loss is its (1 - eps) v_{y_i} + eps sum_j v_j / vocab_size, which
 // add up over the shards), i.e. loss_i = lse_i - sum_s (lse_{s,i} - loss_{s,i}) when z = 0; run the
-// shards with reduction none to combine. A shard of no columns has lse and loss -inf and adds
-// nothing: leave it out of both sums (its term, -inf minus -inf, would be NaN). The backward of a
+// shards with reduction none to combine. Where a shard has no mass in a row (no columns, or all
+// of them -inf, as a padded vocabulary's masked columns) its lse is -inf and its loss -inf or NaN,
+// so its term lse + z lse^2 - loss is NaN as computed: take it from its definition instead, 0
+// unless the label is here or label smoothing is on (with no columns always 0), -inf (the row's
+// loss +inf, as the whole vocabulary gives) otherwise. The backward of a
 // shard takes the whole vocabulary's lse_i (not the shard's): its gradient is then the shard's
 // columns of the whole problem's. Its mean divides by the rows of this call not ignored, as above;
 // for a mean over rows that the caller splits otherwise, pass reduction sum and grad_loss scaled by
