@@ -136,6 +136,14 @@ TEST(Program, EachOpNamesItselfTheArgumentAndTheValueInItsErrors) {
                {"loss_dtype", "'logits' (f32)", "got f64"});
   expect_error([&] { p.cross_entropy(h, l4, {.label_smoothing = 2}); }, ErrorCode::InvalidArgument,
                {"label_smoothing", "2"});
+  // Set by the lowering on a vocabulary shard; set here they made every rank's loss a shard's.
+  const CrossEntropyOptions shard{.vocab_start = 4, .vocab_size = 16};
+  const Value head = p.define_tensor("head", {16, 8}, DType::BF16);
+  expect_error([&] { p.cross_entropy(h, l4, shard); }, ErrorCode::InvalidArgument,
+               {"Program.cross_entropy", "vocab_start and vocab_size must be 0", "got 4 and 16"});
+  expect_error([&] { p.fused_linear_cross_entropy(h, head, {}, l4, shard); },
+               ErrorCode::InvalidArgument,
+               {"Program.fused_linear_cross_entropy", "vocab_start and vocab_size must be 0"});
   expect_error([&] { p.fused_linear_cross_entropy(x, w, {}, l4); }, ErrorCode::ShapeMismatch,
                {"Program.fused_linear_cross_entropy", "'weight'", "(V, H)"});
   // A failed call leaves the program as it was.

@@ -303,6 +303,12 @@ namespace {
 void check_loss_options(std::string_view op, const CrossEntropyOptions& o) {
   MESHFUSE_CHECK(o.label_smoothing >= 0 && o.label_smoothing <= 1, ErrorCode::InvalidArgument,
                  "Program.{}: label_smoothing must be in [0, 1], got {}", op, o.label_smoothing);
+  // The lowering sets them on a vocabulary shard; a program's loss is over the whole vocabulary
+  // (set here, they would have made every rank's loss that of a shard, without an error).
+  MESHFUSE_CHECK(o.vocab_start == 0 && o.vocab_size == 0, ErrorCode::InvalidArgument,
+                 "Program.{}: vocab_start and vocab_size must be 0 (the lowering sets them where "
+                 "the vocabulary is sharded), got {} and {}",
+                 op, o.vocab_start, o.vocab_size);
 }
 
 Shape loss_shape(std::int64_t rows, Reduction r) {
