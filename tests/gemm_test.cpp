@@ -1,5 +1,7 @@
 // gemm, bmm, linear and linear_backward on every backend the build has (cpu; cuda through
 // cuBLASLt) against the reference backend on the CPU; CUDA cases skip without a GPU.
+#include <sys/mman.h>
+
 #include <array>
 #include <cmath>
 #include <limits>
@@ -598,6 +600,31 @@ TEST(Gemm, OffsetsPast2To31AreExact) {
   EXPECT_EQ(detail::offset(w, 0, 3, 70000), std::int64_t{8'977'920'003});
   const detail::GemmMatrix batched{nullptr, 4096, std::int64_t{1} << 26, false};
   EXPECT_EQ(detail::offset(batched, 64, 1, 2), (std::int64_t{64} << 26) + 4096 + 2);
+}
+
+// f64 views whose rows (or, transposed, columns) lie 2^31 + 64 elements apart, in a 32 GiB mapping
+// of which a few pages are touched: OpenBLAS takes leading dims as int, and the cpu backend
+// refused them as Unsupported; it copies such an operand first, so the result is bitwise the
+// contiguous operands'.
+TEST(Gemm, F64LeadingDimsPastOpenBlasIntAreCopiedFirst) {
+  const std::int64_t ld = (std::int64_t{1} << 31) + 64;
+  const std::size_t bytes = static_cast<std::size_t>(2 * ld + 64) * sizeof(double);
+  void* region = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (region == MAP_FAILED) GTEST_SKIP() << "no 32 GiB of address space";
+  auto* base = static_cast<double*>(region);
+  const TensorView a(base, DType::F64, {2, 8}, {ld, 1});
+  const TensorView b(base + 16, DType::F64, {8, 3}, {1, ld});  // a (3, 8) matrix, transposed
+  const Tensor a_whole = randn({2, 8}, DType::F64, 80), b_whole = randn({8, 3}, DType::F64, 81);
+  copy(a_whole, a);
+  copy(b_whole, b);
+  for (const GemmOptions& o : {GemmOptions{}, GemmOptions{.alpha = 0.3}}) {
+    const Tensor expected = run_matmul(a_whole, b_whole, {}, o);
+    const Tensor got({2, 3}, DType::F64);
+    gemm(a, b, {}, got, o);
+    EXPECT_TRUE(testing::bitwise_equal(got, expected)) << "alpha " << o.alpha;
+  }
+  ::munmap(region, bytes);
 }
 
 TEST(Gemm, BadArgumentsNameTheOpArgumentAndWhatCame) {

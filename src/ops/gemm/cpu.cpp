@@ -71,16 +71,17 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
   }
 }
 
+#if defined(__aarch64__)
 // OpenBLAS takes its sizes and leading dims as blasint: past its range the call is Unsupported.
-// `what` names the GEMM in the message ("" or "f64 ").
-void check_blas_sizes(const char* what, std::int64_t m, std::int64_t n, std::int64_t k,
-                      std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
+void check_blas_sizes(std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t lda,
+                      std::int64_t ldb, std::int64_t ldd) {
   constexpr std::int64_t kMax = std::numeric_limits<blasint>::max();
   MESHFUSE_CHECK(std::max({m, n, k, lda, ldb, ldd}) <= kMax, ErrorCode::Unsupported,
-                 "gemm: {}sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} "
-                 "k={} lda={} ldb={} ldd={}",
-                 what, 8 * sizeof(blasint), m, n, k, lda, ldb, ldd);
+                 "gemm: sizes and leading dims must fit OpenBLAS's {}-bit int, got m={} n={} k={} "
+                 "lda={} ldb={} ldd={}",
+                 8 * sizeof(blasint), m, n, k, lda, ldb, ldd);
 }
+#endif
 blasint blas_int(std::int64_t v) { return static_cast<blasint>(v); }
 
 // d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major.
@@ -92,7 +93,7 @@ void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const fl
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* d,
            std::int64_t ldd) {
 #if defined(__aarch64__)
-  check_blas_sizes("", m, n, k, lda, ldb, ldd);
+  check_blas_sizes(m, n, k, lda, ldb, ldd);
   const auto i = blas_int;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i(m), i(n), i(k), alpha, a, i(lda), b,
               i(ldb), beta, d, i(ldd));
@@ -213,19 +214,41 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
     }
 }
 
+// Batch item l of x (rows x cols) as a row-major matrix whose leading dim fits OpenBLAS's int: x
+// itself, or a copy into `copy` (cols wide) where x's leading dim does not fit.
+GemmMatrix blas_operand(const GemmMatrix& x, std::int64_t l, std::int64_t rows, std::int64_t cols,
+                        Tensor& copy) {
+  if (x.ld <= std::numeric_limits<blasint>::max())
+    return {item<double>(x, l), x.ld, 0, x.transposed};
+  if (!copy.defined()) copy = Tensor({rows * cols}, DType::F64);
+  double* const out = copy.data_ptr<double>();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) out[r * cols + c] = at<double>(x, l, r, c);
+  return {out, cols, 0, false};
+}
+
 // f64 through OpenBLAS: the plain product (into D, or into a scratch product when alpha != 1 or C
-// is added), then D = alpha * product + beta * C with one fma, for the reason given above.
+// is added), then D = alpha * product + beta * C with
+// one fma, for the reason given above. An operand whose leading dim is past OpenBLAS's int (a view
+// of rows 2^31 elements apart) is copied first: its sizes fit, or the call is Unsupported.
 void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& c,
               const GemmMatrix& d, bool add_c) {
-  check_blas_sizes("f64 ", p.m, p.n, p.k, a.ld, b.ld, d.ld);
+  MESHFUSE_CHECK(std::max({p.m, p.n, p.k}) <= std::numeric_limits<blasint>::max(),
+                 ErrorCode::Unsupported,
+                 "gemm: f64 sizes must fit OpenBLAS's {}-bit int, got m={} "
+                 "n={} k={}",
+                 8 * sizeof(blasint), p.m, p.n, p.k);
   const auto op = [](const GemmMatrix& x) { return x.transposed ? CblasTrans : CblasNoTrans; };
   const auto i = blas_int;
-  const bool direct = p.alpha == 1.0 && !add_c;
-  Tensor product = direct ? Tensor() : Tensor({p.m * p.n}, DType::F64);
+  const bool direct = p.alpha == 1.0 && !add_c;  // D is contiguous: its ld, n, fits
+  Tensor product = direct ? Tensor() : Tensor({p.m * p.n}, DType::F64), a_copy, b_copy;
   for (std::int64_t l = 0; l < p.batch; ++l) {
     double* const out = direct ? item<double>(d, l) : product.data_ptr<double>();
-    cblas_dgemm(CblasRowMajor, op(a), op(b), i(p.m), i(p.n), i(p.k), 1.0, item<double>(a, l),
-                i(a.ld), item<double>(b, l), i(b.ld), 0.0, out, direct ? i(d.ld) : i(p.n));
+    const GemmMatrix ab = blas_operand(a, l, p.m, p.k, a_copy),
+                     bb = blas_operand(b, l, p.k, p.n, b_copy);
+    cblas_dgemm(CblasRowMajor, op(ab), op(bb), i(p.m), i(p.n), i(p.k), 1.0,
+                static_cast<const double*>(ab.data), i(ab.ld), static_cast<const double*>(bb.data),
+                i(bb.ld), 0.0, out, direct ? i(d.ld) : i(p.n));
     if (direct) continue;
     parallel_if(p.m * p.n >= kParallelMin, [&] {
 #pragma omp for schedule(static)
