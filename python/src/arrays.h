@@ -47,8 +47,9 @@ inline DType to_dtype(nb::dlpack::dtype t, std::string_view what) {
   if (t.lanes != 1) kind += " x " + std::to_string(t.lanes) + " lanes";
   throw Error(ErrorCode::DTypeMismatch,
               std::string(what) + " is an array of dtype " + kind +
-                  "; meshfuse takes float32, float64, bfloat16, float16, int32, int64, uint8, "
-                  "uint32 and bool arrays (each op's docstring says which it takes)");
+                  ", which no meshfuse op takes (meshfuse's dtypes: float32, float64, bfloat16, "
+                  "float16, int32, int64, uint8, uint32 and bool; the op's docstring says which "
+                  "this argument takes)");
 }
 
 inline Device to_device(int type, int id) {
