@@ -683,6 +683,34 @@ TEST(DistStore, AFileStoreDirectoryOthersCanReachOrALinkIsRefused) {
   fs::remove_all(dir);
 }
 
+// Ranks making the store's directory at once: it was made 0755 and then narrowed, and a rank that
+// found it in between refused it ("got mode 755", about 1 in 60 jobs of 8 processes).
+TEST(DistStore, RanksMakingTheFileStoreDirectoryAtOnceAllAcceptIt) {
+  namespace fs = std::filesystem;
+  const fs::path base = ::testing::TempDir() + "meshfuse_filestore_race_" +
+                        std::to_string(::testing::UnitTest::GetInstance()->random_seed());
+  fs::remove_all(base);
+  for (int trial = 0; trial < 30; ++trial) {
+    const std::string dir = (base / std::to_string(trial) / "store").string();
+    std::atomic<int> refused{0}, ready{0};
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 8; ++r)
+      ranks.emplace_back([&] {
+        for (++ready; ready < 8;) std::this_thread::yield();
+        try {
+          FileStore store(dir);
+        } catch (const Error&) {
+          ++refused;
+        }
+      });
+    for (std::thread& t : ranks) t.join();
+    ASSERT_EQ(refused, 0) << "trial " << trial;
+    EXPECT_EQ(fs::status(dir).permissions() & (fs::perms::group_all | fs::perms::others_all),
+              fs::perms::none);
+  }
+  fs::remove_all(base);
+}
+
 // Whoever controls a directory above the store's could move it away after the check and put
 // their own at its path: the store keeps reading and writing the directory it checked.
 TEST(DistStore, AFileStoreKeepsToTheDirectoryItCheckedWhenAnotherTakesItsPath) {

@@ -109,7 +109,8 @@ std::int64_t last_level_cache_bytes(const std::filesystem::path& cpu_root,
         top_level = level;
         instances.clear();
       }
-      if (level == top_level) instances[read("shared_cpu_list")] = size;
+      // One instance per id (where sysfs gives one) and set of CPUs sharing it.
+      if (level == top_level) instances[read("id") + "/" + read("shared_cpu_list")] = size;
     }
   }
   std::int64_t total = 0;

@@ -267,12 +267,14 @@ def test_errors_name_the_mesh_the_rank_and_the_input():
     assert on_ranks(4, rank_fn) == {r: True for r in range(4)}
 
 
-@pytest.mark.parametrize("options", [{}, {"z_loss_scale": 1e-2}, {"label_smoothing": 0.1}])
+@pytest.mark.parametrize("options", [{}, {"z_loss_scale": 1e-2}, {"label_smoothing": 0.1},
+                                     {"label_smoothing": 1.0}])
 @pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
 def test_a_vocabulary_shard_masked_to_minus_inf_gives_the_one_device_loss(op, options):
     """A padded vocabulary's masked columns (-inf logits, or a -inf bias) filling one rank's shard:
     that shard's lse and loss were -inf, their difference NaN, and every row's loss NaN. Row 2's
-    label is a masked column (+inf, as on one device); with label smoothing every row is +inf."""
+    label is a masked column (+inf, as on one device); with label smoothing every row is +inf, and
+    at label smoothing 1 row 2 is NaN (0 x -inf), as on one device."""
     n, h, v = 3, 5, 8
     xs, w = randn(n, h, seed=1), randn(v, h, seed=2)
     bias = np.where(np.arange(v) >= 4, -np.inf, 0).astype(np.float32)  # shard 1: columns 4..7

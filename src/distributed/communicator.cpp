@@ -66,11 +66,12 @@ CommImpl& CommState::impl(CommunicatorBackend backend) {
         break;
     }
   } catch (const Error& e) {
-    // A store's timeout names only a key: say whose set-up waited, and for what.
-    if (e.code() != ErrorCode::Timeout) throw;
+    // A store's timeout names only a key: say whose set-up waited, and for what (once: NCCL's
+    // set-up may exchange through another backend's, wrapped already).
+    if (e.code() != ErrorCode::Timeout || e.message().starts_with("communicator ")) throw;
     fail(ErrorCode::Timeout,
          "communicator {}: the {} backend's set-up on rank {} of {} gave up waiting for its peers "
-         "after {} ms (has every rank started, with the same MASTER_ADDR and MASTER_PORT?): {}",
+         "after {} ms (has every rank of the team started, with the same store?): {}",
          name, to_string(backend), rank, size(), timeout.count(), e.message());
   }
   return *impls.emplace(backend, std::move(created)).first->second;

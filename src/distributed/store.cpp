@@ -97,9 +97,13 @@ void HashStore::wait(const std::vector<std::string>& keys, std::chrono::millisec
 
 FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
     : Store(timeout), path_(std::move(path)) {
+  // The parents as the umask says, the directory itself private from its creation: made 0755 and
+  // then narrowed, another rank could find it open in between and refuse it.
   std::error_code ec;
-  if (std::filesystem::create_directories(path_, ec))
-    std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
+  const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (!ec && ::mkdir(path_.c_str(), 0700) != 0 && errno != EEXIST)
+    ec = std::error_code(errno, std::generic_category());
   MESHFUSE_CHECK(!ec, ErrorCode::InvalidArgument, "FileStore: cannot create the directory '{}': {}",
                  path_, ec.message());
   // Opened once, and every key read and written relative to that descriptor: whoever controls a
@@ -119,6 +123,14 @@ FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
 }
 
 FileStore::~FileStore() { ::close(dir_); }
+
+namespace {
+// Closes a descriptor when the scope ends, also by an exception (no memory for a value).
+struct ClosedAtEnd {
+  int fd;
+  ~ClosedAtEnd() { ::close(fd); }
+};
+}  // namespace
 
 // Keys may hold any byte: everything but [A-Za-z0-9._-] is written as %XX.
 std::string FileStore::file_of(const std::string& key) {
@@ -155,7 +167,7 @@ void FileStore::set(const std::string& key, const Bytes& value) {
     }
     done += static_cast<std::size_t>(n);
   }
-  if (::close(fd) != 0 && error == 0) error = errno;
+  if (::close(fd) != 0 && error == 0) error = errno;  // nothing above throws
   if (error == 0 && ::renameat(dir_, tmp.c_str(), dir_, file.c_str()) == 0) return;
   if (error == 0) error = errno;
   ::unlinkat(dir_, tmp.c_str(), 0);
@@ -170,19 +182,16 @@ Store::Bytes FileStore::get(const std::string& key) {
   MESHFUSE_CHECK(fd >= 0, ErrorCode::CommunicationFailure,
                  "FileStore: cannot read '{}/{}' for key '{}': {}", path_, file, key,
                  std::strerror(errno));
+  const ClosedAtEnd closed{fd};
   Bytes value;
   for (;;) {
     std::uint8_t chunk[65536];
     const ssize_t n = ::read(fd, chunk, sizeof(chunk));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int error = n < 0 ? errno : 0;
-      ::close(fd);
-      MESHFUSE_CHECK(error == 0, ErrorCode::CommunicationFailure,
-                     "FileStore: cannot read '{}/{}' for key '{}': {}", path_, file, key,
-                     std::strerror(error));
-      return value;
-    }
+    MESHFUSE_CHECK(n >= 0, ErrorCode::CommunicationFailure,
+                   "FileStore: cannot read '{}/{}' for key '{}': {}", path_, file, key,
+                   std::strerror(errno));
+    if (n == 0) return value;
     value.insert(value.end(), chunk, chunk + n);
   }
 }

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -474,7 +475,8 @@ struct TcpStore::Impl {
       if (error == EINPROGRESS) {
         pollfd p{fd, POLLOUT, 0};
         const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
-        const int ready = ::poll(&p, 1, static_cast<int>(std::max<std::int64_t>(left.count(), 0)));
+        const int ready =
+            ::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, INT_MAX)));
         socklen_t len = sizeof(error);
         if (ready < 0)
           error = errno;

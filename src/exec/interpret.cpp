@@ -146,8 +146,8 @@ DType row_loss_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 
 // (0 for ignored rows). Where a shard has no mass in a row (lse_s = -inf: no columns, or all of
 // them -inf, as a padded vocabulary's masked columns) that difference is NaN, and part_s is what
 // its definition gives: -inf where the label's logit or one in the smoothing sum is -inf (the row's
-// loss +inf, as on one device), else 0. The statistics are a few doubles per row: the host
-// combines them.
+// loss +inf, as on one device; NaN for the label's at label smoothing 1, as there), else 0. The
+// statistics are a few doubles per row: the host combines them.
 struct Rows {
   std::vector<double> lse, loss;
 };
@@ -165,9 +165,12 @@ Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s, std::int6
     const bool here =
         y >= static_cast<double>(o.vocab_start) && y < static_cast<double>(o.vocab_start + columns);
     mine[i] = lse;
-    mine[static_cast<std::size_t>(n) + i] = lse != -inf ? lse + z * lse * lse - loss_mine[i]
-                                            : columns > 0 && (here || o.label_smoothing > 0) ? -inf
-                                                                                             : 0.0;
+    // Without mass: (1 - eps) v_y where the label is here (v_y = -inf; NaN at eps = 1, as on
+    // one device), plus eps sum_j v_j / vocab_size where smoothing is on (-inf over -inf logits).
+    mine[static_cast<std::size_t>(n) + i] =
+        lse != -inf ? lse + z * lse * lse - loss_mine[i]
+                    : (here ? (1 - o.label_smoothing) * -inf : 0.0) +
+                          (o.label_smoothing > 0 && columns > 0 ? -inf : 0.0);
   }
   const Device device = lse_s.device();
   const Tensor sent({2 * n}, DType::F64, device, stream);

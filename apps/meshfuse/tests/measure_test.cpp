@@ -67,7 +67,11 @@ TEST_F(FakeSysfs, WithoutAnL3TheL2IsTheLastLevelAndInstructionCachesAreNot) {
 
 TEST_F(FakeSysfs, NoCacheDirectoriesGiveZero) { EXPECT_EQ(last_level_cache_bytes(root_, {0}), 0); }
 
-TEST(LastLevelCache, ThisMachineHasOne) { EXPECT_GT(last_level_cache_bytes(), 0); }
+TEST(LastLevelCache, ThisMachineHasOneWhereSysfsDescribesIt) {
+  if (!fs::exists("/sys/devices/system/cpu/cpu0/cache/index0"))
+    GTEST_SKIP() << "no cache entries in sysfs";
+  EXPECT_GT(last_level_cache_bytes(), 0);
+}
 
 }  // namespace
 }  // namespace meshfuse::cli
