@@ -416,7 +416,7 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
       "meshfuse run: {} MLP block (tensor + sequence parallel) and head (vocabulary parallel), {} "
       "tokens, {}, {} rank(s) on {} ({}), forward + backward, {} timed runs after a warm-up\n",
       s.model.name, s.tokens, o.dtype, s.ranks, to_string(s.backend), s.device.str(), o.repeats);
-  if (o.dump_plan) out << "plan of rank 0:\n" << r.plan;
+  if (o.dump_plan) out << r.plan;  // headed "plan of rank 0 on <mesh>, ..."
   out << fmt::format("plan: {} compute steps, {} communications (--dump-plan prints them)\n",
                      r.compute_steps, r.collectives.size());
   out << fmt::format("{:>6} {:>12} {:>12} {:>8}\n", "rank", "median ms", "comm ms", "comm %");
@@ -458,6 +458,7 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
       "check against one device (normwise: max |sharded - one device| / max |one device|, "
       "tolerance {}):\n",
       s.dtype == DType::F32 ? "1e-4" : "2e-2");
+  out << fmt::format("  {:<24} {:>10} {:>10}  {}\n", "output", "max abs", "normwise", "check");
   for (const Check& c : r.checks)
     out << fmt::format("  {:<24} {:>10.3e} {:>10.3e}  {}\n", c.name, c.max_abs_err, c.normwise_err,
                        c.pass ? "pass" : "FAIL");

@@ -627,6 +627,13 @@ def _flce_grad(ctx, grad_loss, *_):
                                                 *wants, *ctx.options)
     else:
         wants, (*saved, scale) = ctx.computed, ctx.saved_tensors
+        missing = [name for name, need, want in zip(("x", "weight", "bias"), ctx.needs_input_grad,
+                                                    wants) if need and not want]
+        if missing:  # the op called directly, asking for fewer than autograd needs
+            raise RuntimeError(
+                f"meshfuse::fused_linear_cross_entropy: autograd needs the gradient of "
+                f"{', '.join(missing)}, which the forward did not compute (its grad_* flags); "
+                f"meshfuse.torch.fused_linear_cross_entropy asks for every one autograd needs")
         # The real upstream over the forward's (_gradient_scale), in float32 at least: a float16
         # quotient of a small upstream by up to 2^15 rounds to a subnormal or to zero.
         wide = _wide(grad_loss.dtype)

@@ -217,8 +217,12 @@ void bind_record(nb::module_& m) {
           "Blocks until done (timeout in seconds; default: the communicator's). Raises the "
           "operation's error. A timeout that expires fails the communicator (a transfer cannot be "
           "cancelled): to poll, use is_completed().")
-      .def("is_completed", [](const PyWork& w) { return w.work.is_completed(); })
-      .def_prop_ro("record", [](const PyWork& w) { return w.work.record(); })
+      .def(
+          "is_completed", [](const PyWork& w) { return w.work.is_completed(); },
+          "Whether the operation has finished (successfully or not), without blocking.")
+      .def_prop_ro(
+          "record", [](const PyWork& w) { return w.work.record(); },
+          "The CommRecord of the operation: op, backend, dtype, bytes, team, sequence number.")
       .def("__repr__", [](const PyWork& w) {
         return "<Work " + w.work.record().to_string() +
                (w.work.is_completed() ? ", completed>" : ", pending>");
@@ -229,10 +233,13 @@ void bind_communicator(nb::module_& m) {
   nb::class_<Communicator>(m, "Communicator",
                            "A team of ranks and the backends that move its arrays (see "
                            "include/meshfuse/distributed/communicator.h).")
-      .def_prop_ro("rank", &Communicator::rank)
-      .def_prop_ro("size", &Communicator::size)
-      .def_prop_ro("team", &Communicator::team)
-      .def_prop_ro("spec", [](const Communicator& c) { return c.spec().str(); })
+      .def_prop_ro("rank", &Communicator::rank, "This rank's index in the team, 0 .. size - 1.")
+      .def_prop_ro("size", &Communicator::size, "The team's number of ranks.")
+      .def_prop_ro("team", &Communicator::team,
+                   "The team's ranks as world ranks, in team order (list of int).")
+      .def_prop_ro(
+          "spec", [](const Communicator& c) { return c.spec().str(); },
+          "The backend of each device type, e.g. 'cpu:gloo,cuda:nccl'.")
       .def(
           "backend",
           [](const Communicator& c, const std::string& device) {
@@ -245,14 +252,20 @@ void bind_communicator(nb::module_& m) {
           "Seconds a rank waits for its peers.")
       .def_prop_rw("checks", &Communicator::checks, &Communicator::set_checks,
                    "The cross-rank metadata check before each collective.")
-      .def_prop_rw("history_size", &Communicator::history_size, &Communicator::set_history_size)
+      .def_prop_rw("history_size", &Communicator::history_size, &Communicator::set_history_size,
+                   "How many CommRecords history() keeps (0: none).")
       .def("history", &Communicator::history, "The last history_size records, oldest first.")
       .def("split", &Communicator::split, "color"_a, "key"_a = 0,
            nb::call_guard<nb::gil_scoped_release>(),
            "The team of the ranks that pass the same color, ordered by key then rank (MPI's "
            "Comm_split; collective). Returns None on a rank that passes a negative color.")
       .def("new_group", &Communicator::new_group, "ranks"_a,
-           nb::call_guard<nb::gil_scoped_release>())
+           nb::call_guard<nb::gil_scoped_release>(),
+           "The team of `ranks` (ranks of this team, in the new team's order, no duplicates; "
+           "torch.distributed.new_group). Collective: every rank of this team calls it with the "
+           "same list (checked: InvalidArgumentError on every rank when the lists differ), members "
+           "and non-members alike; non-members get None. A rank that does not call it leaves the "
+           "others waiting until the timeout (CommunicationTimeoutError).")
       .def("mesh_teams", &Communicator::mesh_teams, "mesh"_a,
            nb::call_guard<nb::gil_scoped_release>(),
            "The teams of `mesh` (a DeviceMesh over this team's ranks), one per mesh dimension: "
@@ -268,7 +281,12 @@ void bind_communicator(nb::module_& m) {
             const Stream s = stream_of(stream, v, "all_reduce");
             return run([&] { return c.all_reduce(v, r, s); }, kept({}, {&t}), &checks);
           },
-          "tensor"_a, "op"_a = "sum", "stream"_a = 0)
+          "tensor"_a, "op"_a = "sum", "stream"_a = 0,
+          "In place: tensor = op over the ranks' tensors (the same shape and dtype on every rank). "
+          "op: 'sum', 'avg', 'prod', 'min' or 'max' (NaN wins min and max). stream: a "
+          "cudaStream_t as an int for CUDA arrays (0: the default stream). Returns a Work; every "
+          "rank makes the same calls in the same order (with checks on, a mismatch raises "
+          "InvalidArgumentError on every rank).")
       .def(
           "broadcast",
           [](Communicator& c, Out t, RankArg root, StreamArg stream) {
@@ -278,7 +296,8 @@ void bind_communicator(nb::module_& m) {
             const Stream s = stream_of(stream, v, "broadcast");
             return run([&] { return c.broadcast(v, r, s); }, kept({}, {&t}), &checks);
           },
-          "tensor"_a, "root"_a, "stream"_a = 0)
+          "tensor"_a, "root"_a, "stream"_a = 0,
+          "In place: every rank's tensor = root's (root: a rank of this team). Returns a Work.")
       .def(
           "reduce",
           [](Communicator& c, Out t, RankArg root, ReduceArg op, StreamArg stream) {
@@ -289,7 +308,9 @@ void bind_communicator(nb::module_& m) {
             const Stream s = stream_of(stream, v, "reduce");
             return run([&] { return c.reduce(v, to, r, s); }, kept({}, {&t}), &checks);
           },
-          "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0)
+          "tensor"_a, "root"_a, "op"_a = "sum", "stream"_a = 0,
+          "In place on root: tensor = op over the ranks' tensors; the others' are left as they "
+          "were. op as all_reduce. Returns a Work.")
       .def(
           "all_gather",
           [](Communicator& c, In input, Out output, SplitsArg split_sizes, StreamArg stream) {
@@ -304,7 +325,12 @@ void bind_communicator(nb::module_& m) {
                 },
                 kept({&input}, {&output}), &checks);
           },
-          "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0)
+          "input"_a, "output"_a, "output_split_sizes"_a = nb::none(), "stream"_a = 0,
+          "output = the ranks' inputs concatenated in rank order. Without output_split_sizes, "
+          "equal shards: output.size == size * input.size (torch all_gather_into_tensor); with "
+          "them (a list of size ints, the same on every rank), rank r contributes "
+          "output_split_sizes[r] rows (its input.shape[0]) and output holds their sum, trailing "
+          "dims as input's. Returns a Work.")
       .def(
           "reduce_scatter",
           [](Communicator& c, In input, Out output, SplitsArg split_sizes, ReduceArg op,
@@ -322,7 +348,12 @@ void bind_communicator(nb::module_& m) {
                 },
                 kept({&input}, {&output}), &checks);
           },
-          "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0)
+          "input"_a, "output"_a, "input_split_sizes"_a = nb::none(), "op"_a = "sum", "stream"_a = 0,
+          "input is reduced (op as all_reduce) over the ranks and rank r keeps block r in output. "
+          "Without input_split_sizes, equal blocks: input.size == size * output.size (torch "
+          "reduce_scatter_tensor); with them (the same on every rank), rank r keeps "
+          "input_split_sizes[r] rows (its output.shape[0]) and input.shape[0] is their sum. "
+          "Returns a Work.")
       .def(
           "gather",
           [](Communicator& c, In input, const std::optional<Out>& output, RankArg root,
@@ -371,7 +402,11 @@ void bind_communicator(nb::module_& m) {
                 kept({&input}, {&output}), &checks);
           },
           "input"_a, "output"_a, "input_split_sizes"_a = nb::none(),
-          "output_split_sizes"_a = nb::none(), "stream"_a = 0)
+          "output_split_sizes"_a = nb::none(), "stream"_a = 0,
+          "Rank r sends rows [sum(in[:s]), + in[s]) of its input to rank s, which stores them at "
+          "rows [sum(out[:r]), + out[r]) of its output (torch all_to_all_single, input splits "
+          "first). No split lists: equal blocks of size / team size elements. Every rank's "
+          "out[r] must equal rank r's in[this rank] (checked). Returns a Work.")
       .def(
           "send",
           [](Communicator& c, In t, int dst, int tag, std::uintptr_t stream) {
@@ -379,7 +414,9 @@ void bind_communicator(nb::module_& m) {
             return run([&] { return c.send(v, dst, tag, stream_on(v.device(), stream)); },
                        kept({&t}));
           },
-          "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0)
+          "tensor"_a, "dst"_a, "tag"_a = 0, "stream"_a = 0,
+          "Sends tensor to rank dst, matched by (this rank, tag) with its recv (same bytes). Keep "
+          "tensor alive and unchanged until the returned Work completes.")
       .def(
           "recv",
           [](Communicator& c, Out t, int src, int tag, std::uintptr_t stream) {
@@ -387,7 +424,9 @@ void bind_communicator(nb::module_& m) {
             return run([&] { return c.recv(v, src, tag, stream_on(v.device(), stream)); },
                        kept({}, {&t}));
           },
-          "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0)
+          "tensor"_a, "src"_a, "tag"_a = 0, "stream"_a = 0,
+          "Receives into tensor what rank src sends with this tag (the same number of bytes, "
+          "else CommunicationError). Returns a Work; the data is there once it completes.")
       .def(
           "send_recv",
           [](Communicator& c, In send, int dst, Out recv, int src, int tag, std::uintptr_t stream) {
@@ -436,8 +475,10 @@ void bind_communicator(nb::module_& m) {
             new (w) LocalWorld(size, options("", timeout, check));
           },
           "size"_a, "timeout"_a = 300.0, "check"_a = true)
-      .def_prop_ro("size", &LocalWorld::size)
-      .def("communicator", &LocalWorld::communicator, "rank"_a)
+      .def_prop_ro("size", &LocalWorld::size, "The number of ranks.")
+      .def("communicator", &LocalWorld::communicator, "rank"_a,
+           "Rank `rank`'s Communicator (once per rank: a second call raises "
+           "InvalidArgumentError), for the thread that runs that rank.")
       .def("abort", &LocalWorld::abort, "why"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Breaks the world for good: ranks waiting in (or later starting) a collective or a "
            "recv fail at once with CommunicationError saying `why`.");

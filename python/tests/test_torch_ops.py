@@ -97,6 +97,17 @@ def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device)
              (torch.ones_like(loss), logits.detach(), labels, lse, *options))
 
 
+def test_fused_linear_cross_entropy_called_with_fewer_gradients_than_autograd_needs_says_so():
+    # The op asked for no gradient while x and w require one: the backward failed with
+    # "'NoneType' object has no attribute 'to'" (and returning none would drop the gradients).
+    x, w = _randn(6, 8, seed=5, grad=True), _randn(20, 8, seed=6, grad=True)
+    labels = torch.tensor([1, -100, 19, 0, 7, 3])
+    loss = ops.fused_linear_cross_entropy(x, w, None, labels, None, False, False, False, -100,
+                                          "mean", 0.0, 1.0, 0.0, None, 0)[0]
+    with pytest.raises(RuntimeError, match="needs the gradient of x, weight, which the forward"):
+        loss.backward()
+
+
 def test_opcheck_recurrent_and_sequence_ops():
     x, w = _randn(2, 5, 2, 4, seed=7, grad=True), _randn(2, 4, 4, seed=8, grad=True) * 0.3
     h0 = _randn(2, 2, 4, seed=9, grad=True)

@@ -90,8 +90,9 @@ std::vector<Direction> fused_linear_cross_entropy_directions(const BenchSetup& s
   const std::int64_t n = std::min(s.tokens, on_cpu ? kCpuRows : kCudaRows), v = s.model.vocab_size,
                      h = s.model.hidden_size, checked = std::min(n, kCheckRows);
   if (n < s.tokens)
-    notes.push_back(fmt::format("runs on {} of the {} tokens ({:.0f} M multiply-adds per row)", n,
-                                s.tokens, static_cast<double>(v * h) / 1e6));
+    notes.push_back(fmt::format(
+        "runs on {} of the {} tokens ({} multiply-adds per row)", n, s.tokens,
+        v * h >= 1'000'000 ? fmt::format("{:.0f} M", v * h / 1e6) : std::to_string(v * h)));
   note_rows_checked(notes, checked, n, "the reference holds the whole logits in double");
   notes.push_back(fmt::format(
       "weight ~ N(0, 1/H); reduction none, loss and its upstream per row in {}; grad_weight "
