@@ -18,7 +18,14 @@ It swaps, on the model's own modules (no copy, the weights untouched):
   ``torch.nn.Linear`` without hooks (a LoRA adapter, a quantised linear) the forward is the
   model's own.
   Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``,
-  in the call or else in the config).
+  in the call or else in the config), and so does a model with a loss function of the caller's
+  (``model.loss_function = ...``, another ``loss_type``) or a call with ``logits_to_keep`` (labels
+  for the kept positions only). An ``lm_head`` of another dtype than the hidden states (fp32 under
+  bf16 autocast) is cast to theirs, as autocast casts it.
+
+The patched forwards keep the signature of the module's class (transformers' ``generate`` and
+Trainer read it). A model saved whole (``torch.save(model)``) loads with its class's forwards:
+patch it again.
 
 Every path meshfuse does not take calls the forward the module had before ``patch``. Models with
 accelerate hooks (dispatched by ``device_map=`` over several devices, or offloaded) are refused:
@@ -71,6 +78,11 @@ def _output_class(forward):
     return CausalLMOutputWithPast
 
 
+def _keeps_every_position(logits_to_keep):
+    # transformers' logits_to_keep: 0 (every position), k (the last k), or positions (a tensor).
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
 def _causal_lm_forward(self, *args, **kwargs):
     unpatched = _unpatched(self)
     # Only a training step takes the fused loss: evaluation and prediction (HF Trainer's
@@ -93,6 +105,13 @@ def _causal_lm_forward(self, *args, **kwargs):
     shift_labels = arguments.pop("shift_labels", None)
     if labels is None and shift_labels is None:
         return unpatched(*args, **kwargs)
+    # The fused loss is transformers' ForCausalLMLoss over every position: a loss of the caller's
+    # (model.loss_function set, another loss_type) or logits kept at some positions only (labels
+    # for those) take the model's own forward.
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    if self.loss_function is not LOSS_MAPPING["ForCausalLM"] or \
+            not _keeps_every_position(arguments.get("logits_to_keep", 0)):
+        return unpatched(*args, **kwargs)
     # Mixtral adds the router's auxiliary loss to the loss when output_router_logits is set, in
     # the call or else in the config: its own forward (and loss) then.
     router_logits = arguments.get("output_router_logits")
@@ -114,9 +133,14 @@ def _causal_lm_forward(self, *args, **kwargs):
     if shift_labels is None:  # transformers' ForCausalLMLoss: tokens < n predict n
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     sixteen_bit = hidden.dtype in (torch.bfloat16, torch.float16)
+    # An lm_head of another dtype than the hidden states (fp32 under bf16 autocast): cast as
+    # autocast casts it for the model's own linear.
+    weight, bias = self.lm_head.weight, self.lm_head.bias
+    if weight.dtype != hidden.dtype:
+        weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
     loss = mt.fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
-        shift_labels.reshape(-1).to(hidden.device), self.lm_head.bias,
+        hidden.reshape(-1, hidden.shape[-1]), weight,
+        shift_labels.reshape(-1).to(hidden.device), bias,
         reduction="mean" if num_items_in_batch is None else "sum",
         loss_dtype=torch.float32 if sixteen_bit else None)
     if num_items_in_batch is not None:
@@ -133,7 +157,18 @@ def _replace_forward(module, forward):
     # keeps the first one's.
     if not hasattr(module, _UNPATCHED):
         setattr(module, _UNPATCHED, module.forward)
-    module.forward = types.MethodType(forward, module)
+
+    def patched(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    # With the module's own signature: transformers reads it (generate builds the attention mask
+    # and position ids only for a forward that names them, and asks for logits_to_keep; Trainer
+    # keeps only the batch columns the forward names). Named "forward": pickle rebinds a bound
+    # method by its name, so a model saved whole loads with its class's forward (unpatched).
+    patched.__signature__ = inspect.signature(type(module).forward)
+    patched.__name__ = "forward"
+    patched.__qualname__ = f"{type(module).__qualname__}.forward"
+    module.forward = types.MethodType(patched, module)
 
 
 def _refuse_hooks(model):

@@ -201,3 +201,69 @@ def test_swiglu_mlp_module_calls_its_projections():
     x = torch.randn(3, 8)
     expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_patched_model_keeps_the_signature_transformers_reads():
+    # The patched forward showed (*args, **kwargs): generate() then built no attention mask from
+    # the pad tokens (other tokens than the unpatched model's, silently), and Trainer's column
+    # filter kept only the labels of a batch.
+    import inspect
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    patched = mt.patch(copy.deepcopy(reference))
+    assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
+    assert inspect.signature(patched.model.norm.forward) == \
+        inspect.signature(reference.model.norm.forward)
+    ids = torch.randint(1, 64, (2, 6))
+    ids[0, :2] = 0  # left padding
+    for model in (patched, reference):
+        model.eval()
+        model.generation_config.pad_token_id = 0
+    kwargs = dict(max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(patched.generate(ids, **kwargs), reference.generate(ids, **kwargs),
+                               rtol=0, atol=0)
+
+
+def test_losses_the_fused_path_cannot_give_take_the_models_own_forward():
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    ids = torch.randint(0, 64, (2, 9))
+    labels = ids.clone()
+
+    # A loss function of the caller's (transformers' public setter): it was ignored.
+    def smoothed(logits, labels, vocab_size, **kwargs):
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab_size).float(), labels[:, 1:].reshape(-1),
+            label_smoothing=0.1)
+
+    custom = copy.deepcopy(reference)
+    custom.loss_function = smoothed
+    patched = mt.patch(copy.deepcopy(custom))
+    torch.testing.assert_close(patched(ids, labels=labels).loss, custom(ids, labels=labels).loss)
+    # Logits kept at the last positions only, with labels for those: a shape error before.
+    patched = mt.patch(copy.deepcopy(reference))
+    kept = dict(labels=labels[:, -5:], logits_to_keep=5)
+    torch.testing.assert_close(patched(ids, **kept).loss, reference(ids, **kept).loss)
+    # A bf16 model whose lm_head stayed fp32, under autocast: a dtype error before.
+    mixed = copy.deepcopy(reference).to(torch.bfloat16)
+    mixed.lm_head.float()
+    patched = mt.patch(copy.deepcopy(mixed))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = patched(ids, labels=labels).loss, mixed(ids, labels=labels).loss
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+    ours.backward()
+    assert patched.lm_head.weight.grad.dtype == torch.float32
+
+
+def test_a_patched_model_saved_whole_loads_as_a_working_model():
+    # Loading failed: pickle rebinds a bound method by its function's name ('_mlp_forward').
+    import io
+    torch.manual_seed(0)
+    patched = mt.patch(transformers.AutoModelForCausalLM.from_config(_config("llama")))
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, patched.eval()(ids).logits)
