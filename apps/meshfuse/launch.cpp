@@ -62,32 +62,46 @@ int exit_code_of(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-void write_all(int fd, std::string_view text) {
+// False when fd no longer takes output (a closed pipe: EPIPE, SIGPIPE being ignored).
+bool write_all(int fd, std::string_view text) {
   while (!text.empty()) {
     const ssize_t n = write(fd, text.data(), text.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // our own output is gone (closed pipe): nothing left to tell
+    if (n <= 0) return false;
     text.remove_prefix(static_cast<std::size_t>(n));
   }
+  return true;
 }
 
-// One of a rank's output pipes, forwarded to `target` (1 or 2) one whole line at a time.
+// One of a rank's output pipes, forwarded to `target` (1 or 2) one whole line at a time; a line
+// that grows past kMaxLine unended goes out as it is (a line of its own), so that one endless
+// line neither holds the rest back nor fills the launcher's memory.
 struct Output {
+  static constexpr std::size_t kMaxLine = std::size_t{1} << 20;
   int fd = -1;
   int target = 1;
   std::string prefix;
   std::string pending;  // a line not yet ended
 
   void forward(std::string_view data) {
+    std::size_t start = 0, end, from = pending.size();  // the new data only is searched
     pending.append(data);
-    std::size_t start = 0, end;
     std::string lines;
-    while ((end = pending.find('\n', start)) != std::string::npos) {
+    while ((end = pending.find('\n', from)) != std::string::npos) {
       lines.append(prefix).append(pending, start, end + 1 - start);
-      start = end + 1;
+      start = from = end + 1;
     }
     pending.erase(0, start);
-    write_all(target, lines);
+    if (pending.size() > kMaxLine) {
+      lines.append(prefix).append(pending).append("\n");
+      pending.clear();
+    }
+    // Where our output has gone (| head), the rank's does too: its pipe is closed, so that its
+    // next write fails as it would have written to that reader itself (SIGPIPE).
+    if (!write_all(target, lines)) {
+      pending.clear();
+      close_pipe();
+    }
   }
   void close_pipe() {
     if (!pending.empty()) write_all(target, prefix + pending + "\n");
@@ -107,11 +121,17 @@ struct Rank {
                              pid_t launcher, int out_fd, int err_fd, const sigset_t& old_mask) {
   // Own process group: stopping a rank reaches the processes it started too. Dying with the
   // launcher: a SIGKILLed launcher leaves no rank behind.
+  // SIGKILL: nobody is left to follow a SIGTERM up.
   setpgid(0, 0);
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (getppid() != launcher) _exit(128 + SIGTERM);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher) _exit(128 + SIGKILL);
+  // stdin from /dev/null: a rank is not in the terminal's foreground group, and reading the
+  // terminal (input(), pdb) would stop it (SIGTTIN) and the job with it; it reads end of file.
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
   dup2(out_fd, STDOUT_FILENO);
   dup2(err_fd, STDERR_FILENO);
+  signal(SIGPIPE, SIG_DFL);  // ignored by the launcher: not by its ranks
   sigprocmask(SIG_SETMASK, &old_mask, nullptr);
   std::vector<char*> argv, envp;
   for (const std::string& a : options.command) argv.push_back(const_cast<char*>(a.c_str()));
@@ -119,10 +139,11 @@ struct Rank {
   argv.push_back(nullptr);
   envp.push_back(nullptr);
   execvpe(argv[0], argv.data(), envp.data());
+  const int error = errno;
   const std::string message = fmt::format("meshfuse launch: cannot run '{}': {}\n",
-                                          options.command[0], std::strerror(errno));
+                                          options.command[0], std::strerror(error));
   write_all(STDERR_FILENO, message);
-  _exit(127);
+  _exit(error == ENOENT ? 127 : 126);  // as a shell: not found, or found and not executable
 }
 
 class Launcher {
@@ -136,33 +157,58 @@ class Launcher {
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
     for (int sig : kForwarded) {
-      signal(sig, SIG_DFL);  // not inherited as ignored (a background shell job ignores SIGINT)
+      // SIGHUP ignored (nohup) stays ignored, and is not forwarded: the job outlives the
+      // terminal. SIGINT and SIGTERM are heard even where inherited as ignored (a background
+      // shell job ignores SIGINT).
+      if (sig == SIGHUP && signal(sig, SIG_IGN) == SIG_IGN) continue;
+      signal(sig, SIG_DFL);
       sigaddset(&mask, sig);
     }
+    // A reader of our output that goes away (| head) makes writes fail, not the launcher die
+    // with its ranks left running.
+    signal(SIGPIPE, SIG_IGN);
     sigprocmask(SIG_BLOCK, &mask, &old_mask);
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
     MESHFUSE_CHECK(signal_fd_ >= 0, ErrorCode::Internal, "launch: signalfd: {}",
                    std::strerror(errno));
 
     ranks_.resize(static_cast<std::size_t>(options_.nprocs));
+    std::exception_ptr start_error;  // the launcher's own: raised once the ranks started are gone
     for (int r = 0; r < options_.nprocs; ++r) {
       if (stop_signal_ || first_failure_) break;  // interrupted or failed: start no more
-      start(r, port, old_mask);
+      try {
+        start(r, port, old_mask);
+      } catch (const std::exception&) {
+        start_error = std::current_exception();
+        stop(SIGTERM);
+        break;
+      }
       drain_signals();
     }
     loop();
+    // Reaped only now: until every rank's group has been signalled, its pid (the group's id)
+    // must not be free for another process to take.
+    for (Rank& rank : ranks_)
+      if (rank.pid > 0) waitpid(rank.pid, nullptr, 0);
     close(signal_fd_);
     sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    if (start_error) std::rethrow_exception(start_error);
     return report();
   }
 
  private:
   void start(int r, int port, const sigset_t& old_mask) {
     Rank& rank = ranks_[static_cast<std::size_t>(r)];
-    int pipes[2][2];
+    int pipes[2][2] = {{-1, -1}, {-1, -1}};
     for (auto& p : pipes)
-      MESHFUSE_CHECK(pipe2(p, O_CLOEXEC) == 0, ErrorCode::Internal, "launch: pipe: {}",
-                     std::strerror(errno));
+      if (pipe2(p, O_CLOEXEC) != 0) {
+        const int error = errno;
+        for (auto& q : pipes)
+          for (int fd : q)
+            if (fd >= 0) close(fd);
+        fail(ErrorCode::Internal, "launch: cannot start rank {}: pipe: {}", r,
+             std::strerror(error));
+      }
     const std::vector<std::string> env =
         launch_env(r, options_.nprocs, port, options_.backend, secret_);
     const pid_t launcher = getpid();
@@ -170,7 +216,6 @@ class Launcher {
     if (pid < 0) {
       const int error = errno;
       for (auto& p : pipes) close(p[0]), close(p[1]);
-      stop(SIGTERM);
       fail(ErrorCode::Internal, "launch: cannot start rank {}: fork: {}", r, std::strerror(error));
     }
     if (pid == 0) exec_child(options_, env, launcher, pipes[0][1], pipes[1][1], old_mask);
@@ -191,24 +236,30 @@ class Launcher {
                                     std::chrono::duration<double>(options_.grace_s));
   }
 
+  // Also what a finished rank left behind in its group. Safe from pid reuse: the ranks are not
+  // reaped before (reap() only looks), so no group id is free for another process yet.
   void kill_groups() {
     for (const Rank& rank : ranks_)
-      if (rank.pid > 0) kill(-rank.pid, SIGKILL);  // also what a finished rank left behind
+      if (rank.pid > 0) kill(-rank.pid, SIGKILL);
     killed_ = true;
   }
 
+  // Notes the ranks that have ended, leaving them unreaped (WNOWAIT): run() reaps them last.
   void reap() {
-    int status;
-    pid_t pid;
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-      for (std::size_t r = 0; r < ranks_.size(); ++r) {
-        if (ranks_[r].pid != pid) continue;
-        ranks_[r].status = status;
-        const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
-        if (failed && !first_failure_ && !stop_signal_) {
-          first_failure_ = static_cast<int>(r);
-          stop(SIGTERM);
-        }
+    for (std::size_t r = 0; r < ranks_.size(); ++r) {
+      Rank& rank = ranks_[r];
+      if (rank.pid <= 0 || rank.status) continue;
+      siginfo_t info{};
+      if (waitid(P_PID, static_cast<id_t>(rank.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+          info.si_pid != rank.pid)
+        continue;
+      const int status = info.si_code == CLD_EXITED ? W_EXITCODE(info.si_status, 0)
+                                                    : W_EXITCODE(0, info.si_status);
+      rank.status = status;
+      const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+      if (failed && !first_failure_ && !stop_signal_) {
+        first_failure_ = static_cast<int>(r);
+        stop(SIGTERM);
       }
     }
   }
@@ -291,7 +342,8 @@ class Launcher {
       const Rank& rank = ranks_[static_cast<std::size_t>(r)];
       return fmt::format("rank {} (pid {}) {}", r, rank.pid, describe(*rank.status));
     };
-    if (stop_signal_) {
+    // An interrupt during the grace period after a failure: the failure is what is reported.
+    if (stop_signal_ && !first_failure_) {
       const char* abbrev = sigabbrev_np(stop_signal_);
       fmt::print(stderr, "meshfuse launch: interrupted by SIG{}, forwarded to every rank\n",
                  abbrev ? abbrev : "?");
@@ -356,6 +408,9 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
   // N ranks each running OpenMP on every core oversubscribe the machine N times over, and their
   // spinning threads starve each other: each gets its share of the cores unless the caller chose
   // (torchrun sets 1).
+  // The ranks write into pipes, where Python buffers its output in blocks: a rank's lines would
+  // come when it exits, and be lost when it is killed.
+  if (!std::getenv("PYTHONUNBUFFERED")) env.push_back("PYTHONUNBUFFERED=1");
   if (!std::getenv("OMP_NUM_THREADS")) {
     cpu_set_t allowed;  // the cores this process may run on (taskset, a container's cpuset)
     CPU_ZERO(&allowed);
@@ -368,8 +423,8 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
 }
 
 int run_launch(const LaunchOptions& options) {
-  MESHFUSE_CHECK(options.nprocs >= 1, ErrorCode::InvalidArgument,
-                 "launch: -n: expected a positive number of processes, got {}", options.nprocs);
+  MESHFUSE_CHECK(options.nprocs >= 1 && options.nprocs <= 65536, ErrorCode::InvalidArgument,
+                 "launch: -n: expected 1 to 65536 processes, got {}", options.nprocs);
   MESHFUSE_CHECK(!options.command.empty(), ErrorCode::InvalidArgument,
                  "launch: expected a command to run after the options (meshfuse launch -n N -- "
                  "COMMAND ARGS...)");

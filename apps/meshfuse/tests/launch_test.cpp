@@ -228,10 +228,106 @@ TEST(Launch, CommandThatCannotRunFailsWith127) {
       << read_file(dir / "err");
 }
 
+// A rank's stdin is /dev/null: reading it gives end of file at once. It was the launcher's: from a
+// terminal the read stopped the rank (SIGTTIN: ranks are not in the foreground group) and the
+// job waited for ever; from a pipe here it waited for the writer.
+TEST(Launch, RanksReadEndOfFileFromStdin) {
+  const Scratch dir;
+  int feed[2];  // the launcher's stdin: a pipe this test holds open and never writes
+  ASSERT_EQ(pipe(feed), 0);
+  const std::string out = (dir / "out").string();
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    dup2(feed[0], STDIN_FILENO);
+    close(feed[1]);
+    freopen(out.c_str(), "w", stdout);
+    execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "2", "--", "sh", "-c",
+          "read line; echo read $?", nullptr);
+    _exit(127);
+  }
+  close(feed[0]);
+  int status = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(15);
+  while (waitpid(launcher, &status, WNOHANG) == 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  close(feed[1]);  // lets a launcher that waited for it end
+  const bool ended = Clock::now() < deadline;
+  if (!ended) waitpid(launcher, &status, 0);
+  EXPECT_TRUE(ended) << "a rank waited on the launcher's stdin";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_TRUE(contains(read_file(out), "[rank0]: read 1")) << read_file(out);
+}
+
+// A reader of the launcher's output that goes away (| head -1): the launcher died of SIGPIPE and
+// left its ranks running; now the ranks' own writes meet the closed pipe, and the job ends.
+TEST(Launch, AReaderThatGoesAwayEndsTheJobAndLeavesNoRank) {
+  const Scratch dir;
+  const std::string command =
+      fmt::format("'{}' launch -n 2 -- sh '{}' 2>'{}' | head -1 >/dev/null", MESHFUSE_CLI_PATH,
+                  dir.script("trap '' TERM; echo $$ > pid$RANK; while true; do echo line; done"),
+                  (dir / "err").string());
+  const auto start = Clock::now();
+  std::system(command.c_str());
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 15);
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "pid0")));
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "pid1")));
+}
+
+// A rank that fails, then Ctrl-C during the grace period: the failure is what is reported.
+TEST(Launch, AnInterruptAfterAFailureStillNamesTheFailedRank) {
+  const Scratch dir;
+  const std::string script = dir.script(
+      "if [ $RANK = 1 ]; then echo $$ > pid1; exit 4; fi; trap '' TERM; echo $$ > pid0; while "
+      "true; do sleep 0.05; done");
+  const std::string err = (dir / "err").string();
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    freopen(err.c_str(), "w", stderr);
+    execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "2", "--grace-period", "3", "--", "sh",
+          script.c_str(), nullptr);
+    _exit(127);
+  }
+  wait_for_pid(dir / "pid0");
+  wait_for_pid(dir / "pid1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 1 has failed by now
+  kill(launcher, SIGINT);
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  EXPECT_EQ(WEXITSTATUS(status), 4) << read_file(err);
+  EXPECT_TRUE(contains(read_file(err), "rank 1 (pid ")) << read_file(err);
+  EXPECT_TRUE(contains(read_file(err), "exited with status 4")) << read_file(err);
+}
+
+TEST(Launch, AFileThatIsNotExecutableFailsWith126) {
+  const Scratch dir;
+  std::ofstream(dir / "data.txt") << "not a program\n";
+  const std::string command = fmt::format("'{}' launch -n 1 -- '{}' 2>'{}'", MESHFUSE_CLI_PATH,
+                                          (dir / "data.txt").string(), (dir / "err").string());
+  EXPECT_EQ(WEXITSTATUS(std::system(command.c_str())), 126);
+  EXPECT_TRUE(contains(read_file(dir / "err"), "Permission denied")) << read_file(dir / "err");
+}
+
+// Out of descriptors while starting the ranks: those started were left running.
+TEST(Launch, AFailureToStartARankStopsTheOnesStartedBefore) {
+  const Scratch dir;
+  const std::string command = fmt::format(
+      "ulimit -n 24; '{}' launch -n 16 --grace-period 0.2 -- sh '{}' 2>'{}'", MESHFUSE_CLI_PATH,
+      dir.script("trap '' TERM; echo $$ > pid$RANK; exec sleep 60"), (dir / "err").string());
+  const auto start = Clock::now();
+  const int status = std::system(command.c_str());
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 15);
+  EXPECT_NE(WEXITSTATUS(status), 0);
+  EXPECT_TRUE(contains(read_file(dir / "err"), "cannot start rank")) << read_file(dir / "err");
+  EXPECT_FALSE(still_running(wait_for_pid(dir / "pid0")));
+}
+
 TEST(Launch, BadOptionsAreUsageErrors) {
   const Scratch dir;
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
-           {"-n 0 -- true", "-n: expected a positive number of processes, got 0"},
+           {"-n 0 -- true", "-n: expected 1 to 65536 processes, got 0"},
+           {"-n 2147483647 -- true", "-n: expected 1 to 65536 processes, got 2147483647"},
            {"-n 2", "expected a command to run after the options"},
            {"-n 2 --master-port 70000 -- true", "--master-port: expected 0..65535, got 70000"},
            {"-- true", "-n"},
