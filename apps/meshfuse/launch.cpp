@@ -62,11 +62,17 @@ int exit_code_of(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// False when fd no longer takes output (a closed pipe: EPIPE, SIGPIPE being ignored).
+// False when fd no longer takes output (a closed pipe: EPIPE, SIGPIPE being ignored). An fd left
+// non-blocking by whoever started us (EAGAIN) is waited for, as a blocking one would be.
 bool write_all(int fd, std::string_view text) {
   while (!text.empty()) {
     const ssize_t n = write(fd, text.data(), text.size());
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, -1);
+      continue;
+    }
     if (n <= 0) return false;
     text.remove_prefix(static_cast<std::size_t>(n));
   }
@@ -74,8 +80,8 @@ bool write_all(int fd, std::string_view text) {
 }
 
 // One of a rank's output pipes, forwarded to `target` (1 or 2) one whole line at a time; a line
-// that grows past kMaxLine unended goes out as it is (a line of its own), so that one endless
-// line neither holds the rest back nor fills the launcher's memory.
+// that grows past kMaxLine unended goes out as it is (prefixed: as a line of its own), so that one
+// endless line neither holds the rest back nor fills the launcher's memory.
 struct Output {
   static constexpr std::size_t kMaxLine = std::size_t{1} << 20;
   int fd = -1;
@@ -92,8 +98,8 @@ struct Output {
       start = from = end + 1;
     }
     pending.erase(0, start);
-    if (pending.size() > kMaxLine) {
-      lines.append(prefix).append(pending).append("\n");
+    if (pending.size() > kMaxLine) {  // unprefixed output goes on as it came (JSON)
+      lines.append(prefix).append(pending).append(prefix.empty() ? "" : "\n");
       pending.clear();
     }
     // Where our output has gone (| head), the rank's does too: its pipe is closed, so that its
@@ -118,17 +124,21 @@ struct Rank {
 };
 
 [[noreturn]] void exec_child(const LaunchOptions& options, const std::vector<std::string>& env,
-                             pid_t launcher, int out_fd, int err_fd, const sigset_t& old_mask) {
+                             int rank, pid_t launcher, int out_fd, int err_fd,
+                             const sigset_t& old_mask) {
   // Own process group: stopping a rank reaches the processes it started too. Dying with the
   // launcher: a SIGKILLed launcher leaves no rank behind.
   // SIGKILL: nobody is left to follow a SIGTERM up.
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != launcher) _exit(128 + SIGKILL);
-  // stdin from /dev/null: a rank is not in the terminal's foreground group, and reading the
-  // terminal (input(), pdb) would stop it (SIGTTIN) and the job with it; it reads end of file.
-  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+  // stdin: the launcher's for rank 0 where it is a file or a pipe (as mpirun gives it), else
+  // /dev/null: a rank is not in the terminal's foreground group, and reading the terminal
+  // (input(), pdb) would stop it (SIGTTIN) and the job with it; it reads end of file instead.
+  if (rank != 0 || isatty(STDIN_FILENO)) {
+    const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+  }
   dup2(out_fd, STDOUT_FILENO);
   dup2(err_fd, STDERR_FILENO);
   signal(SIGPIPE, SIG_DFL);  // ignored by the launcher: not by its ranks
@@ -165,8 +175,10 @@ class Launcher {
       sigaddset(&mask, sig);
     }
     // A reader of our output that goes away (| head) makes writes fail, not the launcher die
-    // with its ranks left running.
+    // with its ranks left running. SIGCHLD inherited as ignored would have the kernel reap the
+    // ranks unseen (and the ranks' own children).
     signal(SIGPIPE, SIG_IGN);
+    signal(SIGCHLD, SIG_DFL);
     sigprocmask(SIG_BLOCK, &mask, &old_mask);
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
     MESHFUSE_CHECK(signal_fd_ >= 0, ErrorCode::Internal, "launch: signalfd: {}",
@@ -218,7 +230,7 @@ class Launcher {
       for (auto& p : pipes) close(p[0]), close(p[1]);
       fail(ErrorCode::Internal, "launch: cannot start rank {}: fork: {}", r, std::strerror(error));
     }
-    if (pid == 0) exec_child(options_, env, launcher, pipes[0][1], pipes[1][1], old_mask);
+    if (pid == 0) exec_child(options_, env, r, launcher, pipes[0][1], pipes[1][1], old_mask);
     setpgid(pid, pid);  // as the child does: whichever runs first, the group exists before kill()
     rank.pid = pid;
     for (int s = 0; s < 2; ++s) {
@@ -274,6 +286,7 @@ class Launcher {
       if (sig == SIGCHLD) {
         reap();
       } else {
+        reap();  // a failure that came with the interrupt is still the failure
         if (!stop_signal_) stop_signal_ = sig;
         stop(sig);  // forwarded as it came (a second Ctrl-C too)
       }
@@ -345,8 +358,10 @@ class Launcher {
     // An interrupt during the grace period after a failure: the failure is what is reported.
     if (stop_signal_ && !first_failure_) {
       const char* abbrev = sigabbrev_np(stop_signal_);
-      fmt::print(stderr, "meshfuse launch: interrupted by SIG{}, forwarded to every rank\n",
-                 abbrev ? abbrev : "?");
+      // write_all, not stdio: a stderr whose reader has gone must not make the launcher throw.
+      write_all(STDERR_FILENO,
+                fmt::format("meshfuse launch: interrupted by SIG{}, forwarded to every rank\n",
+                            abbrev ? abbrev : "?"));
       return 128 + stop_signal_;
     }
     if (!first_failure_) return 0;
@@ -356,8 +371,8 @@ class Launcher {
       if (r != *first_failure_ && rank.status && *rank.status != 0)
         others += fmt::format("; then {}", name(r));
     }
-    fmt::print(stderr, "meshfuse launch: {}; the other ranks were stopped{}\n",
-               name(*first_failure_), others);
+    write_all(STDERR_FILENO, fmt::format("meshfuse launch: {}; the other ranks were stopped{}\n",
+                                         name(*first_failure_), others));
     return exit_code_of(*ranks_[static_cast<std::size_t>(*first_failure_)].status);
   }
 

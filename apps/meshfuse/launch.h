@@ -31,13 +31,14 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
 std::string job_secret();
 
 // Starts the ranks, each in its own process group (so a rank's children are stopped with it) with
-// stdin from /dev/null, forwards their stdout and stderr to ours line by line, and waits for them
-// all. When one exits non-zero or dies by a signal, the others get SIGTERM and, `grace_s` later,
-// SIGKILL; SIGINT, SIGTERM and SIGHUP (unless ignored, as under nohup) sent to the launcher are
-// forwarded to every rank the same way. Returns 0 when every rank exits 0; otherwise the first
-// failure's exit status (128 + signal number for a signal; 128 + the launcher's signal when
-// interrupted before any failure), having named it on stderr. Throws meshfuse::Error for bad
-// options or when a process cannot be started (once the ranks started are stopped).
+// stdin from /dev/null (rank 0: ours, unless a terminal), forwards their stdout and stderr to ours
+// line by line, and waits for them all. When one exits non-zero or dies by a signal, the others get
+// SIGTERM and, `grace_s` later, SIGKILL; SIGINT, SIGTERM and SIGHUP (unless ignored, as under
+// nohup) sent to the launcher are forwarded to every rank the same way. Returns 0 when every rank
+// exits 0; otherwise the first failure's exit status (128 + signal number for a signal; 128 + the
+// launcher's signal when interrupted before any failure), having named it on stderr. Throws
+// meshfuse::Error for bad options or when a process cannot be started (once the ranks started are
+// stopped).
 int run_launch(const LaunchOptions& options);
 
 // The communicator backend of a command that runs ranks (comm-bench, run): `name` (its --backend),

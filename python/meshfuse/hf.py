@@ -20,7 +20,7 @@ It swaps, on the model's own modules (no copy, the weights untouched):
   Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``,
   in the call or else in the config), and so does a model with a loss function of the caller's
   (``model.loss_function = ...``, another ``loss_type``) or a call with ``logits_to_keep`` (labels
-  for the kept positions only). An ``lm_head`` of another dtype than the hidden states (fp32 under
+  for the kept positions only) or another ``ignore_index``. An ``lm_head`` of another dtype than the hidden states (fp32 under
   bf16 autocast) is cast to theirs, as autocast casts it.
 
 The patched forwards keep the signature of the module's class (transformers' ``generate`` and
@@ -105,12 +105,13 @@ def _causal_lm_forward(self, *args, **kwargs):
     shift_labels = arguments.pop("shift_labels", None)
     if labels is None and shift_labels is None:
         return unpatched(*args, **kwargs)
-    # The fused loss is transformers' ForCausalLMLoss over every position: a loss of the caller's
-    # (model.loss_function set, another loss_type) or logits kept at some positions only (labels
-    # for those) take the model's own forward.
+    # The fused loss is transformers' ForCausalLMLoss over every position with ignore index -100:
+    # a loss of the caller's (model.loss_function set, another loss_type), logits kept at some
+    # positions only (labels for those) or another ignore_index take the model's own forward.
     from transformers.loss.loss_utils import LOSS_MAPPING
     if self.loss_function is not LOSS_MAPPING["ForCausalLM"] or \
-            not _keeps_every_position(arguments.get("logits_to_keep", 0)):
+            not _keeps_every_position(arguments.get("logits_to_keep", 0)) or \
+            arguments.get("ignore_index", -100) != -100:
         return unpatched(*args, **kwargs)
     # Mixtral adds the router's auxiliary loss to the loss when output_router_logits is set, in
     # the call or else in the config: its own forward (and loss) then.

@@ -240,6 +240,10 @@ def test_losses_the_fused_path_cannot_give_take_the_models_own_forward():
     custom.loss_function = smoothed
     patched = mt.patch(copy.deepcopy(custom))
     torch.testing.assert_close(patched(ids, labels=labels).loss, custom(ids, labels=labels).loss)
+    # Another ignore_index (transformers' loss takes it from the call): ignored before.
+    patched = mt.patch(copy.deepcopy(reference))
+    torch.testing.assert_close(patched(ids, labels=labels, ignore_index=7).loss,
+                               reference(ids, labels=labels, ignore_index=7).loss)
     # Logits kept at the last positions only, with labels for those: a shape error before.
     patched = mt.patch(copy.deepcopy(reference))
     kept = dict(labels=labels[:, -5:], logits_to_keep=5)

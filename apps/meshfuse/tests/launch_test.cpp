@@ -228,13 +228,15 @@ TEST(Launch, CommandThatCannotRunFailsWith127) {
       << read_file(dir / "err");
 }
 
-// A rank's stdin is /dev/null: reading it gives end of file at once. It was the launcher's: from a
-// terminal the read stopped the rank (SIGTTIN: ranks are not in the foreground group) and the
-// job waited for ever; from a pipe here it waited for the writer.
-TEST(Launch, RanksReadEndOfFileFromStdin) {
+// Rank 0 reads the launcher's stdin (a pipe here, as mpirun's rank 0 would), the others
+// /dev/null: end of file at once. Every rank had the launcher's: from a terminal a read stopped
+// the rank (SIGTTIN: ranks are not in the foreground group) and the job waited for ever; from a
+// pipe every rank waited for the writer.
+TEST(Launch, RankZeroReadsAPipedStdinAndTheOthersEndOfFile) {
   const Scratch dir;
-  int feed[2];  // the launcher's stdin: a pipe this test holds open and never writes
+  int feed[2];  // the launcher's stdin: a pipe this test holds open after one line
   ASSERT_EQ(pipe(feed), 0);
+  ASSERT_EQ(write(feed[1], "hello\n", 6), 6);
   const std::string out = (dir / "out").string();
   const pid_t launcher = fork();
   ASSERT_GE(launcher, 0);
@@ -243,7 +245,7 @@ TEST(Launch, RanksReadEndOfFileFromStdin) {
     close(feed[1]);
     freopen(out.c_str(), "w", stdout);
     execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "2", "--", "sh", "-c",
-          "read line; echo read $?", nullptr);
+          "read line; echo read $? $line", nullptr);
     _exit(127);
   }
   close(feed[0]);
@@ -256,7 +258,52 @@ TEST(Launch, RanksReadEndOfFileFromStdin) {
   if (!ended) waitpid(launcher, &status, 0);
   EXPECT_TRUE(ended) << "a rank waited on the launcher's stdin";
   EXPECT_EQ(WEXITSTATUS(status), 0);
-  EXPECT_TRUE(contains(read_file(out), "[rank0]: read 1")) << read_file(out);
+  EXPECT_TRUE(contains(read_file(out), "[rank0]: read 0 hello")) << read_file(out);
+  EXPECT_TRUE(contains(read_file(out), "[rank1]: read 1")) << read_file(out);
+}
+
+// The report on a stderr whose reader has gone: fmt::print threw there (SIGPIPE ignored), and the
+// launcher aborted (134) instead of exiting with the rank's status.
+TEST(Launch, AReportToAClosedStderrStillExitsWithTheRanksStatus) {
+  const Scratch dir;
+  const std::string command = fmt::format(
+      "bash -c \"'{}' launch -n 2 -- sh -c 'exec yes' 2>&1 | head -1 >/dev/null; exit "
+      "\\${{PIPESTATUS[0]}}\"",
+      MESHFUSE_CLI_PATH);
+  EXPECT_EQ(WEXITSTATUS(std::system(command.c_str())), 128 + SIGPIPE);
+}
+
+// SIGCHLD inherited as ignored: the kernel reaped the ranks unseen and the launcher waited for
+// ever.
+TEST(Launch, SigchldInheritedAsIgnoredStillEndsTheJob) {
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    signal(SIGCHLD, SIG_IGN);
+    execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "2", "--", "true", nullptr);
+    _exit(127);
+  }
+  int status = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(15);
+  while (waitpid(launcher, &status, WNOHANG) == 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const bool ended = Clock::now() < deadline;
+  if (!ended) {
+    kill(launcher, SIGKILL);
+    waitpid(launcher, &status, 0);
+  }
+  EXPECT_TRUE(ended);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// --no-prefix output goes on as it came, also a line past the 1 MiB an unended line is held to.
+TEST(Launch, UnprefixedLongLinesAreNotSplit) {
+  const Scratch dir;
+  const LaunchResult r = launch(dir, "-n 1 --no-prefix",
+                                "yes x | head -c 6000000 | tr -d '[:space:]'; echo; echo end");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(r.out == std::string(3000000, 'x') + "\nend\n")
+      << r.out.size() << " bytes, " << std::count(r.out.begin(), r.out.end(), '\n') << " lines";
 }
 
 // A reader of the launcher's output that goes away (| head -1): the launcher died of SIGPIPE and
@@ -313,7 +360,8 @@ TEST(Launch, AFileThatIsNotExecutableFailsWith126) {
 TEST(Launch, AFailureToStartARankStopsTheOnesStartedBefore) {
   const Scratch dir;
   const std::string command = fmt::format(
-      "ulimit -n 24; '{}' launch -n 16 --grace-period 0.2 -- sh '{}' 2>'{}'", MESHFUSE_CLI_PATH,
+      // Room for the first ranks' pipes whatever this process has open, none for 64 ranks'.
+      "ulimit -n 64; '{}' launch -n 64 --grace-period 0.2 -- sh '{}' 2>'{}'", MESHFUSE_CLI_PATH,
       dir.script("trap '' TERM; echo $$ > pid$RANK; exec sleep 60"), (dir / "err").string());
   const auto start = Clock::now();
   const int status = std::system(command.c_str());
