@@ -127,8 +127,8 @@ struct Rank {
                              int rank, pid_t launcher, int out_fd, int err_fd,
                              const sigset_t& old_mask) {
   // Own process group: stopping a rank reaches the processes it started too. Dying with the
-  // launcher: a SIGKILLed launcher leaves no rank behind.
-  // SIGKILL: nobody is left to follow a SIGTERM up.
+  // launcher, by SIGKILL (nobody is left to follow a SIGTERM up): a killed launcher leaves no
+  // rank behind.
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != launcher) _exit(128 + SIGKILL);
@@ -420,12 +420,12 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
   }
   for (const auto& [name, value] : ours) env.push_back(name + "=" + value);
   if (!backend.empty()) env.push_back("MESHFUSE_BACKEND=" + backend);
-  // N ranks each running OpenMP on every core oversubscribe the machine N times over, and their
-  // spinning threads starve each other: each gets its share of the cores unless the caller chose
-  // (torchrun sets 1).
   // The ranks write into pipes, where Python buffers its output in blocks: a rank's lines would
   // come when it exits, and be lost when it is killed.
   if (!std::getenv("PYTHONUNBUFFERED")) env.push_back("PYTHONUNBUFFERED=1");
+  // N ranks each running OpenMP on every core oversubscribe the machine N times over, and their
+  // spinning threads starve each other: each gets its share of the cores unless the caller chose
+  // (torchrun sets 1).
   if (!std::getenv("OMP_NUM_THREADS")) {
     cpu_set_t allowed;  // the cores this process may run on (taskset, a container's cpuset)
     CPU_ZERO(&allowed);

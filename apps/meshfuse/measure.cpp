@@ -82,7 +82,7 @@ std::vector<Timing> time_interleaved(const std::vector<std::function<void()>>& f
 
 std::int64_t last_level_cache_bytes(const std::filesystem::path& cpu_root,
                                     const std::vector<int>& cpus) {
-  // Per instance of the highest cache level seen: its CPUs (shared_cpu_list) and its size.
+  // Per instance of the highest cache level seen (keyed by its id and CPUs): its size.
   int top_level = 0;
   std::map<std::string, std::int64_t> instances;
   for (int cpu : cpus) {
@@ -114,7 +114,7 @@ std::int64_t last_level_cache_bytes(const std::filesystem::path& cpu_root,
     }
   }
   std::int64_t total = 0;
-  for (const auto& [cpu_list, size] : instances) total += size;
+  for (const auto& [instance, size] : instances) total += size;
   return total;
 }
 

@@ -20,8 +20,8 @@ It swaps, on the model's own modules (no copy, the weights untouched):
   Mixtral keeps its own loss when it adds the router's auxiliary loss (``output_router_logits``,
   in the call or else in the config), and so does a model with a loss function of the caller's
   (``model.loss_function = ...``, another ``loss_type``) or a call with ``logits_to_keep`` (labels
-  for the kept positions only) or another ``ignore_index``. An ``lm_head`` of another dtype than the hidden states (fp32 under
-  bf16 autocast) is cast to theirs, as autocast casts it.
+  for the kept positions only) or another ``ignore_index``. An ``lm_head`` of another dtype than
+  the hidden states (fp32 under bf16 autocast) is cast to theirs, as autocast casts it.
 
 The patched forwards keep the signature of the module's class (transformers' ``generate`` and
 Trainer read it). A model saved whole (``torch.save(model)``) loads with its class's forwards:

@@ -157,23 +157,24 @@ Rows combine_shards(const TensorView& lse_s, const TensorView& loss_s, std::int6
   const std::int64_t n = lse_s.numel();
   const int d = team.size();
   const double z = o.z_loss_scale, inf = std::numeric_limits<double>::infinity();
-  const std::vector<double> lse_mine = as_doubles(lse_s, stream),
-                            loss_mine = as_doubles(loss_s, stream);
-  std::vector<double> mine(static_cast<std::size_t>(2 * n));
-  for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) {
-    const double y = labels[static_cast<std::size_t>(first) + i], lse = lse_mine[i];
-    const bool here =
-        y >= static_cast<double>(o.vocab_start) && y < static_cast<double>(o.vocab_start + columns);
-    mine[i] = lse;
-    // Without mass: (1 - eps) v_y where the label is here (v_y = -inf; NaN at eps = 1, as on
-    // one device), plus eps sum_j v_j / vocab_size where smoothing is on (-inf over -inf logits).
-    mine[static_cast<std::size_t>(n) + i] =
-        lse != -inf ? lse + z * lse * lse - loss_mine[i]
-                    : (here ? (1 - o.label_smoothing) * -inf : 0.0) +
-                          (o.label_smoothing > 0 && columns > 0 ? -inf : 0.0);
-  }
+  // This rank's lse_s and loss_s come to the host in one copy; its lse_s and part_s go back in the
+  // same buffer.
   const Device device = lse_s.device();
   const Tensor sent({2 * n}, DType::F64, device, stream);
+  copy(lse_s, sent.view().narrow(0, 0, n), stream);
+  copy(loss_s, sent.view().narrow(0, n, n), stream);
+  std::vector<double> mine = as_doubles(sent, stream);  // lse_s, then loss_s -> part_s
+  for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) {
+    const double y = labels[static_cast<std::size_t>(first) + i], lse = mine[i];
+    const bool here =
+        y >= static_cast<double>(o.vocab_start) && y < static_cast<double>(o.vocab_start + columns);
+    double& part = mine[static_cast<std::size_t>(n) + i];
+    // Without mass: (1 - eps) v_y where the label is here (v_y = -inf; NaN at eps = 1, as on
+    // one device), plus eps sum_j v_j / vocab_size where smoothing is on (-inf over -inf logits).
+    part = lse != -inf ? lse + z * lse * lse - part
+                       : (here ? (1 - o.label_smoothing) * -inf : 0.0) +
+                             (o.label_smoothing > 0 && columns > 0 ? -inf : 0.0);
+  }
   write(mine, sent, stream);
   const Tensor all({d * 2 * n}, DType::F64, device, stream);
   team.all_gather(sent, all, stream).keep_alive({sent, all}).wait();

@@ -228,15 +228,14 @@ GemmMatrix blas_operand(const GemmMatrix& x, std::int64_t l, std::int64_t rows, 
 }
 
 // f64 through OpenBLAS: the plain product (into D, or into a scratch product when alpha != 1 or C
-// is added), then D = alpha * product + beta * C with
-// one fma, for the reason given above. An operand whose leading dim is past OpenBLAS's int (a view
-// of rows 2^31 elements apart) is copied first: its sizes fit, or the call is Unsupported.
+// is added), then D = alpha * product + beta * C with one fma, for the reason given above. An
+// operand whose leading dim is past OpenBLAS's int (a view of rows 2^31 elements apart) is copied
+// first: its sizes fit, or the call is Unsupported.
 void gemm_f64(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& c,
               const GemmMatrix& d, bool add_c) {
   MESHFUSE_CHECK(std::max({p.m, p.n, p.k}) <= std::numeric_limits<blasint>::max(),
                  ErrorCode::Unsupported,
-                 "gemm: f64 sizes must fit OpenBLAS's {}-bit int, got m={} "
-                 "n={} k={}",
+                 "gemm: f64 sizes must fit OpenBLAS's {}-bit int, got m={} n={} k={}",
                  8 * sizeof(blasint), p.m, p.n, p.k);
   const auto op = [](const GemmMatrix& x) { return x.transposed ? CblasTrans : CblasNoTrans; };
   const auto i = blas_int;
