@@ -324,9 +324,12 @@ TEST(Launch, AReaderThatGoesAwayEndsTheJobAndLeavesNoRank) {
 // A rank that fails, then Ctrl-C during the grace period: the failure is what is reported.
 TEST(Launch, AnInterruptAfterAFailureStillNamesTheFailedRank) {
   const Scratch dir;
+  // Rank 1 fails once rank 0 has its trap; rank 0 notes the launcher's SIGTERM, the sign that
+  // the launcher has seen the failure and is in the grace period (a fixed sleep was too short on
+  // a loaded CI machine), and outlives it.
   const std::string script = dir.script(
-      "if [ $RANK = 1 ]; then echo $$ > pid1; exit 4; fi; trap '' TERM; echo $$ > pid0; while "
-      "true; do sleep 0.05; done");
+      "if [ $RANK = 1 ]; then while [ ! -s pid0 ]; do sleep 0.01; done; echo $$ > pid1; exit 4; "
+      "fi; trap 'echo $$ > termed0' TERM; echo $$ > pid0; while true; do sleep 0.05; done");
   const std::string err = (dir / "err").string();
   const pid_t launcher = fork();
   ASSERT_GE(launcher, 0);
@@ -336,9 +339,8 @@ TEST(Launch, AnInterruptAfterAFailureStillNamesTheFailedRank) {
           script.c_str(), nullptr);
     _exit(127);
   }
-  wait_for_pid(dir / "pid0");
   wait_for_pid(dir / "pid1");
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 1 has failed by now
+  wait_for_pid(dir / "termed0");
   kill(launcher, SIGINT);
   int status = 0;
   ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
