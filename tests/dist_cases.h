@@ -438,8 +438,10 @@ inline void check_timeout(Communicator& c) {
   for (bool checks : {true, false}) {
     auto sub = c.split(0, c.rank());
     sub->set_checks(checks);
-    sub->set_timeout(std::chrono::milliseconds(500));  // before the backends take it up
-    sub->barrier(place()).wait();  // every backend set up on every rank before one goes missing
+    // Every backend set up on every rank before one goes missing, with the long timeout (4 ASan
+    // ranks on 2 cores could take more than 500 ms to connect); the short one applies after.
+    sub->barrier(place()).wait();
+    sub->set_timeout(std::chrono::milliseconds(500));
     if (!absent) {
       Tensor t = zeros({16}, DType::F32);
       // Its own deadline, or a peer that timed out first and closed its connections (gloo): either
@@ -481,7 +483,8 @@ inline void check_is_completed_while_waiting(Communicator& c) {
     std::this_thread::sleep_for(20ms);  // the waiter is in wait()
     const auto start = std::chrono::steady_clock::now();
     EXPECT_FALSE(recv.is_completed());
-    EXPECT_LT(std::chrono::steady_clock::now() - start, 100ms) << "is_completed() waited";
+    // A waiting is_completed() would take until the send, after the barrier: far past 5 s.
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "is_completed() waited";
     c.barrier().wait();  // the send comes only now
     waiter.join();
   } else {

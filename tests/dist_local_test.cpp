@@ -334,7 +334,7 @@ TEST(DistGloo, SetUpWaitsForAMissingPeerOnlyTheCommunicatorsTimeout) {
                {"communicator world: the gloo backend's set-up on rank 0 of 2 gave up waiting for "
                 "its peers after 300 ms",
                 "'world/gloo/1' not set"});
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);  // the store's is 60 s
 }
 
 TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
@@ -351,18 +351,18 @@ TEST(DistLocal, TheLocalBackendIsOnlyForThreadsOfOneProcess) {
 }
 
 // A longer timeout set after the backend was set up applies to its own transfers too (local's
-// meetings kept the one of its set-up, and failed a peer 1 s late after 0.3 s). Checks off: with
+// meetings kept the one of its set-up, and failed a peer 2 s late after 1 s). Checks off: with
 // them on, the metadata exchange, which always took the current timeout, waits for the peer.
 TEST(DistLocal, SetTimeoutAfterTheBackendIsSetUpAppliesToItsTransfers) {
   CommOptions options;
-  options.timeout = std::chrono::milliseconds(300);
+  options.timeout = std::chrono::seconds(1);  // room for a late thread's start under ASan
   options.check = false;
   run_local(
       2,
       [](Communicator& c) {
-        c.barrier().wait();  // the backend set up with 300 ms
+        c.barrier().wait();  // the backend set up with 1 s
         c.set_timeout(std::chrono::seconds(20));
-        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(1));
+        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(2));
         Tensor t = Tensor::zeros({4}, DType::F32);
         c.all_reduce(t).wait();
       },
@@ -378,14 +378,18 @@ TEST(DistLocal, SetTimeoutAfterTheBackendIsSetUpAppliesToItsTransfers) {
 TEST(DistLocal, AWorkIsInFlightUntilItsTransferHasEnded) {
   CommOptions options;
   options.check = false;  // the call returns before the late rank arrives
+  std::atomic<bool> looked = false;  // rank 1 calls only once rank 0 has looked
   run_local(
       2,
-      [](Communicator& c) {
+      [&](Communicator& c) {
         Tensor t = Tensor::zeros({4}, DType::F32);
-        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (c.rank() == 1) {
+          while (!looked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
         Work w = c.all_reduce(t);
         if (c.rank() == 0) {
           EXPECT_TRUE(w.in_flight());
+          looked = true;
         }
         w.wait();
         EXPECT_FALSE(w.in_flight());
@@ -799,7 +803,7 @@ TEST(DistStore, TcpStoreClosesAtOnceWhileAForkedChildLives) {
   const auto took = std::chrono::steady_clock::now() - start;
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
-  EXPECT_LT(took, 3s);
+  EXPECT_LT(took, 8s);  // the child lives 10 s
 }
 
 TEST(DistStore, TcpStoreClientGivesUpWhenNoServerAnswers) {
@@ -983,7 +987,7 @@ TEST(DistStore, TcpStoreClientGivesUpOnATricklingServerAtItsTimeout) {
   const auto start = std::chrono::steady_clock::now();
   expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 300ms); },
                ErrorCode::Timeout, {"no answer from", "300 ms"});
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);  // the trickle lasts 6.5 s
   done = true;
   trickler.join();
   ::close(listener);
@@ -1012,7 +1016,7 @@ TEST(DistStore, TcpStoreOutlastsStrangersWhoHoldOrWasteConnections) {
   ::send(slow, "M", 1, MSG_NOSIGNAL);  // a hello that never completes
   char byte = 0;
   EXPECT_EQ(::recv(slow, &byte, 1, 0), 0) << "dropped";
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
   ::close(slow);
 
   std::vector<int> holders;
@@ -1058,7 +1062,7 @@ TEST(DistStore, TcpStoreClientGivesUpAtItsTimeoutWhenTheServersBacklogIsFull) {
   const auto start = std::chrono::steady_clock::now();
   expect_error([&] { TcpStore("127.0.0.1", port_of(listener), false, kSecret, 300ms); },
                ErrorCode::CommunicationFailure, {"cannot reach 127.0.0.1", "within 300 ms"});
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // SYN retries: about 2 minutes
   for (int fd : held) ::close(fd);
   ::close(listener);
 }

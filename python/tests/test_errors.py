@@ -115,13 +115,14 @@ def test_ctrl_c_during_run_local_stops_the_waiting_ranks_at_once():
     seen = []
 
     def rank_fn(comm):
+        if comm.rank == 0:  # from inside run_local: a timer started before could fire before it
+            threading.Timer(0.3, _thread.interrupt_main).start()
         try:
             comm.recv(np.empty(4, np.float32), src=1 - comm.rank).wait()
         except meshfuse.Error as e:
             seen.append(e)
             raise
 
-    threading.Timer(0.3, _thread.interrupt_main).start()
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         meshfuse.run_local(2, rank_fn, timeout=120)
