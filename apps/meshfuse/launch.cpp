@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -205,7 +206,15 @@ class Launcher {
     close(signal_fd_);
     sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     if (start_error) std::rethrow_exception(start_error);
-    return report();
+    const int code = report();
+    if (stop_signal_ && !first_failure_) {
+      // Interrupted: die of the signal, as the ranks did. A shell that ran the launcher in a loop
+      // stops the loop only for a child killed by SIGINT; an exit status of 130 reads as handled.
+      std::fflush(nullptr);
+      signal(stop_signal_, SIG_DFL);
+      raise(stop_signal_);
+    }
+    return code;  // the signal blocked by whoever started the launcher
   }
 
  private:

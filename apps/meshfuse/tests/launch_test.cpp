@@ -210,8 +210,9 @@ TEST(Launch, SigintIsForwardedToEveryRank) {
   kill(launcher, SIGINT);
   int status = 0;
   ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT);
+  // Killed by it, as the ranks: a shell loop running the launcher stops (an exit 130 did not).
+  ASSERT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_EQ(WTERMSIG(status), SIGINT);
   EXPECT_TRUE(contains(read_file(err), "interrupted by SIGINT, forwarded to every rank"))
       << read_file(err);
   EXPECT_FALSE(still_running(rank0));
