@@ -57,7 +57,7 @@ struct Setup {
 
 Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   Setup s{};
-  s.backend = command_backend(o.backend, launch, "-n");
+  s.backend = command_backend(o.backend, launch, std::nullopt, "-n");
   s.op = parse_op(o.op);
   MESHFUSE_CHECK(o.dtype == "f32" || o.dtype == "bf16", ErrorCode::InvalidArgument,
                  "--dtype: expected f32 or bf16, got '{}'", o.dtype);

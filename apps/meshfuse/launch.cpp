@@ -469,28 +469,40 @@ int run_launch(const LaunchOptions& options) {
 }
 
 CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
+                                    std::optional<DeviceType> device,
                                     const std::string& ranks_option) {
-  std::string chosen = name;
-  if (chosen.empty()) {
-    const char* env = std::getenv("MESHFUSE_BACKEND");
-    chosen = env && *env                                      ? env
-             : launch.launcher == meshfuse::Launcher::OpenMpi ? "mpi"
-             : launch.world_size > 1                          ? "gloo"
-                                                              : "local";
+  std::string chosen = name, source = "--backend";
+  const char* env = std::getenv("MESHFUSE_BACKEND");
+  if (chosen.empty() && env && *env) {
+    chosen = env;
+    source = fmt::format("MESHFUSE_BACKEND={} (meshfuse launch --backend sets it)", env);
+  } else if (chosen.empty()) {
+    chosen = launch.launcher == meshfuse::Launcher::OpenMpi ? "mpi"
+             : launch.world_size > 1                        ? "gloo"
+                                                            : "local";
   }
   CommunicatorBackend backend{};
   try {
-    backend = parse_communicator_backend(chosen);
+    if (chosen.find(':') == std::string::npos) {
+      backend = parse_communicator_backend(chosen);
+    } else {
+      // A spec, as launch --backend and init_communicator take it: its backend for the device.
+      const BackendSpec spec = BackendSpec::parse(chosen);
+      if (!device)
+        device = spec.backends.count(DeviceType::CUDA) && cuda_device_count() > 0 ? DeviceType::CUDA
+                                                                                  : DeviceType::CPU;
+      backend = spec.for_device(*device);
+    }
   } catch (const Error& e) {
-    fail(ErrorCode::InvalidArgument, "--backend: {}", e.message());
+    fail(ErrorCode::InvalidArgument, "{}: {}", source, e.message());
   }
   MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
-                 "--backend: {} is not in this build", chosen);
+                 "{}: {} is not in this build", source, to_string(backend));
   MESHFUSE_CHECK(backend != CommunicatorBackend::Local || launch.world_size == 1,
                  ErrorCode::InvalidArgument,
-                 "--backend local runs its ranks as threads of one process ({}); this process is "
-                 "{} (start it without a launcher)",
-                 ranks_option, launch.str());
+                 "{}: local runs its ranks as threads of one process ({}); this process is {} "
+                 "(start it without a launcher)",
+                 source, ranks_option, launch.str());
   return backend;
 }
 

@@ -2,6 +2,7 @@
 // line by line with the rank in front, and all of them stopped when one fails.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,11 +44,14 @@ int run_launch(const LaunchOptions& options);
 
 // The communicator backend of a command that runs ranks (comm-bench, run): `name` (its --backend),
 // or when empty MESHFUSE_BACKEND, else mpi under mpirun, gloo under another launcher, local
-// without one. local runs its ranks as threads of this process (their number given by the option
-// `ranks_option`), so it needs a process started without a launcher. Throws Error naming --backend:
-// InvalidArgument for an unknown name or local under a launcher, BackendUnavailable for a backend
-// this build lacks.
+// without one. A spec ("cpu:gloo,cuda:nccl") gives its backend for `device` (none given: cuda
+// where the spec serves it and this machine has a CUDA device, else cpu). local runs its ranks as
+// threads of this process (their number given by the option `ranks_option`), so it needs a
+// process started without a launcher. Throws Error naming --backend or MESHFUSE_BACKEND:
+// InvalidArgument for an unknown name, a spec without the device or local under a launcher,
+// BackendUnavailable for a backend this build lacks.
 CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
+                                    std::optional<DeviceType> device,
                                     const std::string& ranks_option);
 
 }  // namespace meshfuse::cli

@@ -42,8 +42,8 @@ Setup check_options(const RunOptions& o) {
   Setup s;
   s.launch = launch_info_from_env();
   s.model = load_model_config(o.model);
-  s.backend = command_backend(o.backend, s.launch, "--ranks");
   s.device = parse_bench_device(o.device);
+  s.backend = command_backend(o.backend, s.launch, s.device.type, "--ranks");
   const bool cuda = s.device.type == DeviceType::CUDA;
   if (cuda && s.launch.world_size > 1) s.device.index = s.launch.cuda_device();
   MESHFUSE_CHECK(o.dtype == "bf16" || o.dtype == "f32", ErrorCode::InvalidArgument,

@@ -216,7 +216,12 @@ GLOO_RANK = textwrap.dedent("""
     work.wait()
     out = np.empty(2 * 5, np.float32)
     comm.all_gather(x, out).wait()
-    print(comm.rank, comm.size, work.record.backend, x.tolist(), out.tolist(), flush=True)
+    try:  # a second rendezvous beside the first: refused at once (it hung or blamed the bind)
+        meshfuse.init_communicator(backend="cpu:gloo", timeout=20)
+        second = "joined twice"
+    except ValueError as e:
+        second = "refused" if "has already joined its job" in str(e) else str(e)
+    print(comm.rank, comm.size, work.record.backend, x.tolist(), out.tolist(), second, flush=True)
 """)
 
 
@@ -238,7 +243,7 @@ def test_gloo_all_reduce_across_two_processes():
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, err
         assert out.strip() == f"{rank} 2 gloo [3.0, 3.0, 3.0, 3.0, 3.0] [3.0, 3.0, 3.0, 3.0, 3.0, " \
-                              "3.0, 3.0, 3.0, 3.0, 3.0]"
+                              "3.0, 3.0, 3.0, 3.0, 3.0] refused"
 
 
 def test_meshfuse_imported_before_torch_leaves_torch_usable():

@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -49,7 +50,19 @@ std::shared_ptr<Communicator> init_communicator(const CommOptions& given) {
   if (const char* env = std::getenv("MESHFUSE_BACKEND"); options.backend.empty() && env)
     options.backend = env;
   const LaunchInfo launch = launch_info_from_env();
+  // One rendezvous per job: a second one beside a live first would serve the same port (rank 0
+  // cannot bind it) and read the first one's keys (the others connected to its peers' stale
+  // addresses and could wait the whole timeout there).
+  static std::mutex joined_mutex;
+  static std::weak_ptr<Store> joined;  // the store of this process's last init_communicator
+  std::lock_guard lock(joined_mutex);
+  MESHFUSE_CHECK(joined.expired(), ErrorCode::InvalidArgument,
+                 "init_communicator: this process ({}) has already joined its job, and that "
+                 "communicator (or one split from it) is alive; use it (split, new_group and "
+                 "with_backends make more) instead of a second rendezvous",
+                 launch.str());
   std::shared_ptr<Store> store = store_from_env(launch, options.timeout);
+  joined = store;
   // A process started without a launcher and without a backend named is a world of one thread.
   if (options.backend.empty() && launch.world_size == 1 && !store) {
     LocalWorld world(1, options);

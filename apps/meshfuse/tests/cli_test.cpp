@@ -272,6 +272,23 @@ TEST(Cli, RunSaysWhenThePlanHasNoStretchToOverlap) {
   EXPECT_EQ(nlohmann::json::parse(j.out)["layers"], nlohmann::json::array());
 }
 
+// The spec that meshfuse launch --backend passes on in MESHFUSE_BACKEND gives the backend of the
+// command's device (it was an "unknown name" before, not saying where the name came from).
+TEST(Cli, RunTakesABackendSpecFromTheEnvironmentForItsDevice) {
+  const ScratchDir dir;
+  const std::string run = "run --model " + tiny_model(dir) + " --ranks 2 --tokens 4 --repeats 1";
+  const CliResult r = run_cli(run + " --dtype f32 --format json", "MESHFUSE_BACKEND=cpu:local");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["backend"], "local");
+  const CliResult cuda_only = run_cli(run, "MESHFUSE_BACKEND=cuda:nccl");
+  EXPECT_EQ(cuda_only.exit_code, 2) << cuda_only.err;
+  EXPECT_TRUE(contains(cuda_only.err,
+                       "MESHFUSE_BACKEND=cuda:nccl (meshfuse launch --backend "
+                       "sets it): "))
+      << cuda_only.err;
+  EXPECT_TRUE(contains(cuda_only.err, "cpu")) << cuda_only.err;
+}
+
 TEST(Cli, RunRejectsBadOptionsNamingThem) {
   const ScratchDir dir;
   const std::string model = tiny_model(dir);
