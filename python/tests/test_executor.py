@@ -325,6 +325,28 @@ def test_a_vocabulary_shard_masked_to_minus_inf_gives_the_one_device_loss(op, op
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, err_msg=f"rank {rank}")
 
 
+def test_a_bad_label_of_a_vocabulary_parallel_fused_loss_names_the_op_and_its_row():
+    # It named cross_entropy (the kernel run on each chunk of the shard) and the row in the chunk.
+    n, h, v = 6, 4, 5
+    p = meshfuse.Program()
+    x, w = p.define_tensor("x", [n, h], "f32"), p.define_tensor("w", [v, h], "f32")
+    y = p.define_tensor("labels", [n], "i64")
+    p.add_output(p.fused_linear_cross_entropy(x, w, None, y))
+    p.set_mesh(DeviceMesh.of_shape([2]))
+    p.set_placements(w, Shard(0))
+    labels = np.arange(n) % v
+    labels[4] = 7
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        part = meshfuse.shard_tensor(randn(v, h, seed=2), p.mesh, Shard(0), comm.rank)
+        with pytest.raises(ValueError, match=r"fused_linear_cross_entropy: labels\[4\] = 7 is "
+                                             r"outside \[0, 5\)"):
+            executor.run({"x": randn(n, h, seed=1), "w": part, "labels": labels})
+
+    on_ranks(2, rank_fn)
+
+
 def test_set_params_on_one_rank_only_is_named_where_the_ranks_compare_params():
     # Rank 0's comparison of params met rank 1's all_gather of the run, and the error called it
     # "the first local communication of cpu tensors".
@@ -414,6 +436,17 @@ def test_executor_arguments_that_cannot_work_are_refused():
             executor.run({"x": randn(2, 3, seed=1), "w": randn(3, 2, seed=2)})
 
     on_ranks(2, nccl_on_cpu)
+
+    def gloo_on_threads(comm):
+        q = all_gather_matmul(4, 3, 2, 2)
+        executor = meshfuse.MultiDeviceExecutor(q, comm, meshfuse.MultiDeviceExecutorParams("gloo"))
+        # It was an InvalidArgumentError asking "does every rank call run()?".
+        with pytest.raises(meshfuse.BackendUnavailableError,
+                           match="gloo serves the processes of a launched job; this communicator's "
+                                 "ranks are threads of a LocalWorld|this build has no gloo"):
+            executor.run({"x": randn(2, 3, seed=1), "w": randn(3, 2, seed=2)})
+
+    on_ranks(2, gloo_on_threads)
 
 
 def test_builder_errors_values_and_placements():
@@ -550,3 +583,16 @@ def test_a_gather_tensor_refused_on_one_rank_fails_the_others_instead_of_mixing_
             if not isinstance(got, str):  # any gather that returned gathered one call's rows
                 assert np.all(got == got[0, 0]), (r, got)
     assert all("out of step" in results[r][0] for r in (0, 1)), results
+
+
+def test_gather_tensor_with_other_arguments_on_one_rank_says_what_every_rank_must_pass():
+    # It spoke of a program that rank 1 built and of run(), neither of which the caller wrote.
+    mesh = DeviceMesh.of_shape([2])
+
+    def rank_fn(comm):
+        dtype = np.float32 if comm.rank == 0 else np.float64
+        with pytest.raises(ValueError, match="gather_tensor: every rank must call it, with the "
+                                             "same shape, dtype, mesh and placements"):
+            meshfuse.gather_tensor(np.ones((3, 4), dtype), [6, 4], mesh, Shard(0), comm)
+
+    on_ranks(2, rank_fn)

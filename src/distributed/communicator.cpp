@@ -252,6 +252,17 @@ std::shared_ptr<Communicator> Communicator::with_backends(const BackendSpec& spe
                    ErrorCode::BackendUnavailable,
                    "communicator {}: with_backends: {} cannot serve {} tensors", state_->name,
                    to_string(backend), to_string(device));
+    // Said here, not at the backend's set-up inside its first collective, where an executor's
+    // run read it as a rank that was elsewhere.
+    const bool threads = state_->local != nullptr;
+    MESHFUSE_CHECK(
+        threads == (backend == CommunicatorBackend::Local), ErrorCode::BackendUnavailable,
+        "communicator {}: with_backends: {}; this communicator's ranks are {}", state_->name,
+        backend == CommunicatorBackend::Local
+            ? "local serves the threads of one LocalWorld (run_local)"
+            : fmt::format("{} serves the processes of a launched job", to_string(backend)),
+        threads ? "threads of a LocalWorld, which only local serves"
+                : "processes of " + state_->launch.str());
   }
   std::shared_ptr<Communicator>& kept = state_->respecced[spec.str()];
   if (!kept) {

@@ -199,7 +199,7 @@ class MpiComm : public CommImpl {
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
     MESHFUSE_CHECK(world_size == context.launch.world_size && world_rank == context.launch.rank,
-                   ErrorCode::InvalidArgument,
+                   ErrorCode::BackendUnavailable,
                    "communicator backend mpi: MPI_COMM_WORLD has rank {} of {} but the launch "
                    "says {}; start the job with mpirun",
                    world_rank, world_size, context.launch.str());

@@ -297,7 +297,14 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
   try {
     return executor->run({local}, stream)[0];
   } catch (const Error& e) {
-    throw Error(e.code(), "gather_tensor: " + e.message());
+    // The executor's words are of a program and run(), which the caller never wrote.
+    const bool elsewhere = e.code() == ErrorCode::InvalidArgument || e.code() == ErrorCode::Timeout;
+    throw Error(e.code(), fmt::format("gather_tensor: {}{}",
+                                      elsewhere ? "every rank must call it, with the same shape, "
+                                                  "dtype, mesh and placements (it runs as an "
+                                                  "executor's program): "
+                                                : "",
+                                      e.message()));
   }
 }
 
