@@ -464,7 +464,8 @@ void bind_communicator(nb::module_& m) {
       "backend"_a = "", "timeout"_a = 300.0, "check"_a = true,
       "The world communicator of this process from its launcher's environment (torchrun / "
       "meshfuse launch, mpirun, srun). backend: 'cpu:gloo,cuda:nccl' style, or one name; empty: "
-      "the default (cpu:gloo,cuda:nccl).");
+      "the default (cpu:gloo,cuda:nccl). Once per process: a second call while the first one's "
+      "communicator (or a team split from it) lives raises ValueError.");
 
   nb::class_<LocalWorld>(m, "LocalWorld",
                          "N ranks as threads of this process (the local backend); each thread "

@@ -376,7 +376,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 // launch_info_from_env(), the store from store_from_env() (gloo and nccl need one; mpi takes its
 // ranks from mpirun and needs none), and the backend spec from options.backend or, when that is
 // empty, MESHFUSE_BACKEND (set by `meshfuse launch --backend`). A process started without a
-// launcher, store or backend name is a world of one rank on the local backend.
+// launcher, store or backend name is a world of one rank on the local backend. Once per process:
+// while the communicator it gave (or a team split from it) lives, a second call is
+// Error(InvalidArgument) (split, new_group and with_backends make more teams).
 std::shared_ptr<Communicator> init_communicator(const CommOptions& options = {});
 // Same with the launch and store given (tests, embedding); store may be null for mpi.
 std::shared_ptr<Communicator> init_communicator(const LaunchInfo& launch,
