@@ -305,11 +305,16 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
 }
 
 TEST(DistLocal, ARecvWithoutASendTimesOutAndASizeMismatchFails) {
-  run_local(2, [](Communicator& c) {
+  std::atomic<bool> timed_out = false;  // rank 1 stays until then: a returned rank fails it at once
+  run_local(2, [&](Communicator& c) {
     Tensor t = Tensor::zeros({4}, DType::F32);
-    if (c.rank() == 0)
+    if (c.rank() == 0) {
       expect_error([&] { c.recv(t, 1, 7).wait(50ms); }, ErrorCode::Timeout,
                    {"recv f32 x 4", "from 1", "not finished after 50 ms"});
+      timed_out = true;
+    } else {
+      while (!timed_out) std::this_thread::sleep_for(1ms);
+    }
   });
   run_local(2, [](Communicator& c) {
     if (c.rank() == 0)
@@ -433,6 +438,48 @@ TEST(DistLocal, AnExceptionFromPollAbortsTheWaitingRanksAndIsRethrown) {
     EXPECT_NE(e.find("[communication failure]"), std::string::npos) << e;
     EXPECT_NE(e.find("local: run_local was interrupted"), std::string::npos) << e;
   }
+}
+
+// A rank whose function returned can join no collective: the others waited out their timeout
+// (300 s by default). Teams without it go on, and what it sent before returning is received.
+TEST(DistLocal, ARankThatReturnedFailsTheCollectivesThatNeedItAtOnce) {
+  CommOptions options;
+  options.timeout = std::chrono::seconds(120);
+  std::vector<std::string> seen(3);
+  std::vector<float> received;
+  const auto start = std::chrono::steady_clock::now();
+  run_local(
+      3,
+      [&](const std::shared_ptr<Communicator>& c) {
+        const auto pair = c->split(c->rank() == 0 ? 0 : 1, c->rank());
+        if (c->rank() == 0) {
+          c->send(full({2}, DType::F32, 7.0), 1).wait();
+          return;
+        }
+        Tensor t = full({2}, DType::F32, 1.0);
+        pair->all_reduce(t).wait();  // ranks 1 and 2: no rank 0 needed
+        EXPECT_EQ(t.data_ptr<float>()[0], 2.0f);
+        if (c->rank() == 1) {
+          Tensor got = Tensor::zeros({2}, DType::F32);
+          c->recv(got, 0).wait();
+          received.assign(got.data_ptr<float>(), got.data_ptr<float>() + 2);
+        }
+        try {
+          c->all_reduce(t).wait();
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::CommunicationFailure) << e.what();
+          seen[static_cast<std::size_t>(c->rank())] = e.what();
+        }
+      },
+      options);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ(received, (std::vector<float>{7.0f, 7.0f}));
+  for (int r : {1, 2})
+    EXPECT_NE(seen[static_cast<std::size_t>(r)].find(
+                  "rank 0 has returned from its run_local function: a collective or recv that "
+                  "needs it cannot complete"),
+              std::string::npos)
+        << seen[static_cast<std::size_t>(r)];
 }
 
 TEST(DistLocal, ARankThatThrowsStopsTheOthersWaitingAndItsErrorIsRethrown) {

@@ -133,13 +133,33 @@ def test_ctrl_c_during_run_local_stops_the_waiting_ranks_at_once():
 
 
 def test_a_collective_that_waits_too_long_raises_timeout_error():
+    timed_out = threading.Event()
+
     def rank_fn(comm):
-        if comm.rank == 0:  # rank 1 never joins
-            comm.all_reduce(np.ones(4, np.float32)).wait()
+        if comm.rank == 0:  # rank 1 never joins, but stays (a rank that returned fails it at once)
+            try:
+                comm.all_reduce(np.ones(4, np.float32)).wait()
+            finally:
+                timed_out.set()
+        else:
+            timed_out.wait(60)
 
     with pytest.raises(TimeoutError) as e:
         meshfuse.run_local(2, rank_fn, timeout=0.5)
     assert isinstance(e.value, meshfuse.CommunicationTimeoutError)
+
+
+def test_a_rank_that_returned_fails_the_collectives_that_need_it_at_once():
+    # They waited out the timeout (300 s by default) for a rank whose function had returned.
+    def rank_fn(comm):
+        if comm.rank == 0:
+            comm.all_reduce(np.ones(4, np.float32)).wait()
+
+    start = time.monotonic()
+    with pytest.raises(meshfuse.CommunicationError, match="rank 1 has returned from its "
+                                                          "run_local function"):
+        meshfuse.run_local(2, rank_fn, timeout=120)
+    assert time.monotonic() - start < 30
 
 
 def test_jax_arrays_are_inputs_but_never_outputs():

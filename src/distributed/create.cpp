@@ -122,6 +122,12 @@ std::shared_ptr<Communicator> LocalWorld::communicator(int rank) {
 
 void LocalWorld::abort(const std::string& why) { detail::abort_local_world(*state_, why); }
 
+void LocalWorld::rank_returned(int rank) {
+  MESHFUSE_CHECK(rank >= 0 && rank < size_, ErrorCode::InvalidArgument,
+                 "LocalWorld: rank {} is outside 0..{}", rank, size_ - 1);
+  detail::local_rank_returned(*state_, rank);
+}
+
 void run_local(int size, const std::function<void(const std::shared_ptr<Communicator>&)>& fn,
                const CommOptions& options, const std::function<void()>& poll) {
   LocalWorld world(size, options);
@@ -136,6 +142,7 @@ void run_local(int size, const std::function<void(const std::shared_ptr<Communic
     threads.emplace_back([&, r] {
       try {
         fn(comms[r]);
+        world.rank_returned(r);
       } catch (...) {
         std::string what = "an exception that is not a std::exception";
         try {

@@ -39,7 +39,11 @@ struct PendingRecv {
 }  // namespace
 
 struct LocalTeam {
-  explicit LocalTeam(int size) : size(size), ops(size), checks(size) {}
+  explicit LocalTeam(std::vector<int> members)
+      : size(static_cast<int>(members.size())),
+        members(std::move(members)),
+        ops(size),
+        checks(size) {}
 
   // The CUDA side's meeting point, made by the first rank that queues a CUDA operation.
   std::shared_ptr<LocalCudaTeam> cuda_team() {
@@ -53,6 +57,7 @@ struct LocalTeam {
   }
 
   const int size;
+  const std::vector<int> members;  // world ranks
 
   Meeting ops;     // collectives (worker threads)
   Meeting checks;  // exchange() (calling threads)
@@ -69,6 +74,7 @@ struct LocalTeam {
   std::shared_ptr<LocalCudaTeam> cuda;
 
   std::string aborted;  // under p2p_mutex: why abort() broke the team; empty while it has not
+  std::map<int, std::string> returned;  // under p2p_mutex: team ranks that returned, and why
 
   void abort(const std::string& why) {
     ops.abort(why);
@@ -80,6 +86,18 @@ struct LocalTeam {
     p2p_changed.notify_all();
     std::lock_guard lock(cuda_mutex);
     if (cuda) abort_local_cuda_team(*cuda, why);
+  }
+
+  // A member that will call no more (CPU tensors): the collectives fail, as they need every
+  // member, and so do receives from it that no send it made matches; other pairs go on.
+  void member_returned(int team_rank, const std::string& why) {
+    ops.abort(why);
+    checks.abort(why);
+    {
+      std::lock_guard lock(p2p_mutex);
+      returned.emplace(team_rank, why);
+    }
+    p2p_changed.notify_all();
   }
 };
 
@@ -116,17 +134,21 @@ class RecvWork : public WorkImpl {
 
   void wait(Deadline deadline) override {
     std::unique_lock lock(team_->p2p_mutex);
+    const auto broken = [&]() -> const std::string* {
+      if (!team_->aborted.empty()) return &team_->aborted;
+      const auto it = team_->returned.find(std::get<0>(key_));  // the sender
+      return it == team_->returned.end() ? nullptr : &it->second;
+    };
     if (!team_->p2p_changed.wait_until(lock, deadline,
-                                       [&] { return pending_->done || !team_->aborted.empty(); }) ||
+                                       [&] { return pending_->done || broken(); }) ||
         !pending_->done) {
       // Withdraw, so that a late send does not write into a buffer nobody waits for.
       auto& queue = team_->waiting[key_];
       queue.erase(std::find(queue.begin(), queue.end(), pending_));
       pending_->done = true;
-      pending_->code =
-          team_->aborted.empty() ? ErrorCode::Timeout : ErrorCode::CommunicationFailure;
-      pending_->error =
-          team_->aborted.empty() ? "local: no matching send arrived" : "local: " + team_->aborted;
+      const std::string* why = broken();
+      pending_->code = why ? ErrorCode::CommunicationFailure : ErrorCode::Timeout;
+      pending_->error = why ? "local: " + *why : "local: no matching send arrived";
     }
     if (!pending_->error.empty()) throw Error(pending_->code, pending_->error);
   }
@@ -358,6 +380,17 @@ class LocalComm : public CommImpl {
 
 }  // namespace
 
+namespace {
+
+std::string returned_why(int rank) {
+  return fmt::format(
+      "rank {} has returned from its run_local function: a collective or recv that needs it "
+      "cannot complete",
+      rank);
+}
+
+}  // namespace
+
 std::unique_ptr<CommImpl> make_local_comm(const TeamContext& context) {
   MESHFUSE_CHECK(context.local != nullptr, ErrorCode::InvalidArgument,
                  "communicator backend local: only for the threads of a LocalWorld");
@@ -368,12 +401,30 @@ std::unique_ptr<CommImpl> make_local_comm(const TeamContext& context) {
     std::weak_ptr<LocalTeam>& slot = world.teams[context.name];
     team = slot.lock();
     if (!team) {
-      team = std::make_shared<LocalTeam>(static_cast<int>(context.team.size()));
+      team = std::make_shared<LocalTeam>(context.team);
       slot = team;
       if (!world.aborted.empty()) team->abort(world.aborted);
+      for (std::size_t r = 0; r < context.team.size(); ++r)
+        if (world.returned[static_cast<std::size_t>(context.team[r])])
+          team->member_returned(static_cast<int>(r), returned_why(context.team[r]));
     }
   }
   return std::make_unique<LocalComm>(context, std::move(team));
+}
+
+void local_rank_returned(LocalWorldState& world, int rank) {
+  std::vector<std::pair<std::shared_ptr<LocalTeam>, int>> teams;  // with the rank's team rank
+  {
+    std::lock_guard lock(world.mutex);
+    world.returned[static_cast<std::size_t>(rank)] = true;
+    for (const auto& [name, slot] : world.teams)
+      if (auto team = slot.lock()) {
+        const auto at = std::find(team->members.begin(), team->members.end(), rank);
+        if (at != team->members.end())
+          teams.emplace_back(std::move(team), static_cast<int>(at - team->members.begin()));
+      }
+  }
+  for (const auto& [team, team_rank] : teams) team->member_returned(team_rank, returned_why(rank));
 }
 
 void abort_local_world(LocalWorldState& world, const std::string& why) {

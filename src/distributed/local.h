@@ -20,7 +20,10 @@ struct LocalTeam;      // local.cpp
 struct LocalCudaTeam;  // local_cuda.cpp
 
 struct LocalWorldState {
-  explicit LocalWorldState(int size) : size(size), taken(static_cast<std::size_t>(size)) {}
+  explicit LocalWorldState(int size)
+      : size(size),
+        taken(static_cast<std::size_t>(size)),
+        returned(static_cast<std::size_t>(size)) {}
 
   const int size;
   std::shared_ptr<HashStore> store = std::make_shared<HashStore>();
@@ -29,11 +32,14 @@ struct LocalWorldState {
   // The teams' meeting points by team name; the first rank of a team to arrive creates it.
   std::map<std::string, std::weak_ptr<LocalTeam>> teams;
   std::string aborted;  // why abort_local_world broke the world; empty while it has not
+  std::vector<bool> returned;  // ranks done with their communicators (LocalWorld::rank_returned)
 };
 
 // Breaks every team of `world`, now and later: ranks waiting in a collective or a recv, and those
 // that start one, fail with CommunicationFailure naming `why` (LocalWorld::abort).
 void abort_local_world(LocalWorldState& world, const std::string& why);
+// Breaks every team of `world` with world rank `rank` in it, now and later (rank_returned).
+void local_rank_returned(LocalWorldState& world, int rank);
 
 // A reusable barrier that gives every rank the pointer each rank posted. After a timeout it is
 // broken for good: a late rank must not read pointers of ranks that have given up.

@@ -138,7 +138,8 @@ TEST(CommBench, LocalBackendUnderALauncherIsRejected) {
   const CliResult r = run_cli(
       fmt::format("launch -n 2 -- '{}' comm-bench --backend local {}", MESHFUSE_CLI_PATH, kQuick));
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_TRUE(contains(r.err, "--backend local runs its ranks as threads of one process")) << r.err;
+  EXPECT_TRUE(contains(r.err, "--backend: local runs its ranks as threads of one process"))
+      << r.err;
 }
 
 TEST(CommBench, ByteSizesTakeBinarySuffixes) {

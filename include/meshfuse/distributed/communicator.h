@@ -400,6 +400,11 @@ class LocalWorld {
   // in a collective or a recv of any of its teams, and every later one, fails at once with
   // CommunicationFailure saying `why`, instead of at its timeout. The first reason given stays.
   void abort(const std::string& why);
+  // Rank `rank`'s thread is done with its communicators (its run_local function returned): on CPU
+  // tensors, the collectives of every team it is in, now and later, and the recvs from it that no
+  // send it made matches fail at once with CommunicationFailure naming it, as they can never
+  // complete; the rest goes on. (CUDA tensors' wait for their timeout.)
+  void rank_returned(int rank);
 
  private:
   int size_;
@@ -410,7 +415,8 @@ class LocalWorld {
 
 // Runs fn(communicator) for ranks 0..size-1 on `size` threads of a LocalWorld and joins them;
 // then rethrows the exception of the rank that threw first, if any. A rank that throws aborts the
-// world (LocalWorld::abort), so the others stop waiting for it at once.
+// world (LocalWorld::abort), so the others stop waiting for it at once; a rank that returns fails
+// only the teams it is in (LocalWorld::rank_returned).
 void run_local(int size, const std::function<void(Communicator&)>& fn,
                const CommOptions& options = {});
 // The same with fn given each rank's communicator as owned: what fn builds on it (a
