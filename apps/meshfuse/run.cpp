@@ -390,7 +390,10 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
       j["collectives"].push_back(
           {{"communication", c.what}, {"bytes", c.bytes}, {"median_ms", quantile(c.ms, 0.5)}});
     j["overlap"] = {{"form", std::string(to_string(s.overlap.overlap))},
-                    {"chunks", s.overlap.chunks},
+                    // As the table: the default (0) is one chunk per rank; none has none.
+                    {"chunks", s.overlap.overlap == Overlap::None ? 0
+                               : s.overlap.chunks                 ? s.overlap.chunks
+                                                                  : s.ranks},
                     {"streams", s.overlap.number_of_streams}};
     j["layers"] = nlohmann::json::array();  // empty: no stretch to overlap in this plan
     for (const Layer& l : r.layers) {

@@ -132,16 +132,28 @@ std::vector<nb::object> ordered_inputs(const Program& p, nb::handle inputs) {
   std::vector<nb::object> ordered;
   if (nb::isinstance<nb::dict>(inputs)) {
     const nb::dict d = nb::borrow<nb::dict>(inputs);
+    // The keys that name no input (a typo, a stray array), named with the missing input.
+    std::string unknown;
+    for (auto [key, value] : d) {
+      bool known = false;
+      for (Value in : p.inputs())
+        known = known ||
+                (nb::isinstance<nb::str>(key) && nb::cast<std::string>(key) == p.info(in).name);
+      if (!known) unknown += (unknown.empty() ? "" : ", ") + nb::cast<std::string>(nb::repr(key));
+    }
+    const std::string not_inputs =
+        unknown.empty() ? "" : fmt::format("; given, not inputs: {}", unknown);
     for (Value in : p.inputs()) {
       const std::string& name = p.info(in).name;
       MESHFUSE_CHECK(d.contains(name), ErrorCode::InvalidArgument,
-                     "MultiDeviceExecutor.run: no array for input {} (the program's inputs: {})",
-                     p.describe(in), quoted_input_names(p));
+                     "MultiDeviceExecutor.run: no array for input {} (the program's inputs: {}{})",
+                     p.describe(in), quoted_input_names(p), not_inputs);
       ordered.push_back(d[name.c_str()]);
     }
-    MESHFUSE_CHECK(d.size() == ordered.size(), ErrorCode::InvalidArgument,
-                   "MultiDeviceExecutor.run: {} arrays given by name, the program's inputs are {}",
-                   d.size(), quoted_input_names(p));
+    MESHFUSE_CHECK(unknown.empty(), ErrorCode::InvalidArgument,
+                   "MultiDeviceExecutor.run: {} arrays given by name, the program's inputs are "
+                   "{}{}",
+                   d.size(), quoted_input_names(p), not_inputs);
     return ordered;
   }
   // A single array is iterable too (by rows): only lists and tuples are taken as sequences.

@@ -258,8 +258,12 @@ def test_errors_name_the_mesh_the_rank_and_the_input():
             executor.run([np.zeros((part[0] + 1, 4), np.float32)])
         with pytest.raises(meshfuse.Error, match="'x'.*must be f32"):
             executor.run({"x": np.zeros(part, np.float64)})
-        with pytest.raises(meshfuse.Error, match="no array for input %0 'x'"):
+        with pytest.raises(meshfuse.Error,
+                           match="no array for input %0 'x' .*; given, not inputs: 'y'"):
             executor.run({"y": np.zeros(part, np.float32)})
+        with pytest.raises(meshfuse.Error, match="2 arrays given by name, the program's inputs "
+                                                 "are 'x'; given, not inputs: 'bias'"):
+            executor.run({"x": np.zeros(part, np.float32), "bias": np.zeros(4, np.float32)})
         with pytest.raises(meshfuse.Error, match="a list of arrays"):
             executor.run(np.zeros(part, np.float32))
         return True

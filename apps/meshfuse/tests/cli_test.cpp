@@ -270,6 +270,13 @@ TEST(Cli, RunSaysWhenThePlanHasNoStretchToOverlap) {
   const CliResult j = run_cli(run + " --format json");
   ASSERT_EQ(j.exit_code, 0) << j.out << j.err;
   EXPECT_EQ(nlohmann::json::parse(j.out)["layers"], nlohmann::json::array());
+  EXPECT_EQ(nlohmann::json::parse(j.out)["overlap"]["chunks"], 2);
+  // The default is one chunk per rank, as the table says (the JSON said 0).
+  const CliResult d = run_cli("run --model " + tiny_model(dir) +
+                              " --ranks 3 --tokens 256 --repeats 1 --overlap collective "
+                              "--format json");
+  ASSERT_EQ(d.exit_code, 0) << d.out << d.err;
+  EXPECT_EQ(nlohmann::json::parse(d.out)["overlap"]["chunks"], 3);
 }
 
 // The spec that meshfuse launch --backend passes on in MESHFUSE_BACKEND gives the backend of the
