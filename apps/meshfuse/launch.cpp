@@ -214,7 +214,7 @@ class Launcher {
       signal(stop_signal_, SIG_DFL);
       raise(stop_signal_);
     }
-    return code;  // the signal blocked by whoever started the launcher
+    return code;  // reached where whoever started the launcher blocked the signal
   }
 
  private:

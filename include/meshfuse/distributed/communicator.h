@@ -403,7 +403,7 @@ class LocalWorld {
   // Rank `rank`'s thread is done with its communicators (its run_local function returned): on CPU
   // tensors, the collectives of every team it is in, now and later, and the recvs from it that no
   // send it made matches fail at once with CommunicationFailure naming it, as they can never
-  // complete; the rest goes on. (CUDA tensors' wait for their timeout.)
+  // complete; the rest goes on. (Operations on CUDA tensors still wait for their timeout.)
   void rank_returned(int rank);
 
  private:
