@@ -257,18 +257,14 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
   const DType dt = x.dtype();
   const Device device = x.device();
   const bool grads = out.size() > 1;
-  const std::vector<double> y = as_doubles(labels, stream);
-  {  // Checked here, in this op's name and rows: the kernel below is cross_entropy on a chunk.
-    const std::int64_t classes = op.loss.vocab_size ? op.loss.vocab_size : vocab;
-    Tensor host(labels.shape(), DType::I64);
-    copy(labels, host, stream);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int64_t label = host.data_ptr<std::int64_t>()[i];
-      if (label != op.loss.ignore_index && (label < 0 || label >= classes))
-        fail_label("fused_linear_cross_entropy", classes, i, label, op.loss.ignore_index);
-    }
-  }
-  const std::int64_t count = counted(y, op.loss.ignore_index);
+  // On the host once: checked there in this op's name and rows (the kernel below is
+  // cross_entropy on a chunk), and read as doubles by the combine.
+  Tensor host_labels(labels.shape(), labels.dtype());
+  copy(labels, host_labels, stream);
+  const std::int64_t count =
+      check_labels("fused_linear_cross_entropy", {dt, dt, labels.dtype(), n, vocab},
+                   host_labels.view().data(), op.loss);
+  const std::vector<double> y = as_doubles(host_labels, stream);
   // Each row's upstream gradient.
   std::vector<double> upstream;
   if (grads) {
