@@ -5,7 +5,11 @@ apply_liger_kernel_to_llama when liger_kernel is installed): tokens/s and peak m
 
 Each variant gets a fresh model from the same seed; a step is forward + backward + zeroing the
 gradients (no optimizer: its memory is the same for all). Timed over --steps steps after
---warmup, each on CUDA events (median and p20-p80 over steps); peak memory is torch.cuda.max_memory_allocated over the timed steps.
+--warmup, each on CUDA events (median and p20-p80 over steps). Peak memory over the timed steps:
+torch's (torch.cuda.max_memory_allocated) plus meshfuse's pool (meshfuse.device_memory_stats'
+peak_allocated: meshfuse's ops allocate their scratch there, e.g. fused_linear_cross_entropy's chunk
+of fp32 logits, which torch's counters do not see). The sum bounds their peak together from above:
+the pool holds an op's scratch only while the op runs.
 
     python3 bench/hf_patch.py --layers 2 --tokens 8192 --json hf_patch.json
 """
@@ -18,6 +22,7 @@ import sys
 
 import torch
 
+import meshfuse
 import meshfuse.torch as mt
 
 
@@ -33,8 +38,10 @@ def llama_8b_config(layers):
 def variants():
     out = {"unpatched": lambda model: model, "meshfuse": mt.patch}
     try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        out["liger"] = lambda model: _apply_liger_kernel_to_instance(model=model) or model
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance as liger
+        out["liger"] = lambda model: liger(model=model) or model
+        # What meshfuse.torch.patch swaps (RMSNorm, SwiGLU, the loss): Liger without its RoPE.
+        out["liger_no_rope"] = lambda model: liger(model=model, rope=False) or model
     except ImportError:
         pass
     return out
@@ -60,6 +67,8 @@ def run(name, patch, args):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    pool = f"cuda:{torch.cuda.current_device()}"
+    meshfuse.reset_peak_memory_stats(pool)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     events[0].record()
     for e in events[1:]:
@@ -69,10 +78,13 @@ def run(name, patch, args):
     ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     q = statistics.quantiles(ms, n=5) if len(ms) > 1 else [ms[0], ms[0]]
     step_ms = statistics.median(ms)
+    torch_gib = torch.cuda.max_memory_allocated() / 2**30
+    pool_gib = meshfuse.device_memory_stats(pool)["peak_allocated"] / 2**30
     return {"variant": name, "layers": args.layers, "tokens": batch * args.sequence,
             "tokens_per_s": batch * args.sequence / step_ms * 1e3, "step_ms": step_ms,
-            "step_p20_ms": q[0], "step_p80_ms": q[-1],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach())}
+            "step_p20_ms": q[0], "step_p80_ms": q[-1], "torch_peak_gib": torch_gib,
+            "meshfuse_pool_peak_gib": pool_gib, "peak_gib": torch_gib + pool_gib,
+            "loss": float(loss.detach())}
 
 
 def main():
@@ -82,19 +94,29 @@ def main():
     parser.add_argument("--sequence", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--variants", help="comma-separated, of unpatched, meshfuse, liger, "
+                        "liger_no_rope (those of Liger when liger_kernel is installed); default all")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("hf_patch: no CUDA device; nothing to measure")
         return 0
+    known = variants()
+    names = args.variants.split(",") if args.variants else list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; this machine has "
+                     f"{', '.join(known)}")
     rows = []
-    for name, patch in variants().items():  # Liger's, an instance patch too, last
-        rows.append(run(name, patch, args))
+    for name in names:
+        rows.append(run(name, known[name], args))
         gc.collect()  # the last variant's model, before the next one's peak
         torch.cuda.empty_cache()
-    print(f"{'variant':<10} {'tokens/s':>10} {'step ms':>9} {'peak GiB':>9} {'loss':>8}")
+    print(f"{'variant':<14} {'tokens/s':>10} {'step ms':>9} {'torch GiB':>10} {'pool GiB':>9} "
+          f"{'peak GiB':>9} {'loss':>8}")
     for r in rows:
-        print(f"{r['variant']:<10} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
+        print(f"{r['variant']:<14} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
+              f"{r['torch_peak_gib']:>10.2f} {r['meshfuse_pool_peak_gib']:>9.2f} "
               f"{r['peak_gib']:>9.2f} {r['loss']:>8.4f}")
     if args.json:
         with open(args.json, "w") as f:
