@@ -628,9 +628,12 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
       ErrorCode::ShapeMismatch,
       {"gather_tensor: 'local' on rank", "part of a [10, 4] tensor placed as [Shard(0)]",
        "got " + shape_str({part[0] + 1, 4})});
-  // Rank 0's tensor has 10 rows, the others' 12: every rank sees the programs differ, none hangs.
+  // Rank 0's tensor has 10 rows, the others' 12: every rank sees the programs differ, none hangs,
+  // and each names the line where rank 1's program parts from rank 0's.
   expect_error([&] { executor.run({Tensor(part, DType::F32)}); }, ErrorCode::InvalidArgument,
-               {"MultiDeviceExecutor", "rank 1 runs another program than rank 0"});
+               {"MultiDeviceExecutor", "rank 1 runs another program than rank 0",
+                "its line 2 is `%0 'x' [12, 4] f32 [Shard(0)]` where rank 0's is `%0 'x' [10, 4] "
+                "f32 [Shard(0)]`"});
 
   // The same program with rank 0 alone asking for ring overlap: its sends would never meet the
   // others' all_gather (a timeout on every rank); the params are compared with the program.
@@ -640,7 +643,8 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   const std::vector<Tensor> parts = parts_of(same, whole_inputs(same), comm->rank());
   expect_error([&] { MultiDeviceExecutor(same, comm, ring).run(views(parts)); },
                ErrorCode::InvalidArgument,
-               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0",
+                "overlap none", "where rank 0 has backend the communicator's, overlap ring"});
   // The same after a first run: set_params() that changes them makes the ranks compare again (they
   // once went their own ways, each waiting in its own collective for the timeout); every rank
   // setting the same params runs on.
@@ -660,7 +664,8 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   if (comm->rank() == 0) streams.overlap.number_of_streams = 3;
   third.set_params(streams);
   expect_error([&] { third.run(views(parts)); }, ErrorCode::InvalidArgument,
-               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0"});
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0", "streams 2",
+                "where rank 0 has", "streams 3"});
 }
 
 }  // namespace meshfuse::test::exec

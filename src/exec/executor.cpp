@@ -9,6 +9,7 @@
 #include <functional>
 #include <numeric>
 #include <string>
+#include <vector>
 
 #include "exec/interpreter.h"
 #include "meshfuse/core/error.h"
@@ -21,6 +22,56 @@ std::shared_ptr<Communicator> defined(std::shared_ptr<Communicator> communicator
   MESHFUSE_CHECK(communicator != nullptr, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutor: communicator is null");
   return communicator;
+}
+
+// Every rank's words, gathered through `device` (the backend's device type) and read on the host.
+Tensor gather_words(Communicator& world, const Tensor& mine, Device device, const Stream& stream) {
+  const Tensor all({mine.numel() * world.size()}, DType::I64, device, stream);
+  const Tensor sent = mine.to(device, stream);
+  world.all_gather(sent, all, stream).keep_alive({sent, all}).wait();
+  Tensor host({all.numel()}, DType::I64);
+  copy(all, host, stream);
+  return host;
+}
+
+// Every rank's text: the lengths, then the bytes padded to the longest in 8-byte words (I64, which
+// every backend carries).
+std::vector<std::string> gather_texts(Communicator& world, const std::string& text, Device device,
+                                      const Stream& stream) {
+  Tensor length({1}, DType::I64);
+  length.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(text.size());
+  const Tensor lengths = gather_words(world, length, device, stream);
+  const std::int64_t* l = lengths.data_ptr<std::int64_t>();
+  const std::int64_t words = (*std::max_element(l, l + world.size()) + 7) / 8;
+  Tensor mine({words}, DType::I64);
+  std::fill_n(mine.data_ptr<std::int64_t>(), words, 0);
+  std::copy(text.begin(), text.end(), reinterpret_cast<char*>(mine.data_ptr<std::int64_t>()));
+  const Tensor all = gather_words(world, mine, device, stream);
+  std::vector<std::string> texts;
+  for (int r = 0; r < world.size(); ++r)
+    texts.emplace_back(reinterpret_cast<const char*>(all.data_ptr<std::int64_t>()) + r * words * 8,
+                       static_cast<std::size_t>(l[r]));
+  return texts;
+}
+
+// Where `theirs` first differs from `ours` (rank 0's), line by line.
+std::string first_difference(const std::string& theirs, const std::string& ours) {
+  const auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    for (std::size_t at = 0; at < text.size();) {
+      const std::size_t end = std::min(text.find('\n', at), text.size());
+      out.push_back(text.substr(at, end - at));
+      at = end + 1;
+    }
+    return out;
+  };
+  const std::vector<std::string> a = lines(theirs), b = lines(ours);
+  std::size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  const auto line = [&](const std::vector<std::string>& v) {
+    return i < v.size() ? fmt::format("`{}`", v[i]) : std::string("its end");
+  };
+  return fmt::format("its line {} is {} where rank 0's is {}", i + 1, line(a), line(b));
 }
 
 }  // namespace
@@ -48,7 +99,9 @@ MultiDeviceExecutor::MultiDeviceExecutor(Program program,
 // Ranks whose programs or executor params differ would meet in different collectives, or wait in
 // one that the others never call: before the first communication of a backend, the ranks compare
 // a hash of the program's text (ops, shapes, placements) and one of the params that decide which
-// communications run, how and where, and fail together when one differs.
+// communications run, how and where, and fail together when one differs. Every rank sees every
+// hash, so on a difference all gather the texts too, to show where the first differing rank parts
+// from rank 0.
 void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType type,
                                              const Stream& stream) const {
   const Device device = type == DeviceType::CPU ? Device{} : stream.device;
@@ -58,15 +111,13 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
                                             : "the communicator's",
       to_string(params_.overlap.overlap), params_.overlap.chunks, params_.overlap.number_of_streams,
       params_.profile);
+  const std::string program = program_.to_string();
   Tensor mine({2}, DType::I64);
-  mine.data_ptr<std::int64_t>()[0] =
-      static_cast<std::int64_t>(std::hash<std::string>{}(program_.to_string()));
+  mine.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(std::hash<std::string>{}(program));
   mine.data_ptr<std::int64_t>()[1] = static_cast<std::int64_t>(std::hash<std::string>{}(params));
-  const int n = world.size();
-  const Tensor all({2 * n}, DType::I64, device, stream);
+  Tensor host;
   try {
-    const Tensor sent = mine.to(device, stream);
-    world.all_gather(sent, all, stream).keep_alive({sent, all}).wait();
+    host = gather_words(world, mine, device, stream);
   } catch (const Error& e) {  // the first collective of a run, which the user did not write
     // Waited for, or met by another collective (the metadata check's InvalidArgument): some rank
     // is elsewhere.
@@ -85,19 +136,24 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
                           "communication (does every rank call run()?)",
                     e.message()));
   }
-  Tensor host({2 * n}, DType::I64);
-  copy(all, host, stream);
   const std::int64_t* h = host.data_ptr<std::int64_t>();
-  for (int r = 0; r < n; ++r) {
+  for (int r = 0; r < world.size(); ++r) {
     const int rank = world.team()[static_cast<std::size_t>(r)];
-    MESHFUSE_CHECK(h[2 * r] == h[0], ErrorCode::InvalidArgument,
-                   "MultiDeviceExecutor: rank {} runs another program than rank 0 (every rank "
-                   "must build the same program: ops, shapes, dtypes, mesh and placements)",
-                   rank);
-    MESHFUSE_CHECK(h[2 * r + 1] == h[1], ErrorCode::InvalidArgument,
-                   "MultiDeviceExecutor: rank {} has other executor params than rank 0 (every rank "
-                   "must pass the same: this rank has {})",
-                   rank, params);
+    if (h[2 * r] != h[0]) {
+      const std::vector<std::string> texts = gather_texts(world, program, device, stream);
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("MultiDeviceExecutor: rank {} runs another program than rank 0 "
+                              "(every rank must build the same program: ops, shapes, dtypes, mesh "
+                              "and placements): {}",
+                              rank, first_difference(texts[r], texts[0])));
+    }
+    if (h[2 * r + 1] != h[1]) {
+      const std::vector<std::string> texts = gather_texts(world, params, device, stream);
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("MultiDeviceExecutor: rank {} has other executor params than rank 0 "
+                              "(every rank must pass the same): {} where rank 0 has {}",
+                              rank, texts[r], texts[0]));
+    }
   }
 }
 
