@@ -12,8 +12,8 @@ It swaps, on the model's own modules (no copy, the weights untouched):
   :func:`meshfuse.torch.fused_linear_cross_entropy` over its last hidden state and ``lm_head``, with
   transformers' label shift, ignore index and ``num_items_in_batch`` scaling, and an fp32 loss as
   transformers' (which upcasts the logits). The (tokens, vocabulary) logits are then never made:
-  the output's ``logits`` is None (and absent from the tuple of ``return_dict=False``, as
-  transformers' ``to_tuple`` drops None fields). Without labels, in eval mode or under no_grad
+  the output's ``logits`` is None (None at index 1 of the tuple of ``return_dict=False``, every
+  other field where the unpatched model's tuple has it). Without labels, in eval mode or under no_grad
   (evaluation and prediction, which want the logits), or with an ``lm_head`` that is not a plain
   ``torch.nn.Linear`` without hooks (a LoRA adapter, a quantised linear) the forward is the
   model's own.
@@ -150,7 +150,11 @@ def _causal_lm_forward(self, *args, **kwargs):
     fields = {f.name for f in dataclasses.fields(output_class)}
     output = output_class(loss=loss, logits=None,
                           **{k: v for k, v in rest.items() if k in fields})
-    return output if return_dict else output.to_tuple()  # to_tuple: as can_return_tuple
+    if return_dict:
+        return output
+    # The unpatched tuple's layout (can_return_tuple's to_tuple, which drops None fields), with None
+    # where the logits were: outputs[1] is then not silently the next field (as Liger's tuple).
+    return (loss, None) + output.to_tuple()[1:]
 
 
 def _replace_forward(module, forward):
