@@ -451,11 +451,16 @@ void print(std::ostream& out, const RunOptions& o, const Setup& s, const Report&
         s.overlap.number_of_streams);
     out << fmt::format("  {:>10} {:>10} {:>10} {:>10} {:>6}  {}\n", "comm ms", "compute ms",
                        "sequential", "overlapped", "eff.", "stretch");
+    bool above_one = false;
     for (const Layer& l : r.layers) {
       const LayerTimes t = times_of(l);
+      above_one = above_one || t.efficiency() > 1;
       out << fmt::format("  {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} {:>6.2f}  {}\n", t.comm,
                          t.compute, t.comm + t.compute, t.overlapped, t.efficiency(), l.what);
     }
+    if (above_one)
+      out << "  (above 1: the stretch took less than its longer part timed alone, whose steps "
+             "each wait for the stream and their team; and times vary from run to run)\n";
   }
   out << fmt::format(
       "check against one device (normwise: max |sharded - one device| / max |one device|, "
