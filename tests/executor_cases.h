@@ -645,6 +645,19 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
                ErrorCode::InvalidArgument,
                {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0",
                 "overlap none", "where rank 0 has backend the communicator's, overlap ring"});
+  // Rank 0 alone naming another backend: the ranks compare on the communicator's own, so all
+  // meet and fail together (rank 0 went on to set up the other backend's team, and the others
+  // waited for it in the comparison until the timeout).
+  MultiDeviceExecutorParams other;
+  const bool local = comm->backend(DeviceType::CPU) == CommunicatorBackend::Local;
+  if (comm->rank() == 0)
+    other.lowering.communicator_backend =
+        local ? CommunicatorBackend::Gloo : CommunicatorBackend::Local;
+  expect_error([&] { MultiDeviceExecutor(same, comm, other).run(views(parts)); },
+               ErrorCode::InvalidArgument,
+               {"MultiDeviceExecutor", "rank 1 has other executor params than rank 0",
+                "backend the communicator's",
+                local ? "where rank 0 has backend gloo" : "where rank 0 has backend local"});
   // The same after a first run: set_params() that changes them makes the ranks compare again (they
   // once went their own ways, each waiting in its own collective for the timeout); every rank
   // setting the same params runs on.

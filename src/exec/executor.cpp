@@ -18,6 +18,14 @@ namespace meshfuse {
 
 namespace {
 
+// The ranks' programs or params differ: every rank throws it together once the comparison's
+// collectives have completed, so the run is not counted as failed (count_failed_run), which would
+// put ranks whose params name another backend out of step with the others.
+class RanksDiffer : public Error {
+ public:
+  using Error::Error;
+};
+
 std::shared_ptr<Communicator> defined(std::shared_ptr<Communicator> communicator) {
   MESHFUSE_CHECK(communicator != nullptr, ErrorCode::InvalidArgument,
                  "MultiDeviceExecutor: communicator is null");
@@ -141,18 +149,20 @@ void MultiDeviceExecutor::check_same_program(Communicator& world, DeviceType typ
     const int rank = world.team()[static_cast<std::size_t>(r)];
     if (h[2 * r] != h[0]) {
       const std::vector<std::string> texts = gather_texts(world, program, device, stream);
-      throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("MultiDeviceExecutor: rank {} runs another program than rank 0 "
-                              "(every rank must build the same program: ops, shapes, dtypes, mesh "
-                              "and placements): {}",
-                              rank, first_difference(texts[r], texts[0])));
+      throw RanksDiffer(
+          ErrorCode::InvalidArgument,
+          fmt::format("MultiDeviceExecutor: rank {} runs another program than rank 0 "
+                      "(every rank must build the same program: ops, shapes, dtypes, mesh "
+                      "and placements): {}",
+                      rank, first_difference(texts[r], texts[0])));
     }
     if (h[2 * r + 1] != h[1]) {
       const std::vector<std::string> texts = gather_texts(world, params, device, stream);
-      throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("MultiDeviceExecutor: rank {} has other executor params than rank 0 "
-                              "(every rank must pass the same): {} where rank 0 has {}",
-                              rank, texts[r], texts[0]));
+      throw RanksDiffer(
+          ErrorCode::InvalidArgument,
+          fmt::format("MultiDeviceExecutor: rank {} has other executor params than rank 0 "
+                      "(every rank must pass the same): {} where rank 0 has {}",
+                      rank, texts[r], texts[0]));
     }
   }
 }
@@ -208,8 +218,13 @@ const std::vector<std::shared_ptr<Communicator>>& MultiDeviceExecutor::teams(
   const std::pair key(backend, type);
   auto it = teams_.find(key);
   if (it != teams_.end() && checked_.contains(key)) return it->second;
+  // Compared on the communicator's own backend for the device type where it has one: a rank whose
+  // params name another backend then meets the others there, where setting up that backend's team
+  // (itself a collective of that backend) would leave every rank waiting for the others.
+  check_same_program(
+      communicator_->spec().backends.contains(type) ? *communicator_ : *this->world(backend, type),
+      type, stream);
   const std::shared_ptr<Communicator> world = this->world(backend, type);
-  check_same_program(*world, type, stream);
   checked_.insert(key);
   if (it == teams_.end()) it = teams_.emplace(key, world->mesh_teams(mesh_)).first;
   return it->second;
@@ -236,6 +251,8 @@ std::vector<Tensor> MultiDeviceExecutor::run(const std::vector<TensorView>& inpu
   last_type_ = device.type;
   try {
     return run(lowered(device.type), inputs, device, stream);
+  } catch (const RanksDiffer&) {
+    throw;
   } catch (...) {
     try {
       count_failed_run(device.type);

@@ -6,11 +6,12 @@
 // the same number of times; the mesh's ranks are the team's ranks (a mesh over a subset, or a
 // rank the mesh lacks, is InvalidArgument). Before a backend's first communication, and again
 // after set_params(), the ranks compare a hash of the program (ops, shapes, placements) and of the
-// params that decide the communications: ones that differ are InvalidArgument on every rank (a
-// rank that set another backend compares on another team: the others' Timeout). A rank that calls
-// run() with a program that communicates nothing while the others' do leaves them waiting for the
-// communicator's timeout (Error(Timeout)). A run that throws on some ranks only (an input of the
-// wrong shape, a bad label) counts as a failed collective on each of the executor's teams
+// params that decide the communications: ones that differ are InvalidArgument on every rank,
+// naming the first line where they part (compared on the communicator's own backend for the
+// inputs' device type, so a rank whose params name another backend meets the others). A rank that
+// calls run() with a program that communicates nothing while the others' do leaves them waiting for
+// the communicator's timeout (Error(Timeout)). A run that throws on some ranks only (an input of
+// the wrong shape, a bad label) counts as a failed collective on each of the executor's teams
 // (Communicator::count_failed_collective): the ranks still in its communications, and every rank
 // at the next run, then fail with CommunicationFailure "ranks out of step" (with the checks on;
 // on a mesh of several dimensions, ranks whose teams the failing rank no longer reaches fail at
