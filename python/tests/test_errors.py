@@ -49,9 +49,10 @@ def test_shape_dtype_and_argument_errors_raise_value_and_type_errors_with_the_me
 def test_a_backend_that_cannot_run_raises_a_runtime_error():
     x = np.ones((4, 8), np.float32)
     with meshfuse.force_kernel_backend("cuda"):
-        with pytest.raises(RuntimeError) as e:
+        with pytest.raises(meshfuse.UnsupportedError,
+                           match=r"swiglu: kernel backend 'cuda' \(forced\) cannot run") as e:
             meshfuse.swiglu(x, x, np.empty_like(x))
-    assert isinstance(e.value, meshfuse.Error)
+    assert isinstance(e.value, RuntimeError)  # NotImplementedError, as Python's
 
 
 def test_a_read_only_or_wrong_kind_output_names_the_argument():
