@@ -48,6 +48,39 @@ TEST(DistLocal, EveryCollectiveWorksWithoutTheMetadataCheck) {
   });
 }
 
+// With the checks off nothing compares the calls before they meet, and each rank reads the
+// others' buffers by its own sizes: sizes that differ are refused by every rank before a buffer is
+// read (they once read and wrote past rank 0's smaller buffers: wrong sums, then a double free or a
+// segfault), and the team goes on.
+TEST(DistLocal, SizesThatDifferAreRefusedOnEveryRankWithTheChecksOff) {
+  on_four_ranks([](Communicator& c) {
+    c.set_checks(false);
+    const std::int64_t n = c.rank() == 1 ? 8 : 4;  // rank 1's calls are twice the others'
+    const auto f32 = [](std::int64_t numel) { return Tensor::zeros({numel}, DType::F32); };
+    const auto refused = [&](const std::function<Work()>& call, const std::string& what) {
+      expect_error([&] { call().wait(); }, ErrorCode::InvalidArgument,
+                   {"local: ranks disagree", what, "set_checks(false)"});
+    };
+    refused([&] { return c.all_reduce(f32(n)); }, "rank 0 has f32 x 4 but rank 1 has f32 x 8");
+    refused([&] { return c.reduce(f32(n), 0); }, "rank 0 has f32 x 4 but rank 1 has f32 x 8");
+    refused([&] { return c.broadcast(f32(n), 0); }, "rank 0 has 16 bytes but rank 1 has 32 bytes");
+    refused([&] { return c.all_gather(f32(n), f32(4 * n)); },
+            "rank 0 has f32 counts [4, 4, 4, 4] but rank 1 has f32 counts [8, 8, 8, 8]");
+    refused([&] { return c.reduce_scatter(f32(4 * n), f32(n)); },
+            "rank 0 has f32 counts [4, 4, 4, 4] but rank 1 has f32 counts [8, 8, 8, 8]");
+    refused([&] { return c.gather(f32(n), f32(4 * n), 0); },
+            "rank 0 has 16 bytes but rank 1 has 32 bytes");
+    refused([&] { return c.scatter(f32(4 * n), f32(n), 0); },
+            "rank 0 has 16 bytes but rank 1 has 32 bytes");
+    expect_error([&] { c.all_to_all(f32(4 * n), f32(4 * n)).wait(); }, ErrorCode::InvalidArgument,
+                 {"local: all_to_all: rank 0 sends 4 elements to rank 1, which expects 8"});
+    const Tensor ones = Tensor::zeros({4}, DType::F32);
+    for (int i = 0; i < 4; ++i) ones.data_ptr<float>()[i] = 1;
+    c.all_reduce(ones).wait();
+    EXPECT_EQ(values(ones), std::vector<double>(4, 4.0));
+  });
+}
+
 TEST(DistLocal, SeveralOperationsInFlightCompleteInAnyWaitOrder) {
   on_four_ranks(dist::check_many_in_flight);
 }

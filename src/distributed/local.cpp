@@ -10,12 +10,16 @@
 // queues them on the caller's stream from the calling thread.
 #include "distributed/local.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "distributed/comm_impl.h"
@@ -103,14 +107,30 @@ struct LocalTeam {
 
 namespace {
 
-// Where each rank's arguments are, for the others to read.
+// Where each rank's arguments are, for the others to read, and the sizes by which it reads the
+// others' (which must agree on every rank: LocalComm::check_sizes).
 struct Args {
-  explicit Args(const void* in = nullptr, std::vector<std::int64_t> in_counts = {})
-      : in(static_cast<const std::uint8_t*>(in)), in_counts(std::move(in_counts)) {}
+  explicit Args(const void* in = nullptr, std::string sizes = {},
+                std::vector<std::int64_t> in_counts = {}, std::vector<std::int64_t> out_counts = {})
+      : in(static_cast<const std::uint8_t*>(in)),
+        sizes(std::move(sizes)),
+        in_counts(std::move(in_counts)),
+        out_counts(std::move(out_counts)) {}
 
   const std::uint8_t* in;
-  std::vector<std::int64_t> in_counts;  // all_to_all
+  std::string sizes;
+  std::vector<std::int64_t> in_counts, out_counts;  // all_to_all
 };
+
+std::string elements(const TensorView& t) {
+  return fmt::format("{} x {}", to_string(t.dtype()), t.numel());
+}
+
+std::string bytes(std::size_t n) { return fmt::format("{} bytes", n); }
+
+std::string counted(DType dtype, const std::vector<std::int64_t>& counts) {
+  return fmt::format("{} counts [{}]", to_string(dtype), fmt::join(counts, ", "));
+}
 
 std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& counts) {
   std::vector<std::int64_t> off(counts.size() + 1, 0);
@@ -198,9 +218,10 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root,
                                       const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->broadcast(t, root, stream);
-    return collective(Args(t.data()), [=, this](const std::vector<const void*>& all) {
-      if (rank_ != root) std::memcpy(t.data(), args_of(all, root).in, t.nbytes());
-    });
+    return collective(Args(t.data(), bytes(t.nbytes())),
+                      [=, this](const std::vector<const void*>& all) {
+                        if (rank_ != root) std::memcpy(t.data(), args_of(all, root).in, t.nbytes());
+                      });
   }
 
   std::shared_ptr<WorkImpl> all_gather(const TensorView& in, const TensorView& out,
@@ -208,7 +229,7 @@ class LocalComm : public CommImpl {
                                        const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->all_gather(in, out, counts, stream);
     const std::size_t es = element_size(in.dtype());
-    return collective(Args(in.data()),
+    return collective(Args(in.data(), counted(in.dtype(), counts)),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
                         auto* dst = static_cast<std::uint8_t*>(out.data());
                         for (int s = 0; s < size_; ++s)
@@ -221,7 +242,7 @@ class LocalComm : public CommImpl {
                                            const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->reduce_scatter(in, out, counts, op, stream);
     const std::size_t es = element_size(in.dtype());
-    return collective(Args(in.data()),
+    return collective(Args(in.data(), counted(in.dtype(), counts)),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
                         std::vector<const void*> srcs;
                         for (int s = 0; s < size_; ++s)
@@ -233,21 +254,23 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
                                    const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->gather(in, out, root, stream);
-    return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
-      if (rank_ != root) return;
-      auto* dst = static_cast<std::uint8_t*>(out.data());
-      for (int s = 0; s < size_; ++s)
-        copy_bytes(dst + s * in.nbytes(), args_of(all, s).in, in.nbytes());
-    });
+    return collective(Args(in.data(), bytes(in.nbytes())),
+                      [=, this](const std::vector<const void*>& all) {
+                        if (rank_ != root) return;
+                        auto* dst = static_cast<std::uint8_t*>(out.data());
+                        for (int s = 0; s < size_; ++s)
+                          copy_bytes(dst + s * in.nbytes(), args_of(all, s).in, in.nbytes());
+                      });
   }
 
   std::shared_ptr<WorkImpl> scatter(const TensorView& in, const TensorView& out, int root,
                                     const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->scatter(in, out, root, stream);
-    return collective(Args(in.data()), [=, this](const std::vector<const void*>& all) {
-      copy_bytes(static_cast<std::uint8_t*>(out.data()),
-                 args_of(all, root).in + rank_ * out.nbytes(), out.nbytes());
-    });
+    return collective(Args(in.data(), bytes(out.nbytes())),
+                      [=, this](const std::vector<const void*>& all) {
+                        copy_bytes(static_cast<std::uint8_t*>(out.data()),
+                                   args_of(all, root).in + rank_ * out.nbytes(), out.nbytes());
+                      });
   }
 
   std::shared_ptr<WorkImpl> all_to_all(const TensorView& in, const TensorView& out,
@@ -257,16 +280,17 @@ class LocalComm : public CommImpl {
     if (CommImpl* cuda = cuda_for(stream))
       return cuda->all_to_all(in, out, in_counts, out_counts, stream);
     const std::size_t es = element_size(in.dtype());
-    return collective(Args(in.data(), in_counts), [=, this, out_off = offsets(out_counts)](
-                                                      const std::vector<const void*>& all) {
-      auto* dst = static_cast<std::uint8_t*>(out.data());
-      for (int s = 0; s < size_; ++s) {
-        const Args& a = args_of(all, s);
-        std::int64_t from = 0;  // where rank s's block for this rank starts
-        for (int r = 0; r < rank_; ++r) from += a.in_counts[r];
-        copy_bytes(dst + out_off[s] * es, a.in + from * es, out_counts[s] * es);
-      }
-    });
+    return collective(
+        Args(in.data(), std::string(to_string(in.dtype())), in_counts, out_counts),
+        [=, this, out_off = offsets(out_counts)](const std::vector<const void*>& all) {
+          auto* dst = static_cast<std::uint8_t*>(out.data());
+          for (int s = 0; s < size_; ++s) {
+            const Args& a = args_of(all, s);
+            std::int64_t from = 0;  // where rank s's block for this rank starts
+            for (int r = 0; r < rank_; ++r) from += a.in_counts[r];
+            copy_bytes(dst + out_off[s] * es, a.in + from * es, out_counts[s] * es);
+          }
+        });
   }
 
   std::shared_ptr<WorkImpl> send(const TensorView& t, int peer, int tag,
@@ -338,11 +362,46 @@ class LocalComm : public CommImpl {
     r.done = true;
   }
 
+  // With the checks off (set_checks(false)) no exchange compared the calls before they met, and
+  // each rank reads the others' buffers by its own sizes: sizes that differ are refused here, by
+  // every rank alike (each sees every call), before a buffer is read; after one more meeting, as
+  // the others may still be reading this rank's Args.
+  void check_sizes(const std::vector<const void*>& all) {
+    const std::string why = disagreement(all);
+    if (why.empty()) return;
+    team_->ops.meet(rank_, nullptr, timeout_.from_now());
+    throw Error(ErrorCode::InvalidArgument,
+                why +
+                    " (with the checks off, set_checks(false), nothing compared the calls before "
+                    "they met)");
+  }
+
+  std::string disagreement(const std::vector<const void*>& all) const {
+    const Args& first = args_of(all, 0);
+    for (int s = 1; s < size_; ++s)
+      if (args_of(all, s).sizes != first.sizes)
+        return fmt::format("local: ranks disagree: rank 0 has {} but rank {} has {}", first.sizes,
+                           s, args_of(all, s).sizes);
+    if (first.out_counts.empty()) return {};  // not all_to_all
+    for (int s = 0; s < size_; ++s)
+      for (int r = 0; r < size_; ++r) {
+        const std::int64_t sent = args_of(all, s).in_counts[r],
+                           expected = args_of(all, r).out_counts[s];
+        if (sent != expected)
+          return fmt::format(
+              "local: all_to_all: rank {} sends {} elements to rank {}, which "
+              "expects {}",
+              s, sent, r, expected);
+      }
+    return {};
+  }
+
   // Runs `body` between two meetings of the team, on this rank's worker.
   template <typename Body>
   std::shared_ptr<WorkImpl> collective(Args args, Body body) {
     return queue_.submit([this, args, body = std::move(body)] {
       const auto all = team_->ops.meet(rank_, &args, timeout_.from_now());
+      check_sizes(all);
       body(all);
       team_->ops.meet(rank_, nullptr, timeout_.from_now());
     });
@@ -355,8 +414,9 @@ class LocalComm : public CommImpl {
       const std::int64_t n = t.numel();
       const std::size_t es = element_size(t.dtype());
       const std::int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
-      const Args args(t.data());
+      const Args args(t.data(), elements(t));
       const auto all = team_->ops.meet(rank_, &args, timeout_.from_now());
+      check_sizes(all);
       std::vector<const void*> srcs;
       for (int s = 0; s < size_; ++s) srcs.push_back(args_of(all, s).in + begin * es);
       std::vector<std::uint8_t> chunk((end - begin) * es);
