@@ -77,10 +77,7 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
     MESHFUSE_CHECK(o.nranks >= 0, ErrorCode::InvalidArgument,
                    "-n: expected a positive number of ranks, got {}", o.nranks);
   } else {
-    MESHFUSE_CHECK(o.nranks == 0 || o.nranks == launch.world_size, ErrorCode::InvalidArgument,
-                   "-n {}: this job has {} rank(s) (-n is for --backend local; with {} start the "
-                   "ranks with meshfuse launch, torchrun or mpirun)",
-                   o.nranks, launch.world_size, to_string(s.backend));
+    check_launched_ranks(s.backend, launch, o.nranks, "-n");
   }
   return s;
 }

@@ -506,4 +506,22 @@ CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& l
   return backend;
 }
 
+void check_launched_ranks(CommunicatorBackend backend, const LaunchInfo& launch, int ranks,
+                          const std::string& ranks_option) {
+  // mpi's world is MPI_COMM_WORLD: only mpirun makes one of several processes.
+  const std::string launchers = backend == CommunicatorBackend::Mpi
+                                    ? "mpirun -n N"
+                                    : "meshfuse launch -n N, torchrun or mpirun";
+  MESHFUSE_CHECK(ranks == 0 || ranks == launch.world_size, ErrorCode::InvalidArgument,
+                 "{} {}: this job has {} rank(s) on {} (ranks other than local ones come from the "
+                 "launcher: {})",
+                 ranks_option, ranks, launch.world_size, to_string(backend), launchers);
+  MESHFUSE_CHECK(launch.launcher != meshfuse::Launcher::None || ranks == 1,
+                 ErrorCode::InvalidArgument,
+                 "--backend {}: this process was started without a launcher, a job of one rank; "
+                 "start the "
+                 "ranks with {}, or pass {} 1 to run one",
+                 to_string(backend), launchers, ranks_option);
+}
+
 }  // namespace meshfuse::cli

@@ -54,4 +54,12 @@ CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& l
                                     std::optional<DeviceType> device,
                                     const std::string& ranks_option);
 
+// The ranks of a backend other than local come from the launcher: `ranks` (the option
+// `ranks_option`'s value, 0 when not given) must be the job's number, and a process started
+// without a launcher is a job of one rank, which only `ranks_option 1` asks for (otherwise it
+// would quietly run one rank where local runs several). Throws Error(InvalidArgument) naming the
+// launchers that start `backend`'s ranks (mpi's: mpirun only).
+void check_launched_ranks(CommunicatorBackend backend, const LaunchInfo& launch, int ranks,
+                          const std::string& ranks_option);
+
 }  // namespace meshfuse::cli

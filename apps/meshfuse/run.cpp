@@ -73,10 +73,7 @@ Setup check_options(const RunOptions& o) {
                    "--ranks: expected a positive number, got {}", o.ranks);
     s.ranks = o.ranks ? o.ranks : 4;
   } else {
-    MESHFUSE_CHECK(o.ranks == 0 || o.ranks == s.launch.world_size, ErrorCode::InvalidArgument,
-                   "--ranks {}: this job has {} rank(s) on {} (ranks other than local ones come "
-                   "from the launcher: meshfuse launch -n N, torchrun or mpirun)",
-                   o.ranks, s.launch.world_size, to_string(s.backend));
+    check_launched_ranks(s.backend, s.launch, o.ranks, "--ranks");
     s.ranks = s.launch.world_size;
   }
   return s;

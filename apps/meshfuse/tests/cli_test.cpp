@@ -11,6 +11,7 @@
 
 #include "cli_util.h"
 #include "meshfuse/core/platform.h"
+#include "meshfuse/distributed/communicator.h"
 #include "report.h"
 
 namespace {
@@ -312,4 +313,10 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
   expect_usage_error("run --model " + model + " --chunks 5",
                      "--chunks 5: only --overlap collective takes chunks");
   expect_usage_error("run --model " + model + " --overlap ring --chunks 5", "got --overlap ring");
+  // Without a launcher gloo's job is one rank, where the local default runs four.
+  if (meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Gloo))
+    expect_usage_error("run --model " + model + " --backend gloo",
+                       "--backend gloo: this process was started without a launcher, a job of "
+                       "one rank; start the ranks with meshfuse launch -n N, torchrun or mpirun, "
+                       "or pass --ranks 1 to run one");
 }

@@ -142,6 +142,40 @@ TEST(CommBench, LocalBackendUnderALauncherIsRejected) {
       << r.err;
 }
 
+// A launched backend started without a launcher is a job of one rank: refused unless -n 1 asks for
+// it (it once ran one rank where the local default runs two), naming the launchers that start its
+// ranks (mpi's: mpirun alone).
+TEST(CommBench, ALaunchedBackendWithoutALauncherIsRefusedUnlessOneRankIsAskedFor) {
+  for (const auto backend :
+       {meshfuse::CommunicatorBackend::Gloo, meshfuse::CommunicatorBackend::Mpi}) {
+    if (!meshfuse::communicator_backend_built(backend)) continue;
+    const std::string name(meshfuse::to_string(backend));
+    const std::string launchers =
+        name == "mpi" ? "mpirun -n N" : "meshfuse launch -n N, torchrun or mpirun";
+    const CliResult r = run_cli(fmt::format("comm-bench --backend {} {}", name, kQuick));
+    EXPECT_EQ(r.exit_code, 2) << name;
+    EXPECT_TRUE(contains(r.err, fmt::format("--backend {}: this process was started without a "
+                                            "launcher, a job of one rank; start the ranks with {}, "
+                                            "or pass -n 1 to run one",
+                                            name, launchers)))
+        << r.err;
+    const CliResult two = run_cli(fmt::format("comm-bench --backend {} -n 2 {}", name, kQuick));
+    EXPECT_EQ(two.exit_code, 2) << name;
+    EXPECT_TRUE(contains(two.err, fmt::format("-n 2: this job has 1 rank(s) on {} (ranks other "
+                                              "than local ones come from the launcher: {})",
+                                              name, launchers)))
+        << two.err;
+  }
+  if (meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Mpi)) {
+    const CliResult one =
+        run_cli(fmt::format("comm-bench --backend mpi -n 1 --max-bytes 2K "
+                            "--format json {}",
+                            kQuick));
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    EXPECT_EQ(nlohmann::json::parse(one.out)[0]["ranks"], 1) << one.out;
+  }
+}
+
 TEST(CommBench, ByteSizesTakeBinarySuffixes) {
   using meshfuse::cli::parse_bytes;
   EXPECT_EQ(parse_bytes("4096", "x"), 4096);
