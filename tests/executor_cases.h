@@ -623,6 +623,14 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
       ErrorCode::ShapeMismatch, {"'x'", shape_str(part)});
   expect_error(
       [&] {
+        executor.run({Tensor(part, DType::F32), Tensor(part, DType::F32)});
+      },
+      ErrorCode::InvalidArgument,
+      {"MultiDeviceExecutor.run: 2 inputs given, the program takes 1, in this order: "
+       "%0 'x' " +
+       shape_str({comm->rank() == 0 ? 10 : 12, 4}) + " f32"});
+  expect_error(
+      [&] {
         gather_tensor(Tensor({part[0] + 1, 4}, DType::F32), {10, 4}, line(*comm), {Shard{0}}, comm);
       },
       ErrorCode::ShapeMismatch,

@@ -446,6 +446,15 @@ def _lse_dtype(dtype):
     return torch.float32 if dtype in _SIXTEEN_BIT else torch.float64
 
 
+def _loss_dtype(op, dtype, loss_dtype):
+    """The loss's dtype: the inputs' by default, or float32 (the kernels' 'loss' output takes no
+    other, and its error would name that output rather than the argument)."""
+    if loss_dtype is None or loss_dtype in (dtype, torch.float32):
+        return loss_dtype or dtype
+    raise _C.DTypeMismatchError(f"[dtype mismatch] {op}: loss_dtype must be None, the inputs' "
+                                f"dtype ({dtype}) or torch.float32, got {loss_dtype}")
+
+
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                           loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True):
@@ -456,7 +465,8 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a
     shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
     n = logits.shape[0]
-    loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype,
+    loss = torch.empty(_loss_shape(n, reduction),
+                       dtype=_loss_dtype("cross_entropy", logits.dtype, loss_dtype),
                        device=logits.device)
     lse = torch.empty((n,), dtype=_lse_dtype(logits.dtype), device=logits.device) \
         if save_lse else None
@@ -565,7 +575,8 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
     if grad_bias and bias is None:
         raise ValueError("fused_linear_cross_entropy: grad_bias=True needs a bias")
     wide = _wide(x.dtype)
-    loss = torch.empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype,
+    loss = torch.empty(_loss_shape(x.shape[0], reduction),
+                       dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype),
                        device=x.device)
     dx = _empty_like(x) if grad_x else None
     dw = torch.empty(weight.shape, dtype=wide, device=x.device) if grad_weight else None

@@ -140,7 +140,12 @@ using SplitsArg = Arg<std::vector<std::int64_t>>;  // or None (its default says 
 using StreamArg = Arg<std::uintptr_t>;
 
 ReduceOp reduce_op(const ReduceArg& op, std::string_view collective) {
-  return parse_reduce_op(op.as(collective, "op", "a str ('sum', 'avg', 'prod', 'min', 'max')"));
+  const std::string name = op.as(collective, "op", "a str ('sum', 'avg', 'prod', 'min', 'max')");
+  try {
+    return parse_reduce_op(name);
+  } catch (const Error& e) {  // named by the collective and its argument
+    throw Error(e.code(), fmt::format("{}: 'op': {}", collective, e.message()));
+  }
 }
 
 int rank_of(const RankArg& root, std::string_view collective) {

@@ -242,7 +242,13 @@ void bind_mesh_and_placements(nb::module_& m) {
   partial
       .def(
           "__init__",
-          [](Partial* self, const std::string& op) { new (self) Partial{parse_reduce_op(op)}; },
+          [](Partial* self, const std::string& op) {
+            try {
+              new (self) Partial{parse_reduce_op(op)};
+            } catch (const Error& e) {
+              throw Error(e.code(), "Partial: 'op': " + e.message());
+            }
+          },
           "op"_a = "sum")
       .def_prop_ro("op", [](const Partial& p) { return std::string(to_string(p.op)); });
   bind_placement(partial);

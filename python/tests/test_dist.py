@@ -146,6 +146,18 @@ def test_a_scalar_argument_of_the_wrong_type_on_one_rank_leaves_the_ranks_out_of
     _expect_out_of_step_after_a_refusal_on_rank_1(refuse)
 
 
+def test_an_unknown_reduce_op_is_named_by_the_collective_and_its_argument():
+    def rank_fn(comm):
+        with pytest.raises(ValueError,
+                           match=r"all_reduce: 'op': reduce op: unknown name 'average'"):
+            comm.all_reduce(np.ones(4, np.float32), op="average")
+        return True
+
+    assert meshfuse.run_local(1, rank_fn) == [True]
+    with pytest.raises(ValueError, match=r"Partial: 'op': reduce op: unknown name 'summ'"):
+        meshfuse.Partial("summ")
+
+
 def test_collective_arrays_live_until_the_operation_completes():
     # A Work dropped at once (fire and forget) and a gather whose input goes out of scope: the
     # backend still reads the arrays after their handles are gone, when the late rank arrives.

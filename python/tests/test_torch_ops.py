@@ -420,6 +420,13 @@ def test_fp32_loss_of_16_bit_logits_matches_the_reference_backend():
         for a, b in zip(ours, ref):
             assert a.dtype == torch.float32
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Another loss_dtype is named as the argument (the kernel's error named its 'loss' output).
+    with pytest.raises(TypeError, match=r"cross_entropy: loss_dtype must be None, the inputs' "
+                       r"dtype \(torch.bfloat16\) or torch.float32, got torch.float64"):
+        mt.cross_entropy(logits, labels, loss_dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"fused_linear_cross_entropy: loss_dtype must be None, "
+                       r"the inputs' dtype \(torch.float16\) or torch.float32, got torch.int32"):
+        mt.fused_linear_cross_entropy(x, w, labels, loss_dtype=torch.int32)
 
 
 def test_import_error_without_torch_says_what_to_install():

@@ -3,6 +3,7 @@
 #include "meshfuse/exec/executor.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -266,9 +267,13 @@ std::vector<Tensor> MultiDeviceExecutor::run(const Lowered& lowered,
                                              const std::vector<TensorView>& inputs, Device device,
                                              const Stream& stream) {
   const std::vector<Value>& declared = program_.inputs();
-  MESHFUSE_CHECK(inputs.size() == declared.size(), ErrorCode::InvalidArgument,
-                 "MultiDeviceExecutor.run: {} inputs given, the program takes {}", inputs.size(),
-                 declared.size());
+  if (inputs.size() != declared.size()) {
+    std::vector<std::string> names;  // in the order run() takes them
+    for (const Value v : declared) names.push_back(program_.describe(v));
+    fail(ErrorCode::InvalidArgument,
+         "MultiDeviceExecutor.run: {} inputs given, the program takes {}, in this order: {}",
+         inputs.size(), declared.size(), fmt::join(names, ", "));
+  }
   const Plan& plan = lowered.plan;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = inputs[i];
