@@ -198,12 +198,14 @@ def _(gate, up):
 
 
 def _swiglu_reusing_inputs_grad(ctx, grad_out):
+    # Before saved_tensors, whose version check would raise torch's generic in-place error.
+    if getattr(ctx, "overwritten", False):
+        raise RuntimeError("swiglu_mlp: a second backward through the same graph: its first wrote "
+                           "the activation's gradients over its saved inputs (gate and up); run "
+                           "the forward again")
     gate, up = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph: gate and up's history is the forward's
         return _swiglu_backward(grad_out, gate, up)
-    if getattr(ctx, "overwritten", False):
-        raise RuntimeError("swiglu_mlp: a second backward through the same graph: its first wrote "
-                           "the activation's gradients over its saved inputs (gate and up)")
     ctx.overwritten = True
     _swiglu_backward_in_place(grad_out, gate, up)
     return gate, up
@@ -637,6 +639,12 @@ def _flce_grad(ctx, grad_loss, *_):
         _, *grads = _fused_linear_cross_entropy(x, weight, bias, labels, grad_loss.contiguous(),
                                                 *wants, *ctx.options)
     else:
+        # Before saved_tensors, whose version check would raise torch's generic in-place error.
+        if getattr(ctx, "scaled_in_place", False):
+            raise RuntimeError(
+                "meshfuse::fused_linear_cross_entropy: a second backward through the same "
+                "forward: the first scaled the gradients the forward computed in place (so that "
+                "a large head needs no second weight-sized buffer); run the forward again")
         wants, (*saved, scale) = ctx.computed, ctx.saved_tensors
         missing = [name for name, need, want in zip(("x", "weight", "bias"), ctx.needs_input_grad,
                                                     wants) if need and not want]
@@ -651,9 +659,9 @@ def _flce_grad(ctx, grad_loss, *_):
         grad_loss = grad_loss.to(wide) / scale.to(wide)
         if all(type(g) is torch.Tensor for g in saved):
             # Eager: scaled in place, so that a large head needs no second weight-sized fp32
-            # buffer. A second backward (retain_graph) is then refused by autograd's version
-            # check of the saved tensors.
+            # buffer. A second backward (retain_graph) is then refused (scaled_in_place).
             grads = [g.mul_(grad_loss) if want else None for g, want in zip(saved, wants)]
+            ctx.scaled_in_place = True
         else:
             # Traced (torch.compile, opcheck): out of place, as AOTAutograd cannot trace an
             # in-place scaling of saved forward outputs.
