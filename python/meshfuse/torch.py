@@ -355,7 +355,12 @@ def rmsnorm(x, weight=None, eps=None):
     fp32), one dtype and device. eps None: PyTorch's default, the machine epsilon of fp32 for
     16-bit inputs, else of x's dtype. Returns a contiguous tensor like x. Raises
     ShapeMismatchError, InvalidArgumentError (ValueError: eps < 0), DTypeMismatchError
-    (TypeError), DeviceMismatchError (RuntimeError). Spec: include/meshfuse/ops/rmsnorm.h."""
+    (TypeError), DeviceMismatchError (RuntimeError); TypeError for a weight that is not a tensor
+    (F.rms_norm's normalized_shape in its place). Spec: include/meshfuse/ops/rmsnorm.h."""
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        raise TypeError(f"rmsnorm: weight must be a tensor or None, got {type(weight).__name__} "
+                        "(rmsnorm(x, weight, eps) normalises the last dim and takes no "
+                        "normalized_shape, unlike torch.nn.functional.rms_norm)")
     if _untraced(x, weight):
         return rmsnorm_forward(x, weight, _eps(x, eps), save_rstd=False)[0]
     return _rmsnorm(x, None, weight, _eps(x, eps), 1.0)[0]

@@ -60,6 +60,16 @@ def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
     _opcheck(ops.swiglu_reusing_inputs.default, (x.clone(), y.clone()))
 
 
+def test_rmsnorm_given_f_rms_norms_arguments_says_it_takes_no_normalized_shape():
+    # It once came out of torch's dispatcher, naming the op's internal 'residual' argument.
+    x = _randn(3, 5, seed=8)
+    with pytest.raises(TypeError, match=r"rmsnorm: weight must be a tensor or None, got tuple "
+                       r"\(rmsnorm\(x, weight, eps\) normalises the last dim"):
+        mt.rmsnorm(x, (5,), torch.ones(5))
+    with torch.no_grad(), pytest.raises(TypeError, match="rmsnorm: weight must be a tensor"):
+        mt.rmsnorm(x, (5,))  # the eager path without autograd too
+
+
 def test_softmax_takes_pytorchs_dim_argument_and_a_keyword_multiplier():
     # mt.softmax(x, -1) once read -1 as the multiplier and returned softmax(-x).
     x = _randn(3, 5, seed=7)
