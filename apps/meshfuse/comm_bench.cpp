@@ -58,6 +58,9 @@ struct Setup {
 Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   Setup s{};
   s.backend = command_backend(o.backend, launch, std::nullopt, "-n");
+  MESHFUSE_CHECK(s.backend != CommunicatorBackend::Nccl || cuda_device_count() > 0,
+                 ErrorCode::BackendUnavailable,
+                 "--backend nccl: this machine has no CUDA device (nccl moves CUDA tensors)");
   s.op = parse_op(o.op);
   MESHFUSE_CHECK(o.dtype == "f32" || o.dtype == "bf16", ErrorCode::InvalidArgument,
                  "--dtype: expected f32 or bf16, got '{}'", o.dtype);

@@ -176,6 +176,15 @@ TEST(CommBench, ALaunchedBackendWithoutALauncherIsRefusedUnlessOneRankIsAskedFor
   }
 }
 
+TEST(CommBench, NcclWithoutACudaDeviceIsRefusedNamingTheOption) {
+  if (!meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Nccl) ||
+      meshfuse::cuda_device_count() > 0)
+    GTEST_SKIP() << "needs a build with nccl on a machine without a CUDA device";
+  const CliResult r = run_cli(fmt::format("comm-bench --backend nccl {}", kQuick));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.err, "--backend nccl: this machine has no CUDA device")) << r.err;
+}
+
 TEST(CommBench, ByteSizesTakeBinarySuffixes) {
   using meshfuse::cli::parse_bytes;
   EXPECT_EQ(parse_bytes("4096", "x"), 4096);
