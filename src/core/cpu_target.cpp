@@ -64,7 +64,7 @@ std::vector<std::int64_t> compiled_targets() {
 // those of that name. (Arm's names interleave, best first: SVE2_128 "sve2", SVE_256 "sve", SVE2
 // "sve2", SVE "sve", NEON: "sve" keeps SVE_256 and SVE, and disables SVE2_128 and SVE2.)
 // An unknown name leaves the choice alone and says so (the library cannot throw while loading);
-// a target the CPU lacks leaves the best one below it.
+// a target the CPU lacks leaves the best one below it, and says so.
 const bool kPinned = [] {
   const char* env = std::getenv("MESHFUSE_CPU_TARGET");
   if (!env || !*env) return false;
@@ -76,6 +76,9 @@ const bool kPinned = [] {
   }
   if (named) {
     hwy::DisableTargets((worst - 1) & ~named);  // the bits below a target are the better ones
+    if ((hwy::SupportedTargets() & named) == 0)
+      std::fprintf(stderr, "meshfuse: MESHFUSE_CPU_TARGET=%s: this CPU lacks it; %s runs\n", env,
+                   cpu_simd_target().c_str());
     return true;
   }
   std::string known;

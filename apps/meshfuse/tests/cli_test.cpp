@@ -282,6 +282,21 @@ TEST(Cli, RunSaysWhenThePlanHasNoStretchToOverlap) {
 
 // The spec that meshfuse launch --backend passes on in MESHFUSE_BACKEND gives the backend of the
 // command's device (it was an "unknown name" before, not saying where the name came from).
+// A pinned target better than this CPU's best is named with the one that runs instead (it once
+// fell back without a word).
+TEST(Cli, APinnedCpuTargetThisCpuLacksIsNamedWithTheOneThatRuns) {
+  const std::string runs = meshfuse::cpu_simd_target();
+  const std::string best = meshfuse::cpu_simd_targets().front();
+  if (best == runs) GTEST_SKIP() << "this CPU has every target of the build";
+  const CliResult r = run_cli("info", "MESHFUSE_CPU_TARGET=" + best);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, fmt::format("meshfuse: MESHFUSE_CPU_TARGET={}: this CPU lacks it; {} "
+                                          "runs",
+                                          best, runs)))
+      << r.err;
+  EXPECT_TRUE(contains(r.out, "cpu simd: " + runs)) << r.out;
+}
+
 TEST(Cli, RunTakesABackendSpecFromTheEnvironmentForItsDevice) {
   const ScratchDir dir;
   const std::string run = "run --model " + tiny_model(dir) + " --ranks 2 --tokens 4 --repeats 1";
