@@ -129,7 +129,8 @@ TEST(DistLocal, ACollectiveThatFailsItsChecksOnOneRankLeavesTheTeamFailedOutOfSt
     const Tensor in = Tensor::zeros({2}, DType::F32);
     if (c.rank() == 1)
       expect_error([&] { c.all_gather(in, Tensor::zeros({5}, DType::F32)); },
-                   ErrorCode::ShapeMismatch, {"all_gather", "should have 4 elements"});
+                   ErrorCode::ShapeMismatch,
+                   {"all_gather: output f32[5] cpu has 5 elements, expected 4 (2 ranks x 2)"});
     const auto out_of_step = [&](const std::function<void()>& call) {
       expect_error(call, ErrorCode::CommunicationFailure,
                    {"ranks out of step", "rank 0: #0 (all_gather f32 x 2)",
@@ -269,7 +270,27 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
         [&] {
           c.all_gather(t, Tensor::zeros({7, 3}, DType::F32));
         },
-        ErrorCode::ShapeMismatch, {"all_gather", "output", "24 elements"});
+        ErrorCode::ShapeMismatch,
+        {"all_gather: output f32[7, 3] cpu has 21 elements, expected 24 (2 ranks x 12)"});
+    // torch's order (output first) is named as such; a size error alone is not.
+    const std::string order = "the arguments are (input, output), input first";
+    expect_error(
+        [&] {
+          c.all_gather(Tensor::zeros({8, 3}, DType::F32), t);
+        },
+        ErrorCode::ShapeMismatch,
+        {"all_gather: output f32[4, 3] cpu has 12 elements, expected 48", order});
+    expect_error(
+        [&] {
+          c.reduce_scatter(Tensor::zeros({2, 3}, DType::F32), t);
+        },
+        ErrorCode::ShapeMismatch,
+        {"reduce_scatter: input f32[2, 3] cpu has 6 elements, expected 24", order});
+    try {
+      c.all_gather(t, Tensor::zeros({7, 3}, DType::F32));
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find(order), std::string::npos) << e.what();
+    }
     expect_error(
         [&] {
           c.all_gather(t, Tensor::zeros({8, 3}, DType::I64));
@@ -288,7 +309,7 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
         [&] {
           c.all_gather(t, Tensor::zeros({5, 3}, DType::F32), {2, 3});
         },
-        ErrorCode::ShapeMismatch, {"input", "should have"});
+        ErrorCode::ShapeMismatch, {"all_gather: input f32[4, 3] cpu has 12 elements, expected"});
     expect_error(
         [&] {
           c.all_gather(t, Tensor::zeros({5, 3}, DType::F32), {4, 2});

@@ -142,9 +142,25 @@ void check_same_rows(const TensorView& a, const TensorView& b, CommOp op) {
                  op_name(op), a.str(), b.str());
 }
 
+// `whole` must hold size() parts of `part`'s numel. Where the two are the other way round, the
+// error says how meshfuse orders them: torch's all_gather_into_tensor and reduce_scatter_tensor
+// take the output first.
+void check_parts(const TensorView& whole, const char* whole_name, const TensorView& part, int size,
+                 CommOp op) {
+  const std::int64_t expected = size * part.numel();
+  if (whole.numel() == expected) return;
+  const bool exchanged = size > 1 && part.numel() == size * whole.numel();
+  fail(ErrorCode::ShapeMismatch, "{}: {} {} has {} elements, expected {} ({} ranks x {}){}",
+       op_name(op), whole_name, whole.str(), whole.numel(), expected, size, part.numel(),
+       exchanged ? "; the arguments are (input, output), input first (torch's *_into_tensor "
+                   "and *_tensor collectives take the output first)"
+                 : "");
+}
+
 void check_numel(const TensorView& t, std::int64_t expected, const char* what, CommOp op) {
   MESHFUSE_CHECK(t.numel() == expected, ErrorCode::ShapeMismatch,
-                 "{}: {} {} should have {} elements", op_name(op), what, t.str(), expected);
+                 "{}: {} {} has {} elements, expected {}", op_name(op), what, t.str(), t.numel(),
+                 expected);
 }
 
 template <typename F>
@@ -247,7 +263,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
                               const Stream& stream) {
   Call c(*state_, CommOp::AllGather, {{"input", input}, {"output", output}});
   check_tensors(c, stream);
-  check_numel(output, size() * input.numel(), "output", c.op);
+  check_parts(output, "output", input, size(), c.op);
   c.count = input.numel();
   c.bytes = bytes_of(output.numel(), c.dtype);
   c.out_counts.assign(size(), input.numel());
@@ -277,7 +293,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
   Call c(*state_, CommOp::ReduceScatter, {{"input", input}, {"output", output}});
   c.reduction = op;
   check_tensors(c, stream);
-  check_numel(input, size() * output.numel(), "input", c.op);
+  check_parts(input, "input", output, size(), c.op);
   c.count = output.numel();
   c.bytes = bytes_of(input.numel(), c.dtype);
   c.in_counts.assign(size(), output.numel());
@@ -311,7 +327,7 @@ Work Communicator::gather(const TensorView& input, const TensorView& output, int
   if (is_root) c.tensors.emplace_back("output", output);
   c.root = root;
   check_tensors(c, stream);
-  if (is_root) check_numel(output, size() * input.numel(), "output", c.op);
+  if (is_root) check_parts(output, "output", input, size(), c.op);
   c.count = input.numel();
   c.bytes = bytes_of(is_root ? output.numel() : c.count, c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
@@ -327,7 +343,7 @@ Work Communicator::scatter(const TensorView& input, const TensorView& output, in
   if (is_root) c.tensors.emplace_back("input", input);
   c.root = root;
   check_tensors(c, stream);
-  if (is_root) check_numel(input, size() * output.numel(), "input", c.op);
+  if (is_root) check_parts(input, "input", output, size(), c.op);
   c.count = output.numel();
   c.bytes = bytes_of(is_root ? input.numel() : c.count, c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
