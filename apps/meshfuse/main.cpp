@@ -123,11 +123,13 @@ int main(int argc, char** argv) {
   launch->footer("Usage: meshfuse launch -n N [options] -- COMMAND ARGS...");
   // Everything after launch's `--` is the command's, its own options included: split it off here
   // (CLI11 would parse the options in it).
+  bool launch_without_dashes = argc > 1 && std::string_view(argv[1]) == "launch";
   if (argc > 2 && std::string_view(argv[1]) == "launch")
     for (int i = 2; i < argc; ++i)
       if (std::string_view(argv[i]) == "--") {
         launch_options.command.assign(argv + i + 1, argv + argc);
         argc = i;
+        launch_without_dashes = false;
         break;
       }
 
@@ -181,6 +183,11 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);  // prints the message and a pointer to --help
+    // The command's own options, given without `--`, are parsed as launch's.
+    if (launch_without_dashes && dynamic_cast<const CLI::ExtrasError*>(&e))
+      fmt::print(stderr,
+                 "launch: put the command after `--`: meshfuse launch -n N -- COMMAND "
+                 "ARGS...\n");
     return 2;
   } catch (const meshfuse::Error& e) {
     fmt::print(stderr, "meshfuse: error: {}\n", e.what());

@@ -148,6 +148,14 @@ void expect_usage_error(const std::string& args, const std::string& message) {
   EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
+TEST(Cli, LaunchWithTheCommandsOptionsBeforeDashesSaysWhereTheCommandGoes) {
+  expect_usage_error("launch -n 2 sh -c true",
+                     "launch: put the command after `--`: meshfuse launch -n N -- COMMAND ARGS...");
+  const CliResult other = run_cli("bench --no-such-option");
+  EXPECT_EQ(other.exit_code, 2);
+  EXPECT_FALSE(contains(other.err, "put the command after")) << other.err;
+}
+
 TEST(Cli, ZeroOrNegativeTokensAndSequenceLengthsAreRejected) {
   expect_usage_error("bench --model llama-3.2-1b --seq-len 0", "--seq-len");  // not the default
   expect_usage_error("bench --model llama-3.2-1b --tokens 0",
