@@ -57,10 +57,7 @@ struct Setup {
 
 Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   Setup s{};
-  s.backend = command_backend(o.backend, launch, std::nullopt, "-n");
-  MESHFUSE_CHECK(s.backend != CommunicatorBackend::Nccl || cuda_device_count() > 0,
-                 ErrorCode::BackendUnavailable,
-                 "--backend nccl: this machine has no CUDA device (nccl moves CUDA tensors)");
+  s.backend = command_backend(o.backend, launch, std::nullopt, "-n", o.nranks);
   s.op = parse_op(o.op);
   MESHFUSE_CHECK(o.dtype == "f32" || o.dtype == "bf16", ErrorCode::InvalidArgument,
                  "--dtype: expected f32 or bf16, got '{}'", o.dtype);
@@ -76,12 +73,9 @@ Setup check_options(const CommBenchOptions& o, const LaunchInfo& launch) {
   MESHFUSE_CHECK(o.format == "table" || o.format == "csv" || o.format == "json",
                  ErrorCode::InvalidArgument, "--format: expected table, csv or json, got '{}'",
                  o.format);
-  if (s.backend == CommunicatorBackend::Local) {
+  if (s.backend == CommunicatorBackend::Local)
     MESHFUSE_CHECK(o.nranks >= 0, ErrorCode::InvalidArgument,
                    "-n: expected a positive number of ranks, got {}", o.nranks);
-  } else {
-    check_launched_ranks(s.backend, launch, o.nranks, "-n");
-  }
   return s;
 }
 

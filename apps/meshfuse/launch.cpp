@@ -470,7 +470,7 @@ int run_launch(const LaunchOptions& options) {
 
 CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
                                     std::optional<DeviceType> device,
-                                    const std::string& ranks_option) {
+                                    const std::string& ranks_option, int ranks) {
   std::string chosen = name, source = "--backend";
   const char* env = std::getenv("MESHFUSE_BACKEND");
   if (chosen.empty() && env && *env) {
@@ -498,30 +498,31 @@ CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& l
   }
   MESHFUSE_CHECK(communicator_backend_built(backend), ErrorCode::BackendUnavailable,
                  "{}: {} is not in this build", source, to_string(backend));
-  MESHFUSE_CHECK(backend != CommunicatorBackend::Local || launch.world_size == 1,
-                 ErrorCode::InvalidArgument,
-                 "{}: local runs its ranks as threads of one process ({}); this process is {} "
-                 "(start it without a launcher)",
-                 source, ranks_option, launch.str());
-  return backend;
-}
-
-void check_launched_ranks(CommunicatorBackend backend, const LaunchInfo& launch, int ranks,
-                          const std::string& ranks_option) {
+  if (backend == CommunicatorBackend::Local) {
+    MESHFUSE_CHECK(launch.world_size == 1, ErrorCode::InvalidArgument,
+                   "{}: local runs its ranks as threads of one process ({}); this process is {} "
+                   "(start it without a launcher)",
+                   source, ranks_option, launch.str());
+    return backend;
+  }
+  MESHFUSE_CHECK(backend != CommunicatorBackend::Nccl || cuda_device_count() > 0,
+                 ErrorCode::BackendUnavailable,
+                 "{}: nccl moves CUDA tensors, and this machine has no CUDA device", source);
   // mpi's world is MPI_COMM_WORLD: only mpirun makes one of several processes.
-  const std::string launchers = backend == CommunicatorBackend::Mpi
-                                    ? "mpirun -n N"
-                                    : "meshfuse launch -n N, torchrun or mpirun";
+  const bool mpi = backend == CommunicatorBackend::Mpi;
+  const std::string launchers = mpi ? "mpirun -n N" : "meshfuse launch -n N, torchrun or mpirun";
   MESHFUSE_CHECK(ranks == 0 || ranks == launch.world_size, ErrorCode::InvalidArgument,
                  "{} {}: this job has {} rank(s) on {} (ranks other than local ones come from the "
                  "launcher: {})",
                  ranks_option, ranks, launch.world_size, to_string(backend), launchers);
+  // gloo and nccl without a launcher have no rendezvous store either (unless MESHFUSE_STORE_PATH).
   MESHFUSE_CHECK(launch.launcher != meshfuse::Launcher::None || ranks == 1,
                  ErrorCode::InvalidArgument,
-                 "--backend {}: this process was started without a launcher, a job of one rank; "
-                 "start the "
-                 "ranks with {}, or pass {} 1 to run one",
-                 to_string(backend), launchers, ranks_option);
+                 "{}: {}'s ranks come from a launcher, and this process was started without one "
+                 "(a job of one rank); start them with {}{}",
+                 source, to_string(backend), launchers,
+                 mpi ? fmt::format(", or pass {} 1 to run one", ranks_option) : std::string());
+  return backend;
 }
 
 }  // namespace meshfuse::cli

@@ -46,20 +46,16 @@ int run_launch(const LaunchOptions& options);
 // or when empty MESHFUSE_BACKEND, else mpi under mpirun, gloo under another launcher, local
 // without one. A spec ("cpu:gloo,cuda:nccl") gives its backend for `device` (none given: cuda
 // where the spec serves it and this machine has a CUDA device, else cpu). local runs its ranks as
-// threads of this process (their number given by the option `ranks_option`), so it needs a
-// process started without a launcher. Throws Error naming --backend or MESHFUSE_BACKEND:
-// InvalidArgument for an unknown name, a spec without the device or local under a launcher,
-// BackendUnavailable for a backend this build lacks.
+// threads of this process (their number given by the option `ranks_option`, whose value is
+// `ranks`, 0 when not given), so it needs a process started without a launcher. The other
+// backends' ranks come from the launcher: `ranks`, when given, must be the job's number, and a
+// process started without one is a job of one rank, which only `ranks_option 1` asks for
+// (otherwise it would quietly run one rank where local runs several). Throws Error naming
+// --backend or MESHFUSE_BACKEND: InvalidArgument for an unknown name, a spec without the device,
+// local under a launcher, or ranks the launcher did not start (naming the launchers that start
+// the backend's ranks: mpi's, mpirun alone); BackendUnavailable for a backend this build lacks.
 CommunicatorBackend command_backend(const std::string& name, const LaunchInfo& launch,
                                     std::optional<DeviceType> device,
-                                    const std::string& ranks_option);
-
-// The ranks of a backend other than local come from the launcher: `ranks` (the option
-// `ranks_option`'s value, 0 when not given) must be the job's number, and a process started
-// without a launcher is a job of one rank, which only `ranks_option 1` asks for (otherwise it
-// would quietly run one rank where local runs several). Throws Error(InvalidArgument) naming the
-// launchers that start `backend`'s ranks (mpi's: mpirun only).
-void check_launched_ranks(CommunicatorBackend backend, const LaunchInfo& launch, int ranks,
-                          const std::string& ranks_option);
+                                    const std::string& ranks_option, int ranks);
 
 }  // namespace meshfuse::cli

@@ -43,7 +43,7 @@ Setup check_options(const RunOptions& o) {
   s.launch = launch_info_from_env();
   s.model = load_model_config(o.model);
   s.device = parse_bench_device(o.device);
-  s.backend = command_backend(o.backend, s.launch, s.device.type, "--ranks");
+  s.backend = command_backend(o.backend, s.launch, s.device.type, "--ranks", o.ranks);
   const bool cuda = s.device.type == DeviceType::CUDA;
   if (cuda && s.launch.world_size > 1) s.device.index = s.launch.cuda_device();
   MESHFUSE_CHECK(o.dtype == "bf16" || o.dtype == "f32", ErrorCode::InvalidArgument,
@@ -73,8 +73,7 @@ Setup check_options(const RunOptions& o) {
                    "--ranks: expected a positive number, got {}", o.ranks);
     s.ranks = o.ranks ? o.ranks : 4;
   } else {
-    check_launched_ranks(s.backend, s.launch, o.ranks, "--ranks");
-    s.ranks = s.launch.world_size;
+    s.ranks = s.launch.world_size;  // command_backend checked --ranks against it
   }
   return s;
 }

@@ -339,7 +339,7 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
   // Without a launcher gloo's job is one rank, where the local default runs four.
   if (meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Gloo))
     expect_usage_error("run --model " + model + " --backend gloo",
-                       "--backend gloo: this process was started without a launcher, a job of "
-                       "one rank; start the ranks with meshfuse launch -n N, torchrun or mpirun, "
-                       "or pass --ranks 1 to run one");
+                       "--backend: gloo's ranks come from a launcher, and this process was "
+                       "started without one (a job of one rank); start them with meshfuse launch "
+                       "-n N, torchrun or mpirun");
 }

@@ -142,28 +142,37 @@ TEST(CommBench, LocalBackendUnderALauncherIsRejected) {
       << r.err;
 }
 
-// A launched backend started without a launcher is a job of one rank: refused unless -n 1 asks for
-// it (it once ran one rank where the local default runs two), naming the launchers that start its
-// ranks (mpi's: mpirun alone).
-TEST(CommBench, ALaunchedBackendWithoutALauncherIsRefusedUnlessOneRankIsAskedFor) {
+// A launched backend started without a launcher is a job of one rank: refused (it once ran one
+// rank where the local default runs two), naming the launchers that start its ranks; mpi's come
+// from mpirun alone, and -n 1 asks for its one rank (gloo's has no rendezvous store either).
+TEST(CommBench, ALaunchedBackendWithoutALauncherIsRefusedNamingItsLaunchers) {
   for (const auto backend :
        {meshfuse::CommunicatorBackend::Gloo, meshfuse::CommunicatorBackend::Mpi}) {
     if (!meshfuse::communicator_backend_built(backend)) continue;
     const std::string name(meshfuse::to_string(backend));
+    const bool mpi = name == "mpi";
     const std::string launchers =
-        name == "mpi" ? "mpirun -n N" : "meshfuse launch -n N, torchrun or mpirun";
+        mpi ? "mpirun -n N, or pass -n 1 to run one" : "meshfuse launch -n N, torchrun or mpirun";
     const CliResult r = run_cli(fmt::format("comm-bench --backend {} {}", name, kQuick));
     EXPECT_EQ(r.exit_code, 2) << name;
-    EXPECT_TRUE(contains(r.err, fmt::format("--backend {}: this process was started without a "
-                                            "launcher, a job of one rank; start the ranks with {}, "
-                                            "or pass -n 1 to run one",
+    EXPECT_TRUE(contains(r.err, fmt::format("--backend: {}'s ranks come from a launcher, and this "
+                                            "process was started without one (a job of one rank); "
+                                            "start them with {}",
                                             name, launchers)))
         << r.err;
+    if (!mpi) EXPECT_FALSE(contains(r.err, "-n 1")) << r.err;
+    // From MESHFUSE_BACKEND, the message says so.
+    const CliResult env = run_cli(fmt::format("comm-bench {}", kQuick), "MESHFUSE_BACKEND=" + name);
+    EXPECT_EQ(env.exit_code, 2) << name;
+    EXPECT_TRUE(contains(env.err, fmt::format("MESHFUSE_BACKEND={} (meshfuse launch --backend sets "
+                                              "it): {}'s ranks come from a launcher",
+                                              name, name)))
+        << env.err;
     const CliResult two = run_cli(fmt::format("comm-bench --backend {} -n 2 {}", name, kQuick));
     EXPECT_EQ(two.exit_code, 2) << name;
     EXPECT_TRUE(contains(two.err, fmt::format("-n 2: this job has 1 rank(s) on {} (ranks other "
-                                              "than local ones come from the launcher: {})",
-                                              name, launchers)))
+                                              "than local ones come from the launcher: {}",
+                                              name, mpi ? "mpirun -n N)" : launchers + ")")))
         << two.err;
   }
   if (meshfuse::communicator_backend_built(meshfuse::CommunicatorBackend::Mpi)) {
@@ -182,7 +191,10 @@ TEST(CommBench, NcclWithoutACudaDeviceIsRefusedNamingTheOption) {
     GTEST_SKIP() << "needs a build with nccl on a machine without a CUDA device";
   const CliResult r = run_cli(fmt::format("comm-bench --backend nccl {}", kQuick));
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.err, "--backend nccl: this machine has no CUDA device")) << r.err;
+  EXPECT_TRUE(contains(r.err,
+                       "--backend: nccl moves CUDA tensors, and this machine has no CUDA "
+                       "device"))
+      << r.err;
 }
 
 TEST(CommBench, ByteSizesTakeBinarySuffixes) {
