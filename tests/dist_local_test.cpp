@@ -61,17 +61,33 @@ TEST(DistLocal, SizesThatDifferAreRefusedOnEveryRankWithTheChecksOff) {
       expect_error([&] { call().wait(); }, ErrorCode::InvalidArgument,
                    {"local: ranks disagree", what, "set_checks(false)"});
     };
-    refused([&] { return c.all_reduce(f32(n)); }, "rank 0 has f32 x 4 but rank 1 has f32 x 8");
-    refused([&] { return c.reduce(f32(n), 0); }, "rank 0 has f32 x 4 but rank 1 has f32 x 8");
-    refused([&] { return c.broadcast(f32(n), 0); }, "rank 0 has 16 bytes but rank 1 has 32 bytes");
+    refused([&] { return c.all_reduce(f32(n)); },
+            "rank 0 has all_reduce f32 x 4 but rank 1 has all_reduce f32 x 8");
+    refused([&] { return c.reduce(f32(n), 0); },
+            "rank 0 has reduce root 0 f32 x 4 but rank 1 has reduce root 0 f32 x 8");
+    refused([&] { return c.broadcast(f32(n), 0); },
+            "rank 0 has broadcast root 0, 16 bytes but rank 1 has broadcast root 0, 32 bytes");
     refused([&] { return c.all_gather(f32(n), f32(4 * n)); },
-            "rank 0 has f32 counts [4, 4, 4, 4] but rank 1 has f32 counts [8, 8, 8, 8]");
+            "rank 0 has all_gather f32 counts [4, 4, 4, 4] but rank 1 has all_gather f32 counts "
+            "[8, 8, 8, 8]");
     refused([&] { return c.reduce_scatter(f32(4 * n), f32(n)); },
-            "rank 0 has f32 counts [4, 4, 4, 4] but rank 1 has f32 counts [8, 8, 8, 8]");
+            "rank 0 has reduce_scatter f32 counts [4, 4, 4, 4] but rank 1 has reduce_scatter f32 "
+            "counts [8, 8, 8, 8]");
     refused([&] { return c.gather(f32(n), f32(4 * n), 0); },
-            "rank 0 has 16 bytes but rank 1 has 32 bytes");
+            "rank 0 has gather root 0, 16 bytes but rank 1 has gather root 0, 32 bytes");
     refused([&] { return c.scatter(f32(4 * n), f32(n), 0); },
-            "rank 0 has 16 bytes but rank 1 has 32 bytes");
+            "rank 0 has scatter root 0, 16 bytes but rank 1 has scatter root 0, 32 bytes");
+    // Calls of one size that differ in their operation or root read other buffers (a scatter's
+    // non-root input is null): refused too.
+    refused(
+        [&] {
+          return c.rank() == 1 ? c.scatter(f32(16), f32(4), 0) : c.gather(f32(4), f32(16), 0);
+        },
+        "rank 0 has gather root 0, 16 bytes but rank 1 has scatter root 0, 16 bytes");
+    refused([&] { return c.broadcast(f32(4), c.rank() == 1 ? 1 : 0); },
+            "rank 0 has broadcast root 0, 16 bytes but rank 1 has broadcast root 1, 16 bytes");
+    refused([&] { return c.rank() == 1 ? c.barrier() : c.all_reduce(f32(4)); },
+            "rank 0 has all_reduce f32 x 4 but rank 1 has barrier");
     expect_error([&] { c.all_to_all(f32(4 * n), f32(4 * n)).wait(); }, ErrorCode::InvalidArgument,
                  {"local: all_to_all: rank 0 sends 4 elements to rank 1, which expects 8"});
     const Tensor ones = Tensor::zeros({4}, DType::F32);

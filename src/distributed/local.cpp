@@ -107,8 +107,8 @@ struct LocalTeam {
 
 namespace {
 
-// Where each rank's arguments are, for the others to read, and the sizes by which it reads the
-// others' (which must agree on every rank: LocalComm::check_sizes).
+// Where each rank's arguments are, for the others to read, and the call (operation, root, sizes) by
+// which it reads the others' (which must agree on every rank: LocalComm::check_sizes).
 struct Args {
   explicit Args(const void* in = nullptr, std::string sizes = {},
                 std::vector<std::int64_t> in_counts = {}, std::vector<std::int64_t> out_counts = {})
@@ -122,14 +122,16 @@ struct Args {
   std::vector<std::int64_t> in_counts, out_counts;  // all_to_all
 };
 
-std::string elements(const TensorView& t) {
-  return fmt::format("{} x {}", to_string(t.dtype()), t.numel());
+std::string elements(std::string_view op, const TensorView& t) {
+  return fmt::format("{} {} x {}", op, to_string(t.dtype()), t.numel());
 }
 
-std::string bytes(std::size_t n) { return fmt::format("{} bytes", n); }
+std::string bytes(std::string_view op, int root, std::size_t n) {
+  return fmt::format("{} root {}, {} bytes", op, root, n);
+}
 
-std::string counted(DType dtype, const std::vector<std::int64_t>& counts) {
-  return fmt::format("{} counts [{}]", to_string(dtype), fmt::join(counts, ", "));
+std::string counted(std::string_view op, DType dtype, const std::vector<std::int64_t>& counts) {
+  return fmt::format("{} {} counts [{}]", op, to_string(dtype), fmt::join(counts, ", "));
 }
 
 std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& counts) {
@@ -218,7 +220,7 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> broadcast(const TensorView& t, int root,
                                       const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->broadcast(t, root, stream);
-    return collective(Args(t.data(), bytes(t.nbytes())),
+    return collective(Args(t.data(), bytes("broadcast", root, t.nbytes())),
                       [=, this](const std::vector<const void*>& all) {
                         if (rank_ != root) std::memcpy(t.data(), args_of(all, root).in, t.nbytes());
                       });
@@ -229,7 +231,7 @@ class LocalComm : public CommImpl {
                                        const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->all_gather(in, out, counts, stream);
     const std::size_t es = element_size(in.dtype());
-    return collective(Args(in.data(), counted(in.dtype(), counts)),
+    return collective(Args(in.data(), counted("all_gather", in.dtype(), counts)),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
                         auto* dst = static_cast<std::uint8_t*>(out.data());
                         for (int s = 0; s < size_; ++s)
@@ -242,7 +244,7 @@ class LocalComm : public CommImpl {
                                            const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->reduce_scatter(in, out, counts, op, stream);
     const std::size_t es = element_size(in.dtype());
-    return collective(Args(in.data(), counted(in.dtype(), counts)),
+    return collective(Args(in.data(), counted("reduce_scatter", in.dtype(), counts)),
                       [=, this, off = offsets(counts)](const std::vector<const void*>& all) {
                         std::vector<const void*> srcs;
                         for (int s = 0; s < size_; ++s)
@@ -254,7 +256,7 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
                                    const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->gather(in, out, root, stream);
-    return collective(Args(in.data(), bytes(in.nbytes())),
+    return collective(Args(in.data(), bytes("gather", root, in.nbytes())),
                       [=, this](const std::vector<const void*>& all) {
                         if (rank_ != root) return;
                         auto* dst = static_cast<std::uint8_t*>(out.data());
@@ -266,7 +268,7 @@ class LocalComm : public CommImpl {
   std::shared_ptr<WorkImpl> scatter(const TensorView& in, const TensorView& out, int root,
                                     const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->scatter(in, out, root, stream);
-    return collective(Args(in.data(), bytes(out.nbytes())),
+    return collective(Args(in.data(), bytes("scatter", root, out.nbytes())),
                       [=, this](const std::vector<const void*>& all) {
                         copy_bytes(static_cast<std::uint8_t*>(out.data()),
                                    args_of(all, root).in + rank_ * out.nbytes(), out.nbytes());
@@ -281,7 +283,7 @@ class LocalComm : public CommImpl {
       return cuda->all_to_all(in, out, in_counts, out_counts, stream);
     const std::size_t es = element_size(in.dtype());
     return collective(
-        Args(in.data(), std::string(to_string(in.dtype())), in_counts, out_counts),
+        Args(in.data(), fmt::format("all_to_all {}", to_string(in.dtype())), in_counts, out_counts),
         [=, this, out_off = offsets(out_counts)](const std::vector<const void*>& all) {
           auto* dst = static_cast<std::uint8_t*>(out.data());
           for (int s = 0; s < size_; ++s) {
@@ -328,7 +330,7 @@ class LocalComm : public CommImpl {
 
   std::shared_ptr<WorkImpl> barrier(const Stream& stream) override {
     if (CommImpl* cuda = cuda_for(stream)) return cuda->barrier(stream);
-    return collective(Args(), [](const std::vector<const void*>&) {});
+    return collective(Args(nullptr, "barrier"), [](const std::vector<const void*>&) {});
   }
 
   void abort() override {
@@ -414,7 +416,8 @@ class LocalComm : public CommImpl {
       const std::int64_t n = t.numel();
       const std::size_t es = element_size(t.dtype());
       const std::int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
-      const Args args(t.data(), elements(t));
+      const Args args(t.data(), root < 0 ? elements("all_reduce", t)
+                                         : elements(fmt::format("reduce root {}", root), t));
       const auto all = team_->ops.meet(rank_, &args, timeout_.from_now());
       check_sizes(all);
       std::vector<const void*> srcs;
