@@ -183,8 +183,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);  // prints the message and a pointer to --help
-    // The command's own options, given without `--`, are parsed as launch's.
-    if (launch_without_dashes && dynamic_cast<const CLI::ExtrasError*>(&e))
+    // The command's own options, given without `--`, are parsed as launch's (a command given:
+    // not a mistyped option of launch's own).
+    if (launch_without_dashes && !launch_options.command.empty() &&
+        dynamic_cast<const CLI::ExtrasError*>(&e))
       fmt::print(stderr,
                  "launch: put the command after `--`: meshfuse launch -n N -- COMMAND "
                  "ARGS...\n");

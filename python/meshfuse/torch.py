@@ -511,7 +511,8 @@ def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction:
 def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
       z_loss_scale, loss_dtype):
     n = logits.shape[0]
-    return (logits.new_empty(_loss_shape(n, reduction), dtype=loss_dtype or logits.dtype),
+    return (logits.new_empty(_loss_shape(n, reduction),
+                             dtype=_loss_dtype("cross_entropy", logits.dtype, loss_dtype)),
             logits.new_empty((n,), dtype=_lse_dtype(logits.dtype)))
 
 
@@ -618,7 +619,8 @@ def _fused_linear_cross_entropy(
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
       reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows):
     wide = _wide(x.dtype)
-    loss = x.new_empty(_loss_shape(x.shape[0], reduction), dtype=loss_dtype or x.dtype)
+    loss = x.new_empty(_loss_shape(x.shape[0], reduction),
+                       dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype))
     dx = _empty_like(x) if grad_x else _nothing(x)
     dw = x.new_empty(weight.shape, dtype=wide) if grad_weight else _nothing(x)
     db = x.new_empty(bias.shape, dtype=wide) if grad_bias else _nothing(x)

@@ -437,6 +437,11 @@ def test_fp32_loss_of_16_bit_logits_matches_the_reference_backend():
     with pytest.raises(TypeError, match=r"fused_linear_cross_entropy: loss_dtype must be None, "
                        r"the inputs' dtype \(torch.float16\) or torch.float32, got torch.int32"):
         mt.fused_linear_cross_entropy(x, w, labels, loss_dtype=torch.int32)
+    # Traced (the fake implementations, as torch.compile runs them): refused there too.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), pytest.raises(TypeError, match="cross_entropy: loss_dtype must be"):
+        mt.cross_entropy(torch.empty(4, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long),
+                         loss_dtype=torch.float64)
 
 
 def test_import_error_without_torch_says_what_to_install():

@@ -142,25 +142,27 @@ void check_same_rows(const TensorView& a, const TensorView& b, CommOp op) {
                  op_name(op), a.str(), b.str());
 }
 
-// `whole` must hold size() parts of `part`'s numel. Where the two are the other way round, the
-// error says how meshfuse orders them: torch's all_gather_into_tensor and reduce_scatter_tensor
-// take the output first.
-void check_parts(const TensorView& whole, const char* whole_name, const TensorView& part, int size,
-                 CommOp op) {
-  const std::int64_t expected = size * part.numel();
-  if (whole.numel() == expected) return;
-  const bool exchanged = size > 1 && part.numel() == size * whole.numel();
-  fail(ErrorCode::ShapeMismatch, "{}: {} {} has {} elements, expected {} ({} ranks x {}){}",
-       op_name(op), whole_name, whole.str(), whole.numel(), expected, size, part.numel(),
-       exchanged ? "; the arguments are (input, output), input first (torch's *_into_tensor "
-                   "and *_tensor collectives take the output first)"
-                 : "");
+void check_numel(const TensorView& t, std::int64_t expected, const char* what, CommOp op,
+                 std::string_view note = {}) {
+  MESHFUSE_CHECK(t.numel() == expected, ErrorCode::ShapeMismatch,
+                 "{}: {} {} has {} elements, expected {}{}", op_name(op), what, t.str(), t.numel(),
+                 expected, note);
 }
 
-void check_numel(const TensorView& t, std::int64_t expected, const char* what, CommOp op) {
-  MESHFUSE_CHECK(t.numel() == expected, ErrorCode::ShapeMismatch,
-                 "{}: {} {} has {} elements, expected {}", op_name(op), what, t.str(), t.numel(),
-                 expected);
+// `whole` must hold size() parts of `part`'s numel. An all_gather's or reduce_scatter's whose two
+// are the other way round is most likely torch's order, which takes the output first
+// (all_gather_into_tensor, reduce_scatter_tensor): the error says meshfuse's.
+void check_parts(const TensorView& whole, const char* whole_name, const TensorView& part, int size,
+                 CommOp op) {
+  if (whole.numel() == size * part.numel()) return;  // the note is formatted for errors only
+  const bool exchanged = (op == CommOp::AllGather || op == CommOp::ReduceScatter) && size > 1 &&
+                         part.numel() == size * whole.numel();
+  check_numel(whole, size * part.numel(), whole_name, op,
+              fmt::format(" ({} ranks x {}){}", size, part.numel(),
+                          exchanged ? "; the arguments are (input, output), input first (torch's "
+                                      "*_into_tensor and *_tensor collectives take the output "
+                                      "first)"
+                                    : ""));
 }
 
 template <typename F>

@@ -8,14 +8,16 @@
 // after set_params(), the ranks compare a hash of the program (ops, shapes, placements) and of the
 // params that decide the communications: ones that differ are InvalidArgument on every rank,
 // naming the first line where they part (compared on the communicator's own backend for the
-// inputs' device type, so a rank whose params name another backend meets the others). A rank that
-// calls run() with a program that communicates nothing while the others' do leaves them waiting for
-// the communicator's timeout (Error(Timeout)). A run that throws on some ranks only (an input of
-// the wrong shape, a bad label) counts as a failed collective on each of the executor's teams
-// (Communicator::count_failed_collective): the ranks still in its communications, and every rank
-// at the next run, then fail with CommunicationFailure "ranks out of step" (with the checks on;
-// on a mesh of several dimensions, ranks whose teams the failing rank no longer reaches fail at
-// their timeout) instead of pairing one run's communications with another's.
+// inputs' device type, so a rank whose params name another backend meets the others; where the
+// communicator has none for it, on the backend the params name, and ranks that name different
+// ones wait for the timeout). A rank that calls run() with a program that communicates nothing
+// while the others' do leaves them waiting for the communicator's timeout (Error(Timeout)). A run
+// that throws on some ranks only (an input of the wrong shape, a bad label) counts as a failed
+// collective on each of the executor's teams (Communicator::count_failed_collective): the ranks
+// still in its communications, and every rank at the next run, then fail with CommunicationFailure
+// "ranks out of step" (with the checks on; on a mesh of several dimensions, ranks whose teams the
+// failing rank no longer reaches fail at their timeout) instead of pairing one run's communications
+// with another's.
 //
 // Plans are lowered once per (communicator backend, device type of the inputs) and cached: the
 // program and its shapes are fixed, so those are what can change between runs. set_params() with
