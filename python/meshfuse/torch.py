@@ -20,6 +20,7 @@ Shapes, dtypes, the math and its source are specified in include/meshfuse/ops/*.
 dtype, ``RuntimeError`` for a device or backend).
 """
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -121,8 +122,32 @@ def _nothing(like):
     return like.new_empty(0)
 
 
-def _none_if_empty(t):
-    return None if t.shape == (0,) else t
+def _fake(op):
+    """``op.register_fake`` with a check that no argument is on the meta device beside one that is
+    not: torch sends such a call to the fake implementation, whose outputs (on the other tensors'
+    device) would come back as the result, never written."""
+    name = op._name
+
+    def register(fn):
+        code = fn.__code__
+        names = code.co_varnames[:code.co_argcount]
+
+        @functools.wraps(fn)
+        def checked(*args):
+            tensors = [(names[i] if i < len(names) else f"argument {i}", a)
+                       for i, a in enumerate(args) if isinstance(a, Tensor)]
+            meta = [(n, t) for n, t in tensors if t.is_meta]
+            other = [(n, t) for n, t in tensors if not t.is_meta]
+            if meta and other:
+                raise _C.DeviceMismatchError(
+                    f"[device mismatch] {name}: '{meta[0][0]}' is on the meta device and "
+                    f"'{other[0][0]}' on {other[0][1].device}: meta tensors have shapes but no "
+                    f"data (pass every tensor on the meta device, or none)")
+            return fn(*args)
+
+        return op.register_fake(checked)
+
+    return register
 
 
 # --- swiglu ----------------------------------------------------------------------------------
@@ -146,7 +171,7 @@ def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return swiglu_forward(gate, up)
 
 
-@_swiglu.register_fake
+@_fake(_swiglu)
 def _(gate, up):
     return _empty_like(gate)
 
@@ -156,7 +181,7 @@ def _swiglu_backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor
     return swiglu_backward(grad_out, gate, up)
 
 
-@_swiglu_backward.register_fake
+@_fake(_swiglu_backward)
 def _(grad_out, gate, up):
     return _empty_like(gate), _empty_like(up)
 
@@ -182,7 +207,7 @@ def _swiglu_backward_in_place(grad_out: Tensor, gate: Tensor, up: Tensor) -> Non
     _C.swiglu_backward(_d(grad_out), _d(gate), _d(up), _d(gate), _d(up), stream=_stream(gate))
 
 
-@_swiglu_backward_in_place.register_fake
+@_fake(_swiglu_backward_in_place)
 def _(grad_out, gate, up):
     return None
 
@@ -192,7 +217,7 @@ def _swiglu_reusing_inputs(gate: Tensor, up: Tensor) -> Tensor:
     return swiglu_forward(gate, up)
 
 
-@_swiglu_reusing_inputs.register_fake
+@_fake(_swiglu_reusing_inputs)
 def _(gate, up):
     return _empty_like(gate)
 
@@ -296,7 +321,7 @@ def _rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], ep
     return y, _nothing(x) if r is None else r, rstd
 
 
-@_rmsnorm.register_fake
+@_fake(_rmsnorm)
 def _(x, residual, weight, eps, multiplier):
     r = _nothing(x) if residual is None else _empty_like(x)
     return _empty_like(x), r, x.new_empty(_rows(x), dtype=_rstd_dtype(x.dtype))
@@ -312,7 +337,7 @@ def _rmsnorm_backward(grad_y: Tensor, grad_r: Optional[Tensor], saved: Tensor,
             _nothing(dx) if dweight is None else dweight)
 
 
-@_rmsnorm_backward.register_fake
+@_fake(_rmsnorm_backward)
 def _(grad_y, grad_r, saved, weight, rstd, residual_given, multiplier, need_dweight):
     dresidual = (_empty_like(saved) if residual_given and multiplier != 1.0
                  else _nothing(saved))
@@ -340,7 +365,9 @@ def _rmsnorm_grad(ctx, grad_y, grad_r, _):
         dresidual = dx if ctx.multiplier == 1.0 else dresidual
     else:
         dresidual = None
-    return dx, dresidual, _none_if_empty(dweight), None, None
+    # By the flag, not by dweight's emptiness: a weight of 0 elements has an empty gradient.
+    return dx, dresidual, dweight if weight is not None and ctx.needs_input_grad[2] else None, \
+        None, None
 
 
 _rmsnorm.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)
@@ -357,6 +384,8 @@ def rmsnorm(x, weight=None, eps=None):
     ShapeMismatchError, InvalidArgumentError (ValueError: eps < 0), DTypeMismatchError
     (TypeError), DeviceMismatchError (RuntimeError); TypeError for a weight that is not a tensor
     (F.rms_norm's normalized_shape in its place). Spec: include/meshfuse/ops/rmsnorm.h."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rmsnorm: x must be a tensor, got {type(x).__name__}")
     if weight is not None and not isinstance(weight, torch.Tensor):
         raise TypeError(f"rmsnorm: weight must be a tensor or None, got {type(weight).__name__} "
                         "(rmsnorm(x, weight, eps) normalises the last dim and takes no "
@@ -399,7 +428,7 @@ def _softmax(x: Tensor, logits_multiplier: float) -> Tensor:
     return softmax_forward(x, logits_multiplier=logits_multiplier)
 
 
-@_softmax.register_fake
+@_fake(_softmax)
 def _(x, logits_multiplier):
     return _empty_like(x)
 
@@ -409,7 +438,7 @@ def _softmax_backward(grad_y: Tensor, y: Tensor, logits_multiplier: float) -> Te
     return softmax_backward(grad_y, y, logits_multiplier=logits_multiplier)
 
 
-@_softmax_backward.register_fake
+@_fake(_softmax_backward)
 def _(grad_y, y, logits_multiplier):
     return _empty_like(y)
 
@@ -454,12 +483,14 @@ def _lse_dtype(dtype):
 
 
 def _loss_dtype(op, dtype, loss_dtype):
-    """The loss's dtype: the inputs' by default, or float32 (the kernels' 'loss' output takes no
-    other, and its error would name that output rather than the argument)."""
-    if loss_dtype is None or loss_dtype in (dtype, torch.float32):
+    """The loss's dtype: the inputs' by default, or float32 for 16-bit inputs (the kernels' 'loss'
+    output takes no other, and its error would name that output rather than the argument)."""
+    allowed = (dtype, torch.float32) if dtype in _SIXTEEN_BIT else (dtype,)
+    if loss_dtype is None or loss_dtype in allowed:
         return loss_dtype or dtype
-    raise _C.DTypeMismatchError(f"[dtype mismatch] {op}: loss_dtype must be None, the inputs' "
-                                f"dtype ({dtype}) or torch.float32, got {loss_dtype}")
+    raise _C.DTypeMismatchError(
+        f"[dtype mismatch] {op}: loss_dtype must be None, the inputs' dtype ({dtype})"
+        f"{' or torch.float32' if dtype in _SIXTEEN_BIT else ''}, got {loss_dtype}")
 
 
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
@@ -507,7 +538,7 @@ def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction:
                                  logits_multiplier, z_loss_scale, loss_dtype)
 
 
-@_cross_entropy.register_fake
+@_fake(_cross_entropy)
 def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
       z_loss_scale, loss_dtype):
     n = logits.shape[0]
@@ -524,7 +555,7 @@ def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, labels: Tensor, l
                                   label_smoothing, logits_multiplier, z_loss_scale)
 
 
-@_cross_entropy_backward.register_fake
+@_fake(_cross_entropy_backward)
 def _(grad_loss, logits, labels, lse, *options):
     return _empty_like(logits)
 
@@ -615,7 +646,7 @@ def _fused_linear_cross_entropy(
     return (loss, *[_nothing(x) if g is None else g for g in grads])
 
 
-@_fused_linear_cross_entropy.register_fake
+@_fake(_fused_linear_cross_entropy)
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
       reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows):
     wide = _wide(x.dtype)
@@ -813,7 +844,7 @@ def _rnn(input: Tensor, weight: Tensor, input_state: Optional[Tensor],
     return rnn_forward(input, weight, input_state, cu_seqlens, max_seqlen)
 
 
-@_rnn.register_fake
+@_fake(_rnn)
 def _(input, weight, input_state, gradient_clipping, cu_seqlens, max_seqlen):
     out_shape, state_shape = _recurrent_shapes("rnn", [input], [weight], input_state, cu_seqlens)
     return input.new_empty(out_shape), input.new_empty(state_shape)
@@ -831,7 +862,7 @@ def _rnn_backward(grad_output: Optional[Tensor], grad_final_state: Optional[Tens
     return grad_input, grad_weight, _nothing(output) if grad_state is None else grad_state
 
 
-@_rnn_backward.register_fake
+@_fake(_rnn_backward)
 def _(grad_output, grad_final_state, output, input_shape, weight, input_state,
       gradient_clipping, cu_seqlens, max_seqlen, need_input_state_grad):
     state = (_empty_like(input_state) if input_state is not None and need_input_state_grad
@@ -851,7 +882,7 @@ def _rnn_grad(ctx, grad_output, grad_final_state):
     grads = _rnn_backward(grad_output, grad_final_state, output, ctx.input_shape, weight,
                           input_state, ctx.gradient_clipping, cu_seqlens, ctx.max_seqlen,
                           ctx.needs_input_grad[2])
-    return grads[0], grads[1], _none_if_empty(grads[2]), None, None, None
+    return grads[0], grads[1], grads[2] if ctx.needs_input_grad[2] else None, None, None, None
 
 
 _rnn.register_autograd(_rnn_grad, setup_context=_rnn_setup)
@@ -888,7 +919,7 @@ def _gru(input: Tensor, weight: Tensor, forget_input: Tensor, forget_weight: Ten
                        input_state, cu_seqlens, max_seqlen)
 
 
-@_gru.register_fake
+@_fake(_gru)
 def _(input, weight, forget_input, forget_weight, reset_input, reset_weight, input_state,
       gradient_clipping, cu_seqlens, max_seqlen):
     out_shape, state_shape = _recurrent_shapes("gru", [input, forget_input, reset_input],
@@ -912,7 +943,7 @@ def _gru_backward(grad_output: Optional[Tensor], grad_final_state: Optional[Tens
     return (*grads, _nothing(output) if grad_state is None else grad_state)
 
 
-@_gru_backward.register_fake
+@_fake(_gru_backward)
 def _(grad_output, grad_final_state, output, *params_and_options):
     params, (input_state, _, _, _, need_input_state_grad) = (params_and_options[:6],
                                                               params_and_options[6:])
@@ -932,7 +963,7 @@ def _gru_grad(ctx, grad_output, grad_final_state):
     *grads, grad_state = _gru_backward(grad_output, grad_final_state, output, *params,
                                        input_state, ctx.gradient_clipping, cu_seqlens,
                                        ctx.max_seqlen, ctx.needs_input_grad[6])
-    return (*grads, _none_if_empty(grad_state), None, None, None)
+    return (*grads, grad_state if ctx.needs_input_grad[6] else None, None, None, None)
 
 
 _gru.register_autograd(_gru_grad, setup_context=_gru_setup)
@@ -971,7 +1002,7 @@ def _pack_sequence(x: Tensor, cu_seqlens: Tensor, padding_side: str) -> Tensor:
     return pack_sequence_forward(x, cu_seqlens, padding_side)
 
 
-@_pack_sequence.register_fake
+@_fake(_pack_sequence)
 def _(x, cu_seqlens, padding_side):
     # The token count is cu_seqlens[-1], a value of the data: a dynamic size to the compiler.
     tokens = torch.library.get_ctx().new_dynamic_size()
@@ -984,7 +1015,7 @@ def _unpack_sequence(x: Tensor, cu_seqlens: Tensor, batch_size: int, sequence_le
     return unpack_sequence_forward(x, cu_seqlens, batch_size, sequence_length, padding_side)
 
 
-@_unpack_sequence.register_fake
+@_fake(_unpack_sequence)
 def _(x, cu_seqlens, batch_size, sequence_length, padding_side):
     return x.new_empty((batch_size, sequence_length, *x.shape[1:]))
 
@@ -1043,7 +1074,7 @@ def _continuous_count(x: Tensor, bins: int) -> Tensor:
     return out
 
 
-@_continuous_count.register_fake
+@_fake(_continuous_count)
 def _(x, bins):
     return x.new_empty(bins, dtype=torch.int64)
 

@@ -60,6 +60,38 @@ def test_opcheck_swiglu_rmsnorm_softmax(grad, device):
     _opcheck(ops.swiglu_reusing_inputs.default, (x.clone(), y.clone()))
 
 
+def test_a_meta_tensor_beside_a_real_one_is_a_device_mismatch_not_unwritten_memory():
+    # torch sends such a call to the op's fake implementation, whose empty outputs on the CPU once
+    # came back as the result.
+    x = torch.ones(4, 8)
+    cases = [
+        (lambda: mt.rmsnorm(x, torch.ones(8, device="meta")), "rmsnorm: 'weight' is on the meta "
+         "device and 'x' on cpu"),
+        (lambda: mt.swiglu(x, torch.ones(4, 8, device="meta")), "swiglu: 'up' is on the meta "
+         "device and 'gate' on cpu"),
+        (lambda: mt.cross_entropy(x, torch.zeros(4, dtype=torch.long, device="meta")),
+         "cross_entropy: 'labels' is on the meta device and 'logits' on cpu"),
+        (lambda: mt.fused_linear_cross_entropy(x, torch.ones(5, 8, device="meta"),
+                                               torch.zeros(4, dtype=torch.long)),
+         "fused_linear_cross_entropy: 'weight' is on the meta device and 'x' on cpu"),
+    ]
+    for call, message in cases:
+        with pytest.raises(meshfuse.DeviceMismatchError, match=message):
+            call()
+    # Every tensor on the meta device: shapes, as torch's own ops give.
+    y = mt.rmsnorm(torch.ones(4, 8, device="meta"), torch.ones(8, device="meta"))
+    assert y.is_meta and y.shape == (4, 8)
+
+
+def test_rmsnorm_of_an_empty_hidden_dim_gives_an_empty_weight_gradient():
+    # Not None: a weight of 0 elements once looked like the gradient that was not asked for.
+    x = torch.randn(2, 0, requires_grad=True)
+    w = torch.randn(0, requires_grad=True)
+    mt.rmsnorm(x, w).sum().backward()
+    assert w.grad is not None and w.grad.shape == (0,)
+    assert x.grad is not None and x.grad.shape == (2, 0)
+
+
 def test_rmsnorm_given_f_rms_norms_arguments_says_it_takes_no_normalized_shape():
     # It once came out of torch's dispatcher, naming the op's internal 'residual' argument.
     x = _randn(3, 5, seed=8)
@@ -68,6 +100,8 @@ def test_rmsnorm_given_f_rms_norms_arguments_says_it_takes_no_normalized_shape()
         mt.rmsnorm(x, (5,), torch.ones(5))
     with torch.no_grad(), pytest.raises(TypeError, match="rmsnorm: weight must be a tensor"):
         mt.rmsnorm(x, (5,))  # the eager path without autograd too
+    with pytest.raises(TypeError, match="rmsnorm: x must be a tensor, got ndarray"):
+        mt.rmsnorm(x.numpy())
 
 
 def test_softmax_takes_pytorchs_dim_argument_and_a_keyword_multiplier():
@@ -437,6 +471,10 @@ def test_fp32_loss_of_16_bit_logits_matches_the_reference_backend():
     with pytest.raises(TypeError, match=r"fused_linear_cross_entropy: loss_dtype must be None, "
                        r"the inputs' dtype \(torch.float16\) or torch.float32, got torch.int32"):
         mt.fused_linear_cross_entropy(x, w, labels, loss_dtype=torch.int32)
+    # float32 is for 16-bit inputs only (the kernels take no f32 loss of f64 logits).
+    with pytest.raises(TypeError, match=r"cross_entropy: loss_dtype must be None, the inputs' "
+                       r"dtype \(torch.float64\), got torch.float32"):
+        mt.cross_entropy(logits.double(), labels, loss_dtype=torch.float32)
     # Traced (the fake implementations, as torch.compile runs them): refused there too.
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(), pytest.raises(TypeError, match="cross_entropy: loss_dtype must be"):
