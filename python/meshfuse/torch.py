@@ -126,7 +126,7 @@ def _fake(op):
     """``op.register_fake`` with a check that no argument is on the meta device beside one that is
     not: torch sends such a call to the fake implementation, whose outputs (on the other tensors'
     device) would come back as the result, never written."""
-    name = op._name
+    name = getattr(op, "_name", "meshfuse")  # the op's name without its namespace
 
     def register(fn):
         code = fn.__code__
