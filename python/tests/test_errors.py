@@ -52,7 +52,7 @@ def test_a_backend_that_cannot_run_raises_a_runtime_error():
         with pytest.raises(meshfuse.UnsupportedError,
                            match=r"swiglu: kernel backend 'cuda' \(forced\) cannot run") as e:
             meshfuse.swiglu(x, x, np.empty_like(x))
-    assert isinstance(e.value, RuntimeError)  # NotImplementedError, as Python's
+    assert isinstance(e.value, RuntimeError)  # UnsupportedError is a RuntimeError subclass
 
 
 def test_a_read_only_or_wrong_kind_output_names_the_argument():
