@@ -664,6 +664,10 @@ def _flce_setup(ctx, inputs, output):
     ctx.computed = computed  # the gradients the forward computed (mean and sum)
     ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.mark_non_differentiable(*output[1:])
+    # Else autograd passes the backward zeros for the (non-differentiable) gradient outputs, which
+    # nothing reads: an fp32 weight-sized buffer (2 GiB at a 128256 x 4096 head) at the start of
+    # the backward. The loss's gradient is the only one that reaches this node, never None.
+    ctx.set_materialize_grads(False)
     if ctx.options[1] == "none":  # reduction
         ctx.save_for_backward(x, weight, bias, labels)
     else:

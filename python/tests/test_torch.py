@@ -203,6 +203,35 @@ def test_fused_linear_cross_entropy_under_no_grad_computes_no_gradients_and_back
                                               grad_bias=True)
 
 
+def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_its_gradient():
+    # The backward scales the gradients the forward computed; the only weight-sized tensor it may
+    # make is the bf16 cast of the fp32 one. Autograd used to hand it an fp32 zeros of that size
+    # for the non-differentiable gradient outputs (2 GiB at llama-3.1-8b's head).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
+    loss = mt.fused_linear_cross_entropy(x, w, torch.arange(16) % 40)
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == w.shape and not any(
+                    isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() ==
+                    out.untyped_storage().data_ptr() for a in args):  # new memory, not a view
+                self.made.append((str(func), out.dtype))
+            return out
+
+    with Made() as made:
+        loss.backward()
+    assert made.made == [("aten._to_copy.default", torch.bfloat16)], made.made
+    assert w.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape
+
+
 def test_bad_arguments_checked_in_python_name_the_op_and_argument():
     with pytest.raises(meshfuse.DTypeMismatchError, match="rmsnorm: x must be float32.*int32"):
         mt.rmsnorm(torch.ones(2, 3, dtype=torch.int32), None)  # was torch.finfo's TypeError
