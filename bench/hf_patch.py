@@ -36,7 +36,9 @@ def llama_8b_config(layers):
 
 
 def variants():
-    out = {"unpatched": lambda model: model, "meshfuse": mt.patch}
+    out = {"unpatched": lambda model: model, "meshfuse": mt.patch,
+           # lm_head's weight gradient summed in bf16 (no fp32 copy of it), as Liger's default.
+           "meshfuse_bf16_accum": lambda model: mt.patch(model, accum_dtype=torch.bfloat16)}
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance as liger
         out["liger"] = lambda model: liger(model=model) or model
@@ -94,8 +96,9 @@ def main():
     parser.add_argument("--sequence", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--variants", help="comma-separated, of unpatched, meshfuse, liger, "
-                        "liger_no_rope (those of Liger when liger_kernel is installed); default all")
+    parser.add_argument("--variants", help="comma-separated, of unpatched, meshfuse, "
+                        "meshfuse_bf16_accum, liger, liger_no_rope (those of Liger when "
+                        "liger_kernel is installed); default all")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -112,10 +115,10 @@ def main():
         rows.append(run(name, known[name], args))
         gc.collect()  # the last variant's model, before the next one's peak
         torch.cuda.empty_cache()
-    print(f"{'variant':<14} {'tokens/s':>10} {'step ms':>9} {'torch GiB':>10} {'pool GiB':>9} "
+    print(f"{'variant':<20} {'tokens/s':>10} {'step ms':>9} {'torch GiB':>10} {'pool GiB':>9} "
           f"{'peak GiB':>9} {'loss':>8}")
     for r in rows:
-        print(f"{r['variant']:<14} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
+        print(f"{r['variant']:<20} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
               f"{r['torch_peak_gib']:>10.2f} {r['meshfuse_pool_peak_gib']:>9.2f} "
               f"{r['peak_gib']:>9.2f} {r['loss']:>8.4f}")
     if args.json:

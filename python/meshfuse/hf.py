@@ -48,6 +48,8 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
 # The forward each patched module had before patch (a bound method, kept on the module so that a
 # deepcopy of the model rebinds it to the copy): the paths meshfuse does not take call it.
 _UNPATCHED = "_meshfuse_unpatched_forward"
+# patch's accum_dtype, kept on the model for the fused loss's forward.
+_ACCUM_DTYPE = "_meshfuse_accum_dtype"
 
 
 def _unpatched(module):
@@ -143,7 +145,8 @@ def _causal_lm_forward(self, *args, **kwargs):
         hidden.reshape(-1, hidden.shape[-1]), weight,
         shift_labels.reshape(-1).to(hidden.device), bias,
         reduction="mean" if num_items_in_batch is None else "sum",
-        loss_dtype=torch.float32 if sixteen_bit else None)
+        loss_dtype=torch.float32 if sixteen_bit else None,
+        accum_dtype=getattr(self, _ACCUM_DTYPE, None))
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
     output_class = _output_class(original)
@@ -190,19 +193,26 @@ def _refuse_hooks(model):
                 "with device_map=None or a single device)")
 
 
-def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
+def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,
+          accum_dtype=None):
     """Puts meshfuse's kernels into a transformers Llama, Mistral, Qwen2 or Mixtral model (a
     ``*ForCausalLM`` or its base model), in place; returns the model.
 
-    rms_norm, swiglu, fused_linear_cross_entropy: which swaps to make (module docstring). Raises
+    rms_norm, swiglu, fused_linear_cross_entropy: which swaps to make (module docstring).
+    accum_dtype: the fused loss's (:func:`meshfuse.torch.fused_linear_cross_entropy`): None sums
+    lm_head's weight gradient in float32 for a 16-bit model, the model's dtype (e.g.
+    ``torch.bfloat16``) holds no float32 copy of it (less memory, one rounding per chunk). Raises
     ValueError for another architecture (``model.config.model_type``) and for a model with
-    accelerate hooks (``device_map=`` over several devices, offloading), before changing
-    anything."""
+    accelerate hooks (``device_map=`` over several devices, offloading), TypeError for an
+    accum_dtype that is not a torch.dtype, before changing anything."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(f"meshfuse.torch.patch: model_type {model_type!r} is not one of "
                          f"{', '.join(ARCHITECTURES)}")
     _refuse_hooks(model)
+    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"meshfuse.torch.patch: accum_dtype must be None or a torch.dtype, got "
+                        f"{accum_dtype!r}")
     config = model.config
     silu = getattr(config, "hidden_act", "silu") in ("silu", "swish")
     for module in model.modules():
@@ -213,5 +223,6 @@ def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
                                      ("gate_proj", "up_proj", "down_proj")):
             _replace_forward(module, _mlp_forward)
     if fused_linear_cross_entropy and hasattr(model, "lm_head"):
+        setattr(model, _ACCUM_DTYPE, accum_dtype)
         _replace_forward(model, _causal_lm_forward)
     return model

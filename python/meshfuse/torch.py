@@ -482,15 +482,20 @@ def _lse_dtype(dtype):
     return torch.float32 if dtype in _SIXTEEN_BIT else torch.float64
 
 
-def _loss_dtype(op, dtype, loss_dtype):
-    """The loss's dtype: the inputs' by default, or float32 for 16-bit inputs (the kernels' 'loss'
-    output takes no other, and its error would name that output rather than the argument)."""
+def _dtype_option(op, name, dtype, value, default):
+    """An output's dtype from the argument ``name``: ``default`` for None, else the inputs' dtype
+    or float32 for 16-bit inputs (the kernels' outputs take no other, and their error would name
+    the output rather than the argument)."""
     allowed = (dtype, torch.float32) if dtype in _SIXTEEN_BIT else (dtype,)
-    if loss_dtype is None or loss_dtype in allowed:
-        return loss_dtype or dtype
+    if value is None or value in allowed:
+        return value or default
     raise _C.DTypeMismatchError(
-        f"[dtype mismatch] {op}: loss_dtype must be None, the inputs' dtype ({dtype})"
-        f"{' or torch.float32' if dtype in _SIXTEEN_BIT else ''}, got {loss_dtype}")
+        f"[dtype mismatch] {op}: {name} must be None, the inputs' dtype ({dtype})"
+        f"{' or torch.float32' if dtype in _SIXTEEN_BIT else ''}, got {value}")
+
+
+def _loss_dtype(op, dtype, loss_dtype):
+    return _dtype_option(op, "loss_dtype", dtype, loss_dtype, dtype)
 
 
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
@@ -602,18 +607,26 @@ def _wide(dtype):
     return torch.float32 if dtype in _SIXTEEN_BIT else dtype
 
 
+def _accum_dtype(dtype, accum_dtype):
+    # grad_weight's and grad_bias's dtype, which decides how the chunks' products add up (C++
+    # fused_linear_cross_entropy.h): float32 for 16-bit inputs unless asked for theirs.
+    return _dtype_option("fused_linear_cross_entropy", "accum_dtype", dtype, accum_dtype,
+                         _wide(dtype))
+
+
 def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=None,
                                        grad_x=False, grad_weight=False, grad_bias=False,
                                        ignore_index=-100, reduction="mean", label_smoothing=0.0,
                                        logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None,
-                                       chunk_rows=0):
+                                       chunk_rows=0, accum_dtype=None):
     """The raw kernel: returns (loss, grad_x, grad_weight, grad_bias), each gradient None unless
     asked for (then grad_loss, in the loss's dtype, is required). grad_weight and grad_bias are
-    float32 for 16-bit inputs (one rounding at the end instead of one per chunk), else the
-    inputs' dtype; the loss is in ``loss_dtype`` (the inputs' dtype by default)."""
+    in ``accum_dtype``: float32 for 16-bit inputs by default (one rounding at the end), or the
+    inputs' dtype (one rounding per chunk); the loss is in ``loss_dtype`` (the inputs' dtype by
+    default)."""
     if grad_bias and bias is None:
         raise ValueError("fused_linear_cross_entropy: grad_bias=True needs a bias")
-    wide = _wide(x.dtype)
+    wide = _accum_dtype(x.dtype, accum_dtype)
     loss = torch.empty(_loss_shape(x.shape[0], reduction),
                        dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype),
                        device=x.device)
@@ -638,18 +651,20 @@ def _fused_linear_cross_entropy(
         x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
         grad_loss: Optional[Tensor], grad_x: bool, grad_weight: bool, grad_bias: bool,
         ignore_index: int, reduction: str, label_smoothing: float, logits_multiplier: float,
-        z_loss_scale: float, loss_dtype: Optional[torch.dtype],
-        chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        z_loss_scale: float, loss_dtype: Optional[torch.dtype], chunk_rows: int,
+        accum_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     loss, *grads = fused_linear_cross_entropy_forward(
         x, weight, labels, bias, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
-        reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows)
+        reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
+        accum_dtype)
     return (loss, *[_nothing(x) if g is None else g for g in grads])
 
 
 @_fake(_fused_linear_cross_entropy)
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
-      reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows):
-    wide = _wide(x.dtype)
+      reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
+      accum_dtype):
+    wide = _accum_dtype(x.dtype, accum_dtype)
     loss = x.new_empty(_loss_shape(x.shape[0], reduction),
                        dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype))
     dx = _empty_like(x) if grad_x else _nothing(x)
@@ -709,7 +724,7 @@ def _flce_grad(ctx, grad_loss, *_):
             # in-place scaling of saved forward outputs.
             grads = [g * grad_loss if want else None for g, want in zip(saved, wants)]
     grads = [g.to(dtype) if want else None for g, want, dtype in zip(grads, wants, ctx.dtypes)]
-    return (*grads, *[None] * 12)
+    return (*grads, *[None] * 13)
 
 
 _fused_linear_cross_entropy.register_autograd(_flce_grad, setup_context=_flce_setup)
@@ -728,7 +743,7 @@ def _gradient_scale(x, labels, ignore_index, reduction, dtype):
 
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                               loss_dtype=None, chunk_rows=0):
+                               loss_dtype=None, chunk_rows=0, accum_dtype=None):
     """``cross_entropy(torch.nn.functional.linear(x, weight, bias), labels, ...)`` without the
     (N, V) logits in memory: the logits are made and consumed in chunks of rows (as Liger's and
     Apple's Cut Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009, avoid them).
@@ -736,11 +751,15 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     x (N, H); weight (V, H); bias (V,) or None: one dtype (float32, float64, bfloat16,
     float16); labels (N,) int32 or int64. Options and ``loss_dtype`` as :func:`cross_entropy`;
     ``chunk_rows`` 0 picks the device's default. For mean and sum, the gradients are computed in
-    the forward (when autograd wants them) and scaled by the upstream in the backward; the
-    weight's and bias's are accumulated in fp32 for 16-bit inputs and rounded once; for float16
+    the forward (when autograd wants them) and scaled by the upstream in the backward; for float16
     and mean they are computed scaled by a power of two near the rows counted, so that a loss scale
-    (GradScaler) keeps the small ones as it does for PyTorch's. Errors as
-    :func:`cross_entropy`. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    (GradScaler) keeps the small ones as it does for PyTorch's. The weight's and bias's are summed
+    over the chunks in ``accum_dtype``: by default float32 for 16-bit inputs, rounded once at the
+    backward (as PyTorch's unfused GEMM), which holds a float32 weight-sized buffer from the
+    forward to the backward (V x H x 4 bytes); the inputs' dtype instead (as Liger-Kernel's
+    default) holds only the gradient itself, rounded once per chunk and once more by an upstream
+    that is not a power of two. Errors as :func:`cross_entropy`; a bad ``accum_dtype`` is a
+    DTypeMismatchError. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
     if _functorch_transforms() or _fwad._current_level >= 0:
         _refuse_forward_mode((x, weight, bias))
     # Under torch.no_grad() requires_grad still says True: no gradients then.
@@ -750,7 +769,7 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
                             loss_dtype or x.dtype) if any(wants) else None
     return _fused_linear_cross_entropy(x, weight, bias, labels, scale, *wants, ignore_index,
                                        reduction, label_smoothing, logits_multiplier,
-                                       z_loss_scale, loss_dtype, chunk_rows)[0]
+                                       z_loss_scale, loss_dtype, chunk_rows, accum_dtype)[0]
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------
@@ -1221,26 +1240,29 @@ class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
     """The cross-entropy of a linear layer's output without the logits in memory
     (:func:`fused_linear_cross_entropy`): forward(input (N, H), weight (V, H), target (N,),
     bias=None) equals ``CrossEntropyLoss(...)(F.linear(input, weight, bias), target)``. Arguments
-    as :class:`CrossEntropyLoss`, plus ``chunk_rows`` (0: the device's default)."""
+    as :class:`CrossEntropyLoss`, plus ``chunk_rows`` (0: the device's default) and
+    ``accum_dtype`` (:func:`fused_linear_cross_entropy`)."""
 
     def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, chunk_rows=0):
+                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, chunk_rows=0,
+                 accum_dtype=None):
         super().__init__(weight, ignore_index, reduction, label_smoothing,
                          logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                          loss_dtype=loss_dtype)
-        self.chunk_rows = chunk_rows
+        self.chunk_rows, self.accum_dtype = chunk_rows, accum_dtype
 
     def forward(self, input, weight, target, bias=None):
         return fused_linear_cross_entropy(input, weight, target, bias, self.ignore_index,
                                           self.reduction, self.label_smoothing,
                                           self.logits_multiplier, self.z_loss_scale,
-                                          self.loss_dtype, self.chunk_rows)
+                                          self.loss_dtype, self.chunk_rows, self.accum_dtype)
 
 
-def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True):
+def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,
+          accum_dtype=None):
     """Puts meshfuse's RMSNorm, SwiGLU MLP and fused linear cross-entropy loss into a Hugging Face
     transformers Llama, Mistral, Qwen2 or Mixtral model, in place; returns the model. See
     :mod:`meshfuse.hf` for what is swapped and how."""
     from .hf import patch as hf_patch  # imports this module: resolved at the call
 
-    return hf_patch(model, rms_norm, swiglu, fused_linear_cross_entropy)
+    return hf_patch(model, rms_norm, swiglu, fused_linear_cross_entropy, accum_dtype=accum_dtype)

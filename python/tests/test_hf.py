@@ -56,6 +56,20 @@ def test_a_patched_model_gives_the_unpatched_logits_loss_and_gradients(name):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_accum_dtype_of_a_bf16_model_gives_its_lm_head_gradient_near_the_float32_ones():
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(_config("llama")).bfloat16()
+    default = mt.patch(copy.deepcopy(reference))
+    low = mt.patch(copy.deepcopy(reference), accum_dtype=torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 9))
+    for model in (default, low):
+        model(ids, labels=ids).loss.backward()
+    # One chunk (18 rows) and an upstream of 1: the same rounding (test_torch.py says why).
+    assert torch.equal(low.lm_head.weight.grad, default.lm_head.weight.grad)
+    with pytest.raises(TypeError, match="accum_dtype must be None or a torch.dtype, got 'bf16'"):
+        mt.patch(copy.deepcopy(reference), accum_dtype="bf16")
+
+
 def test_patch_swaps_the_modules_and_refuses_other_architectures():
     model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
     mt.patch(model)

@@ -203,15 +203,10 @@ def test_fused_linear_cross_entropy_under_no_grad_computes_no_gradients_and_back
                                               grad_bias=True)
 
 
-def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_its_gradient():
-    # The backward scales the gradients the forward computed; the only weight-sized tensor it may
-    # make is the bf16 cast of the fp32 one. Autograd used to hand it an fp32 zeros of that size
-    # for the non-differentiable gradient outputs (2 GiB at llama-3.1-8b's head).
+def _made_like(shape, run):
+    """The (op, dtype) of every tensor of ``shape`` in new memory (not a view or in place) that
+    torch makes while ``run()`` runs, in order."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
-    loss = mt.fused_linear_cross_entropy(x, w, torch.arange(16) % 40)
 
     class Made(TorchDispatchMode):
         def __init__(self):
@@ -220,16 +215,58 @@ def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_i
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.shape == w.shape and not any(
-                    isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() ==
-                    out.untyped_storage().data_ptr() for a in args):  # new memory, not a view
-                self.made.append((str(func), out.dtype))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.shape == shape and not any(
+                        isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() ==
+                        o.untyped_storage().data_ptr() for a in args):
+                    self.made.append((str(func), o.dtype))
             return out
 
     with Made() as made:
-        loss.backward()
-    assert made.made == [("aten._to_copy.default", torch.bfloat16)], made.made
+        run()
+    return made.made
+
+
+def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_its_gradient():
+    # The backward scales the gradients the forward computed; the only weight-sized tensor it may
+    # make is the bf16 cast of the fp32 one. Autograd used to hand it an fp32 zeros of that size
+    # for the non-differentiable gradient outputs (2 GiB at llama-3.1-8b's head).
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
+    loss = mt.fused_linear_cross_entropy(x, w, torch.arange(16) % 40)
+    assert _made_like(w.shape, loss.backward) == [("aten._to_copy.default", torch.bfloat16)]
     assert w.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape
+
+
+def test_fused_linear_cross_entropy_accum_dtype_of_the_inputs_holds_no_float32_weight_gradient():
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(64, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(50, 16, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (64,), generator=g)
+
+    def grads(upstream, **options):
+        x.grad = w.grad = None
+        made = _made_like(w.shape, lambda: (
+            upstream * mt.fused_linear_cross_entropy(x, w, labels, **options)).backward())
+        return made, x.grad, w.grad
+
+    # One chunk and an upstream of 1: a bf16 sum rounded once, as the float32 one rounded at the
+    # end; the forward makes the bf16 gradient and the backward nothing weight-sized.
+    made, gx, gw = grads(1.0, accum_dtype=torch.bfloat16, chunk_rows=64)
+    assert made == [("meshfuse.fused_linear_cross_entropy.default", torch.bfloat16)], made
+    _, gx32, gw32 = grads(1.0, chunk_rows=64)
+    assert torch.equal(gw, gw32) and torch.equal(gx, gx32)
+    # Eight chunks and upstream 0.3: rounded per chunk and once more by the scaling, near the
+    # float64 truth still.
+    _, _, gw = grads(0.3, accum_dtype=torch.bfloat16, chunk_rows=8)
+    wd = w.detach().double().requires_grad_()
+    (0.3 * F.cross_entropy(F.linear(x.detach().double(), wd), labels)).backward()
+    torch.testing.assert_close(gw.double(), wd.grad, rtol=2e-2, atol=1e-4)
+    assert mt.FusedLinearCrossEntropyLoss(accum_dtype=torch.bfloat16).accum_dtype == torch.bfloat16
+    with pytest.raises(meshfuse.DTypeMismatchError, match="fused_linear_cross_entropy: "
+                       "accum_dtype must be None, the inputs' dtype .*bfloat16.* or "
+                       "torch.float32, got torch.float16"):
+        mt.fused_linear_cross_entropy(x, w, labels, accum_dtype=torch.float16)
 
 
 def test_bad_arguments_checked_in_python_name_the_op_and_argument():

@@ -134,8 +134,9 @@ def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device)
     upstream = (torch.ones((), dtype=torch.float64, device=device) if reduction != "none"
                 else None)
     wants = (True, True, False) if reduction != "none" else (False, False, False)
-    _opcheck(ops.fused_linear_cross_entropy.default,
-             (x, w, b, labels, upstream, *wants, *options, None, 4))
+    for accum_dtype in (None, torch.float64):  # float64 inputs: only theirs
+        _opcheck(ops.fused_linear_cross_entropy.default,
+                 (x, w, b, labels, upstream, *wants, *options, None, 4, accum_dtype))
     loss, lse = ops.cross_entropy(logits.detach(), labels, *options, None)
     _opcheck(ops.cross_entropy_backward.default,
              (torch.ones_like(loss), logits.detach(), labels, lse, *options))
@@ -147,7 +148,7 @@ def test_fused_linear_cross_entropy_called_with_fewer_gradients_than_autograd_ne
     x, w = _randn(6, 8, seed=5, grad=True), _randn(20, 8, seed=6, grad=True)
     labels = torch.tensor([1, -100, 19, 0, 7, 3])
     loss = ops.fused_linear_cross_entropy(x, w, None, labels, None, False, False, False, -100,
-                                          "mean", 0.0, 1.0, 0.0, None, 0)[0]
+                                          "mean", 0.0, 1.0, 0.0, None, 0, None)[0]
     with pytest.raises(RuntimeError, match="needs the gradient of x, weight, which the forward"):
         loss.backward()
 
