@@ -877,6 +877,28 @@ TEST(DistStore, AFileStoreDirectoryReusedByALaterJobHoldsNoneOfItsKeys) {
   std::filesystem::remove_all(dir);
 }
 
+// Two jobs that share an exported secret and a fixed port: the second's rank 0 cannot bind, and
+// its rank 1 used to join the first job as its rank 1 (their all_reduce summed both jobs' data).
+// The job identity (here meshfuse launch's per-launch id) is proven with the secret.
+TEST(DistStore, ARankOfAnotherJobThatSharesTheSecretAndPortIsRefused) {
+  ::setenv("MESHFUSE_STORE_SECRET", "one secret for every job", 1);
+  ::setenv("MESHFUSE_LAUNCH_ID", "job a", 1);
+  LaunchInfo launch;
+  launch.master_addr = "127.0.0.1";
+  launch.world_size = 2;
+  const std::shared_ptr<Store> a0 = store_from_env(launch, 5s);
+  launch.master_port = dynamic_cast<TcpStore&>(*a0).port();
+  launch.rank = 1;
+  a0->set("world/gloo/rank_0", std::string("job a's rank 0"));
+  ::setenv("MESHFUSE_LAUNCH_ID", "job b", 1);
+  expect_error([&] { store_from_env(launch, 5s); }, ErrorCode::CommunicationFailure,
+               {"did not prove this job's secret", "another job's with the same secret"});
+  ::setenv("MESHFUSE_LAUNCH_ID", "job a", 1);
+  EXPECT_EQ(store_from_env(launch, 5s)->get_string("world/gloo/rank_0"), "job a's rank 0");
+  ::unsetenv("MESHFUSE_LAUNCH_ID");
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+}
+
 TEST(DistStore, NoPortPastTheLastBesideTorchrunsAgentStore) {
   // MASTER_PORT + 1 = 65536 wrapped to port 0 (any): rank 0 served where nobody looked.
   LaunchInfo launch;
@@ -977,8 +999,11 @@ std::string raw(T v) {
 // HMAC-SHA256(key, label || client nonce || server nonce): an end's proof in the handshake
 // (tcp_store.cpp's protocol comment).
 std::string proof_of(const std::string& key, const std::string& label, const std::string& client,
-                     const std::string& server) {
-  const std::string message = label + client + server;
+                     const std::string& server, const std::string& job = "") {
+  const auto job_len = static_cast<std::uint32_t>(job.size());
+  const std::string message =
+      label + std::string(reinterpret_cast<const char*>(&job_len), sizeof(job_len)) + job + client +
+      server;
   unsigned char mac[32];
   unsigned int len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),

@@ -164,6 +164,7 @@ class Launcher {
   int run() {
     const int port = options_.master_port ? options_.master_port : free_port();
     secret_ = job_secret();
+    launch_id_ = random_id();
     sigset_t mask, old_mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -231,7 +232,7 @@ class Launcher {
              std::strerror(error));
       }
     const std::vector<std::string> env =
-        launch_env(r, options_.nprocs, port, options_.backend, secret_);
+        launch_env(r, options_.nprocs, port, options_.backend, secret_, launch_id_);
     const pid_t launcher = getpid();
     const pid_t pid = fork();
     if (pid < 0) {
@@ -386,7 +387,8 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
-  std::string secret_;  // the store's, the same for every rank
+  std::string secret_;     // the store's, the same for every rank
+  std::string launch_id_;  // this launch's, told apart from others sharing an exported secret
   std::vector<Rank> ranks_;
   int signal_fd_ = -1;
   int stop_signal_ = 0;               // the first SIGINT/SIGTERM/SIGHUP the launcher got
@@ -397,8 +399,7 @@ class Launcher {
 
 }  // namespace
 
-std::string job_secret() {
-  if (const char* given = std::getenv("MESHFUSE_STORE_SECRET"); given && *given) return given;
+std::string random_id() {
   unsigned char bytes[16];
   MESHFUSE_CHECK(getrandom(bytes, sizeof(bytes), 0) == static_cast<ssize_t>(sizeof(bytes)),
                  ErrorCode::Internal, "launch: getrandom: {}", std::strerror(errno));
@@ -407,8 +408,14 @@ std::string job_secret() {
   return hex;
 }
 
+std::string job_secret() {
+  if (const char* given = std::getenv("MESHFUSE_STORE_SECRET"); given && *given) return given;
+  return random_id();
+}
+
 std::vector<std::string> launch_env(int rank, int world, int master_port,
-                                    const std::string& backend, const std::string& secret) {
+                                    const std::string& backend, const std::string& secret,
+                                    const std::string& launch_id) {
   const std::vector<std::pair<std::string, std::string>> ours = {
       {"RANK", std::to_string(rank)},
       {"WORLD_SIZE", std::to_string(world)},
@@ -418,6 +425,7 @@ std::vector<std::string> launch_env(int rank, int world, int master_port,
       {"MASTER_ADDR", "127.0.0.1"},
       {"MASTER_PORT", std::to_string(master_port)},
       {"MESHFUSE_STORE_SECRET", secret},
+      {"MESHFUSE_LAUNCH_ID", launch_id},
   };
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {

@@ -22,13 +22,19 @@ struct LaunchOptions {
 
 // The environment of rank `rank` of `world` local ranks, torchrun's names:
 // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, the
-// store's MESHFUSE_STORE_SECRET, and MESHFUSE_BACKEND when `backend` is not empty. Returned as
-// "NAME=value" strings.
+// store's MESHFUSE_STORE_SECRET, MESHFUSE_LAUNCH_ID (the launch's identity, which the store's
+// handshake proves with the secret, so that ranks of two launches that share an exported secret
+// and a port cannot join each other), and MESHFUSE_BACKEND when `backend` is not empty. Returned
+// as "NAME=value" strings.
 std::vector<std::string> launch_env(int rank, int world, int master_port,
-                                    const std::string& backend, const std::string& secret);
+                                    const std::string& backend, const std::string& secret,
+                                    const std::string& launch_id);
 
-// The job's store secret: MESHFUSE_STORE_SECRET when the launcher was given one, else 128 random
-// bits in hex.
+// 128 random bits in hex.
+std::string random_id();
+
+// The job's store secret: MESHFUSE_STORE_SECRET when the launcher was given one, else
+// random_id().
 std::string job_secret();
 
 // Starts the ranks, each in its own process group (so a rank's children are stopped with it) with

@@ -197,18 +197,26 @@ std::string store_secret_from_env() {
 
 namespace {
 
-// What sets this job apart from earlier ones that used the same store directory, whose keys stay
-// there and would be read as this job's: the launcher's job identity (meshfuse launch's per-job
-// secret, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace) and the
-// user's MESHFUSE_RUN_ID (a static torchrun's run id is "none", and an exported secret is the
-// same for every job), hashed; empty when the environment has none.
-std::string job_namespace() {
+// What sets this job apart from others: the launcher's job identity (meshfuse launch's per-launch
+// id, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace) and the user's
+// MESHFUSE_RUN_ID (a static torchrun's run id is "none"); empty when the environment has none.
+// The same in every process of a job.
+std::string job_identity() {
   std::string job;
   for (const char* name :
-       {"MESHFUSE_STORE_SECRET", "MESHFUSE_RUN_ID", "TORCHELASTIC_RUN_ID",
+       {"MESHFUSE_LAUNCH_ID", "MESHFUSE_RUN_ID", "TORCHELASTIC_RUN_ID",
         "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE"})
     if (const char* value = std::getenv(name); value && *value)
       job += fmt::format("{}={}\n", name, value);
+  return job;
+}
+
+// Keys of earlier jobs stay in a store directory and would be read as this job's: this job's go
+// under its identity and secret, hashed; no prefix when the environment has neither.
+std::string job_namespace() {
+  std::string job = job_identity();
+  if (const char* secret = std::getenv("MESHFUSE_STORE_SECRET"); secret && *secret)
+    job += fmt::format("MESHFUSE_STORE_SECRET={}\n", secret);
   return job.empty() ? "" : fmt::format("job-{:016x}", std::hash<std::string>{}(job));
 }
 
@@ -230,9 +238,11 @@ std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::mil
                  "True) meshfuse serves on MASTER_PORT + 1, and MASTER_PORT is 65535: choose a "
                  "lower port");
   const char* bind = std::getenv("MESHFUSE_STORE_BIND");
+  // The identity is proven with the secret: a rank of another job that shares the secret and
+  // port (an exported secret, a fixed MASTER_PORT) is refused instead of joining this one.
   return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
                                     launch.rank == 0, store_secret_from_env(), timeout,
-                                    bind ? bind : "");
+                                    bind ? bind : "", job_identity());
 }
 
 }  // namespace meshfuse

@@ -1,10 +1,11 @@
 // TcpStore: a small TCP key-value server (on the rendezvous rank) and its clients.
 //
 // Protocol: each end proves it holds the job's secret K without sending it (HMAC-SHA256 over both
-// ends' fresh nonces, a label per direction so that neither proof can be replayed as the other):
+// ends' fresh nonces, a label per direction so that neither proof can be replayed as the other,
+// and the job's identity J, so that a process of another job that shares the secret is refused):
 //   client: [u32 kHello][Nc: 32 random bytes]
-//   server: [u8 3][Ns: 32 random bytes][HMAC(K, "meshfuse store server" Nc Ns)]
-//   client: [HMAC(K, "meshfuse store client" Nc Ns)], once it has checked the server's
+//   server: [u8 3][Ns: 32 random bytes][HMAC(K, "meshfuse store server" [u32 |J|] J Nc Ns)]
+//   client: [HMAC(K, "meshfuse store client" [u32 |J|] J Nc Ns)], once it has checked the server's
 //   server: [u8 1] when the client's proof holds, and otherwise hangs up without a word.
 // [u8 2] instead of the challenge says the server is busy (the client tries again). Whoever
 // listens on the port (a process that took it first) learns nothing of the secret that it could
@@ -126,10 +127,14 @@ Nonce fresh_nonce() {
   return n;
 }
 
-// One end's proof that it holds `secret`: HMAC-SHA256(secret, label || client || server).
-Mac proof(const std::string& secret, std::string_view label, const Nonce& client,
-          const Nonce& server) {
+// One end's proof that it holds `secret` in job `job`: HMAC-SHA256(secret, label || u32 |job| ||
+// job || client || server).
+Mac proof(const std::string& secret, const std::string& job, std::string_view label,
+          const Nonce& client, const Nonce& server) {
   std::string message(label);
+  const auto job_len = static_cast<std::uint32_t>(job.size());
+  message.append(reinterpret_cast<const char*>(&job_len), sizeof(job_len));
+  message += job;
   message.append(reinterpret_cast<const char*>(client.data()), client.size());
   message.append(reinterpret_cast<const char*>(server.data()), server.size());
   Mac mac{};
@@ -185,6 +190,7 @@ struct TcpStore::Impl {
   std::chrono::milliseconds timeout;
   std::string secret;
   std::string bind_address;
+  std::string job;  // proven with the secret
   int client = -1;
   std::mutex client_mutex;
 
@@ -253,13 +259,13 @@ struct TcpStore::Impl {
     const Nonce mine = fresh_nonce();
     std::array<unsigned char, 1 + kNonce + kMac> challenge{kChallenge};
     std::copy(mine.begin(), mine.end(), challenge.begin() + 1);
-    const Mac ours = proof(secret, kServerProves, theirs, mine);
+    const Mac ours = proof(secret, job, kServerProves, theirs, mine);
     std::copy(ours.begin(), ours.end(), challenge.begin() + 1 + kNonce);
     Mac given{};
     // A socket buffer takes the 65 bytes at once: the send does not wait on a stranger.
     return write_all(fd, challenge.data(), challenge.size()) &&
            read_by(fd, given.data(), given.size(), deadline) &&
-           same_mac(given, proof(secret, kClientProves, theirs, mine));
+           same_mac(given, proof(secret, job, kClientProves, theirs, mine));
   }
 
   // Returns when the client hangs up or breaks the protocol.
@@ -527,8 +533,9 @@ struct TcpStore::Impl {
       if (h == Handshake::Silent) no_answer();
       fail(ErrorCode::CommunicationFailure,
            "TcpStore: the server at {}:{} did not prove this job's secret (MESHFUSE_STORE_SECRET "
-           "differs from the server's, or another process listens on this port); nothing of the "
-           "secret was sent to it",
+           "differs from the server's, the server is another job's with the same secret (the "
+           "launchers' job identities differ), or another process listens on this port); "
+           "nothing of the secret was sent to it",
            host, port);
     }
   }
@@ -555,9 +562,9 @@ struct TcpStore::Impl {
     if (!read_by(client, theirs.data(), theirs.size(), deadline) ||
         !read_by(client, server_proof.data(), server_proof.size(), deadline))
       return failed_read();
-    if (!same_mac(server_proof, proof(secret, kServerProves, mine, theirs)))
+    if (!same_mac(server_proof, proof(secret, job, kServerProves, mine, theirs)))
       return Handshake::Impostor;
-    const Mac ours = proof(secret, kClientProves, mine, theirs);
+    const Mac ours = proof(secret, job, kClientProves, mine, theirs);
     if (!write_all(client, ours.data(), ours.size())) return Handshake::Busy;
     if (!read_by(client, &answer, 1, deadline)) return failed_read();
     return answer == kWelcome ? Handshake::Welcome : Handshake::Impostor;
@@ -610,7 +617,7 @@ struct TcpStore::Impl {
 };
 
 TcpStore::TcpStore(std::string host, int port, bool is_server, std::string secret,
-                   std::chrono::milliseconds timeout, std::string bind_address)
+                   std::chrono::milliseconds timeout, std::string bind_address, std::string job)
     : Store(timeout), impl_(std::make_unique<Impl>()) {
   MESHFUSE_CHECK(!secret.empty() && secret.size() <= 4096, ErrorCode::InvalidArgument,
                  "TcpStore: secret: expected 1 to 4096 bytes shared by the job's processes, got "
@@ -621,6 +628,7 @@ TcpStore::TcpStore(std::string host, int port, bool is_server, std::string secre
   impl_->timeout = timeout;
   impl_->secret = std::move(secret);
   impl_->bind_address = std::move(bind_address);
+  impl_->job = std::move(job);
   if (is_server) impl_->start_server();
   try {
     impl_->connect_client();

@@ -160,7 +160,9 @@ TEST(CommBench, ALaunchedBackendWithoutALauncherIsRefusedNamingItsLaunchers) {
                                             "start them with {}",
                                             name, launchers)))
         << r.err;
-    if (!mpi) EXPECT_FALSE(contains(r.err, "-n 1")) << r.err;
+    if (!mpi) {
+      EXPECT_FALSE(contains(r.err, "-n 1")) << r.err;
+    }
     // From MESHFUSE_BACKEND, the message says so.
     const CliResult env = run_cli(fmt::format("comm-bench {}", kQuick), "MESHFUSE_BACKEND=" + name);
     EXPECT_EQ(env.exit_code, 2) << name;

@@ -101,7 +101,8 @@ class FileStore : public Store {
 // is a name that resolves to loopback, as Debian's own host name does, since the job's other
 // hosts reach it by that name), never on every interface otherwise unless told ("0.0.0.0").
 // Both ends of every connection prove `secret` (1 to 4096 bytes, the same in every process of
-// the job; meshfuse launch makes 128 random bits) without sending it: an HMAC-SHA256 of fresh
+// the job; meshfuse launch makes 128 random bits) and `job` (what sets the job apart from others
+// that share the secret: bootstrap's job identity) without sending them: an HMAC-SHA256 of fresh
 // nonces (tcp_store.cpp), the server first, so that a process listening on the port in the
 // server's place learns nothing of it. A client does so within 10 s of connecting (or the
 // timeout, if shorter), before any request; the others are dropped unanswered, and at most 64
@@ -124,7 +125,7 @@ class TcpStore : public Store {
  public:
   TcpStore(std::string host, int port, bool is_server, std::string secret,
            std::chrono::milliseconds timeout = std::chrono::minutes(5),
-           std::string bind_address = {});
+           std::string bind_address = {}, std::string job = {});
   ~TcpStore() override;
   void set(const std::string& key, const Bytes& value) override;
   using Store::set;
