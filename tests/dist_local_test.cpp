@@ -355,6 +355,36 @@ TEST(DistLocal, BadArgumentsFailOnTheCallingRankBeforeAnyExchange) {
         },
         ErrorCode::DTypeMismatch, {"send_recv", "one dtype"});
     expect_error([&] { c.new_group({0, 0}); }, ErrorCode::InvalidArgument, {"listed twice"});
+    // Input and output sharing memory: all_to_all's gave wrong values silently; all_gather and
+    // reduce_scatter take the rank's own block only (in place), not any other overlap.
+    Tensor buf = Tensor::zeros({12}, DType::F32);
+    const auto part = [&](std::int64_t from, std::int64_t n) {
+      return TensorView(buf.data_ptr<float>() + from, DType::F32, {n}, buf.device());
+    };
+    expect_error([&] { c.all_to_all(buf, buf); }, ErrorCode::InvalidArgument,
+                 {"all_to_all: output f32[12] cpu overlaps input f32[12] cpu",
+                  "give the output its own memory"});
+    expect_error([&] { c.all_to_all(part(0, 8), part(4, 8)); }, ErrorCode::InvalidArgument,
+                 {"all_to_all: output", "overlaps input"});
+    const std::int64_t own = 4 * c.rank(), other = 4 * (1 - c.rank());
+    expect_error([&] { c.all_gather(part(other, 4), part(0, 8)); }, ErrorCode::InvalidArgument,
+                 {"all_gather: input", "overlaps output",
+                  "other than as this rank's block (from "
+                  "element " +
+                      std::to_string(own)});
+    expect_error([&] { c.reduce_scatter(part(0, 8), part(other + 1, 4)); },
+                 ErrorCode::InvalidArgument, {"reduce_scatter: output", "overlaps input"});
+    expect_error(
+        [&] {
+          c.all_gather(part(2 * (1 - c.rank()), 2), part(0, 4), {2, 2});
+        },
+        ErrorCode::InvalidArgument, {"all_gather: input", "overlaps output"});
+    for (std::int64_t i = 0; i < 8; ++i) buf.data_ptr<float>()[i] = static_cast<float>(i);
+    c.reduce_scatter(part(0, 8), part(own, 4)).wait();  // in place: the sum of both ranks' block
+    for (std::int64_t i = 0; i < 4; ++i)
+      EXPECT_EQ(buf.data_ptr<float>()[own + i], 2.0f * static_cast<float>(own + i));
+    c.all_gather(part(own, 4), part(0, 8)).wait();  // in place: every rank's block
+    for (std::int64_t i = 0; i < 8; ++i) EXPECT_EQ(buf.data_ptr<float>()[i], 2.0f * i);
     // The stream is on the tensors' device, or the call fails: no stream is relabelled (a view
     // labelled cuda:0 is enough, the check comes before any backend).
     const TensorView on_cuda(t.view().data(), t.dtype(), t.shape(), Device{DeviceType::CUDA, 0});

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <exception>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -86,6 +87,31 @@ void check_tensors(Call& c, const Stream& stream) {
   MESHFUSE_CHECK(c.stream.device == c.device, ErrorCode::DeviceMismatch,
                  "{}: the stream is on {} but the tensors on {}", op, c.stream.device.str(),
                  c.device.str());
+}
+
+// Where `part` shares memory with `whole`, it may only be this rank's block of it, starting at
+// element `at` (the in-place all_gather and reduce_scatter, whose backends leave that block where
+// it lies); any other overlap is read after it is written, and gave wrong values silently. `at`
+// < 0: no overlap at all (all_to_all sends and receives every block at once).
+void check_overlap(const char* whole_name, const TensorView& whole, const char* part_name,
+                   const TensorView& part, std::int64_t at, CommOp op) {
+  const auto* w = static_cast<const std::uint8_t*>(whole.data());
+  const auto* p = static_cast<const std::uint8_t*>(part.data());
+  const auto size = static_cast<std::int64_t>(element_size(whole.dtype()));
+  const bool overlap = whole.numel() > 0 && part.numel() > 0 && p < w + whole.numel() * size &&
+                       w < p + part.numel() * size;
+  if (!overlap || (at >= 0 && p == w + at * size)) return;
+  fail(ErrorCode::InvalidArgument, "{}: {} {} overlaps {} {}{}", op_name(op), part_name, part.str(),
+       whole_name, whole.str(),
+       at >= 0 ? fmt::format(" other than as this rank's block (from element {}), the one "
+                             "overlap it takes",
+                             at)
+               : std::string(" (every block is sent and received at once): give the output its "
+                             "own memory"));
+}
+
+std::int64_t elements_before(const std::vector<std::int64_t>& counts, int rank) {
+  return std::accumulate(counts.begin(), counts.begin() + rank, std::int64_t{0});
 }
 
 void check_rank(int r, int size, const char* what, CommOp op) {
@@ -269,6 +295,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
   c.count = input.numel();
   c.bytes = bytes_of(output.numel(), c.dtype);
   c.out_counts.assign(size(), input.numel());
+  check_overlap("output", output, "input", input, elements_before(c.out_counts, rank()), c.op);
   return start(*state_, c, [&](detail::CommImpl& impl) {
     return impl.all_gather(flat(input), flat(output), c.out_counts, c.stream);
   });
@@ -283,6 +310,7 @@ Work Communicator::all_gather(const TensorView& input, const TensorView& output,
   c.split_sizes = true;
   c.out_counts = split_elements(output_split_sizes, output, size(), "output_split_sizes", c.op);
   check_numel(input, c.out_counts[rank()], "input", c.op);
+  check_overlap("output", output, "input", input, elements_before(c.out_counts, rank()), c.op);
   c.count = input.numel();
   c.bytes = bytes_of(output.numel(), c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
@@ -299,6 +327,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
   c.count = output.numel();
   c.bytes = bytes_of(input.numel(), c.dtype);
   c.in_counts.assign(size(), output.numel());
+  check_overlap("input", input, "output", output, elements_before(c.in_counts, rank()), c.op);
   return start(*state_, c, [&](detail::CommImpl& impl) {
     return impl.reduce_scatter(flat(input), flat(output), c.in_counts, op, c.stream);
   });
@@ -314,6 +343,7 @@ Work Communicator::reduce_scatter(const TensorView& input, const TensorView& out
   c.split_sizes = true;
   c.in_counts = split_elements(input_split_sizes, input, size(), "input_split_sizes", c.op);
   check_numel(output, c.in_counts[rank()], "output", c.op);
+  check_overlap("input", input, "output", output, elements_before(c.in_counts, rank()), c.op);
   c.count = output.numel();
   c.bytes = bytes_of(input.numel(), c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
@@ -373,6 +403,7 @@ Work Communicator::all_to_all(const TensorView& input, const TensorView& output,
     c.in_counts = split_elements(input_split_sizes, input, n, "input_split_sizes", c.op);
     c.out_counts = split_elements(output_split_sizes, output, n, "output_split_sizes", c.op);
   }
+  check_overlap("input", input, "output", output, -1, c.op);
   c.count = input.numel();
   c.bytes = bytes_of(std::max(input.numel(), output.numel()), c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
