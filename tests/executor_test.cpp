@@ -463,5 +463,15 @@ TEST(Executor, GradOfANonSumPartialIsUnsupported) {
   }
 }
 
+TEST(Executor, GradWithRespectToNothingIsAnError) {
+  Program p;
+  const Value x = p.define_tensor("x", {4, 8}, DType::F32);
+  const Value w = p.define_tensor("w", {8, 8}, DType::F32);
+  const Value y = p.matmul(x, w);
+  p.add_output(y);
+  expect_error([&] { grad(p, y, {}); }, ErrorCode::InvalidArgument,
+               {"grad: wrt is empty", "the loss %2"});
+}
+
 }  // namespace
 }  // namespace meshfuse::test

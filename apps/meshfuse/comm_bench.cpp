@@ -1,6 +1,7 @@
 #include "comm_bench.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cctype>
 #include <cstdlib>
@@ -148,10 +149,15 @@ std::vector<Row> bench_rank(Communicator& comm, const Setup& s, const CommBenchO
     rows.push_back(row);
   }
   comm.barrier(stream).wait();
-  MESHFUSE_CHECK(!rows.empty(), ErrorCode::InvalidArgument,
-                 "comm-bench: no size from --min-bytes {} to --max-bytes {} holds an element of {} "
-                 "per rank ({} ranks need at least {} bytes)",
-                 o.min_bytes, o.max_bytes, o.dtype, n, n * element);
+  if (rows.empty()) {  // the sizes tried double from --min-bytes: say which they were
+    std::vector<std::int64_t> tried;
+    for (std::int64_t target = s.min_bytes; target <= s.max_bytes; target *= 2)
+      tried.push_back(target);
+    fail(ErrorCode::InvalidArgument,
+         "comm-bench: no size tried (--min-bytes {} doubled up to --max-bytes {}: {} bytes) holds "
+         "an element of {} per rank ({} ranks need at least {} bytes)",
+         o.min_bytes, o.max_bytes, fmt::join(tried, ", "), o.dtype, n, n * element);
+  }
   return rows;
 }
 

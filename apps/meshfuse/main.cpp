@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <iostream>
 #include <limits>
 #include <string_view>
@@ -17,8 +18,18 @@
 #include "meshfuse/core/error.h"
 #include "run.h"
 
-// A count option of at least 1 (CLI::PositiveNumber prints its range as doubles).
-const auto kPositive = CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max());
+// A count option of at least 1, saying what came (CLI::PositiveNumber prints its range as doubles,
+// and CLI::Range calls a word or a fraction out of range).
+const CLI::Validator kPositive(
+    [](const std::string& s) {
+      std::int64_t v = 0;
+      const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), v);
+      if (error != std::errc() || end != s.data() + s.size())
+        return fmt::format("expected a whole number from 1 to {}, got '{}'",
+                           std::numeric_limits<std::int64_t>::max(), s);
+      return v >= 1 ? std::string() : fmt::format("expected >= 1, got {}", v);
+    },
+    "POSITIVE");
 // A list given empty would read as the default (all of them).
 const CLI::Validator kNonEmpty(
     [](const std::string& s) { return s.empty() ? std::string("expected a non-empty list") : ""; },

@@ -11,6 +11,10 @@ Program grad(const Program& program, Value loss, const std::vector<Value>& wrt) 
   const ValueInfo& loss_info = program.info(loss);
   MESHFUSE_CHECK(is_floating_point(loss_info.dtype), ErrorCode::InvalidArgument,
                  "grad: the loss {} must be floating", program.describe(loss));
+  // Empty, the program would gain backward ops whose results nothing returns, and an input.
+  MESHFUSE_CHECK(!wrt.empty(), ErrorCode::InvalidArgument,
+                 "grad: wrt is empty: name the inputs whose gradients of the loss {} to compute",
+                 program.describe(loss));
   const std::vector<Value>& inputs = program.inputs();
   for (std::size_t i = 0; i < wrt.size(); ++i) {
     MESHFUSE_CHECK(std::find(inputs.begin(), inputs.end(), wrt[i]) != inputs.end() &&

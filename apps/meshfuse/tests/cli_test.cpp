@@ -330,7 +330,12 @@ TEST(Cli, RunRejectsBadOptionsNamingThem) {
                      "[invalid argument] --backend: communicator backend: unknown name");
   expect_usage_error("run --model " + model + " --dtype f16", "--dtype: expected bf16 or f32");
   expect_usage_error("run --model " + model + " --tokens -3", "--tokens");
-  expect_usage_error("run --model " + model + " --tokens 0", "--tokens");  // not the default
+  expect_usage_error("run --model " + model + " --tokens 0", "--tokens: expected >= 1, got 0");
+  for (const char* word : {"abc", "2.5"})  // CLI::Range called them out of range
+    expect_usage_error("run --model " + model + " --tokens " + word,
+                       fmt::format("--tokens: expected a whole number from 1 to "
+                                   "9223372036854775807, got '{}'",
+                                   word));
   expect_usage_error("run --model " + model + " --ranks -2", "--ranks");
   expect_usage_error("run --model " + model + " --ranks 0", "--ranks");  // not the default 4
   expect_usage_error("run --model " + model + " --repeats 0", "--repeats: expected >= 1, got 0");

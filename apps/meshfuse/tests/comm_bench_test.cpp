@@ -127,7 +127,11 @@ TEST(CommBench, BadOptionsAreUsageErrors) {
            {"--warmup -1", "--warmup: expected >= 0, got -1"},
            {"-n 0", "--nranks"},  // not the default 2
            {"-n 3 --min-bytes 1 --max-bytes 4",
-            "no size from --min-bytes 1 to --max-bytes 4 holds an element of f32 per rank"}}) {
+            "no size tried (--min-bytes 1 doubled up to --max-bytes 4: 1, 2, 4 bytes) holds an "
+            "element of f32 per rank (3 ranks need at least 12 bytes)"},
+           // 12 bytes would do, but the doubling from 4 never reaches it.
+           {"-n 3 --min-bytes 4 --max-bytes 12",
+            "(--min-bytes 4 doubled up to --max-bytes 12: 4, 8 bytes)"}}) {
     const CliResult r = run_cli("comm-bench --backend local " + args);
     EXPECT_EQ(r.exit_code, 2) << args;
     EXPECT_TRUE(contains(r.err, message)) << args << ": " << r.err;
