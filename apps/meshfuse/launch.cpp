@@ -14,12 +14,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -80,6 +83,9 @@ bool write_all(int fd, std::string_view text) {
   return true;
 }
 
+// Writes text to an fd, false when it takes no more (Launcher::write_output).
+using Writer = std::function<bool(int fd, std::string_view text)>;
+
 // One of a rank's output pipes, forwarded to `target` (1 or 2) one whole line at a time; a line
 // that grows past kMaxLine unended goes out as it is (prefixed: as a line of its own), so that one
 // endless line neither holds the rest back nor fills the launcher's memory.
@@ -90,7 +96,7 @@ struct Output {
   std::string prefix;
   std::string pending;  // a line not yet ended
 
-  void forward(std::string_view data) {
+  void forward(std::string_view data, const Writer& write) {
     std::size_t start = 0, end, from = pending.size();  // the new data only is searched
     pending.append(data);
     std::string lines;
@@ -105,13 +111,13 @@ struct Output {
     }
     // Where our output has gone (| head), the rank's does too: its pipe is closed, so that its
     // next write fails as it would have written to that reader itself (SIGPIPE).
-    if (!write_all(target, lines)) {
+    if (!write(target, lines)) {
       pending.clear();
-      close_pipe();
+      close_pipe(write);
     }
   }
-  void close_pipe() {
-    if (!pending.empty()) write_all(target, prefix + pending + "\n");
+  void close_pipe(const Writer& write) {
+    if (!pending.empty()) write(target, prefix + pending + "\n");
     pending.clear();
     close(fd);
     fd = -1;
@@ -286,6 +292,39 @@ class Launcher {
     }
   }
 
+  // write_all for the ranks' output, which keeps handling signals and the grace period's kill while
+  // the reader is slow (a stalled `| less` or log shipper): a blocking write would hold SIGTERM and
+  // Ctrl-C until the reader went on. Once interrupted and every rank has ended, output that the
+  // reader does not take within a second is dropped, so that the launcher ends too. At most
+  // PIPE_BUF bytes a write: what poll's POLLOUT promises a pipe takes without blocking.
+  bool write_output(int fd, std::string_view text) {
+    while (!text.empty()) {
+      std::array<pollfd, 2> fds{{{fd, POLLOUT, 0}, {signal_fd_, POLLIN, 0}}};
+      int timeout_ms = -1;
+      if (running() && kill_at_ && !killed_) {
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(*kill_at_ - Clock::now());
+        timeout_ms = static_cast<int>(std::max<std::int64_t>(0, left.count()));
+      } else if (stop_signal_ && !running()) {
+        timeout_ms = 1000;
+      }
+      const int ready = poll(fds.data(), fds.size(), timeout_ms);
+      if (ready < 0 && errno != EINTR)
+        fail(ErrorCode::Internal, "launch: poll: {}", std::strerror(errno));
+      if (fds[1].revents) drain_signals();
+      if (running() && kill_at_ && !killed_ && Clock::now() >= *kill_at_) kill_groups();
+      if (fds[0].revents & (POLLERR | POLLNVAL)) return false;
+      if (!(fds[0].revents & (POLLOUT | POLLHUP))) {
+        if (stop_signal_ && !running() && ready == 0) return false;
+        continue;
+      }
+      const ssize_t n = write(fd, text.data(), std::min<std::size_t>(text.size(), PIPE_BUF));
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n <= 0) return false;
+      text.remove_prefix(static_cast<std::size_t>(n));
+    }
+    return true;
+  }
+
   void drain_signals() {
     signalfd_siginfo info;
     while (true) {
@@ -344,9 +383,9 @@ class Launcher {
         char buffer[65536];
         const ssize_t n = read(outputs[i]->fd, buffer, sizeof buffer);
         if (n > 0)
-          outputs[i]->forward({buffer, static_cast<std::size_t>(n)});
+          outputs[i]->forward({buffer, static_cast<std::size_t>(n)}, writer_);
         else if (n == 0 || errno != EINTR)
-          outputs[i]->close_pipe();
+          outputs[i]->close_pipe(writer_);
       }
       const auto now = Clock::now();
       if (running() && kill_at_ && !killed_ && now >= *kill_at_) kill_groups();
@@ -354,7 +393,7 @@ class Launcher {
         // Whatever still holds a pipe open outlived its rank; stop listening to it.
         for (Rank& rank : ranks_)
           for (Output& out : rank.out)
-            if (out.fd >= 0) out.close_pipe();
+            if (out.fd >= 0) out.close_pipe(writer_);
         return;
       }
     }
@@ -387,6 +426,7 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
+  const Writer writer_ = [this](int fd, std::string_view text) { return write_output(fd, text); };
   std::string secret_;     // the store's, the same for every rank
   std::string launch_id_;  // this launch's, told apart from others sharing an exported secret
   std::vector<Rank> ranks_;

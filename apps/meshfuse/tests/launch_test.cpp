@@ -219,6 +219,48 @@ TEST(Launch, SigintIsForwardedToEveryRank) {
   EXPECT_FALSE(still_running(rank1));
 }
 
+// A reader that stops reading (a paused `| less`, a stalled log shipper) used to hold the launcher
+// in a blocking write with SIGTERM pending: nothing but SIGKILL stopped the job.
+TEST(Launch, SigtermStopsTheJobWhileTheReaderOfItsOutputIsStalled) {
+  const Scratch dir;
+  const std::string script = dir.script(
+      "echo $$ > pid$RANK; while true; do echo "
+      "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; done");
+  const std::string err = (dir / "err").string();
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close(out[0]);
+    close(out[1]);
+    freopen(err.c_str(), "w", stderr);
+    execl(MESHFUSE_CLI_PATH, "meshfuse", "launch", "-n", "1", "--", "sh", script.c_str(), nullptr);
+    _exit(127);
+  }
+  close(out[1]);  // out[0] is held and never read: the pipe fills
+  const pid_t rank = wait_for_pid(dir / "pid0");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  kill(launcher, SIGTERM);
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  pid_t done = 0;
+  while ((done = waitpid(launcher, &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (done == 0) {  // still blocked: unblock it for the next tests, then fail
+    kill(launcher, SIGKILL);
+    waitpid(launcher, &status, 0);
+  }
+  close(out[0]);
+  ASSERT_EQ(done, launcher) << "the launcher did not end within 30 s of SIGTERM";
+  ASSERT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_EQ(WTERMSIG(status), SIGTERM);
+  EXPECT_TRUE(contains(read_file(err), "interrupted by SIGTERM")) << read_file(err);
+  EXPECT_FALSE(still_running(rank));
+}
+
 TEST(Launch, CommandThatCannotRunFailsWith127) {
   const Scratch dir;
   const std::string command = fmt::format("'{}' launch -n 2 -- /nonexistent/program 2>'{}'",
