@@ -1,6 +1,8 @@
 // Communicators on the local backend (4 ranks as threads), and what every backend shares: names,
 // backend specs, records, argument errors, the launch environment and the stores.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -17,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <sstream>
 #include <thread>
 
 #include "dist_cases.h"
@@ -941,6 +944,49 @@ TEST(DistStore, NoPortPastTheLastBesideTorchrunsAgentStore) {
 }
 
 constexpr const char* kSecret = "the job's secret";
+
+// The IPv4 address a TCP socket listens on at `port`, from /proc/net/tcp ("" when none).
+std::string listening_address(int port) {
+  std::ifstream tcp("/proc/net/tcp");
+  std::string line;
+  std::getline(tcp, line);  // the header
+  while (std::getline(tcp, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    const std::size_t colon = local.find(':');
+    if (state != "0A" || std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
+    in_addr a{};
+    a.s_addr = static_cast<in_addr_t>(std::stoul(local.substr(0, colon), nullptr, 16));
+    return ::inet_ntoa(a);
+  }
+  return "";
+}
+
+// Loopback said another way than "localhost" / "127.x" was taken for a host name that resolves to
+// loopback, and the store opened every interface; so was a one-host job's MASTER_ADDR host name.
+TEST(DistStore, ALoopbackNameInAnyFormAndAOneHostJobServeOnLoopbackOnly) {
+  for (const char* name : {"LOCALHOST", "2130706433", "127.1"}) {
+    TcpStore server(name, 0, true, kSecret, 5s);
+    EXPECT_EQ(listening_address(server.port()), "127.0.0.1") << name;
+  }
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host, nullptr, &hints, &found) != 0 || !found) GTEST_SKIP() << host;
+  const in_addr resolved = reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr;
+  ::freeaddrinfo(found);
+  ::setenv("MESHFUSE_STORE_SECRET", kSecret, 1);
+  LaunchInfo launch;
+  launch.master_addr = host;
+  launch.world_size = launch.local_world_size = 2;  // one host
+  const std::shared_ptr<Store> one_host = store_from_env(launch, 5s);
+  EXPECT_EQ(listening_address(dynamic_cast<TcpStore&>(*one_host).port()), ::inet_ntoa(resolved))
+      << host << ": its own address, not every interface";
+  ::unsetenv("MESHFUSE_STORE_SECRET");
+}
 
 TEST(DistStore, TcpStoreServesItsClientsAndPrefixStoresKeepTeamsApart) {
   TcpStore server("127.0.0.1", 0, true, kSecret, 5s);  // port 0: the kernel picks a free one

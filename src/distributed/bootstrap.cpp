@@ -237,12 +237,16 @@ std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::mil
                  "rendezvous store: under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE="
                  "True) meshfuse serves on MASTER_PORT + 1, and MASTER_PORT is 65535: choose a "
                  "lower port");
+  // A job on one host serves on MASTER_ADDR's own address: a host name that resolves to loopback
+  // would otherwise open every interface for the other hosts' sake, and there are none.
   const char* bind = std::getenv("MESHFUSE_STORE_BIND");
+  const bool one_host = launch.local_world_size == launch.world_size;
   // The identity is proven with the secret: a rank of another job that shares the secret and
   // port (an exported secret, a fixed MASTER_PORT) is refused instead of joining this one.
   return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
                                     launch.rank == 0, store_secret_from_env(), timeout,
-                                    bind ? bind : "", job_identity());
+                                    bind ? bind : (one_host ? launch.master_addr : ""),
+                                    job_identity());
 }
 
 }  // namespace meshfuse

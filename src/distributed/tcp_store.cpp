@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <condition_variable>
@@ -110,9 +111,13 @@ bool read_by(int fd, void* data, std::size_t n, Clock::time_point deadline) {
   return true;
 }
 
-// Whether `name` says loopback itself, as opposed to a host name that resolves to it.
-bool names_loopback(const std::string& name) {
-  return name == "localhost" || name.rfind("127.", 0) == 0 || name == "::1";
+// Whether `name` says loopback itself, as opposed to a host name that resolves to it: any IPv4
+// form of 127/8 that getaddrinfo reads ("127.1", "2130706433"), localhost in any case, ::1.
+bool names_loopback(std::string name) {
+  if (in_addr a{}; ::inet_aton(name.c_str(), &a)) return (ntohl(a.s_addr) >> 24) == 127;
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return name == "localhost" || name == "::1";
 }
 
 // From the kernel's generator: OpenSSL's RAND keeps a generator per thread, state that each of
