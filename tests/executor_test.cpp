@@ -419,7 +419,8 @@ TEST(Executor, APartialWantedAfterAnOuterReshardIsAnError) {
   p.add_output(x, {Replicate{}, Partial{}});
   for (int rank = 0; rank < 4; ++rank)
     expect_error([&] { lower(p, rank, CommunicatorBackend::Local); }, ErrorCode::InvalidArgument,
-                 {"'x'", "cannot become [Replicate(), Partial(sum)]", "mesh dimension 1"});
+                 {"'x'", "cannot become [Replicate(), Partial(sum)]", "mesh dimension 1",
+                  "a Partial comes only from an input placed so or an op that leaves one"});
 }
 
 TEST(Executor, ShardTensorCopiesTheRanksPartAndRefusesPartial) {

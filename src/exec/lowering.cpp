@@ -134,8 +134,10 @@ class Lowering {
       const auto mi = static_cast<std::size_t>(m);
       // Checked on the wanted placement, before an outer change makes the target Replicate.
       MESHFUSE_CHECK(!is<Partial>(want[mi]) || now[mi] == want[mi], ErrorCode::InvalidArgument,
-                     "lower: {}: {} lies as {} and cannot become {} (no rule makes a Partial "
-                     "from a {} on mesh dimension {})",
+                     "lower: {}: {} lies as {} at this point of the plan and cannot become {} "
+                     "(no redistribution makes a Partial from a {} on mesh dimension {}: a "
+                     "Partial comes only from an input placed so or an op that leaves one, as a "
+                     "matmul over a sharded contraction dim)",
                      why, p_.describe(global), to_string(now), to_string(want), to_string(now[mi]),
                      m);
       Placement target = want[mi];
