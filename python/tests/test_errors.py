@@ -224,3 +224,18 @@ def test_a_zero_timeout_is_a_value_error():
     # Past a year, now + timeout overflowed the clock: every wait failed at once.
     with pytest.raises(meshfuse.InvalidArgumentError, match="at most a year.*got 10000000000"):
         meshfuse.run_local(1, lambda comm: None, timeout=1e10)
+
+
+def test_a_cuda_stream_with_cpu_arrays_is_a_value_error_naming_the_op():
+    # It was ignored silently: the caller's ordering on that stream did not hold.
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(meshfuse.InvalidArgumentError,
+                       match="rmsnorm: stream: a native stream handle .* on the CPU"):
+        meshfuse.rmsnorm(x, None, np.empty_like(x), None, 1e-5, stream=12345)
+
+    def rank_fn(comm):
+        with pytest.raises(meshfuse.InvalidArgumentError, match="all_reduce: stream: a native"):
+            comm.all_reduce(np.ones(4, np.float32), stream=12345)
+        comm.barrier().wait()  # refused before any exchange, on every rank: still in step
+
+    meshfuse.run_local(2, rank_fn)

@@ -87,6 +87,11 @@ void check_tensors(Call& c, const Stream& stream) {
   MESHFUSE_CHECK(c.stream.device == c.device, ErrorCode::DeviceMismatch,
                  "{}: the stream is on {} but the tensors on {}", op, c.stream.device.str(),
                  c.device.str());
+  MESHFUSE_CHECK(c.device.type != DeviceType::CPU || stream.native == nullptr,
+                 ErrorCode::InvalidArgument,
+                 "{}: stream: a native stream handle ({}) came with tensors on the CPU, where the "
+                 "backends run on the calling thread: pass none",
+                 op, stream.native);
 }
 
 // Where `part` shares memory with `whole`, it may only be this rank's block of it, starting at

@@ -90,6 +90,12 @@ KernelCall::KernelCall(std::string_view op, std::initializer_list<NamedTensor> t
                  "{}: the stream is on {} but the tensors are on {} (pass a stream of {}: "
                  "Stream{{device}} is its default stream)",
                  op, stream.device.str(), device.str(), device.str());
+  // A CUDA stream's handle passed with CPU tensors (Python's stream=) was ignored silently.
+  MESHFUSE_CHECK(device.type != DeviceType::CPU || stream.native == nullptr,
+                 ErrorCode::InvalidArgument,
+                 "{}: stream: a native stream handle ({}) came with tensors on the CPU, where ops "
+                 "run on the calling thread: pass none",
+                 op, stream.native);
 }
 
 TensorView KernelCall::input(const TensorView& t) {
