@@ -166,6 +166,36 @@ inline void check_reduce_scatter(Communicator& c, DType dtype, bool uneven, Redu
                fmt::format("{}reduce_scatter({})", uneven ? "uneven " : "", to_string(op)));
 }
 
+// The in-place forms: all_gather from this rank's block of its output, reduce_scatter into this
+// rank's block of its input (mpi passes MPI_IN_PLACE or a copy: aliased buffers are erroneous
+// there). Uneven: r % 3 + 1 rows of 2 for rank r.
+inline void check_in_place(Communicator& c, DType dtype) {
+  std::vector<std::int64_t> rows(c.size());
+  for (int r = 0; r < c.size(); ++r) rows[r] = r % 3 + 1;
+  const auto starts = prefix_sums(rows);
+  const std::int64_t mine = rows[c.rank()] * 2, first = starts[c.rank()] * 2;
+  const auto block = [&](Tensor& whole) {
+    auto* data = static_cast<std::uint8_t*>(whole.view().data());
+    return TensorView(data + first * static_cast<std::int64_t>(element_size(dtype)), dtype,
+                      {rows[c.rank()], 2}, whole.device());
+  };
+  std::vector<double> given(starts.back() * 2, -1.0);
+  const auto v = values(c.rank(), mine);
+  std::copy(v.begin(), v.end(), given.begin() + first);
+  Tensor gathered = tensor_of(given, dtype, {starts.back(), 2});
+  c.all_gather(block(gathered), gathered, rows, place()).wait();
+  std::vector<double> expected;
+  for (int r = 0; r < c.size(); ++r) {
+    const auto w = values(r, rows[r] * 2);
+    expected.insert(expected.end(), w.begin(), w.end());
+  }
+  EXPECT_EQ(values_of(gathered), expected) << where(c, dtype, "in-place all_gather");
+  Tensor summed = tensor_of(values(c.rank(), starts.back() * 2), dtype, {starts.back(), 2});
+  c.reduce_scatter(summed, block(summed), rows, ReduceOp::Sum, place()).wait();
+  EXPECT_EQ(values_of(block(summed)), reduced(c.size(), mine, ReduceOp::Sum, first))
+      << where(c, dtype, "in-place reduce_scatter");
+}
+
 inline void check_gather(Communicator& c, DType dtype) {
   const int root = c.size() / 2;
   Tensor in = tensor_of(values(c.rank(), 5), dtype, {5});
@@ -288,6 +318,7 @@ inline void check_every_collective(Communicator& c) {
       check_reduce_scatter(c, dtype, uneven, uneven ? ReduceOp::Max : ReduceOp::Avg);
       check_all_to_all(c, dtype, uneven);
     }
+    check_in_place(c, dtype);
     check_gather(c, dtype);
     check_scatter(c, dtype);
     check_send_recv(c, dtype);

@@ -10,6 +10,7 @@
 #include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -296,8 +297,10 @@ class Launcher {
   // the reader is slow (a stalled `| less` or log shipper): a blocking write would hold SIGTERM and
   // Ctrl-C until the reader went on. Once interrupted and every rank has ended, output that the
   // reader does not take within a second is dropped, so that the launcher ends too. At most
-  // PIPE_BUF bytes a write: what poll's POLLOUT promises a pipe takes without blocking.
+  // PIPE_BUF bytes a write to a pipe: what poll's POLLOUT promises it takes without blocking.
   bool write_output(int fd, std::string_view text) {
+    struct stat st {};
+    const std::size_t most = fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode) ? PIPE_BUF : text.size();
     while (!text.empty()) {
       std::array<pollfd, 2> fds{{{fd, POLLOUT, 0}, {signal_fd_, POLLIN, 0}}};
       int timeout_ms = -1;
@@ -311,13 +314,17 @@ class Launcher {
       if (ready < 0 && errno != EINTR)
         fail(ErrorCode::Internal, "launch: poll: {}", std::strerror(errno));
       if (fds[1].revents) drain_signals();
-      if (running() && kill_at_ && !killed_ && Clock::now() >= *kill_at_) kill_groups();
+      // As loop() does: the grace period's end, or every rank ended after a failure (what they
+      // started, still in their groups, goes too).
+      if (running() ? kill_at_ && !killed_ && Clock::now() >= *kill_at_
+                    : (first_failure_ || stop_signal_) && !killed_)
+        kill_groups();
       if (fds[0].revents & (POLLERR | POLLNVAL)) return false;
       if (!(fds[0].revents & (POLLOUT | POLLHUP))) {
         if (stop_signal_ && !running() && ready == 0) return false;
         continue;
       }
-      const ssize_t n = write(fd, text.data(), std::min<std::size_t>(text.size(), PIPE_BUF));
+      const ssize_t n = write(fd, text.data(), std::min(text.size(), most));
       if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (n <= 0) return false;
       text.remove_prefix(static_cast<std::size_t>(n));

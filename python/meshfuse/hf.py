@@ -202,9 +202,10 @@ def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,
     accum_dtype: the fused loss's (:func:`meshfuse.torch.fused_linear_cross_entropy`): None sums
     lm_head's weight gradient in float32 for a 16-bit model, the model's dtype (e.g.
     ``torch.bfloat16``) holds no float32 copy of it (less memory, one rounding per chunk). Raises
-    ValueError for another architecture (``model.config.model_type``) and for a model with
-    accelerate hooks (``device_map=`` over several devices, offloading), TypeError for an
-    accum_dtype that is not a torch.dtype, before changing anything."""
+    ValueError for another architecture (``model.config.model_type``), for a model with
+    accelerate hooks (``device_map=`` over several devices, offloading) and for an accum_dtype
+    without the fused loss, TypeError for an accum_dtype that is not a torch.dtype, before
+    changing anything."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(f"meshfuse.torch.patch: model_type {model_type!r} is not one of "
@@ -213,6 +214,9 @@ def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"meshfuse.torch.patch: accum_dtype must be None or a torch.dtype, got "
                         f"{accum_dtype!r}")
+    if accum_dtype is not None and not fused_linear_cross_entropy:
+        raise ValueError("meshfuse.torch.patch: accum_dtype is the fused loss's, which "
+                         "fused_linear_cross_entropy=False leaves out")
     config = model.config
     silu = getattr(config, "hidden_act", "silu") in ("silu", "swish")
     for module in model.modules():

@@ -609,7 +609,13 @@ def _wide(dtype):
 
 def _accum_dtype(dtype, accum_dtype):
     # grad_weight's and grad_bias's dtype, which decides how the chunks' products add up (C++
-    # fused_linear_cross_entropy.h): float32 for 16-bit inputs unless asked for theirs.
+    # fused_linear_cross_entropy.h): float32 for 16-bit inputs unless asked for theirs. Not
+    # float16: its gradients are summed scaled by up to 2^15 (_gradient_scale), past its 65504.
+    if dtype == torch.float16 and accum_dtype == torch.float16:
+        raise _C.DTypeMismatchError(
+            "[dtype mismatch] fused_linear_cross_entropy: accum_dtype must be None or "
+            "torch.float32 for float16 inputs (their gradients are summed scaled by up to 2^15, "
+            "which a float16 sum overflows), got torch.float16")
     return _dtype_option("fused_linear_cross_entropy", "accum_dtype", dtype, accum_dtype,
                          _wide(dtype))
 
@@ -652,7 +658,7 @@ def _fused_linear_cross_entropy(
         grad_loss: Optional[Tensor], grad_x: bool, grad_weight: bool, grad_bias: bool,
         ignore_index: int, reduction: str, label_smoothing: float, logits_multiplier: float,
         z_loss_scale: float, loss_dtype: Optional[torch.dtype], chunk_rows: int,
-        accum_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        accum_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     loss, *grads = fused_linear_cross_entropy_forward(
         x, weight, labels, bias, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
         reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
@@ -663,7 +669,7 @@ def _fused_linear_cross_entropy(
 @_fake(_fused_linear_cross_entropy)
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
       reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
-      accum_dtype):
+      accum_dtype=None):
     wide = _accum_dtype(x.dtype, accum_dtype)
     loss = x.new_empty(_loss_shape(x.shape[0], reduction),
                        dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype))
@@ -757,9 +763,9 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     over the chunks in ``accum_dtype``: by default float32 for 16-bit inputs, rounded once at the
     backward (as PyTorch's unfused GEMM), which holds a float32 weight-sized buffer from the
     forward to the backward (V x H x 4 bytes); the inputs' dtype instead (as Liger-Kernel's
-    default) holds only the gradient itself, rounded once per chunk and once more by an upstream
-    that is not a power of two. Errors as :func:`cross_entropy`; a bad ``accum_dtype`` is a
-    DTypeMismatchError. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    default; bfloat16, float32 or float64, not float16) holds only the gradient itself, rounded
+    once per chunk and once more by an upstream that is not a power of two. Errors as
+    :func:`cross_entropy`; a bad ``accum_dtype`` is a DTypeMismatchError. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
     if _functorch_transforms() or _fwad._current_level >= 0:
         _refuse_forward_mode((x, weight, bias))
     # Under torch.no_grad() requires_grad still says True: no gradients then.

@@ -56,18 +56,39 @@ def test_a_patched_model_gives_the_unpatched_logits_loss_and_gradients(name):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_accum_dtype_of_a_bf16_model_gives_its_lm_head_gradient_near_the_float32_ones():
+def test_accum_dtype_of_a_bf16_model_keeps_no_float32_lm_head_gradient():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Float32HeadSized(TorchDispatchMode):  # records float32 tensors of lm_head's shape
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.seen = shape, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                self.seen |= isinstance(o, torch.Tensor) and o.shape == self.shape and \
+                    o.dtype == torch.float32
+            return out
+
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(_config("llama")).bfloat16()
     default = mt.patch(copy.deepcopy(reference))
     low = mt.patch(copy.deepcopy(reference), accum_dtype=torch.bfloat16)
     ids = torch.randint(0, 64, (2, 9))
+    seen = []
     for model in (default, low):
-        model(ids, labels=ids).loss.backward()
+        with Float32HeadSized(model.lm_head.weight.shape) as mode:
+            model(ids, labels=ids).loss.backward()
+        seen.append(mode.seen)
+    assert seen == [True, False]
     # One chunk (18 rows) and an upstream of 1: the same rounding (test_torch.py says why).
     assert torch.equal(low.lm_head.weight.grad, default.lm_head.weight.grad)
     with pytest.raises(TypeError, match="accum_dtype must be None or a torch.dtype, got 'bf16'"):
         mt.patch(copy.deepcopy(reference), accum_dtype="bf16")
+    with pytest.raises(ValueError, match="accum_dtype is the fused loss's"):
+        mt.patch(copy.deepcopy(reference), fused_linear_cross_entropy=False,
+                 accum_dtype=torch.bfloat16)
 
 
 def test_patch_swaps_the_modules_and_refuses_other_architectures():

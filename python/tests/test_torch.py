@@ -267,6 +267,13 @@ def test_fused_linear_cross_entropy_accum_dtype_of_the_inputs_holds_no_float32_w
                        "accum_dtype must be None, the inputs' dtype .*bfloat16.* or "
                        "torch.float32, got torch.float16"):
         mt.fused_linear_cross_entropy(x, w, labels, accum_dtype=torch.float16)
+    # float16 inputs' gradients are summed scaled by up to 2^15 (a loss scale's small ones kept):
+    # a float16 sum of them overflowed to -inf where the float32 one is -30.
+    x16, w16 = torch.full((4096, 1), 40.0, dtype=torch.float16), torch.ones(2, 1, dtype=torch.float16)
+    with pytest.raises(meshfuse.DTypeMismatchError,
+                       match="accum_dtype must be None or torch.float32 for float16 inputs"):
+        mt.fused_linear_cross_entropy(x16, w16.requires_grad_(), torch.zeros(4096, dtype=torch.int64),
+                                      accum_dtype=torch.float16)
 
 
 def test_bad_arguments_checked_in_python_name_the_op_and_argument():

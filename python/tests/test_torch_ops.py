@@ -148,7 +148,7 @@ def test_fused_linear_cross_entropy_called_with_fewer_gradients_than_autograd_ne
     x, w = _randn(6, 8, seed=5, grad=True), _randn(20, 8, seed=6, grad=True)
     labels = torch.tensor([1, -100, 19, 0, 7, 3])
     loss = ops.fused_linear_cross_entropy(x, w, None, labels, None, False, False, False, -100,
-                                          "mean", 0.0, 1.0, 0.0, None, 0, None)[0]
+                                          "mean", 0.0, 1.0, 0.0, None, 0)[0]  # accum_dtype: None
     with pytest.raises(RuntimeError, match="needs the gradient of x, weight, which the forward"):
         loss.backward()
 

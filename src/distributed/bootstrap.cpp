@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -197,26 +198,30 @@ std::string store_secret_from_env() {
 
 namespace {
 
-// What sets this job apart from others: the launcher's job identity (meshfuse launch's per-launch
-// id, torchrun's run id and restart count, Slurm's job and step, PMIx's namespace) and the user's
-// MESHFUSE_RUN_ID (a static torchrun's run id is "none"); empty when the environment has none.
-// The same in every process of a job.
-std::string job_identity() {
-  std::string job;
-  for (const char* name :
-       {"MESHFUSE_LAUNCH_ID", "MESHFUSE_RUN_ID", "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE"})
+// The variables `names` that the environment sets, as "NAME=value" lines.
+std::string variables(std::initializer_list<const char*> names) {
+  std::string set;
+  for (const char* name : names)
     if (const char* value = std::getenv(name); value && *value)
-      job += fmt::format("{}={}\n", name, value);
-  return job;
+      set += fmt::format("{}={}\n", name, value);
+  return set;
+}
+
+// What sets this job apart from others and is the same in every one of its processes: meshfuse
+// launch's per-launch id, the user's MESHFUSE_RUN_ID, torchrun's run id (a static torchrun's is
+// "none"), Slurm's job, PMIx's namespace; empty when the environment has none. Not torchrun's
+// restart count (an agent whose workers did not fail keeps its count) nor Slurm's step (mpirun's
+// remote ranks inherit their daemons' step).
+std::string job_identity() {
+  return variables({"MESHFUSE_LAUNCH_ID", "MESHFUSE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+                    "PMIX_NAMESPACE"});
 }
 
 // Keys of earlier jobs stay in a store directory and would be read as this job's: this job's go
-// under its identity and secret, hashed; no prefix when the environment has neither.
+// under its identity, restart, step and secret, hashed; no prefix when the environment has none.
 std::string job_namespace() {
-  std::string job = job_identity();
-  if (const char* secret = std::getenv("MESHFUSE_STORE_SECRET"); secret && *secret)
-    job += fmt::format("MESHFUSE_STORE_SECRET={}\n", secret);
+  const std::string job = job_identity() + variables({"TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_ID",
+                                                      "MESHFUSE_STORE_SECRET"});
   return job.empty() ? "" : fmt::format("job-{:016x}", std::hash<std::string>{}(job));
 }
 
@@ -237,16 +242,12 @@ std::shared_ptr<Store> store_from_env(const LaunchInfo& launch, std::chrono::mil
                  "rendezvous store: under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE="
                  "True) meshfuse serves on MASTER_PORT + 1, and MASTER_PORT is 65535: choose a "
                  "lower port");
-  // A job on one host serves on MASTER_ADDR's own address: a host name that resolves to loopback
-  // would otherwise open every interface for the other hosts' sake, and there are none.
   const char* bind = std::getenv("MESHFUSE_STORE_BIND");
-  const bool one_host = launch.local_world_size == launch.world_size;
   // The identity is proven with the secret: a rank of another job that shares the secret and
   // port (an exported secret, a fixed MASTER_PORT) is refused instead of joining this one.
   return std::make_shared<TcpStore>(launch.master_addr, launch.master_port + (beside_agent ? 1 : 0),
                                     launch.rank == 0, store_secret_from_env(), timeout,
-                                    bind ? bind : (one_host ? launch.master_addr : ""),
-                                    job_identity());
+                                    bind ? bind : "", job_identity());
 }
 
 }  // namespace meshfuse

@@ -97,7 +97,8 @@ void check_tensors(Call& c, const Stream& stream) {
 // Where `part` shares memory with `whole`, it may only be this rank's block of it, starting at
 // element `at` (the in-place all_gather and reduce_scatter, whose backends leave that block where
 // it lies); any other overlap is read after it is written, and gave wrong values silently. `at`
-// < 0: no overlap at all (all_to_all sends and receives every block at once).
+// < 0: no overlap at all (all_to_all sends and receives every block at once; gather, scatter and
+// send_recv have no in-place form).
 void check_overlap(const char* whole_name, const TensorView& whole, const char* part_name,
                    const TensorView& part, std::int64_t at, CommOp op) {
   const auto* w = static_cast<const std::uint8_t*>(whole.data());
@@ -111,8 +112,8 @@ void check_overlap(const char* whole_name, const TensorView& whole, const char* 
        at >= 0 ? fmt::format(" other than as this rank's block (from element {}), the one "
                              "overlap it takes",
                              at)
-               : std::string(" (every block is sent and received at once): give the output its "
-                             "own memory"));
+               : fmt::format(", and {} has no in-place form: give '{}' its own memory", op_name(op),
+                             part_name));
 }
 
 std::int64_t elements_before(const std::vector<std::int64_t>& counts, int rank) {
@@ -364,7 +365,10 @@ Work Communicator::gather(const TensorView& input, const TensorView& output, int
   if (is_root) c.tensors.emplace_back("output", output);
   c.root = root;
   check_tensors(c, stream);
-  if (is_root) check_parts(output, "output", input, size(), c.op);
+  if (is_root) {
+    check_parts(output, "output", input, size(), c.op);
+    check_overlap("output", output, "input", input, -1, c.op);
+  }
   c.count = input.numel();
   c.bytes = bytes_of(is_root ? output.numel() : c.count, c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
@@ -380,7 +384,10 @@ Work Communicator::scatter(const TensorView& input, const TensorView& output, in
   if (is_root) c.tensors.emplace_back("input", input);
   c.root = root;
   check_tensors(c, stream);
-  if (is_root) check_parts(input, "input", output, size(), c.op);
+  if (is_root) {
+    check_parts(input, "input", output, size(), c.op);
+    check_overlap("input", input, "output", output, -1, c.op);
+  }
   c.count = output.numel();
   c.bytes = bytes_of(is_root ? input.numel() : c.count, c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {
@@ -456,6 +463,7 @@ Work Communicator::send_recv(const TensorView& send_tensor, int dst, const Tenso
   c.root = dst;
   c.source = src;
   check_tensors(c, stream);
+  check_overlap("send_tensor", send_tensor, "recv_tensor", recv_tensor, -1, c.op);
   c.count = send_tensor.numel();
   c.bytes = bytes_of(std::max(send_tensor.numel(), recv_tensor.numel()), c.dtype);
   return start(*state_, c, [&](detail::CommImpl& impl) {

@@ -18,10 +18,14 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "distributed/reduce.h"
 
@@ -280,12 +284,15 @@ class MpiComm : public CommImpl {
                                        const std::vector<std::int64_t>& counts,
                                        const Stream&) override {
     auto layout = std::make_shared<Layout>(counts);
+    // The in-place form (the input is this rank's block of the output, as collectives.cpp allows)
+    // is MPI_IN_PLACE to MPI: aliased buffers are erroneous there (MPICH refuses them).
+    const bool in_place = in.numel() > 0 && in.data() == element(out, layout->displs[rank_]);
     return start(
         "MPI_Iallgatherv",
         [&](MPI_Request* r) {
-          return MPI_Iallgatherv(in.data(), as_int(in.numel()), type_of(in), out.data(),
-                                 layout->counts.data(), layout->displs.data(), type_of(out), comm_,
-                                 r);
+          return MPI_Iallgatherv(in_place ? MPI_IN_PLACE : in.data(), as_int(in.numel()),
+                                 type_of(in), out.data(), layout->counts.data(),
+                                 layout->displs.data(), type_of(out), comm_, r);
         },
         nullptr, layout);
   }
@@ -295,13 +302,23 @@ class MpiComm : public CommImpl {
                                            const Stream&) override {
     const MpiGlobals& g = MpiGlobals::get();
     auto layout = std::make_shared<Layout>(counts);
+    // In place (the output is this rank's block of the input): MPI's MPI_IN_PLACE would put the
+    // block at the start of the input, and aliased buffers are erroneous, so the input is copied.
+    const bool in_place = out.numel() > 0 && out.data() == element(in, layout->displs[rank_]);
+    using Kept = std::pair<std::shared_ptr<Layout>, std::vector<std::uint8_t>>;
+    auto kept = std::make_shared<Kept>(layout, std::vector<std::uint8_t>());
+    if (in_place) {
+      const auto* p = static_cast<const std::uint8_t*>(in.data());
+      kept->second.assign(p, p + in.numel() * static_cast<std::int64_t>(element_size(in.dtype())));
+    }
+    const void* send = in_place ? kept->second.data() : in.data();
     return start(
         "MPI_Ireduce_scatter",
         [&](MPI_Request* r) {
-          return MPI_Ireduce_scatter(in.data(), out.data(), layout->counts.data(),
-                                     g.type(in.dtype()), g.op(op), comm_, r);
+          return MPI_Ireduce_scatter(send, out.data(), layout->counts.data(), g.type(in.dtype()),
+                                     g.op(op), comm_, r);
         },
-        avg(op, out), layout);
+        avg(op, out), kept);
   }
 
   std::shared_ptr<WorkImpl> gather(const TensorView& in, const TensorView& out, int root,
@@ -358,6 +375,12 @@ class MpiComm : public CommImpl {
   static MPI_Datatype type_of(const TensorView& t) { return MpiGlobals::get().type(t.dtype()); }
 
   // Avg's division, run once the sum has arrived.
+  // The address of element i of a contiguous t.
+  static const void* element(const TensorView& t, std::int64_t i) {
+    return static_cast<const std::uint8_t*>(t.data()) +
+           i * static_cast<std::int64_t>(element_size(t.dtype()));
+  }
+
   std::function<void()> avg(ReduceOp op, const TensorView& t) const {
     if (op != ReduceOp::Avg) return nullptr;
     return [t, n = size_] { divide_buffer(t.dtype(), t.data(), t.numel(), n); };
