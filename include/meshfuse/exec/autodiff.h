@@ -23,8 +23,8 @@ namespace meshfuse {
 // Gradients of a value used several times are summed (add). fused_linear_cross_entropy computes
 // its gradients in its forward, so it takes grad_loss there; its loss must then be `loss` itself.
 // rmsnorm's and cross_entropy's backward read the rstd and lse their forward saved.
-// Errors: InvalidArgument (loss not a floating value of the program, a wrt that is not a floating
-// input or is listed twice, a wrt the loss does not depend on, an input already named
+// Errors: InvalidArgument (loss not a floating value of the program, an empty wrt, a wrt that is
+// not a floating input or is listed twice, a wrt the loss does not depend on, an input already named
 // "grad_loss"), Unsupported (a fused_linear_cross_entropy whose loss is not `loss`, a
 // fused_residual_add_rmsnorm whose y is unused while r is used, a wrt or a loss placed Partial
 // with a reduction other than sum).
