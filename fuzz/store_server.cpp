@@ -60,7 +60,9 @@ bool prove_secret(int fd) {
                   (n = ::recv(fd, challenge + got, sizeof(challenge) - got, 0)) > 0;)
     got += static_cast<std::size_t>(n);
   if (got != sizeof(challenge) || challenge[0] != 3) return false;
-  const std::string message = "meshfuse store client" + nonce + std::string(challenge + 1, 32);
+  // No job identity here: its length, 0, comes between the label and the nonces.
+  const std::string message = std::string("meshfuse store client") + std::string(4, '\0') + nonce +
+                              std::string(challenge + 1, 32);
   unsigned char mac[32];
   unsigned int len = 0;
   HMAC(EVP_sha256(), kSecret, static_cast<int>(std::strlen(kSecret)),
