@@ -92,7 +92,9 @@ std::vector<Row> bench_rank(Communicator& comm, const Setup& s, const CommBenchO
   const int n = comm.size();
   const std::int64_t element = static_cast<std::int64_t>(element_size(s.dtype));
   std::vector<Row> rows;
+  std::vector<std::int64_t> tried;  // for the error when no size holds an element per rank
   for (std::int64_t target = s.min_bytes; target <= s.max_bytes; target *= 2) {
+    tried.push_back(target);
     // Elements of the larger buffer, a multiple of n (nccl-tests rounds the same way).
     const std::int64_t count = target / element / n * n;
     if (count == 0) continue;
@@ -149,15 +151,10 @@ std::vector<Row> bench_rank(Communicator& comm, const Setup& s, const CommBenchO
     rows.push_back(row);
   }
   comm.barrier(stream).wait();
-  if (rows.empty()) {  // the sizes tried double from --min-bytes: say which they were
-    std::vector<std::int64_t> tried;
-    for (std::int64_t target = s.min_bytes; target <= s.max_bytes; target *= 2)
-      tried.push_back(target);
-    fail(ErrorCode::InvalidArgument,
-         "comm-bench: no size tried (--min-bytes {} doubled up to --max-bytes {}: {} bytes) holds "
-         "an element of {} per rank ({} ranks need at least {} bytes)",
-         o.min_bytes, o.max_bytes, fmt::join(tried, ", "), o.dtype, n, n * element);
-  }
+  MESHFUSE_CHECK(!rows.empty(), ErrorCode::InvalidArgument,
+                 "comm-bench: no size tried (--min-bytes {} doubled up to --max-bytes {}: {} "
+                 "bytes) holds an element of {} per rank ({} ranks need at least {} bytes)",
+                 o.min_bytes, o.max_bytes, fmt::join(tried, ", "), o.dtype, n, n * element);
   return rows;
 }
 

@@ -304,21 +304,15 @@ class Launcher {
     while (!text.empty()) {
       std::array<pollfd, 2> fds{{{fd, POLLOUT, 0}, {signal_fd_, POLLIN, 0}}};
       int timeout_ms = -1;
-      if (running() && kill_at_ && !killed_) {
-        const auto left = std::chrono::ceil<std::chrono::milliseconds>(*kill_at_ - Clock::now());
-        timeout_ms = static_cast<int>(std::max<std::int64_t>(0, left.count()));
-      } else if (stop_signal_ && !running()) {
+      if (running() && kill_at_ && !killed_)
+        timeout_ms = ms_until(*kill_at_);
+      else if (stop_signal_ && !running())
         timeout_ms = 1000;
-      }
       const int ready = poll(fds.data(), fds.size(), timeout_ms);
       if (ready < 0 && errno != EINTR)
         fail(ErrorCode::Internal, "launch: poll: {}", std::strerror(errno));
       if (fds[1].revents) drain_signals();
-      // As loop() does: the grace period's end, or every rank ended after a failure (what they
-      // started, still in their groups, goes too).
-      if (running() ? kill_at_ && !killed_ && Clock::now() >= *kill_at_
-                    : (first_failure_ || stop_signal_) && !killed_)
-        kill_groups();
+      kill_if_due();
       if (fds[0].revents & (POLLERR | POLLNVAL)) return false;
       if (!(fds[0].revents & (POLLOUT | POLLHUP))) {
         if (stop_signal_ && !running() && ready == 0) return false;
@@ -330,6 +324,20 @@ class Launcher {
       text.remove_prefix(static_cast<std::size_t>(n));
     }
     return true;
+  }
+
+  // Milliseconds from now to `when` for poll, 0 once it has passed.
+  static int ms_until(Clock::time_point when) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(when - Clock::now());
+    return static_cast<int>(std::max<std::int64_t>(0, left.count()));
+  }
+
+  // SIGKILL to every rank's group at the grace period's end, or once every rank has ended after a
+  // failure or an interrupt (what they started, still in their groups, goes too).
+  void kill_if_due() {
+    if (killed_) return;
+    if (running() ? kill_at_ && Clock::now() >= *kill_at_ : first_failure_ || stop_signal_)
+      kill_groups();
   }
 
   void drain_signals() {
@@ -360,7 +368,7 @@ class Launcher {
     while (true) {
       reap();  // a child may have exited before the signalfd existed to hear of it
       const bool live = running();
-      if (!live && (first_failure_ || stop_signal_) && !killed_) kill_groups();
+      kill_if_due();
       if (!live && !drain_until) drain_until = Clock::now() + std::chrono::seconds(1);
 
       std::vector<pollfd> fds{{signal_fd_, POLLIN, 0}};
@@ -375,11 +383,7 @@ class Launcher {
 
       std::optional<Clock::time_point> wake = drain_until;
       if (live && kill_at_ && !killed_) wake = kill_at_;
-      int timeout_ms = -1;
-      if (wake) {
-        const auto left = std::chrono::ceil<std::chrono::milliseconds>(*wake - Clock::now());
-        timeout_ms = static_cast<int>(std::max<std::int64_t>(0, left.count()));
-      }
+      const int timeout_ms = wake ? ms_until(*wake) : -1;
       const int ready = poll(fds.data(), fds.size(), timeout_ms);
       if (ready < 0 && errno != EINTR)
         fail(ErrorCode::Internal, "launch: poll: {}", std::strerror(errno));
@@ -394,9 +398,8 @@ class Launcher {
         else if (n == 0 || errno != EINTR)
           outputs[i]->close_pipe(writer_);
       }
-      const auto now = Clock::now();
-      if (running() && kill_at_ && !killed_ && now >= *kill_at_) kill_groups();
-      if (drain_until && now >= *drain_until) {
+      kill_if_due();
+      if (drain_until && Clock::now() >= *drain_until) {
         // Whatever still holds a pipe open outlived its rank; stop listening to it.
         for (Rank& rank : ranks_)
           for (Output& out : rank.out)
