@@ -56,31 +56,17 @@ def test_a_patched_model_gives_the_unpatched_logits_loss_and_gradients(name):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_accum_dtype_of_a_bf16_model_keeps_no_float32_lm_head_gradient():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Float32HeadSized(TorchDispatchMode):  # records float32 tensors of lm_head's shape
-        def __init__(self, shape):
-            super().__init__()
-            self.shape, self.seen = shape, False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for o in out if isinstance(out, (tuple, list)) else (out,):
-                self.seen |= isinstance(o, torch.Tensor) and o.shape == self.shape and \
-                    o.dtype == torch.float32
-            return out
-
+def test_accum_dtype_of_a_bf16_model_keeps_no_float32_lm_head_gradient(made_like):
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(_config("llama")).bfloat16()
     default = mt.patch(copy.deepcopy(reference))
     low = mt.patch(copy.deepcopy(reference), accum_dtype=torch.bfloat16)
     ids = torch.randint(0, 64, (2, 9))
-    seen = []
+    seen = []  # whether a float32 tensor of lm_head's shape was made
     for model in (default, low):
-        with Float32HeadSized(model.lm_head.weight.shape) as mode:
-            model(ids, labels=ids).loss.backward()
-        seen.append(mode.seen)
+        made = made_like(model.lm_head.weight.shape,
+                         lambda: model(ids, labels=ids).loss.backward())
+        seen.append(any(dtype == torch.float32 for _, dtype in made))
     assert seen == [True, False]
     # One chunk (18 rows) and an upstream of 1: the same rounding (test_torch.py says why).
     assert torch.equal(low.lm_head.weight.grad, default.lm_head.weight.grad)

@@ -203,42 +203,20 @@ def test_fused_linear_cross_entropy_under_no_grad_computes_no_gradients_and_back
                                               grad_bias=True)
 
 
-def _made_like(shape, run):
-    """The (op, dtype) of every tensor of ``shape`` in new memory (not a view or in place) that
-    torch makes while ``run()`` runs, in order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Made(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.made = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for o in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(o, torch.Tensor) and o.shape == shape and not any(
-                        isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() ==
-                        o.untyped_storage().data_ptr() for a in args):
-                    self.made.append((str(func), o.dtype))
-            return out
-
-    with Made() as made:
-        run()
-    return made.made
-
-
-def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_its_gradient():
+def test_fused_linear_cross_entropy_backward_allocates_one_weight_sized_buffer_its_gradient(
+        made_like):
     # The backward scales the gradients the forward computed; the only weight-sized tensor it may
     # make is the bf16 cast of the fp32 one. Autograd used to hand it an fp32 zeros of that size
     # for the non-differentiable gradient outputs (2 GiB at llama-3.1-8b's head).
     x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(40, 8, dtype=torch.bfloat16, requires_grad=True)
     loss = mt.fused_linear_cross_entropy(x, w, torch.arange(16) % 40)
-    assert _made_like(w.shape, loss.backward) == [("aten._to_copy.default", torch.bfloat16)]
+    assert made_like(w.shape, loss.backward) == [("aten._to_copy.default", torch.bfloat16)]
     assert w.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape
 
 
-def test_fused_linear_cross_entropy_accum_dtype_of_the_inputs_holds_no_float32_weight_gradient():
+def test_fused_linear_cross_entropy_accum_dtype_of_the_inputs_holds_no_float32_weight_gradient(
+        made_like):
     g = torch.Generator().manual_seed(31)
     x = torch.randn(64, 16, generator=g).bfloat16().requires_grad_()
     w = torch.randn(50, 16, generator=g).bfloat16().requires_grad_()
@@ -246,7 +224,7 @@ def test_fused_linear_cross_entropy_accum_dtype_of_the_inputs_holds_no_float32_w
 
     def grads(upstream, **options):
         x.grad = w.grad = None
-        made = _made_like(w.shape, lambda: (
+        made = made_like(w.shape, lambda: (
             upstream * mt.fused_linear_cross_entropy(x, w, labels, **options)).backward())
         return made, x.grad, w.grad
 
