@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     if (info.name == "labels") {
       testing::fill_uniform_int(host, 1, 0, vocab);
     } else if (info.name == "grad_loss") {
-      testing::fill(host, 1.0);
+      fill(host, 1.0);
     } else {
       testing::fill_normal(host, 2, 0.0, info.name == "x" ? 1.0 : 0.02);
     }

@@ -224,6 +224,34 @@ TEST_P(CoreOnDevices, CopiesConvertDtypesAndStridesLikeTheHost) {
 }
 
 // cu_seqlens of u32 are read through this conversion: values past 2^31 must stay positive.
+// fill: one rounding of the value into each dtype (0.1 in bf16 is 0.10009765625), only the view's
+// elements written (a strided column of a tensor of 7s), -0 kept as -0, an empty view untouched.
+TEST_P(CoreOnDevices, FillRoundsTheValueOnceAndWritesOnlyTheView) {
+  const test::Target target = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  for (DType d :
+       {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8}) {
+    const double value = is_floating_point(d) ? 0.1 : 3;
+    Tensor t = test::on(test::full({5, 3}, d, 7), target.device, stream);
+    fill(t.view().narrow(1, 1, 1), value, stream);
+    Tensor expected = test::full({5, 3}, d, 7);
+    Tensor column = test::full({5, 1}, d, value);
+    copy(column, expected.view().narrow(1, 1, 1));
+    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), expected)) << to_string(d);
+    fill(t, 0.0, stream);
+    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), test::full({5, 3}, d, 0)))
+        << to_string(d);
+  }
+  Tensor negative_zero = test::on(test::full({4}, DType::F32, 1), target.device, stream);
+  fill(negative_zero, -0.0, stream);
+  for (double v : test::values(test::to_cpu(negative_zero, stream)))
+    EXPECT_TRUE(v == 0 && std::signbit(v));
+  Tensor none({0, 3}, DType::F32, target.device, stream);
+  fill(none, 1.0, stream);
+  EXPECT_NEAR(test::values(test::to_cpu(test::full({1}, DType::BF16, 0.1)))[0], 0.10009765625, 0);
+}
+
 TEST_P(CoreOnDevices, U32ConvertsToI64AndBackAsUnsigned) {
   const test::Target target = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);

@@ -164,7 +164,7 @@ TEST(ExecutorCuda, VocabularyParallelFusedLossScratchIsOneChunkOnAOneRankTeam) {
     if (info.name == "labels") {
       testing::fill_uniform_int(host, 1, 0, vocab);
     } else if (info.name == "grad_loss") {
-      testing::fill(host, 1.0);
+      fill(host, 1.0);
     } else {
       testing::fill_normal(host, 2, 0.0, 0.05);
     }
@@ -409,27 +409,73 @@ TEST(ExecutorLocal, GradLossLiesAsTheLossIsOutput) {
   });
 }
 
-// A Partial wanted on an inner mesh dimension while an outer one changes how the same tensor dim
-// is sharded: the lowering's error, not a crash (it once reached std::get<Shard> on the Partial).
-TEST(Executor, APartialWantedAfterAnOuterReshardIsAnError) {
-  Program p;
-  const Value x = p.define_tensor("x", {1, 5}, DType::F32);
-  p.set_mesh(DeviceMesh::of_shape({2, 2}));
-  p.set_placements(x, {Shard{0}, Shard{0}});
-  p.add_output(x, {Replicate{}, Partial{}});
-  for (int rank = 0; rank < 4; ++rank)
-    expect_error([&] { lower(p, rank, CommunicatorBackend::Local); }, ErrorCode::InvalidArgument,
-                 {"'x'", "cannot become [Replicate(), Partial(sum)]", "mesh dimension 1",
-                  "a Partial comes only from an input placed so or an op that leaves one"});
+// Partial outputs made locally (DTensor's partition of a value), term by term: a Replicate's sum
+// on the first rank of the mesh dimension and zeros elsewhere; a shard of a sum padded with zeros,
+// of a product with ones; a max all-gathered, then kept on every rank. On a 2 x 2 mesh with
+// [Partial(prod), Partial(sum)] the inner partition splits the outer's terms again (rank (1, 0)
+// holds the product's 1, rank (1, 1) the sum's 0), as shard_tensor places it.
+TEST(ExecutorLocal, PartialOutputsArePartitionedTermByTerm) {
+  const Tensor whole = from({5, 2}, DType::F32, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  on_four_ranks([&](const std::shared_ptr<Communicator>& comm) {
+    const int rank = comm->rank();
+    const auto run = [&](const DeviceMesh& mesh, const std::vector<Placement>& in,
+                         const std::vector<Placement>& out, std::size_t steps) {
+      Program p;
+      const Value x = p.define_tensor("x", whole.shape(), DType::F32);
+      p.set_mesh(mesh);
+      p.set_placements(x, in);
+      p.add_output(x, out);
+      MultiDeviceExecutor executor(p, comm);
+      const Tensor term = executor.run({shard_tensor(whole, mesh, in, rank)})[0];
+      EXPECT_EQ(executor.plan().steps.size(), steps) << executor.plan().to_string();
+      EXPECT_TRUE(std::holds_alternative<Partition>(executor.plan().steps.back()));
+      exec::expect_terms_of(term, whole, mesh, out, comm, to_string(in) + " -> " + to_string(out));
+      return values(term);
+    };
+    const DeviceMesh line = DeviceMesh::of_shape({4});
+    const std::vector<double> zeros(10, 0.0);
+    EXPECT_EQ(run(line, {Replicate{}}, {Partial{}}, 1), rank == 0 ? values(whole) : zeros);
+    // Rows [2 1 1 1] over the ranks.
+    const std::vector<std::vector<double>> padded_sum = {{1, 2, 3, 4, 0, 0, 0, 0, 0, 0},
+                                                         {0, 0, 0, 0, 5, 6, 0, 0, 0, 0},
+                                                         {0, 0, 0, 0, 0, 0, 7, 8, 0, 0},
+                                                         {0, 0, 0, 0, 0, 0, 0, 0, 9, 10}};
+    EXPECT_EQ(run(line, {Shard{0}}, {Partial{}}, 1), padded_sum[static_cast<std::size_t>(rank)]);
+    std::vector<double> padded_prod = padded_sum[static_cast<std::size_t>(rank)];
+    for (double& v : padded_prod)
+      if (v == 0) v = 1;
+    EXPECT_EQ(run(line, {Shard{0}}, {Partial{ReduceOp::Prod}}, 1), padded_prod);
+    EXPECT_EQ(run(line, {Shard{0}}, {Partial{ReduceOp::Max}}, 2), values(whole));
+
+    const DeviceMesh square = DeviceMesh::of_shape({2, 2});
+    const std::vector<Placement> mixed = {Partial{ReduceOp::Prod}, Partial{}};
+    const std::vector<double> ones(10, 1.0);
+    const std::vector<std::vector<double>> mixed_terms = {values(whole), zeros, ones, zeros};
+    EXPECT_EQ(run(square, {Replicate{}, Replicate{}}, mixed, 2),
+              mixed_terms[static_cast<std::size_t>(rank)]);
+    EXPECT_EQ(values(shard_tensor(whole, square, mixed, rank)),
+              mixed_terms[static_cast<std::size_t>(rank)]);
+    // An inner Partial while the outer mesh dimension gathers the tensor dim the inner one
+    // shards: both gathered first (it was an error, and once reached std::get<Shard> on the
+    // Partial).
+    run(square, {Shard{0}, Shard{0}}, {Replicate{}, Partial{}}, 3);
+  });
 }
 
-TEST(Executor, ShardTensorCopiesTheRanksPartAndRefusesPartial) {
+TEST(Executor, ShardTensorCopiesTheRanksPartAndPartitionsPartial) {
   const Tensor t = from({5, 2}, DType::F32, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
   const DeviceMesh mesh = DeviceMesh::of_shape({2});
   EXPECT_EQ(values(shard_tensor(t, mesh, {Shard{0}}, 1)), (std::vector<double>{6, 7, 8, 9}));
   EXPECT_EQ(values(shard_tensor(t, mesh, {Shard{1}}, 1)), (std::vector<double>{1, 3, 5, 7, 9}));
-  expect_error([&] { shard_tensor(t, mesh, {Partial{}}, 0); }, ErrorCode::InvalidArgument,
-               {"shard_tensor", "Partial"});
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Partial{}}, 0)), values(t));
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Partial{}}, 1)), std::vector<double>(10, 0.0));
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Partial{ReduceOp::Prod}}, 1)),
+            std::vector<double>(10, 1.0));
+  EXPECT_EQ(values(shard_tensor(t, mesh, {Partial{ReduceOp::Max}}, 1)), values(t));
+  const Tensor i64 = from({2}, DType::I64, {3, 4});
+  expect_error([&] { shard_tensor(i64, mesh, {Partial{ReduceOp::Avg}}, 1); },
+               ErrorCode::InvalidArgument,
+               {"shard_tensor: a i64 tensor cannot be placed as Partial(avg)"});
   expect_error([&] { shard_tensor(t, mesh, {Shard{0}}, 2); }, ErrorCode::InvalidArgument,
                {"shard_tensor", "rank 2"});
   expect_error(

@@ -342,9 +342,9 @@ TEST_P(GemmAllTargets, ZeroAlphaAndZeroBetaDoNotReadTheirOperands) {
 TEST_P(GemmBackends, NanAndInfPropagateLikeTheReference) {
   Tensor a = randn({4, 8}, dt, 40);
   const Tensor b = randn({8, 5}, dt, 41);
-  testing::fill(a.view().narrow(0, 0, 1).narrow(1, 3, 1), kNan);  // row 0 of D is NaN
-  testing::fill(a.view().narrow(0, 2, 1).narrow(1, 0, 1),
-                std::numeric_limits<double>::infinity());  // row 2 of D is +-inf
+  fill(a.view().narrow(0, 0, 1).narrow(1, 3, 1), kNan);  // row 0 of D is NaN
+  fill(a.view().narrow(0, 2, 1).narrow(1, 0, 1),
+       std::numeric_limits<double>::infinity());  // row 2 of D is +-inf
   expect_matmul_matches_reference(a, b, {}, {}, "non-finite");
   const std::vector<double> d = values(back(run_matmul(on(a), on(b), {}, {}, stream)));
   for (int j = 0; j < 5; ++j) {

@@ -605,7 +605,7 @@ TEST_P(RecurrentBackends, NanAndInfInputsGiveTheReferencesNonFiniteValues) {
 
 TEST_P(RecurrentBackends, NanInOneSequenceStaysInThatSequence) {
   Problem p = random_problem(is_gru, dt, {2, 3}, 1, 4, 140);
-  testing::fill(p.inputs[0].narrow(0, 0, 1).narrow(1, 1, 1).narrow(3, 2, 1), NAN);
+  fill(p.inputs[0].narrow(0, 0, 1).narrow(1, 1, 1).narrow(3, 2, 1), NAN);
   const Forward f = to_host(forward(on(p), stream), stream);
   EXPECT_FALSE(std::isnan(values(f.output)[0]));  // sequence 0, step 0: before the NaN
   EXPECT_TRUE(std::isnan(values(f.final_state)[0]));

@@ -377,9 +377,9 @@ TEST_P(RmsNormEveryBackend, NanOrInfInARowPoisonsOnlyThatRow) {
     const Inputs clean_in = on(cpu, target.device, stream);
     const Forward clean = forward(clean_in, stream);
     const Backward clean_b = backward(clean_in, clean, stream);
-    testing::fill(cpu.x.view().narrow(0, 1, 1).narrow(1, 5, 1), std::nan(""));
-    testing::fill(cpu.residual.view().narrow(0, 2, 1).narrow(1, cols - 1, 1),
-                  std::numeric_limits<double>::infinity());
+    fill(cpu.x.view().narrow(0, 1, 1).narrow(1, 5, 1), std::nan(""));
+    fill(cpu.residual.view().narrow(0, 2, 1).narrow(1, cols - 1, 1),
+         std::numeric_limits<double>::infinity());
     const Inputs in = on(cpu, target.device, stream);
     const Forward f = forward(in, stream);
     const Backward b = backward(in, f, stream);
@@ -487,7 +487,7 @@ TEST_P(RmsNormTargets, AllZeroRowGivesZeroOutputAndFiniteGradientsThanksToEps) {
   MESHFUSE_REQUIRE_TARGET(target);
   const Stream stream{target.device};
   Inputs cpu = make_inputs({2, 24}, DType::F32, {.weight = true}, 8);
-  testing::fill(cpu.x.view().narrow(0, 0, 1), 0.0);
+  fill(cpu.x.view().narrow(0, 0, 1), 0.0);
   const Inputs in = on(cpu, target.device, stream);
   ForceKernelBackend force(target.backend);
   const Forward f = forward(in, stream);

@@ -24,7 +24,7 @@ inline Tensor randn(Shape shape, DType dtype, std::uint64_t seed, double std = 1
 
 inline Tensor full(Shape shape, DType dtype, double value) {
   Tensor t(std::move(shape), dtype);
-  testing::fill(t, value);
+  fill(t, value);
   return t;
 }
 

@@ -124,7 +124,7 @@ std::vector<Tensor> whole_inputs(const Program& p) {
     if (info.name == "labels") {
       testing::fill_uniform_int(t, 7 + i, 0, p.info(p.inputs()[6]).shape[0]);
     } else if (info.name == "grad_loss" || info.name.find("norm") != std::string::npos) {
-      testing::fill(t, 1.0);
+      fill(t, 1.0);
     } else {
       // In blocks of rows, each with its own seed, on every core: a vocabulary-sized weight is
       // hundreds of millions of values.

@@ -12,10 +12,7 @@ namespace meshfuse::testing {
 // Fills a CPU tensor of a floating dtype with normal(mean, std) values; deterministic per seed.
 void fill_normal(const TensorView& t, std::uint64_t seed, double mean = 0.0, double std = 1.0);
 // Fills a CPU i32/i64 tensor with integers uniform in [low, high).
-void fill_uniform_int(const TensorView& t, std::uint64_t seed, std::int64_t low,
-                      std::int64_t high);
-// Fills a CPU tensor with one value.
-void fill(const TensorView& t, double value);
+void fill_uniform_int(const TensorView& t, std::uint64_t seed, std::int64_t low, std::int64_t high);
 
 struct Diff {
   double max_abs_err = 0;  // max |actual - expected| over elements where both are finite

@@ -269,8 +269,11 @@ void bind_mesh_and_placements(nb::module_& m) {
       },
       "array"_a, "mesh"_a, "placements"_a, "rank"_a, "stream"_a = 0,
       "rank's part of the whole array placed on mesh as placements say (a contiguous copy, of the "
-      "array's kind and device). Raises meshfuse.Error for a rank outside the mesh, placements not "
-      "one per mesh dimension, a Shard outside the array, a Partial.");
+      "array's kind and device). Partial('sum' or 'prod'): the first rank of that mesh dimension "
+      "holds the part and the others zeros or ones; Partial('avg', 'max' or 'min'): every rank "
+      "holds it (DTensor's partition of a value). Raises ValueError for a rank outside the mesh, "
+      "placements not one per mesh dimension, a Shard outside the array, a Partial whose op cannot "
+      "reduce the dtype.");
   m.def(
       "gather_tensor",
       [](nb::handle local, std::vector<std::int64_t> shape, const DeviceMesh& mesh,

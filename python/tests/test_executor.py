@@ -600,3 +600,28 @@ def test_gather_tensor_with_other_arguments_on_one_rank_says_what_every_rank_mus
             meshfuse.gather_tensor(np.ones((3, 4), dtype), [6, 4], mesh, Shard(0), comm)
 
     on_ranks(2, rank_fn)
+
+
+def test_a_partial_output_is_made_locally_and_its_terms_sum_to_the_whole():
+    # DTensor's partition of a value: a shard of a sum padded with zeros, no communication.
+    x = np.arange(10, dtype=np.float32).reshape(5, 2)
+    p = meshfuse.Program()
+    v = p.define_tensor("x", [5, 2], "f32")
+    p.set_mesh(DeviceMesh.of_shape([4]))
+    p.set_placements(v, Shard(0))
+    p.add_output(v, Partial())
+
+    def rank_fn(comm):
+        executor = meshfuse.MultiDeviceExecutor(p, comm)
+        (term,) = executor.run([meshfuse.shard_tensor(x, p.mesh, Shard(0), comm.rank)])
+        return term, str(executor.plan()), meshfuse.shard_tensor(x, p.mesh, Partial(), comm.rank)
+
+    results = on_ranks(4, rank_fn)
+    np.testing.assert_array_equal(sum(term for term, _, _ in results.values()), x)
+    for rank, (term, plan, placed) in results.items():
+        assert "partition(sum, dim 0 at" in plan and "all_" not in plan, plan
+        rows = slice([0, 2, 3, 4][rank], [2, 3, 4, 5][rank])  # numpy.array_split's parts
+        expected = np.zeros_like(x)
+        expected[rows] = x[rows]
+        np.testing.assert_array_equal(term, expected)
+        np.testing.assert_array_equal(placed, x if rank == 0 else np.zeros_like(x))

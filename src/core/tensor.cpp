@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -295,6 +296,22 @@ void copy(const TensorView& src, const TensorView& dst, const Stream& stream) {
       index[d] = 0;
     }
   }
+}
+
+void fill(const TensorView& dst, double value, const Stream& stream) {
+  if (dst.numel() == 0) return;
+  if (value == 0 && !std::signbit(value) && dst.device().type == DeviceType::CPU &&
+      dst.is_contiguous()) {
+    std::memset(dst.data(), 0, dst.nbytes());  // +0 is all zero bits in every dtype
+    return;
+  }
+  // A copy from one element broadcast by zero strides: the copy converts it, on the device.
+  Tensor one({1}, DType::F64);
+  *one.data_ptr<double>() = value;
+  if (dst.device().type != DeviceType::CPU) one = one.to(dst.device(), stream);
+  copy(TensorView(one.view().data(), DType::F64, dst.shape(), Shape(dst.shape().size(), 0),
+                  dst.device()),
+       dst, stream);
 }
 
 }  // namespace meshfuse

@@ -10,23 +10,6 @@
 namespace meshfuse::testing {
 namespace {
 
-// Calls f(offset) with the element offset (in elements) of each element of t, in row-major order.
-template <typename F>
-void for_each_offset(const TensorView& t, F&& f) {
-  const std::int64_t n = t.numel(), rank = t.dim();
-  if (n == 0) return;
-  Shape index(rank, 0);
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int64_t off = 0;
-    for (std::int64_t d = 0; d < rank; ++d) off += index[d] * t.strides()[d];
-    f(off);
-    for (std::int64_t d = rank - 1; d >= 0; --d) {
-      if (++index[d] < t.shape()[d]) break;
-      index[d] = 0;
-    }
-  }
-}
-
 // Values of a CPU tensor as doubles, row-major.
 std::vector<double> values(const TensorView& t) {
   Tensor f64(t.shape(), DType::F64);
@@ -67,19 +50,6 @@ void fill_uniform_int(const TensorView& t, std::uint64_t seed, std::int64_t low,
   std::int64_t* p = tmp.data_ptr<std::int64_t>();
   for (std::int64_t i = 0; i < tmp.numel(); ++i) p[i] = dist(rng);
   copy(tmp, t);
-}
-
-void fill(const TensorView& t, double value) {
-  check_cpu("fill", t);
-  Tensor one({}, DType::F64);
-  *one.data_ptr<double>() = value;
-  Tensor converted({}, t.dtype());
-  copy(one, converted);
-  const auto e = element_size(t.dtype());
-  for_each_offset(t, [&](std::int64_t off) {
-    std::memcpy(static_cast<char*>(t.data()) + off * static_cast<std::int64_t>(e),
-                converted.view().data(), e);
-  });
 }
 
 Diff compare(const TensorView& actual, const TensorView& expected, double atol, double rtol) {

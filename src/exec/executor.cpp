@@ -315,9 +315,6 @@ const std::vector<Stream>& MultiDeviceExecutor::chunk_streams(
 
 Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
                     const std::vector<Placement>& placements, int rank, const Stream& stream) {
-  for (const Placement& p : placements)
-    MESHFUSE_CHECK(!std::holds_alternative<Partial>(p), ErrorCode::InvalidArgument,
-                   "shard_tensor: a whole tensor cannot be placed as {}", to_string(p));
   const LocalPart part = [&] {
     try {
       return local_part(tensor.shape(), mesh, placements, rank);
@@ -333,7 +330,23 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
     const auto di = static_cast<std::size_t>(d);
     v = v.narrow(d, part.offsets[di], part.shape[di]);
   }
-  return Tensor::copy_of(v, stream);
+  // Partial: the value partitioned as the lowering's Partition steps do it, outer mesh dimensions
+  // first, so the innermost that gives this rank an identity decides which.
+  const std::vector<std::int64_t> at = mesh.coordinates(rank);
+  std::optional<double> term;
+  for (std::size_t m = 0; m < placements.size(); ++m)
+    if (const auto* p = std::get_if<Partial>(&placements[m])) {
+      MESHFUSE_CHECK(reducible(tensor.dtype(), p->op), ErrorCode::InvalidArgument,
+                     "shard_tensor: a {} tensor cannot be placed as {} (bool reduces nowhere, avg "
+                     "only floating dtypes)",
+                     to_string(tensor.dtype()), to_string(placements[m]));
+      if (const std::optional<double> identity = partial_identity(p->op); identity && at[m] != 0)
+        term = identity;
+    }
+  if (!term) return Tensor::copy_of(v, stream);
+  Tensor t(v.shape(), v.dtype(), v.device(), stream);
+  fill(t, *term, stream);
+  return t;
 }
 
 Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMesh& mesh,

@@ -51,8 +51,10 @@ PlanFacts plan_facts(const Plan& plan) {
     } else if (const auto* c = std::get_if<Communication>(&plan.steps[s])) {
       uses(c->input, step);
       facts.communicates = true;
+    } else if (const auto* c = std::get_if<Slice>(&plan.steps[s])) {
+      uses(c->input, step);
     } else {
-      uses(std::get<Slice>(plan.steps[s]).input, step);
+      uses(std::get<Partition>(plan.steps[s]).input, step);
     }
   }
   for (std::int64_t out : plan.outputs) uses(out, static_cast<std::int64_t>(plan.steps.size()));
@@ -182,6 +184,17 @@ void Interpreter::run_step(const Compute& c) {
 
 void Interpreter::run_step(const Slice& s) {
   copy(view(s.input).narrow(s.dim, s.offset, s.size), allocate(s.output), stream_);
+}
+
+void Interpreter::run_step(const Partition& p) {
+  const TensorView& out = allocate(p.output);
+  if (p.dim < 0 && p.holds) return copy(view(p.input), out, stream_);
+  const std::optional<double> identity = partial_identity(p.reduction);
+  MESHFUSE_CHECK(identity, ErrorCode::Internal, "partition: {} has no identity to pad with",
+                 to_string(p.reduction));
+  fill(out, *identity, stream_);
+  if (p.dim >= 0)
+    copy(view(p.input), out.narrow(p.dim, p.offset, view(p.input).size(p.dim)), stream_);
 }
 
 void Interpreter::run_step(const Communication& c) {

@@ -57,6 +57,7 @@ class Interpreter {
 
   void run_step(const Compute& c);
   void run_step(const Slice& s);
+  void run_step(const Partition& p);
   void run_step(const Communication& c);
   void all_to_all(Communicator& team, const Communication& c, const TensorView& in,
                   const TensorView& out);

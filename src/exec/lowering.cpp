@@ -81,7 +81,7 @@ class Lowering {
         for (Placement& pl : want)
           if (is<Partial>(pl)) pl = Replicate{};
       }
-      plan_.outputs.push_back(redistribute(at, want, "output"));
+      plan_.outputs.push_back(redistribute(at, want));
     }
     return std::move(plan_);
   }
@@ -111,8 +111,7 @@ class Lowering {
   }
 
   // Plan value `id` as `want` says, reusing an earlier redistribution of the same value.
-  std::int64_t redistribute(std::int64_t id, const std::vector<Placement>& want,
-                            std::string_view why) {
+  std::int64_t redistribute(std::int64_t id, const std::vector<Placement>& want) {
     const Value global = value(id).global;
     if (auto it = known_.find({global.id, to_string(want)}); it != known_.end()) return it->second;
     std::vector<Placement> now = value(id).placements;
@@ -127,21 +126,27 @@ class Lowering {
       }
       return false;
     };
+    // A shard of a sum's or product's term on mesh dimension m can be padded to the part without
+    // m's split, unless inner mesh dimensions shard the same tensor dim (their shards would then
+    // split another extent).
+    const auto pads_shard = [&](std::int64_t m, const Placement& p, ReduceOp op) {
+      if (!is<Shard>(p) || !partial_identity(op) || outer_changes(m, p)) return false;
+      for (std::int64_t j = m + 1; j < mesh_.ndim(); ++j) {
+        const auto ji = static_cast<std::size_t>(j);
+        if (start[ji] == p || want[ji] == p) return false;
+      }
+      return true;
+    };
     // Gathers and reductions, inner mesh dimensions first. A shard whose meaning an outer change
     // would alter is gathered first, and a shard that an outer change will split again is made
-    // by a slice afterwards (Replicate here).
+    // by a slice afterwards (Replicate here). A Partial wanted is made last, by a Partition, from
+    // a Replicate or a shard of a sum or product (a term padded with the identity).
     for (std::int64_t m = mesh_.ndim() - 1; m >= 0; --m) {
       const auto mi = static_cast<std::size_t>(m);
-      // Checked on the wanted placement, before an outer change makes the target Replicate.
-      MESHFUSE_CHECK(!is<Partial>(want[mi]) || now[mi] == want[mi], ErrorCode::InvalidArgument,
-                     "lower: {}: {} lies as {} at this point of the plan and cannot become {} "
-                     "(no redistribution makes a Partial from a {} on mesh dimension {}: a "
-                     "Partial comes only from an input placed so or an op that leaves one, as a "
-                     "matmul over a sharded contraction dim)",
-                     why, p_.describe(global), to_string(now), to_string(want), to_string(now[mi]),
-                     m);
       Placement target = want[mi];
       if (outer_changes(m, now[mi]) || outer_changes(m, target)) target = Replicate{};
+      if (const auto* partial = std::get_if<Partial>(&want[mi]); partial && !(now[mi] == target))
+        target = pads_shard(m, now[mi], partial->op) ? now[mi] : Placement{Replicate{}};
       if (now[mi] == target || (is<Replicate>(now[mi]) && is<Shard>(target))) continue;
       std::vector<Placement> next = now;
       next[mi] = target;
@@ -151,7 +156,7 @@ class Lowering {
     // Slices, outer mesh dimensions first: each splits the part the ones before it left.
     for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
       const auto mi = static_cast<std::size_t>(m);
-      if (now[mi] == want[mi]) continue;
+      if (now[mi] == want[mi] || is<Partial>(want[mi])) continue;
       std::vector<Placement> next = now;
       next[mi] = want[mi];
       const std::int64_t dim = shard_dim(want[mi]);
@@ -162,6 +167,28 @@ class Lowering {
       plan_.steps.push_back(
           Slice{m, dim, after.offsets[di] - before.offsets[di], after.shape[di], id, out});
       id = out;
+      now = next;
+    }
+    // Partitions, outer mesh dimensions first: the inverse of the reductions, which go inner first
+    // (a term of an outer partition is partitioned again along the inner dimension).
+    for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
+      const auto mi = static_cast<std::size_t>(m);
+      if (now[mi] == want[mi]) continue;
+      std::vector<Placement> next = now;
+      next[mi] = want[mi];
+      Partition step{m, std::get<Partial>(want[mi]).op};
+      if (is<Shard>(now[mi])) {
+        step.dim = shard_dim(now[mi]);
+        const auto di = static_cast<std::size_t>(step.dim);
+        step.offset = local_part(p_.info(global).shape, mesh_, now, plan_.rank).offsets[di] -
+                      local_part(p_.info(global).shape, mesh_, next, plan_.rank).offsets[di];
+      } else {
+        step.holds = !partial_identity(step.reduction) || mesh_.coordinates(plan_.rank)[mi] == 0;
+      }
+      step.input = id;
+      step.output = add_value(global, next);
+      id = step.output;
+      plan_.steps.push_back(step);
       now = next;
     }
     return id;
@@ -258,8 +285,7 @@ class Lowering {
       if (!op.inputs[i].defined()) continue;
       std::vector<Placement> want;
       for (const ShardingStrategy* s : chosen) want.push_back(s->inputs[i]);
-      local.inputs[i].id = redistribute(home_[static_cast<std::size_t>(op.inputs[i].id)], want,
-                                        fmt::format("operand {} of {}", i, to_string(op.type)));
+      local.inputs[i].id = redistribute(home_[static_cast<std::size_t>(op.inputs[i].id)], want);
     }
     for (std::size_t j = 0; j < op.outputs.size(); ++j) {
       std::vector<Placement> placed;
@@ -359,10 +385,16 @@ std::string Plan::to_string() const {
                           meshfuse::to_string(c->op.type), fmt::join(args, ", "), over);
     } else if (const auto* c = std::get_if<Communication>(&step)) {
       text += fmt::format("{} = {} (${})\n", describe(c->output), c->to_string(), c->input);
+    } else if (const auto* s = std::get_if<Slice>(&step)) {
+      text += fmt::format("{} = slice(dim {}, {}:{}) on mesh dim {} (${})\n", describe(s->output),
+                          s->dim, s->offset, s->offset + s->size, s->mesh_dim, s->input);
     } else {
-      const auto& s = std::get<Slice>(step);
-      text += fmt::format("{} = slice(dim {}, {}:{}) on mesh dim {} (${})\n", describe(s.output),
-                          s.dim, s.offset, s.offset + s.size, s.mesh_dim, s.input);
+      const auto& pa = std::get<Partition>(step);
+      const std::string term = pa.dim >= 0 ? fmt::format("dim {} at {}", pa.dim, pa.offset)
+                               : pa.holds  ? "kept"
+                                           : "identity";
+      text += fmt::format("{} = partition({}, {}) on mesh dim {} (${})\n", describe(pa.output),
+                          meshfuse::to_string(pa.reduction), term, pa.mesh_dim, pa.input);
     }
   }
   for (std::int64_t out : outputs) text += fmt::format("output {}\n", describe(out));

@@ -53,17 +53,20 @@ class Finder {
     producer_.assign(plan.values.size(), -1);
     for (std::size_t s = 0; s < plan.steps.size(); ++s) {
       const auto step = static_cast<std::int64_t>(s);
+      const auto one_to_one = [&](const auto& st) {  // a communication, slice or partition
+        readers_[static_cast<std::size_t>(st.input)].push_back(step);
+        producer_[static_cast<std::size_t>(st.output)] = step;
+      };
       if (const auto* c = std::get_if<Compute>(&plan.steps[s])) {
         for (Value in : c->op.inputs)
           if (in.defined()) readers_[static_cast<std::size_t>(in.id)].push_back(step);
         for (Value out : c->op.outputs) producer_[static_cast<std::size_t>(out.id)] = step;
       } else if (const auto* c = std::get_if<Communication>(&plan.steps[s])) {
-        readers_[static_cast<std::size_t>(c->input)].push_back(step);
-        producer_[static_cast<std::size_t>(c->output)] = step;
+        one_to_one(*c);
+      } else if (const auto* sl = std::get_if<Slice>(&plan.steps[s])) {
+        one_to_one(*sl);
       } else {
-        const Slice& sl = std::get<Slice>(plan.steps[s]);
-        readers_[static_cast<std::size_t>(sl.input)].push_back(step);
-        producer_[static_cast<std::size_t>(sl.output)] = step;
+        one_to_one(std::get<Partition>(plan.steps[s]));
       }
     }
     for (std::int64_t out : plan.outputs)

@@ -32,6 +32,12 @@ ShardRange shard_range(std::int64_t extent, std::int64_t parts, std::int64_t ind
   return {index * base + std::min(index, longer), base + (index < longer ? 1 : 0)};
 }
 
+std::optional<double> partial_identity(ReduceOp op) {
+  if (op == ReduceOp::Sum) return 0.0;
+  if (op == ReduceOp::Prod) return 1.0;
+  return std::nullopt;
+}
+
 LocalPart local_part(const Shape& shape, const DeviceMesh& mesh,
                      const std::vector<Placement>& placements, int rank) {
   MESHFUSE_CHECK(static_cast<std::int64_t>(placements.size()) == mesh.ndim(),

@@ -110,4 +110,8 @@ class Tensor {
 // returns once the data has arrived).
 void copy(const TensorView& src, const TensorView& dst, const Stream& stream = {});
 
+// Every element of dst = `value` rounded once to dst's dtype; any strides; CPU or CUDA (queued on
+// `stream`).
+void fill(const TensorView& dst, double value, const Stream& stream = {});
+
 }  // namespace meshfuse

@@ -157,8 +157,10 @@ class MultiDeviceExecutor {
 };
 
 // `rank`'s part of a whole tensor placed on `mesh` as `placements` say (a contiguous copy on the
-// tensor's device). InvalidArgument: a rank outside the mesh, placements not one per mesh
-// dimension, a Shard outside the tensor, a Partial (a whole tensor has no terms to split).
+// tensor's device). Partial(sum or prod): the first rank of that mesh dimension holds the part and
+// the others the identity (0, 1); Partial(avg, max, min): every rank holds it (partial_identity).
+// InvalidArgument: a rank outside the mesh, placements not one per mesh dimension, a Shard outside
+// the tensor, a Partial whose op cannot reduce the dtype.
 Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
                     const std::vector<Placement>& placements, int rank, const Stream& stream = {});
 

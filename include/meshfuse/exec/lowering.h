@@ -17,9 +17,16 @@
 //   Partial  -> Shard(i)     reduce_scatter along dim i
 //   Replicate -> Shard(i)    a local slice (a Slice step: no communication)
 //   Shard(i) -> Shard(j)     all_to_all (gathers dim i, scatters dim j)
-// Replicate or Shard -> Partial has no rule. Parts are numpy.array_split's (placement.h), so
-// extents that the mesh does not divide go through the collectives' uneven splits. Several mesh
-// dimensions change inner (last) first for gathers and reductions, then outer first for slices.
+//   Replicate -> Partial     a local Partition (DTensor's partition of a value): the team's
+//                            first rank keeps the value and the others hold the reduction's
+//                            identity (sum, prod), or every rank keeps it (avg, max, min)
+//   Shard(i) -> Partial      sum, prod: a local Partition, the shard at its offset in the
+//                            identity (DTensor has no rule); avg, max, min: all_gather, then as
+//                            from Replicate
+//   Partial -> Partial(other op)  all_reduce, then as from Replicate
+// Parts are numpy.array_split's (placement.h), so extents that the mesh does not divide go
+// through the collectives' uneven splits. Several mesh dimensions change inner (last) first for
+// gathers and reductions, then outer first for slices, then partitions.
 // A shard of tensor dim d on a mesh dimension splits the part its outer mesh dimensions left, so
 // where an outer mesh dimension changes how it shards d, the inner shards of d are gathered
 // first and sliced again afterwards (more bytes than a direct reduce_scatter or all_to_all, but
@@ -94,7 +101,19 @@ struct Slice {
   std::int64_t input = -1, output = -1;
 };
 
-using PlanStep = std::variant<Compute, Communication, Slice>;
+// Replicate or Shard -> Partial(reduction) along one mesh dimension, no communication: the output
+// (the input's extent along `dim` made whole) holds the reduction's identity, 0 or 1, with the
+// input at `offset` along `dim`; or, with dim -1, the input where `holds`, else the identity.
+struct Partition {
+  std::int64_t mesh_dim = 0;
+  ReduceOp reduction = ReduceOp::Sum;
+  std::int64_t dim = -1;  // Shard(dim) -> Partial; -1: Replicate -> Partial
+  std::int64_t offset = 0;
+  bool holds = true;  // Replicate -> Partial: whether this rank's term is the value
+  std::int64_t input = -1, output = -1;
+};
+
+using PlanStep = std::variant<Compute, Communication, Slice, Partition>;
 
 struct Plan {
   int rank = 0;
@@ -114,7 +133,7 @@ struct Plan {
 
 // `rank`'s plan of `program` (on its mesh; on a one-rank mesh [rank] when it has none), with its
 // communications on `backend`. Errors: InvalidArgument (a rank outside the mesh, a value no
-// strategy can take as it lies, an output placement with no rule from the propagated one).
+// strategy can take as it lies, a Partial that an outer mesh dimension's change would split).
 Plan lower(const Program& program, int rank, CommunicatorBackend backend);
 
 }  // namespace meshfuse

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -35,6 +36,12 @@ struct Partial {
   friend bool operator==(Partial, Partial) = default;
 };
 using Placement = std::variant<Shard, Replicate, Partial>;
+
+// A value made Partial(op) without communication (DTensor's partition of a replicated value): a
+// sum's or product's terms are the value on the first rank of the mesh dimension and this
+// identity (0, 1) on the others; an average's, maximum's or minimum's (none here) are the value on
+// every rank.
+std::optional<double> partial_identity(ReduceOp op);
 
 // "Shard(0)", "Replicate()", "Partial(sum)".
 std::string to_string(const Placement& placement);
