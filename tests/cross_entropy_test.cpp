@@ -121,6 +121,38 @@ TEST_P(CrossEntropyBackends, MatchesTheReferenceForEveryReductionOptionAndLabelD
   }
 }
 
+// Logits far below zero (every row's max under -100, so exp without the row's max as shift
+// underflows) give the loss and lse of the same logits shifted to near zero: the loss unchanged,
+// the lse moved by the shift. Widths off the vector width: the 16-bit path's next-row max once
+// padded a row's end with -0's key, so every row after the first had shift 0 and an lse of -inf.
+TEST_P(CrossEntropyBackends, LogitsFarBelowZeroGiveTheLossOfTheShiftedLogits) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  for (std::int64_t vocab : {2, 17, 33}) {
+    // Whole numbers in [-4, 4): exact in every dtype, also 128 lower.
+    Tensor near({6, vocab}, DType::F64);
+    for (std::int64_t i = 0; i < near.numel(); ++i)
+      near.data_ptr<double>()[i] = static_cast<double>((i * 5) % 8 - 4);
+    Tensor far = Tensor::copy_of(near);
+    for (std::int64_t i = 0; i < far.numel(); ++i) far.data_ptr<double>()[i] -= 128;
+    Tensor near_x({6, vocab}, dtype), far_x({6, vocab}, dtype);
+    copy(near, near_x);
+    copy(far, far_x);
+    Tensor labels({6}, DType::I64);  // none ignored: an ignored row's lse is 0
+    for (std::int64_t r = 0; r < 6; ++r) labels.data_ptr<std::int64_t>()[r] = r % vocab;
+    const CrossEntropyOptions o{-100, Reduction::None, 0.0, 1.0, 0.0};
+    const Forward a = forward(target, near_x, labels, o, stream);
+    const Forward b = forward(target, far_x, labels, o, stream);
+    const std::vector<double> la = test::values(a.loss), lb = test::values(b.loss);
+    const std::vector<double> sa = test::values(a.lse), sb = test::values(b.lse);
+    for (std::size_t r = 0; r < 6; ++r) {
+      EXPECT_NEAR(lb[r], la[r], 1e-2 * (1 + std::fabs(la[r]))) << "V=" << vocab << " row " << r;
+      EXPECT_NEAR(sb[r], sa[r] - 128, 1e-5 * 128) << "V=" << vocab << " row " << r;
+    }
+  }
+}
+
 TEST_P(CrossEntropyBackends, MatchesTheReferenceAtV262144) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);

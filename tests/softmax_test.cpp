@@ -172,12 +172,15 @@ TEST_P(SoftmaxBackends, RowsReadAheadMatchTheReferenceWithNegativeAndSpecialValu
   // A cpu thread takes each next row's max while it sums this row's exps (on 16-bit keys for bf16
   // and f16 when m > 0): 130 rows give every thread several. Rows of negative values only, widths
   // around 32 lanes, and past row 0: all -inf (NaN), a negative NaN (NaN), all -0 (uniform), a
-  // leading -inf, and zeros of both signs among negatives.
+  // leading -inf, zeros of both signs among negatives, and rows 30 to 39 120 lower, whose exps
+  // underflow unless shifted by their own max (the 16-bit keys' padding at a row's end once
+  // topped them with -0).
   const double inf = std::numeric_limits<double>::infinity();
   for (std::int64_t cols : {31, 32, 33, 100}) {
     Tensor x64 = randn({130, cols}, DType::F64, 17, 3.0);
     double* v = x64.data_ptr<double>();
     for (std::int64_t i = 0; i < 130 * cols; ++i) v[i] = -std::fabs(v[i]) - 2.0;
+    for (std::int64_t i = 30 * cols; i < 40 * cols; ++i) v[i] -= 120.0;
     for (std::int64_t c = 0; c < cols; ++c) {
       v[20 * cols + c] = -inf;
       v[22 * cols + c] = -0.0;

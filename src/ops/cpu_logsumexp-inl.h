@@ -139,8 +139,9 @@ std::pair<exp_sum_t<T>, RowMax<acc_t<T>>> row_sum_exp_next_max(const T* x, const
           add_exps(j);
           if (j + lanes < n) add_exps(j + lanes);
           const std::int16_t* k = keys_in + j;
-          if (j + 2 * lanes > n) {  // the row's end: pad with the smallest key
-            std::fill(tail, tail + 2 * lanes, std::numeric_limits<std::int16_t>::min());
+          if (j + 2 * lanes > n) {  // the row's end: pad with the bits of the smallest key
+            // (0xffff, a negative NaN's; the bits 0x8000 are -0's, which topped a negative row).
+            std::fill(tail, tail + 2 * lanes, std::int16_t{-1});
             std::memcpy(tail, k, (n - j) * sizeof(T));
             k = tail;
           }
