@@ -330,8 +330,10 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
     const auto di = static_cast<std::size_t>(d);
     v = v.narrow(d, part.offsets[di], part.shape[di]);
   }
-  // Partial: the value partitioned as the lowering's Partition steps do it, outer mesh dimensions
-  // first, so the innermost that gives this rank an identity decides which.
+  // Partial: the value partitioned as the lowering's Partition steps do it.
+  MESHFUSE_CHECK(partials_commute(placements), ErrorCode::InvalidArgument,
+                 "shard_tensor: {} mixes reductions that do not commute: one op, or sum with avg",
+                 to_string(placements));
   const std::vector<std::int64_t> at = mesh.coordinates(rank);
   std::optional<double> term;
   for (std::size_t m = 0; m < placements.size(); ++m)

@@ -169,8 +169,7 @@ class Lowering {
       id = out;
       now = next;
     }
-    // Partitions, outer mesh dimensions first: the inverse of the reductions, which go inner first
-    // (a term of an outer partition is partitioned again along the inner dimension).
+    // Partitions: their order does not matter, as Program admits only Partials that commute.
     for (std::int64_t m = 0; m < mesh_.ndim(); ++m) {
       const auto mi = static_cast<std::size_t>(m);
       if (now[mi] == want[mi]) continue;

@@ -38,6 +38,18 @@ std::optional<double> partial_identity(ReduceOp op) {
   return std::nullopt;
 }
 
+bool partials_commute(const std::vector<Placement>& placements) {
+  std::optional<ReduceOp> one;
+  bool linear = true;
+  for (const Placement& pl : placements)
+    if (const auto* p = std::get_if<Partial>(&pl)) {
+      if (!one) one = p->op;
+      linear = linear && (p->op == ReduceOp::Sum || p->op == ReduceOp::Avg);
+      if (p->op != *one && !linear) return false;
+    }
+  return true;
+}
+
 LocalPart local_part(const Shape& shape, const DeviceMesh& mesh,
                      const std::vector<Placement>& placements, int rank) {
   MESHFUSE_CHECK(static_cast<std::int64_t>(placements.size()) == mesh.ndim(),

@@ -387,6 +387,10 @@ std::vector<Placement> Program::checked_placements(std::string_view op, Value v,
                      "only floating dtypes)",
                      op, describe(v), meshfuse::to_string(p->op));
   }
+  MESHFUSE_CHECK(partials_commute(placements), ErrorCode::InvalidArgument,
+                 "Program.{}: {}: {} mixes reductions that do not commute (its value would depend "
+                 "on the order the plan reduces them): one op, or sum with avg",
+                 op, describe(v), meshfuse::to_string(placements));
   return placements;
 }
 

@@ -43,6 +43,11 @@ using Placement = std::variant<Shard, Replicate, Partial>;
 // every rank.
 std::optional<double> partial_identity(ReduceOp op);
 
+// Whether the Partials among `placements` give one value in any order of their reductions: all
+// of one op, or sums with averages (both linear). Partial(max) over Partial(sum) is not the sum
+// of the maxes, so a tensor placed with both has no one value.
+bool partials_commute(const std::vector<Placement>& placements);
+
 // "Shard(0)", "Replicate()", "Partial(sum)".
 std::string to_string(const Placement& placement);
 // One per mesh dimension: "[Shard(0), Replicate()]".
