@@ -617,8 +617,8 @@ inline void check_overlap_edges(const std::shared_ptr<Communicator>& comm) {
   }
 }
 
-// Errors every rank sees alike: a rank outside the mesh, an input of the wrong shape, and ranks
-// running different programs (the communicator's metadata check).
+// Errors every rank sees alike: a rank outside the mesh, an input of the wrong shape, a stream of
+// another device, and ranks running different programs (the communicator's metadata check).
 inline void check_errors(const std::shared_ptr<Communicator>& comm) {
   const int rank = comm->size() - 1;
   Program small;
@@ -650,6 +650,13 @@ inline void check_errors(const std::shared_ptr<Communicator>& comm) {
       {"MultiDeviceExecutor.run: 2 inputs given, the program takes 1, in this order: "
        "%0 'x' " +
        shape_str({comm->rank() == 0 ? 10 : 12, 4}) + " f32"});
+  // Refused before the ranks compare their programs, which would run on the stream.
+  expect_error(
+      [&] {
+        executor.run({Tensor(part, DType::F32)}, Stream{Device{DeviceType::CUDA, 0}});
+      },
+      ErrorCode::DeviceMismatch,
+      {"MultiDeviceExecutor.run on rank", "the stream is on cuda:0 but the inputs are on cpu"});
   expect_error(
       [&] {
         gather_tensor(Tensor({part[0] + 1, 4}, DType::F32), {10, 4}, line(*comm), {Shard{0}}, comm);

@@ -291,6 +291,13 @@ std::vector<Tensor> MultiDeviceExecutor::run(const Lowered& lowered,
                    "{}: this rank's part must be {} (placements as the plan says), got {}", named(),
                    shape_str(want.shape), shape_str(t.shape()));
   }
+  // Before the ranks' first exchange, which runs on the stream: a CPU stream with CUDA inputs
+  // compared the programs on the host through the device's backend and failed only later.
+  MESHFUSE_CHECK(device.type == DeviceType::CPU ? stream.device.type == DeviceType::CPU
+                                                : stream.device == device,
+                 ErrorCode::DeviceMismatch,
+                 "MultiDeviceExecutor.run on rank {}: the stream is on {} but the inputs are on {}",
+                 communicator_->rank(), stream.device.str(), device.str());
   static const std::vector<std::shared_ptr<Communicator>> kNone;
   const auto& teams =
       lowered.facts.communicates ? this->teams(plan.backend, device.type, stream) : kNone;
