@@ -455,7 +455,11 @@ void bind_program(nb::module_& m) {
           "Marks v as an output (run() returns them in this order; a value marked twice gives two "
           "tensors). placements: how "
           "it is wanted on the mesh, one per mesh dimension (a single one for a 1-D mesh); None: "
-          "as propagated, Partial made Replicate.")
+          "as propagated, Partial made Replicate. A Partial the plan does not compute is made "
+          "locally (DTensor's partition of a value: sum and prod terms are the value on the mesh "
+          "dimension's first rank and 0 or 1 elsewhere). Raises ValueError for placements not one "
+          "per mesh dimension, a Shard outside v, a Partial op that cannot reduce v's dtype, or "
+          "Partials that do not commute (one op, or sum with avg).")
       .def("set_mesh", &Program::set_mesh, "mesh"_a,
            "Puts the program on mesh; placements set before stay and are checked against it.")
       .def(
@@ -466,7 +470,7 @@ void bind_program(nb::module_& m) {
           },
           "v"_a, "placements"_a,
           "How input v lies on the mesh (set_mesh first): one placement per mesh dimension, or a "
-          "single one for a 1-D mesh. Default: Replicate.")
+          "single one for a 1-D mesh. Default: Replicate. Raises ValueError as add_output does.")
       .def(
           "placements",
           [](Program& p, V v) -> std::vector<Placement> {
