@@ -223,35 +223,51 @@ TEST_P(CoreOnDevices, CopiesConvertDtypesAndStridesLikeTheHost) {
   EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(dst, stream).view().transpose(0, 1), a));
 }
 
-// cu_seqlens of u32 are read through this conversion: values past 2^31 must stay positive.
-// fill: one rounding of the value into each dtype (0.1 in bf16 is 0.10009765625), only the view's
-// elements written (a strided column of a tensor of 7s), -0 kept as -0, an empty view untouched.
+// fill: one rounding of the value into each dtype (0.1 is 0.10009765625 in bf16, 0.0999755859375
+// in f16; expected values from a copy of a double, not from fill), only the view's elements
+// written (a strided column of a tensor of 7s), -0 kept as -0, a contiguous tensor of rank 9 (past
+// CUDA's strided copy), and an empty view.
 TEST_P(CoreOnDevices, FillRoundsTheValueOnceAndWritesOnlyTheView) {
   const test::Target target = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
   const Stream stream{target.device};
+  const auto filled = [](Shape shape, DType d, double v) {  // by copies of one double
+    Tensor one({1}, DType::F64), t(shape, d);
+    *one.data_ptr<double>() = v;
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      copy(one, t.view().reshape({t.numel()}).narrow(0, i, 1));
+    return t;
+  };
   for (DType d :
        {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8}) {
     const double value = is_floating_point(d) ? 0.1 : 3;
-    Tensor t = test::on(test::full({5, 3}, d, 7), target.device, stream);
+    Tensor t = test::on(filled({5, 3}, d, 7), target.device, stream);
     fill(t.view().narrow(1, 1, 1), value, stream);
-    Tensor expected = test::full({5, 3}, d, 7);
-    Tensor column = test::full({5, 1}, d, value);
-    copy(column, expected.view().narrow(1, 1, 1));
+    Tensor expected = filled({5, 3}, d, 7);
+    copy(filled({5, 1}, d, value), expected.view().narrow(1, 1, 1));
     EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), expected)) << to_string(d);
     fill(t, 0.0, stream);
-    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), test::full({5, 3}, d, 0)))
+    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), filled({5, 3}, d, 0)))
         << to_string(d);
   }
-  Tensor negative_zero = test::on(test::full({4}, DType::F32, 1), target.device, stream);
+  Tensor bf16({3}, DType::BF16, target.device, stream), f16({3}, DType::F16, target.device, stream);
+  fill(bf16, 0.1, stream);
+  fill(f16, 0.1, stream);
+  EXPECT_EQ(test::values(test::to_cpu(bf16, stream)), std::vector<double>(3, 0.10009765625));
+  EXPECT_EQ(test::values(test::to_cpu(f16, stream)), std::vector<double>(3, 0.0999755859375));
+  Tensor negative_zero = test::on(filled({4}, DType::F32, 1), target.device, stream);
   fill(negative_zero, -0.0, stream);
   for (double v : test::values(test::to_cpu(negative_zero, stream)))
     EXPECT_TRUE(v == 0 && std::signbit(v));
+  Tensor deep({2, 1, 2, 1, 2, 1, 2, 1, 3}, DType::F32, target.device, stream);
+  fill(deep, 2.5, stream);
+  EXPECT_EQ(test::values(test::to_cpu(deep, stream)), std::vector<double>(48, 2.5));
   Tensor none({0, 3}, DType::F32, target.device, stream);
-  fill(none, 1.0, stream);
-  EXPECT_NEAR(test::values(test::to_cpu(test::full({1}, DType::BF16, 0.1)))[0], 0.10009765625, 0);
+  EXPECT_NO_THROW(fill(none, 1.0, stream));
+  EXPECT_NO_THROW(fill(none.view().transpose(0, 1), 1.0, stream));
 }
 
+// cu_seqlens of u32 are read through this conversion: values past 2^31 must stay positive.
 TEST_P(CoreOnDevices, U32ConvertsToI64AndBackAsUnsigned) {
   const test::Target target = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);

@@ -455,9 +455,11 @@ void bind_program(nb::module_& m) {
           "Marks v as an output (run() returns them in this order; a value marked twice gives two "
           "tensors). placements: how "
           "it is wanted on the mesh, one per mesh dimension (a single one for a 1-D mesh); None: "
-          "as propagated, Partial made Replicate. A Partial the plan does not compute is made "
-          "locally (DTensor's partition of a value: sum and prod terms are the value on the mesh "
-          "dimension's first rank and 0 or 1 elsewhere). Raises ValueError for placements not one "
+          "as propagated, Partial made Replicate. A Partial the plan does not compute is made by "
+          "a partition (DTensor's, docs/DISTRIBUTED.md: sum and prod terms are the value on the "
+          "mesh dimension's first rank and 0 or 1 elsewhere; avg, max and min keep it on every "
+          "rank, all-gathered or all-reduced first where it is a Shard or another Partial). Raises "
+          "ValueError for placements not one "
           "per mesh dimension, a Shard outside v, a Partial op that cannot reduce v's dtype, or "
           "Partials that do not commute (one op, or sum with avg).")
       .def("set_mesh", &Program::set_mesh, "mesh"_a,

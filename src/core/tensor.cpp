@@ -305,13 +305,15 @@ void fill(const TensorView& dst, double value, const Stream& stream) {
     std::memset(dst.data(), 0, dst.nbytes());  // +0 is all zero bits in every dtype
     return;
   }
-  // A copy from one element broadcast by zero strides: the copy converts it, on the device.
+  // A copy from one element broadcast by zero strides: the copy converts it, on the device. A
+  // contiguous dst goes as one dimension (CUDA's strided copy takes rank 8 at most).
+  const TensorView to = dst.is_contiguous() ? dst.reshape({dst.numel()}) : dst;
   Tensor one({1}, DType::F64);
   *one.data_ptr<double>() = value;
   if (dst.device().type != DeviceType::CPU) one = one.to(dst.device(), stream);
-  copy(TensorView(one.view().data(), DType::F64, dst.shape(), Shape(dst.shape().size(), 0),
+  copy(TensorView(one.view().data(), DType::F64, to.shape(), Shape(to.shape().size(), 0),
                   dst.device()),
-       dst, stream);
+       to, stream);
 }
 
 }  // namespace meshfuse

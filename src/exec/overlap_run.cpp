@@ -347,7 +347,6 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
   const auto sum = ring.buffers(partial, device_, stream_);
   ring.start(stream_);
   StreamEvent received, added;
-  std::array<StreamEvent, 2> sent;  // per slot: its step's send_recv, on T
   std::vector<Work> passed(2);  // per slot: its step's send_recv
   const Settle settle(*this, {&passed});
   // The sum of block b starts at rank b + 1 and passes rank to rank, each adding its term, to end
@@ -356,10 +355,10 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
     const int r = (me - 1 - s + 2 * d) % d;
     const std::int64_t rows = seg.sizes[static_cast<std::size_t>(r)];
     const TensorView mine = part[s % 2].view().narrow(0, 0, rows);
-    // The slot's send of step s - 2 has read it. Not all of T: that holds step s - 1's transfer,
-    // which this step's block is to overlap.
+    // The slot's send of step s - 2 has finished on the device (wait blocks the host until then),
+    // so the block may overwrite it; C does not wait for T, which holds step s - 1's transfer
+    // that this block is to overlap.
     passed[s % 2].wait();
-    sent[s % 2].wait(C);
     ch.scattered = part[s % 2].view();
     run_block(ch, {r, ch.part_offset[static_cast<std::size_t>(r)], rows, 0}, C);
     if (s > 0) {
@@ -375,7 +374,6 @@ void Interpreter::run_ring_scatter(Chunked& ch) {
           ch.team.send_recv(mine, next, sum[(s + 1) % 2].view().narrow(0, 0, coming), prev, 0, T)
               .keep_alive({part[s % 2], sum[(s + 1) % 2]});
       received.record(T);
-      sent[s % 2].record(T);
     } else {
       copy(mine, view(ch.scatter->output), C);
     }

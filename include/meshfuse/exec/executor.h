@@ -95,8 +95,8 @@ class MultiDeviceExecutor {
   // of its placement's part (plan().values[plan().inputs[i]].shape) and the program's dtype, all on
   // one device (any strides). Returns this rank's parts of the outputs, in Program::outputs()
   // order, as their placements say. Errors: InvalidArgument (a wrong count of inputs),
-  // ShapeMismatch / DTypeMismatch / DeviceMismatch naming the input, and those of the ops and
-  // communicators.
+  // ShapeMismatch / DTypeMismatch / DeviceMismatch naming the input, DeviceMismatch for a stream
+  // on another device than the inputs', and those of the ops and communicators.
   std::vector<Tensor> run(const std::vector<TensorView>& inputs, const Stream& stream = {});
 
   // The plan run() uses for inputs on a device of `type` (lowered now if not yet).

@@ -9,7 +9,8 @@
 // after a Partial takes the reduce-scatter to tokens (Megatron-LM's sequence parallelism). A
 // value that no strategy can take as it lies is an error naming the op, the value and the
 // placements. Outputs end as set_placements says, by default as propagated with Partial made
-// Replicate.
+// Replicate. Only outputs are made Partial by a Partition: the strategies' costs have no rule
+// for it, so an operand is never partitioned to fit a strategy that takes a Partial.
 //
 // Redistribution, along one mesh dimension (DTensor's transitions):
 //   Shard(i) -> Replicate    all_gather along dim i
@@ -21,7 +22,8 @@
 //                            first rank keeps the value and the others hold the reduction's
 //                            identity (sum, prod), or every rank keeps it (avg, max, min)
 //   Shard(i) -> Partial      sum, prod: a local Partition, the shard at its offset in the
-//                            identity (DTensor has no rule); avg, max, min: all_gather, then as
+//                            identity (DTensor has no rule), unless another mesh dimension shards
+//                            dim i too (then gathered first); avg, max, min: all_gather, then as
 //                            from Replicate
 //   Partial -> Partial(other op)  all_reduce, then as from Replicate
 // Parts are numpy.array_split's (placement.h), so extents that the mesh does not divide go
@@ -133,7 +135,7 @@ struct Plan {
 
 // `rank`'s plan of `program` (on its mesh; on a one-rank mesh [rank] when it has none), with its
 // communications on `backend`. Errors: InvalidArgument (a rank outside the mesh, a value no
-// strategy can take as it lies, a Partial that an outer mesh dimension's change would split).
+// strategy can take as it lies).
 Plan lower(const Program& program, int rank, CommunicatorBackend backend);
 
 }  // namespace meshfuse
