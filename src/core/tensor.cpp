@@ -236,9 +236,9 @@ Tensor::Tensor(Shape shape, DType dtype, Device device, const Stream& stream) {
 }
 
 Tensor Tensor::zeros(Shape shape, DType dtype, Device device, const Stream& stream) {
-  Tensor host(shape, dtype);
-  std::memset(host.view_.data(), 0, host.view_.nbytes());
-  return device.type == DeviceType::CPU ? host : host.to(device, stream);
+  Tensor t(std::move(shape), dtype, device, stream);
+  fill(t, 0.0, stream);
+  return t;
 }
 
 Tensor Tensor::copy_of(const TensorView& src, const Stream& stream) {
