@@ -349,8 +349,7 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
                      "shard_tensor: a {} tensor cannot be placed as {} (bool reduces nowhere, avg "
                      "only floating dtypes)",
                      to_string(tensor.dtype()), to_string(placements[m]));
-      if (const std::optional<double> identity = partial_identity(p->op); identity && at[m] != 0)
-        term = identity;
+      if (const std::optional<double> identity = partition_term(p->op, at[m])) term = identity;
     }
   if (!term) return Tensor::copy_of(v, stream);
   Tensor t(v.shape(), v.dtype(), v.device(), stream);

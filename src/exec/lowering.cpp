@@ -182,7 +182,7 @@ class Lowering {
         step.offset = local_part(p_.info(global).shape, mesh_, now, plan_.rank).offsets[di] -
                       local_part(p_.info(global).shape, mesh_, next, plan_.rank).offsets[di];
       } else {
-        step.holds = !partial_identity(step.reduction) || mesh_.coordinates(plan_.rank)[mi] == 0;
+        step.holds = !partition_term(step.reduction, mesh_.coordinates(plan_.rank)[mi]);
       }
       step.input = id;
       step.output = add_value(global, next);

@@ -38,6 +38,10 @@ std::optional<double> partial_identity(ReduceOp op) {
   return std::nullopt;
 }
 
+std::optional<double> partition_term(ReduceOp op, std::int64_t coordinate) {
+  return coordinate == 0 ? std::nullopt : partial_identity(op);
+}
+
 bool partials_commute(const std::vector<Placement>& placements) {
   std::optional<ReduceOp> one;
   bool linear = true;

@@ -42,6 +42,9 @@ using Placement = std::variant<Shard, Replicate, Partial>;
 // identity (0, 1) on the others; an average's, maximum's or minimum's (none here) are the value on
 // every rank.
 std::optional<double> partial_identity(ReduceOp op);
+// The term of such a value on the rank at `coordinate` along the mesh dimension: the identity, or
+// none where the rank keeps the value itself.
+std::optional<double> partition_term(ReduceOp op, std::int64_t coordinate);
 
 // Whether the Partials among `placements` give one value in any order of their reductions: all
 // of one op, or sums with averages (both linear). Partial(max) over Partial(sum) is not the sum
