@@ -48,6 +48,19 @@ if(MESHFUSE_WITH_MPI AND MPIEXEC_EXECUTABLE)
                            ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
     endif()
   endif()
+  # A program that initialised MPI below MPI_THREAD_SERIALIZED itself.
+  add_executable(mpi_thread_level_test ${CMAKE_CURRENT_SOURCE_DIR}/mpi_thread_level_main.cpp)
+  target_link_libraries(mpi_thread_level_test PRIVATE meshfuse::meshfuse GTest::gtest MPI::MPI_CXX)
+  target_include_directories(mpi_thread_level_test PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_compile_options(mpi_thread_level_test PRIVATE ${MESHFUSE_WARNINGS})
+  add_test(NAME dist_mpi_thread_level_checked
+           COMMAND ${MPIEXEC_EXECUTABLE} -np 1 --allow-run-as-root
+                   $<TARGET_FILE:mpi_thread_level_test>)
+  set_tests_properties(dist_mpi_thread_level_checked PROPERTIES TIMEOUT 60)
+  if(MESHFUSE_SANITIZE)
+    set_tests_properties(dist_mpi_thread_level_checked PROPERTIES
+                         ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+  endif()
   # Rank 2 killed midway under mpirun: Open MPI ends the job (its errors are fatal to the job, and
   # Debian's has no fault-tolerant MPI), so the check is that mpirun names the dead rank and nothing
   # hangs; a survivor may raise first.

@@ -449,6 +449,14 @@ TEST_P(GemmAllTargets, MatchesTorchAddmmOnKnownValues) {
   EXPECT_EQ(values(back(run_matmul(on(at), on(bt), c, {true, true, 2.0, 0.5}, stream))), expected);
 }
 
+// Integer values in [-8, 8) of dtype dt (exact in every dtype), shaped `shape`.
+Tensor integers(Shape shape, DType dt, std::uint64_t seed) {
+  Tensor i64(std::move(shape), DType::I64), t(i64.shape(), dt);
+  testing::fill_uniform_int(i64, seed, -8, 8);
+  copy(i64, t);
+  return t;
+}
+
 TEST_P(GemmAllTargets, AlphaScalesTheAccumulatedSumOnce) {
   // Integer-valued A and B in [-8, 8): every product and partial sum is an exact integer S in the
   // fp32 (f64) accumulator, so only the scaling rounds. alpha = 0.3 is not representable, and the
@@ -458,13 +466,7 @@ TEST_P(GemmAllTargets, AlphaScalesTheAccumulatedSumOnce) {
   // sum and misses these bits.
   const double alpha = 0.3;
   for (const std::int64_t k : {256, 257, 1024}) {
-    const auto integers = [&](Shape shape, std::uint64_t seed) {
-      Tensor i64(std::move(shape), DType::I64), t(i64.shape(), dt);
-      testing::fill_uniform_int(i64, seed, -8, 8);
-      copy(i64, t);
-      return t;
-    };
-    const Tensor a = integers({17, k}, 60 + k), b = integers({k, 23}, 61 + k);
+    const Tensor a = integers({17, k}, dt, 60 + k), b = integers({k, 23}, dt, 61 + k);
     const std::vector<double> av = values(a), bv = values(b);
     const bool in_double = target.backend == KernelBackend::Reference || dt == DType::F64;
     Tensor expected_f64({17, 23}, DType::F64);
@@ -482,6 +484,71 @@ TEST_P(GemmAllTargets, AlphaScalesTheAccumulatedSumOnce) {
               values(expected))
         << "k = " << k;
   }
+}
+
+TEST_P(GemmAllTargets, SixteenBitOperandsWithAnF32OutputKeepTheFp32SumUnrounded) {
+  if (dt != DType::BF16 && dt != DType::F16) GTEST_SKIP() << "an f32 output of 16-bit operands";
+  // Integer A and B with k = 257: every sum S is an exact integer up to 16448, and C (quarters
+  // in f32) adds exactly, so the f32 output holds S + C exactly, bits that no 16-bit output has
+  // (bf16 keeps 8 significant bits, f16 11). The 16-bit output of the same call is that value
+  // rounded once.
+  constexpr std::int64_t m = 9, k = 257, n = 13;
+  const Tensor a = integers({m, k}, dt, 70), b = integers({k, n}, dt, 71),
+               w = integers({n, k}, dt, 73);
+  const std::vector<double> av = values(a), bv = values(b), wv = values(w);
+  const auto quarters = [](Shape shape, DType dtype, std::uint64_t seed) {
+    Tensor q = integers(shape, DType::F64, seed), t(std::move(shape), dtype);
+    for (std::int64_t i = 0; i < q.numel(); ++i) q.data_ptr<double>()[i] /= 4;
+    copy(q, t);
+    return t;
+  };
+  const Tensor c = quarters({m, n}, DType::F32, 72), bias = quarters({n}, dt, 74);
+  const std::vector<double> cv = values(c), biasv = values(bias);
+  // The exact results (below 2^24 in magnitude, quarters: exact in f32).
+  std::vector<double> product(m * n), lin(m * n);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double s = 0, t = 0;
+      for (std::int64_t l = 0; l < k; ++l) {
+        s += av[i * k + l] * bv[l * n + j];
+        t += av[i * k + l] * wv[j * k + l];
+      }
+      product[i * n + j] = s + cv[i * n + j];
+      lin[i * n + j] = t + biasv[j];
+    }
+
+  Tensor d({m, n}, DType::F32, target.device, stream);
+  gemm(on(a), on(b), on(c), d, {.beta = 1.0}, stream);
+  EXPECT_EQ(values(back(d)), product) << "gemm";
+
+  // bmm of two items, B given transposed (b^T's storage read through transpose_b).
+  Tensor a3({2, m, k}, dt), bt3({2, n, k}, dt), c3({2, m, n}, DType::F32);
+  for (std::int64_t l = 0; l < 2; ++l) {
+    copy(a, a3.view().narrow(0, l, 1).reshape({m, k}));
+    copy(b.view().transpose(0, 1), bt3.view().narrow(0, l, 1).reshape({n, k}));
+    copy(c, c3.view().narrow(0, l, 1).reshape({m, n}));
+  }
+  Tensor d3({2, m, n}, DType::F32, target.device, stream);
+  bmm(on(a3), on(bt3), on(c3), d3, {.transpose_b = true, .beta = 1.0}, stream);
+  std::vector<double> twice = product;
+  twice.insert(twice.end(), product.begin(), product.end());
+  EXPECT_EQ(values(back(d3)), twice) << "bmm";
+
+  // linear: the 16-bit bias widened exactly; the 16-bit output is the same value rounded once.
+  Tensor out({m, n}, DType::F32, target.device, stream), out16({m, n}, dt, target.device, stream);
+  linear(on(a), on(w), on(bias), out, stream);
+  linear(on(a), on(w), on(bias), out16, stream);
+  EXPECT_EQ(values(back(out)), lin) << "linear";
+  Tensor lin16({m, n}, dt);
+  copy(back(out), lin16);
+  EXPECT_EQ(values(back(out16)), values(lin16)) << "linear, 16-bit output";
+
+  // alpha = 0: D = beta * C in f32; A and B are not read.
+  Tensor d0({m, n}, DType::F32, target.device, stream);
+  gemm(on(a), on(b), on(c), d0, {.alpha = 0.0, .beta = 2.0}, stream);
+  std::vector<double> doubled = cv;
+  for (double& v : doubled) v *= 2;
+  EXPECT_EQ(values(back(d0)), doubled) << "alpha = 0";
 }
 
 TEST_P(GemmAllTargets, LinearMatchesTorchOnKnownValues) {
@@ -651,6 +718,21 @@ TEST(Gemm, BadArgumentsNameTheOpArgumentAndWhatCame) {
                      {"gemm", "'d'", "[2, 5]", "[5, 2]"});
   test::expect_error([&] { gemm(a, b3, {}, d_wrong.view().transpose(0, 1)); },
                      ErrorCode::InvalidArgument, {"gemm", "'d'", "contiguous"});
+  // An f32 output takes 16-bit operands only; C has the output's dtype.
+  const Tensor a64 = randn({2, 3}, DType::F64, 14), b64 = randn({3, 5}, DType::F64, 15);
+  test::expect_error([&] { gemm(a64, b64, {}, d); }, ErrorCode::DTypeMismatch,
+                     {"gemm", "'d'", "'a'", "f64", "f32"});
+  const Tensor a16 = randn({2, 3}, DType::BF16, 16);
+  test::expect_error(
+      [&] {
+        gemm(a16, b16, randn({2, 5}, DType::BF16, 17), d, {.beta = 1.0});
+      },
+      ErrorCode::DTypeMismatch, {"gemm", "'c'", "'d'", "f32", "bf16"});
+  test::expect_error(
+      [&] {
+        gemm(a16, b16, {}, Tensor({2, 5}, DType::F16));
+      },
+      ErrorCode::DTypeMismatch, {"gemm", "'d'", "(bf16) or f32", "f16"});
   const Tensor labels = Tensor::zeros({2, 3}, DType::I64);
   test::expect_error([&] { gemm(labels, b3, {}, d); }, ErrorCode::DTypeMismatch,
                      {"gemm", "'a'", "i64"});

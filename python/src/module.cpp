@@ -185,7 +185,9 @@ void bind_gemm(nb::module_& m) {
       "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
       "d = alpha * op(a) @ op(b) + beta * c (op: transpose when asked). a (M, K), b (K, N), c "
       "(M, N) or None, d (M, N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
-      "computed in fp32, rounded once); d written in place. Raises meshfuse.Error subclasses: "
+      "computed in fp32, rounded once), except that 16-bit a and b may have a float32 d (and c): "
+      "the fp32 sums unrounded, as torch.mm's out_dtype; d written in place. Raises meshfuse.Error "
+      "subclasses: "
       "ShapeMismatchError, InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), "
       "DeviceMismatchError, BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. "
       "Outputs are caller-allocated arrays written in place; `stream` is a cudaStream_t as an "
@@ -200,7 +202,8 @@ void bind_gemm(nb::module_& m) {
       "a"_a, "b"_a, "c"_a.none(), "d"_a, "transpose_a"_a = false, "transpose_b"_a = false,
       "alpha"_a = 1.0, "beta"_a = 0.0, "stream"_a = 0, release,
       "The batched gemm: a (B, M, K), b (B, K, N), c (B, M, N) or None, d (B, M, N), one float "
-      "dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once). "
+      "dtype (float32, float64, bfloat16, float16; 16-bit computed in fp32, rounded once; a "
+      "float32 d and c allowed for 16-bit a and b). "
       "Raises meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
       "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
       "(RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are caller-allocated arrays written "
@@ -221,7 +224,8 @@ void bind_gemm(nb::module_& m) {
       "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release,
       "out = x @ weight.T + bias (torch.nn.functional.linear). x (..., K), weight (N, K), bias "
       "(N,) or None, out (..., N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
-      "computed in fp32, rounded once). Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "computed in fp32, rounded once), except that out may be float32 for 16-bit x, weight and "
+      "bias (the fp32 sums unrounded). Raises meshfuse.Error subclasses: ShapeMismatchError, "
       "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
       "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are "
       "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "

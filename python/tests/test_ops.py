@@ -240,6 +240,24 @@ def test_gemm_with_transposes_alpha_and_beta_matches_numpy():
     np.testing.assert_allclose(d, 0.5 * a @ b.T + 2.0 * c, rtol=1e-12)
 
 
+def test_float16_operands_take_a_float32_output_holding_the_fp32_sums_unrounded():
+    # Integers in [-8, 8) with K = 257: exact sums up to 16448, past float16's 11 significant bits.
+    rng = np.random.default_rng(19)
+    a = rng.integers(-8, 8, (6, 257)).astype(np.float16)
+    b = rng.integers(-8, 8, (257, 5)).astype(np.float16)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    d = np.empty((6, 5), dtype=np.float32)
+    meshfuse.gemm(a, b, None, d)
+    np.testing.assert_array_equal(d, exact)
+    out = np.empty((6, 5), dtype=np.float32)
+    bias = np.full(5, 0.25, dtype=np.float16)
+    meshfuse.linear(a, np.ascontiguousarray(b.T), bias, out)
+    np.testing.assert_array_equal(out, exact + 0.25)
+    with pytest.raises(meshfuse.DTypeMismatchError, match=r"gemm: 'd' must have the dtype of 'a' "
+                       r"\(f16\) or f32, got f64"):
+        meshfuse.gemm(a, b, None, np.empty((6, 5)))
+
+
 def test_linear_and_its_backward_match_numpy():
     x, w, bias = randn(2, 3, 8, dtype=np.float64, seed=13), randn(5, 8, dtype=np.float64, seed=14), \
         randn(5, dtype=np.float64, seed=15)

@@ -80,22 +80,26 @@ struct MpiGlobals {
       if (g.types[i] == *type) reduce_buffers(kDTypes[i], Op, {in, inout}, inout, *len);
   }
 
+  // A program that initialised MPI itself must have asked for MPI_THREAD_SERIALIZED or more:
+  // meshfuse calls MPI from whichever threads run its collectives (under one lock).
   MpiGlobals() {
-    int initialized = 0;
+    int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
-    if (!initialized) {
-      int provided = 0;
+    if (initialized) {
+      check_mpi(MPI_Query_thread(&provided), "MPI_Query_thread");
+    } else {
       check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided),
                 "MPI_Init_thread");
-      MESHFUSE_CHECK(provided >= MPI_THREAD_SERIALIZED, ErrorCode::BackendUnavailable,
-                     "mpi: this MPI offers thread level {}, meshfuse needs MPI_THREAD_SERIALIZED",
-                     provided);
       std::atexit([] {
         int finalized = 0;
         MPI_Finalized(&finalized);
         if (!finalized) MPI_Finalize();
       });
     }
+    MESHFUSE_CHECK(provided >= MPI_THREAD_SERIALIZED, ErrorCode::BackendUnavailable,
+                   "mpi: MPI was initialised {}with thread level {}, meshfuse needs "
+                   "MPI_THREAD_SERIALIZED ({}) or more (call MPI_Init_thread with it)",
+                   initialized ? "by the program " : "", provided, MPI_THREAD_SERIALIZED);
     for (std::size_t i = 0; i < std::size(kDTypes); ++i) {
       MPI_Type_contiguous(static_cast<int>(element_size(kDTypes[i])), MPI_BYTE, &types[i]);
       MPI_Type_commit(&types[i]);

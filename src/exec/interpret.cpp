@@ -243,11 +243,13 @@ void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorV
 // of rows at a time: the chunk's logits on this rank's columns (never the whole vocabulary, nor
 // all rows), the statistics combined across the ranks, then, with gradients, the logits' gradient
 // and its products: grad_x is this rank's term (Partial: the caller's plan sums it), grad_weight
-// and grad_bias its rows. 16-bit logits are rounded to the dtype before the loss, as the unfused
-// linear + cross_entropy has them, and 16-bit grad_weight / grad_bias take one rounding per chunk
-// (the GEMM adds each chunk's product to the running sum in fp32: fused_linear_cross_entropy.h's
-// rule for a 16-bit grad_weight). Scratch: the chunk's logits and their gradient, 2 x chunk x
-// (V / d) elements of the dtype, plus a few per-row doubles.
+// and grad_bias its rows. As in the one-device kernel (fused_linear_cross_entropy.h), 16-bit
+// inputs give fp32 logits (the GEMM's fp32 sums unrounded: linear's f32 output), whose gradient,
+// computed in fp32 in place, is rounded once to the dtype for the grad_x and grad_weight GEMMs;
+// 16-bit grad_weight / grad_bias take one rounding per chunk (the GEMM adds each chunk's product
+// to the running sum in fp32: that header's rule for a 16-bit grad_weight). Scratch: the chunk's
+// logits, then their gradient, chunk x (V / d) elements of the logits' dtype (plus, for 16-bit
+// inputs, the rounded gradient), and a few per-row doubles.
 void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                                                const std::vector<TensorView>& in,
                                                const std::vector<TensorView>& out,
@@ -280,16 +282,20 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
   // (a one-rank team).
   const std::int64_t largest =
       op.loss.vocab_size ? (op.loss.vocab_size + team.size() - 1) / team.size() : vocab;
-  const std::int64_t chunk = std::max<std::int64_t>(
-      1, std::min(n, fused_linear_cross_entropy_chunk_rows(device.type, largest)));
-  const DType lse_dtype = is_sixteen_bit(dt) ? DType::F32 : DType::F64;
-  const Tensor logits({chunk, vocab}, dt, device, stream);
-  const Tensor loss_s({chunk}, row_loss_dtype(dt), device, stream);
-  const Tensor lse_s({chunk}, lse_dtype, device, stream), lse({chunk}, lse_dtype, device, stream);
+  const DType logits_dtype = is_sixteen_bit(dt) ? DType::F32 : dt;  // f32 or f64: lse in f64
+  // Scratch within the one-device kernel's chunk_rows x (V / d) x 4 bytes: with gradients, 16-bit
+  // inputs hold fp32 logits and their gradient's 16-bit rounding, 6 bytes an element, in 2/3 of
+  // the rows.
+  std::int64_t chunk_rows = fused_linear_cross_entropy_chunk_rows(device.type, largest);
+  if (grads && dt != logits_dtype) chunk_rows = chunk_rows * 2 / 3;
+  const std::int64_t chunk = std::max<std::int64_t>(1, std::min(n, chunk_rows));
+  const Tensor logits({chunk, vocab}, logits_dtype, device, stream);
+  const Tensor loss_s({chunk}, logits_dtype, device, stream);
+  const Tensor lse_s({chunk}, DType::F64, device, stream), lse({chunk}, DType::F64, device, stream);
   Tensor grad_logits, upstream_c, grad_bias_c;
   if (grads) {
-    grad_logits = Tensor({chunk, vocab}, dt, device, stream);
-    upstream_c = Tensor({chunk}, row_loss_dtype(dt), device, stream);
+    if (dt != logits_dtype) grad_logits = Tensor({chunk, vocab}, dt, device, stream);
+    upstream_c = Tensor({chunk}, logits_dtype, device, stream);
     if (out.size() > 3) grad_bias_c = Tensor({vocab}, dt, device, stream);
   }
   CrossEntropyOptions per_row = op.loss;
@@ -312,9 +318,10 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
     write(r.lse, lse.view().narrow(0, 0, rows), stream);
     write({upstream.begin() + first, upstream.begin() + first + rows},
           upstream_c.view().narrow(0, 0, rows), stream);
-    const TensorView gl = grad_logits.view().narrow(0, 0, rows);
     cross_entropy_backward(upstream_c.view().narrow(0, 0, rows), lg, y_c,
-                           lse.view().narrow(0, 0, rows), gl, per_row, stream);
+                           lse.view().narrow(0, 0, rows), lg, per_row, stream);
+    const TensorView gl = grad_logits.defined() ? grad_logits.view().narrow(0, 0, rows) : lg;
+    if (grad_logits.defined()) copy(lg, gl, stream);
     gemm(gl, w, {}, out[1].narrow(0, first, rows), {}, stream);
     gemm(gl, x_c, first ? out[2] : TensorView(), out[2],
          {.transpose_a = true, .beta = first ? 1.0 : 0.0}, stream);

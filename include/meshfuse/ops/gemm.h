@@ -19,7 +19,10 @@
 //   grad_bias = sum of dy over rows           (N)
 // Each gradient output is optional (an undefined view is not computed).
 //
-// dtypes: all tensors of a call share one: f32, f64, bf16 or f16. 16-bit types are stored as
+// dtypes: all tensors of a call share one: f32, f64, bf16 or f16, except that bf16 / f16
+// operands may have an f32 output (gemm/bmm's d, and then c; linear's out, its bias staying in
+// x's dtype): the fp32 accumulation unrounded, as torch.mm's out_dtype=torch.float32 gives it
+// (fused linear cross-entropy's logits on a vocabulary shard take it). 16-bit types are stored as
 // 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. alpha and
 // beta * C meet the accumulated product once (D = alpha * sum + beta * C in the accumulator's type,
 // then one rounding to D's dtype), as in cuBLAS and torch: never inside the sums. The
@@ -39,10 +42,10 @@
 // A view gives bitwise the result of its contiguous copy. Outputs are contiguous and preallocated
 // by the caller.
 //
-// Errors: DTypeMismatch (dtypes differ, or not floating), ShapeMismatch (inner dims, batch or
-// output shapes disagree; the message names both shapes), InvalidArgument (wrong rank, beta != 0
-// without C, output not contiguous or partly overlapping an operand), DeviceMismatch, Unsupported /
-// BackendUnavailable (see kernel_backend.h).
+// Errors: DTypeMismatch (dtypes differ other than as above, or not floating), ShapeMismatch (inner
+// dims, batch or output shapes disagree; the message names both shapes), InvalidArgument (wrong
+// rank, beta != 0 without C, output not contiguous or partly overlapping an operand),
+// DeviceMismatch, Unsupported / BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include <string>

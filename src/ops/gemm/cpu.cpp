@@ -105,17 +105,17 @@ void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const fl
 #endif
 }
 
-// d = beta * c, or zeros without c: the whole GEMM when alpha = 0 or k = 0.
-template <typename T>
+// d = beta * c, or zeros without c: the whole GEMM when alpha = 0 or k = 0. O: C and D's type.
+template <typename O>
 void scale_c(const GemmProblem& p, const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
-  using A = acc_t<T>;
+  using A = acc_t<O>;
   parallel_if(p.batch * p.m * p.n >= kParallelMin, [&] {
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < p.batch * p.m; ++row) {
       const std::int64_t l = row / p.m, i = row % p.m;
-      T* out = item<T>(d, l) + i * d.ld;
+      O* out = item<O>(d, l) + i * d.ld;
       for (std::int64_t j = 0; j < p.n; ++j)
-        out[j] = store_as<T>(add_c ? A(p.beta) * A(to_float(at<T>(c, l, i, j))) : A(0));
+        out[j] = store_as<O>(add_c ? A(p.beta) * A(to_float(at<O>(c, l, i, j))) : A(0));
     }
   });
 }
@@ -179,11 +179,12 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 // depend on m, n and k alone, never on how A and B are stored, so a transposed view gives bitwise
 // its contiguous copy's result: sgemm's sums follow its transpose flags, and so, at some shapes, do
 // those of oneDNN's matmul primitive (f32 20 x 1504 x 1100), which ran here before (its rates, and
-// this loop's: docs/kernels/gemm.md).
-template <typename T>
+// this loop's: docs/kernels/gemm.md). O is C and D's type: T, or float for an f32 output of 16-bit
+// operands.
+template <typename T, typename O>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
-  const bool direct = std::is_same_v<T, float> && p.alpha == 1.0 && !add_c;
+  const bool direct = std::is_same_v<O, float> && p.alpha == 1.0 && !add_c;
   const std::int64_t block = std::max<std::int64_t>(256, kBlockFloats / p.k);
   const std::int64_t mb = std::min(p.m, block), nb = std::min(p.n, block);
   float* const ds = direct ? nullptr : scratch(2, mb * nb);
@@ -203,10 +204,10 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
         parallel_if(mi * nj >= kParallelMin, [&] {
 #pragma omp for schedule(static)
           for (std::int64_t i = 0; i < mi; ++i) {
-            T* out = item<T>(d, l) + (i0 + i) * d.ld + j0;  // may be C itself: read before written
+            O* out = item<O>(d, l) + (i0 + i) * d.ld + j0;  // may be C itself: read before written
             for (std::int64_t j = 0; j < nj; ++j) {
-              const float cv = add_c ? beta * to_float(at<T>(c, l, i0 + i, j0 + j)) : 0.0f;
-              out[j] = store_as<T>(std::fma(alpha, ds[i * nj + j], cv));
+              const float cv = add_c ? beta * to_float(at<O>(c, l, i0 + i, j0 + j)) : 0.0f;
+              out[j] = store_as<O>(std::fma(alpha, ds[i * nj + j], cv));
             }
           }
         });
@@ -291,21 +292,23 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
           const Stream&) {
   if (p.batch == 0 || p.m == 0 || p.n == 0) return;
   const bool add_c = c.data != nullptr && p.beta != 0;
-  dispatch_float(p.dtype, p.op, [&](auto tag) {
-    using T = decltype(tag);
+  dispatch_gemm(p, [&](auto t, auto o) {
+    using T = decltype(t);
+    using O = decltype(o);
     if (p.alpha == 0 || p.k == 0) {  // BLAS: A and B are not read
-      scale_c<T>(p, c, d, add_c);
+      scale_c<O>(p, c, d, add_c);
     } else if constexpr (std::is_same_v<T, double>) {
       gemm_f64(p, a, b, c, d, add_c);
     } else {
-      gemm_row_major<T>(p, a, b, c, d, add_c);
+      gemm_row_major<T, O>(p, a, b, c, d, add_c);
     }
   });
 }
 
 void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
                        const Stream& stream) {
-  if (p.dtype != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 || p.alpha == 0 || p.k == 0)
+  if (p.dtype != DType::F32 || p.out() != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 ||
+      p.alpha == 0 || p.k == 0)
     return gemm(p, a, b, c, d, stream);
   const bool add_c = c.data != nullptr && p.beta != 0;
   if (add_c) copy_c<float>(p, c, d);

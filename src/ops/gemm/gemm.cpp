@@ -84,6 +84,22 @@ GemmMatrix output(const TensorView& t, std::int64_t cols, std::int64_t rows) {
   return {t.data(), std::max<std::int64_t>(cols, 1), rows * cols, false};
 }
 
+// The dtype of an output of a product of `like`'s dtype: that dtype or, for bf16 / f16 operands,
+// f32 (the fp32 accumulation unrounded, as torch.mm's out_dtype).
+DType output_dtype(std::string_view op, std::string_view name, const TensorView& out,
+                   const TensorView& like, std::string_view like_name) {
+  detail::check_defined(op, name, out);
+  detail::check_same_or_f32(op, name, out, like.dtype(), like_name);
+  return out.dtype();
+}
+
+GemmProblem problem(DType dtype, DType out, std::int64_t batch, std::int64_t m, std::int64_t n,
+                    std::int64_t k, double alpha, double beta, std::string_view op) {
+  return {dtype, batch,     m,
+          n,     k,         alpha,
+          beta,  op.data(), out != dtype ? std::optional<DType>(out) : std::nullopt};
+}
+
 // gemm (rank 2) and bmm (rank 3).
 void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::int64_t rank,
             const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& d,
@@ -104,20 +120,21 @@ void matmul(std::string_view op, const KernelTable<detail::GemmFn>& table, std::
                  op, shape_str(a.shape()), o.transpose_a, k, shape_str(b.shape()), o.transpose_b,
                  kb);
   const Shape out_shape = rank == 3 ? Shape{batch, m, n} : Shape{m, n};
+  const DType out = output_dtype(op, "d", d, a, "a");
   if (c.defined()) {
-    detail::check_dtype_of(op, "c", c, a, "a");
+    detail::check_dtype_of(op, "c", c, d, "d");
     detail::check_shape(op, "c", c, out_shape);
   } else {
     MESHFUSE_CHECK(o.beta == 0, ErrorCode::InvalidArgument,
                    "{}: beta must be 0 when no 'c' is given, got beta = {}", op, o.beta);
   }
-  detail::check_output(op, "d", d, out_shape, a.dtype());
+  detail::check_output(op, "d", d, out_shape, out);
   detail::run_kernel(table, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, {{"d", "c"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
                        const Operand oa(call.strided_input(a), o.transpose_a, call.stream()),
                            ob(call.strided_input(b), o.transpose_b, call.stream()),
                            oc(call.strided_input(c), false, call.stream());
-                       fn({a.dtype(), batch, m, n, k, o.alpha, o.beta, op.data()}, oa.matrix(),
+                       fn(problem(a.dtype(), out, batch, m, n, k, o.alpha, o.beta, op), oa.matrix(),
                           ob.matrix(), oc.matrix(), output(call.output(d), n, m), call.stream());
                      });
 }
@@ -155,17 +172,26 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
     detail::check_dtype_of(op, "bias", bias, x, "x");
     detail::check_shape(op, "bias", bias, {n});
   }
-  detail::check_output(op, "out", out, detail::with_last(x.shape(), n), x.dtype());
+  const DType out_dtype = output_dtype(op, "out", out, x, "x");
+  detail::check_output(op, "out", out, detail::with_last(x.shape(), n), out_dtype);
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
-  detail::run_kernel(kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
-                     [&](auto* fn, detail::KernelCall& call) {
-                       const Operand ox = Operand::rows_of(call.strided_input(x), call.stream()),
-                                     ow(call.strided_input(weight), true, call.stream()),
-                                     ob = Operand::broadcast_row(call.input(bias));
-                       fn({x.dtype(), 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op.data()},
-                          ox.matrix(), ow.matrix(), ob.matrix(), output(call.output(out), n, rows),
-                          call.stream());
-                     });
+  detail::run_kernel(
+      kLinear, {{"x", x}, {"weight", weight}, {"bias", bias}, {"out", out}}, stream,
+      [&](auto* fn, detail::KernelCall& call) {
+        const Operand ox = Operand::rows_of(call.strided_input(x), call.stream()),
+                      ow(call.strided_input(weight), true, call.stream());
+        // The bias is C, of the output's dtype: a 16-bit one is widened for an f32 output (N
+        // elements; exact).
+        const TensorView bias_in = call.input(bias);
+        Tensor wide;
+        if (bias.defined() && out_dtype != x.dtype()) {
+          wide = Tensor(bias_in.shape(), out_dtype, bias_in.device(), call.stream());
+          copy(bias_in, wide, call.stream());
+        }
+        const Operand ob = Operand::broadcast_row(wide.defined() ? wide.view() : bias_in);
+        fn(problem(x.dtype(), out_dtype, 1, rows, n, k, 1.0, bias.defined() ? 1.0 : 0.0, op),
+           ox.matrix(), ow.matrix(), ob.matrix(), output(call.output(out), n, rows), call.stream());
+      });
 }
 
 void linear_backward(const TensorView& grad_out, const TensorView& x, const TensorView& weight,

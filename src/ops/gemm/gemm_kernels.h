@@ -7,6 +7,7 @@
 
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
+#include "ops/common.h"
 
 namespace meshfuse::detail {
 
@@ -35,10 +36,9 @@ __host__ __device__
 // D[l] = alpha * A[l] @ B[l] + beta * C[l] for l < batch; A[l]: (m, k), B[l]: (k, n), C[l] and
 // D[l]: (m, n). C.data == nullptr means no C (beta is then 0). D is row-major (not transposed); C
 // may be D itself. alpha == 0 or k == 0: A and B are not read; beta == 0: C is not read. `op` is
-// the public op, for error messages. out_dtype (read by the cuda backend only; calls to the others
-// leave it unset):
-// C and D's dtype when it differs from A and B's, for bf16 / f16 operands with an f32 output (the
-// fp32 accumulation unrounded; fused linear cross-entropy's logits).
+// the public op, for error messages. out_dtype: C and D's dtype when it differs from A and B's,
+// for bf16 / f16 operands with an f32 output (the fp32 accumulation unrounded: gemm's `d` or
+// linear's `out` of f32, fused linear cross-entropy's logits).
 struct GemmProblem {
   DType dtype;
   std::int64_t batch, m, n, k;
@@ -47,6 +47,21 @@ struct GemmProblem {
   std::optional<DType> out_dtype = std::nullopt;
   DType out() const { return out_dtype.value_or(dtype); }
 };
+
+// Calls f(T{}, O{}) with T the operands' type and O the output's: O = T, or float for 16-bit T.
+template <typename F>
+void dispatch_gemm(const GemmProblem& p, F&& f) {
+  dispatch_float(p.dtype, p.op, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.out() == p.dtype) return f(T{}, T{});
+    if constexpr (sizeof(T) == 2) {
+      if (p.out() == DType::F32) return f(T{}, float{});
+    }
+    throw Error(ErrorCode::Internal, std::string(p.op) + ": no " + std::string(to_string(p.dtype)) +
+                                         " product with a " + std::string(to_string(p.out())) +
+                                         " output");
+  });
+}
 
 using GemmFn = void(const GemmProblem&, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
                     const Stream&);
