@@ -32,7 +32,6 @@ int main(int argc, char** argv) {
   const Device gpu{DeviceType::CUDA, 0};
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / fmt::format("meshfuse_vpm_{}", getpid());
-  std::filesystem::create_directories(dir);
   CommOptions options;
   options.backend = "cuda:nccl";
   const auto comm = init_communicator(LaunchInfo{}, std::make_shared<FileStore>(dir), options);
