@@ -428,7 +428,8 @@ def test_executor_arguments_that_cannot_work_are_refused():
     p = meshfuse.Program()
     counts = p.define_tensor("counts", [4], "i64")
     p.set_mesh(DeviceMesh.of_shape([2]))
-    with pytest.raises(ValueError, match=r"'counts' \[4\] i64: Partial\(avg\) cannot reduce it"):
+    with pytest.raises(ValueError,
+                       match=r"'counts' \[4\] i64: Partial\(avg\) cannot reduce i64 values"):
         p.set_placements(counts, Partial("avg"))  # refused only by the run's all_reduce
 
     def nccl_on_cpu(comm):

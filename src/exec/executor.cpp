@@ -338,19 +338,12 @@ Tensor shard_tensor(const TensorView& tensor, const DeviceMesh& mesh,
     v = v.narrow(d, part.offsets[di], part.shape[di]);
   }
   // Partial: the value partitioned as the lowering's Partition steps do it.
-  MESHFUSE_CHECK(partials_commute(placements), ErrorCode::InvalidArgument,
-                 "shard_tensor: {} mixes reductions that do not commute: one op, or sum with avg",
-                 to_string(placements));
+  check_partials("shard_tensor", tensor.dtype(), placements);
   const std::vector<std::int64_t> at = mesh.coordinates(rank);
   std::optional<double> term;
   for (std::size_t m = 0; m < placements.size(); ++m)
-    if (const auto* p = std::get_if<Partial>(&placements[m])) {
-      MESHFUSE_CHECK(reducible(tensor.dtype(), p->op), ErrorCode::InvalidArgument,
-                     "shard_tensor: a {} tensor cannot be placed as {} (bool reduces nowhere, avg "
-                     "only floating dtypes)",
-                     to_string(tensor.dtype()), to_string(placements[m]));
+    if (const auto* p = std::get_if<Partial>(&placements[m]))
       if (const std::optional<double> identity = partition_term(p->op, at[m])) term = identity;
-    }
   if (!term) return Tensor::copy_of(v, stream);
   Tensor t(v.shape(), v.dtype(), v.device(), stream);
   fill(t, *term, stream);

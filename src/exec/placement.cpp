@@ -54,6 +54,20 @@ bool partials_commute(const std::vector<Placement>& placements) {
   return true;
 }
 
+void check_partials(std::string_view what, DType dtype, const std::vector<Placement>& placements) {
+  // Caught here, not at the run's all_reduce, which named neither the value nor the op.
+  for (const Placement& pl : placements)
+    if (const auto* p = std::get_if<Partial>(&pl))
+      MESHFUSE_CHECK(reducible(dtype, p->op), ErrorCode::InvalidArgument,
+                     "{}: {} cannot reduce {} values (bool reduces nowhere, avg only floating "
+                     "dtypes)",
+                     what, to_string(pl), to_string(dtype));
+  MESHFUSE_CHECK(partials_commute(placements), ErrorCode::InvalidArgument,
+                 "{}: {} mixes reductions that do not commute (the value would depend on the "
+                 "order they are reduced in): one op, or sum with avg",
+                 what, to_string(placements));
+}
+
 LocalPart local_part(const Shape& shape, const DeviceMesh& mesh,
                      const std::vector<Placement>& placements, int rank) {
   MESHFUSE_CHECK(static_cast<std::int64_t>(placements.size()) == mesh.ndim(),

@@ -373,24 +373,13 @@ std::vector<Placement> Program::checked_placements(std::string_view op, Value v,
                  "Program.{}: {}: want one placement per dimension of {}, got {}", op, describe(v),
                  mesh_->to_string(), placements.size());
   const auto r = static_cast<std::int64_t>(info(v).shape.size());
-  const DType dtype = info(v).dtype;  // describe(v) names it
-  for (Placement& pl : placements) {
+  for (Placement& pl : placements)
     if (auto* s = std::get_if<Shard>(&pl)) {
       MESHFUSE_CHECK(s->dim >= -r && s->dim < r, ErrorCode::InvalidArgument,
                      "Program.{}: {} has no dimension {} to shard", op, describe(v), s->dim);
       if (s->dim < 0) s->dim += r;
     }
-    // Caught here, not at the run's all_reduce, which named neither the value nor the op.
-    if (const auto* p = std::get_if<Partial>(&pl))
-      MESHFUSE_CHECK(reducible(dtype, p->op), ErrorCode::InvalidArgument,
-                     "Program.{}: {}: Partial({}) cannot reduce it (bool reduces nowhere, avg "
-                     "only floating dtypes)",
-                     op, describe(v), meshfuse::to_string(p->op));
-  }
-  MESHFUSE_CHECK(partials_commute(placements), ErrorCode::InvalidArgument,
-                 "Program.{}: {}: {} mixes reductions that do not commute (its value would depend "
-                 "on the order the plan reduces them): one op, or sum with avg",
-                 op, describe(v), meshfuse::to_string(placements));
+  check_partials(fmt::format("Program.{}: {}", op, describe(v)), info(v).dtype, placements);
   return placements;
 }
 

@@ -50,6 +50,9 @@ std::optional<double> partition_term(ReduceOp op, std::int64_t coordinate);
 // of one op, or sums with averages (both linear). Partial(max) over Partial(sum) is not the sum
 // of the maxes, so a tensor placed with both has no one value.
 bool partials_commute(const std::vector<Placement>& placements);
+// Throws InvalidArgument, the message headed by `what`, unless every Partial among `placements`
+// reduces `dtype` (reducible: bool reduces nowhere, avg only floating dtypes) and they commute.
+void check_partials(std::string_view what, DType dtype, const std::vector<Placement>& placements);
 
 // "Shard(0)", "Replicate()", "Partial(sum)".
 std::string to_string(const Placement& placement);
