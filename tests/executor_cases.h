@@ -430,12 +430,15 @@ inline void check_vocabulary_parallel_fused_loss(const std::shared_ptr<Communica
     EXPECT_NE(plan.find("with all_gather of its row statistics"), std::string::npos) << plan;
     EXPECT_EQ(plan.find("all_gather(dim 0)"), std::string::npos) << plan;  // x stays whole
   }
-  expect_matches_single_device(
-      [&](bool sharded) { return build(DType::BF16, Reduction::None, false, sharded); }, comm,
-      1e-4);
-  expect_matches_single_device(
-      [&](bool sharded) { return build(DType::BF16, Reduction::Mean, true, sharded); }, comm, 2e-2,
-      {}, false, true);
+  for (const bool backward : {false, true}) {
+    const std::string plan = expect_matches_single_device(
+        [&](bool sharded) {
+          return build(DType::BF16, backward ? Reduction::Mean : Reduction::None, backward,
+                       sharded);
+        },
+        comm, backward ? 2e-2 : 1e-4, {}, false, backward);
+    EXPECT_NE(plan.find("with all_gather of its row statistics"), std::string::npos) << plan;
+  }
 }
 
 // Executors on one 2 x 2 mesh communicate on the communicator's kept mesh_teams: a second

@@ -133,9 +133,10 @@ TEST(ExecutorCuda, OneRankNcclMeshRunsTheMlpBlockForwardAndBackward) {
   std::filesystem::remove_all(dir);
 }
 
-// The vocabulary-parallel fused loss allocates one chunk of logits and their gradient at a time,
-// also where the rank holds the whole vocabulary (a one-rank team): at llama-3's vocabulary the
-// chunk is a quarter of the rows, so a whole-rows scratch is four times the bound.
+// The vocabulary-parallel fused loss allocates one chunk of logits at a time (in bf16 with
+// gradients, fp32 logits and their gradient's bf16 rounding in 2/3 of the one-device kernel's
+// rows), also where the rank holds the whole vocabulary (a one-rank team): at llama-3's vocabulary
+// the chunk is a quarter of the rows, so a whole-rows scratch is four times the bound.
 TEST(ExecutorCuda, VocabularyParallelFusedLossScratchIsOneChunkOnAOneRankTeam) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!communicator_backend_built(CommunicatorBackend::Nccl)) GTEST_SKIP() << "no nccl backend";

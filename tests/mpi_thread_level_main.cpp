@@ -11,10 +11,11 @@
 namespace meshfuse {
 namespace {
 
-int provided = -1;  // what MPI_Init gave main()
+int provided = -1;  // what MPI_Init_thread gave main()
 
 TEST(MpiThreadLevel, AProgramThatInitialisedMpiBelowSerializedGetsBackendUnavailable) {
-  if (provided >= MPI_THREAD_SERIALIZED) GTEST_SKIP() << "MPI_Init gave thread level " << provided;
+  if (provided >= MPI_THREAD_SERIALIZED)
+    GTEST_SKIP() << "MPI_Init_thread gave thread level " << provided << " for SINGLE";
   CommOptions options;
   options.backend = "mpi";
   test::expect_error(
@@ -28,8 +29,7 @@ TEST(MpiThreadLevel, AProgramThatInitialisedMpiBelowSerializedGetsBackendUnavail
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  MPI_Init(&argc, &argv);
-  MPI_Query_thread(&meshfuse::provided);
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_SINGLE, &meshfuse::provided);
   const int status = RUN_ALL_TESTS();
   MPI_Finalize();
   return status;

@@ -224,8 +224,9 @@ void bind_gemm(nb::module_& m) {
       "x"_a, "weight"_a, "bias"_a.none(), "out"_a, "stream"_a = 0, release,
       "out = x @ weight.T + bias (torch.nn.functional.linear). x (..., K), weight (N, K), bias "
       "(N,) or None, out (..., N), one float dtype (float32, float64, bfloat16, float16; 16-bit "
-      "computed in fp32, rounded once), except that out may be float32 for 16-bit x, weight and "
-      "bias (the fp32 sums unrounded). Raises meshfuse.Error subclasses: ShapeMismatchError, "
+      "computed in fp32, rounded once), except that out may be float32 for 16-bit x and weight "
+      "(the fp32 sums unrounded; bias then 16-bit or float32). Raises meshfuse.Error subclasses: "
+      "ShapeMismatchError, "
       "InvalidArgumentError (ValueError), DTypeMismatchError (TypeError), DeviceMismatchError, "
       "BackendUnavailableError (RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are "
       "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "

@@ -241,11 +241,12 @@ def test_gemm_with_transposes_alpha_and_beta_matches_numpy():
 
 
 def test_float16_operands_take_a_float32_output_holding_the_fp32_sums_unrounded():
-    # Integers in [-8, 8) with K = 257: exact sums up to 16448, past float16's 11 significant bits.
+    # Integers in [-64, 64) with K = 257: exact sums of up to 21 bits, past float16's 11.
     rng = np.random.default_rng(19)
-    a = rng.integers(-8, 8, (6, 257)).astype(np.float16)
-    b = rng.integers(-8, 8, (257, 5)).astype(np.float16)
+    a = rng.integers(-64, 64, (6, 257)).astype(np.float16)
+    b = rng.integers(-64, 64, (257, 5)).astype(np.float16)
     exact = a.astype(np.float64) @ b.astype(np.float64)
+    assert (exact.astype(np.float16).astype(np.float64) != exact).any()  # f16 d would fail
     d = np.empty((6, 5), dtype=np.float32)
     meshfuse.gemm(a, b, None, d)
     np.testing.assert_array_equal(d, exact)

@@ -4,7 +4,8 @@
 // deadline. Reductions use MPI operations of our own over a datatype per dtype (reduce.h), so
 // every dtype reduces, bf16 and f16 in fp32 per step, and min/max let NaN win as in the other
 // backends. Avg = sum, then divide. Every MPI call holds one process-wide lock (MPI is initialised
-// with MPI_THREAD_SERIALIZED when meshfuse initialises it); MPI_Finalize runs at exit.
+// with MPI_THREAD_SERIALIZED when meshfuse initialises it, and a program that initialised it
+// must have asked for that level or more); MPI_Finalize runs at exit.
 //
 // Teams: the world team duplicates MPI_COMM_WORLD, sub-teams come from MPI_Comm_create_group
 // (collective over the team's members only). Both block without a timeout, like MPI itself.
@@ -81,13 +82,16 @@ struct MpiGlobals {
   }
 
   // A program that initialised MPI itself must have asked for MPI_THREAD_SERIALIZED or more:
-  // meshfuse calls MPI from whichever threads run its collectives (under one lock).
+  // meshfuse calls MPI from whichever threads run its collectives (under one lock). A failed
+  // construction runs again at the next get(): `ours` remembers who initialised MPI.
   MpiGlobals() {
+    static bool ours = false;
     int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
     if (initialized) {
       check_mpi(MPI_Query_thread(&provided), "MPI_Query_thread");
     } else {
+      ours = true;
       check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided),
                 "MPI_Init_thread");
       std::atexit([] {
@@ -97,9 +101,10 @@ struct MpiGlobals {
       });
     }
     MESHFUSE_CHECK(provided >= MPI_THREAD_SERIALIZED, ErrorCode::BackendUnavailable,
-                   "mpi: MPI was initialised {}with thread level {}, meshfuse needs "
-                   "MPI_THREAD_SERIALIZED ({}) or more (call MPI_Init_thread with it)",
-                   initialized ? "by the program " : "", provided, MPI_THREAD_SERIALIZED);
+                   "mpi: {} thread level {}, meshfuse needs MPI_THREAD_SERIALIZED ({}) or more{}",
+                   ours ? "this MPI offers" : "MPI was initialised by the program with", provided,
+                   MPI_THREAD_SERIALIZED,
+                   ours ? "" : " (initialise it with MPI_Init_thread at that level)");
     for (std::size_t i = 0; i < std::size(kDTypes); ++i) {
       MPI_Type_contiguous(static_cast<int>(element_size(kDTypes[i])), MPI_BYTE, &types[i]);
       MPI_Type_commit(&types[i]);

@@ -243,13 +243,15 @@ void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorV
 // of rows at a time: the chunk's logits on this rank's columns (never the whole vocabulary, nor
 // all rows), the statistics combined across the ranks, then, with gradients, the logits' gradient
 // and its products: grad_x is this rank's term (Partial: the caller's plan sums it), grad_weight
-// and grad_bias its rows. As in the one-device kernel (fused_linear_cross_entropy.h), 16-bit
-// inputs give fp32 logits (the GEMM's fp32 sums unrounded: linear's f32 output), whose gradient,
-// computed in fp32 in place, is rounded once to the dtype for the grad_x and grad_weight GEMMs;
-// 16-bit grad_weight / grad_bias take one rounding per chunk (the GEMM adds each chunk's product
-// to the running sum in fp32: that header's rule for a 16-bit grad_weight). Scratch: the chunk's
-// logits, then their gradient, chunk x (V / d) elements of the logits' dtype (plus, for 16-bit
-// inputs, the rounded gradient), and a few per-row doubles.
+// and grad_bias its rows. As in the one-device kernels (fused_linear_cross_entropy.h), 16-bit
+// inputs give fp32 logits (the GEMM's fp32 sums unrounded: linear's f32 output) and grad_bias sums
+// their fp32 gradient, computed in place (here by a GEMM with a row of ones, in an fp32 running
+// sum rounded once at the end); for the grad_x and grad_weight GEMMs the gradient is rounded once
+// to the dtype, as the CUDA kernel does (the CPU one widens the operands instead). A 16-bit
+// grad_weight takes one rounding per chunk (the GEMM adds each chunk's product to the running sum
+// in fp32: that header's rule for a 16-bit grad_weight). Scratch: the chunk's logits, then their
+// gradient, chunk x (V / d) elements of the logits' dtype (plus, for 16-bit inputs, the rounded
+// gradient; and the bias and grad_bias's sum in fp32, V / d each), and a few per-row doubles.
 void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                                                const std::vector<TensorView>& in,
                                                const std::vector<TensorView>& out,
@@ -292,11 +294,21 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
   const Tensor logits({chunk, vocab}, logits_dtype, device, stream);
   const Tensor loss_s({chunk}, logits_dtype, device, stream);
   const Tensor lse_s({chunk}, DType::F64, device, stream), lse({chunk}, DType::F64, device, stream);
-  Tensor grad_logits, upstream_c, grad_bias_c;
+  // A 16-bit bias widened once (linear takes a bias of its output's dtype).
+  Tensor bias;
+  if (b.defined() && b.dtype() != logits_dtype) {
+    bias = Tensor(b.shape(), logits_dtype, device, stream);
+    copy(b, bias, stream);
+  }
+  Tensor grad_logits, upstream_c, ones, grad_bias_sum;
   if (grads) {
     if (dt != logits_dtype) grad_logits = Tensor({chunk, vocab}, dt, device, stream);
     upstream_c = Tensor({chunk}, logits_dtype, device, stream);
-    if (out.size() > 3) grad_bias_c = Tensor({vocab}, dt, device, stream);
+    if (out.size() > 3) {
+      ones = Tensor({1, chunk}, logits_dtype, device, stream);
+      fill(ones, 1.0, stream);
+      if (dt != logits_dtype) grad_bias_sum = Tensor({1, vocab}, logits_dtype, device, stream);
+    }
   }
   CrossEntropyOptions per_row = op.loss;
   per_row.reduction = Reduction::None;
@@ -308,7 +320,7 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
     const std::int64_t rows = std::min(chunk, n - first);
     const TensorView lg = logits.view().narrow(0, 0, rows), x_c = x.narrow(0, first, rows),
                      y_c = labels.narrow(0, first, rows);
-    linear(x_c, w, b, lg, stream);
+    linear(x_c, w, bias.defined() ? bias.view() : b, lg, stream);
     cross_entropy(lg, y_c, loss_s.view().narrow(0, 0, rows), lse_s.view().narrow(0, 0, rows),
                   per_row, stream);
     const Rows r = combine_shards(lse_s.view().narrow(0, 0, rows), loss_s.view().narrow(0, 0, rows),
@@ -320,16 +332,19 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
           upstream_c.view().narrow(0, 0, rows), stream);
     cross_entropy_backward(upstream_c.view().narrow(0, 0, rows), lg, y_c,
                            lse.view().narrow(0, 0, rows), lg, per_row, stream);
+    if (ones.defined()) {  // grad_bias (1, V) += ones (1, rows) @ dlogits (rows, V)
+      const TensorView sum =
+          grad_bias_sum.defined() ? grad_bias_sum.view() : out[3].reshape({1, vocab});
+      gemm(ones.view().narrow(1, 0, rows), lg, first ? sum : TensorView(), sum,
+           {.beta = first ? 1.0 : 0.0}, stream);
+    }
     const TensorView gl = grad_logits.defined() ? grad_logits.view().narrow(0, 0, rows) : lg;
     if (grad_logits.defined()) copy(lg, gl, stream);
     gemm(gl, w, {}, out[1].narrow(0, first, rows), {}, stream);
     gemm(gl, x_c, first ? out[2] : TensorView(), out[2],
          {.transpose_a = true, .beta = first ? 1.0 : 0.0}, stream);
-    if (grad_bias_c.defined()) {
-      linear_backward(gl, x_c, w, {}, {}, first ? grad_bias_c.view() : out[3], stream);
-      if (first) add(out[3], grad_bias_c, out[3], 1.0, stream);
-    }
   }
+  if (grad_bias_sum.defined() && n > 0) copy(grad_bias_sum.view().reshape({vocab}), out[3], stream);
   write_loss(losses, count, op.loss.reduction, out[0], stream);
 }
 

@@ -5,7 +5,8 @@
 //          one each, operations queued on the caller's stream (as nccl) and moved by the copy
 //          engines (docs/DISTRIBUTED.md, "local on CUDA tensors").
 //   gloo   Gloo over TCP (Debian's libgloo-dev); rendezvous through a Store. CPU tensors.
-//   mpi    Open MPI, launched with mpirun. CPU tensors.
+//   mpi    Open MPI, launched with mpirun. CPU tensors. meshfuse initialises MPI, or the program
+//          did, with MPI_Init_thread at MPI_THREAD_SERIALIZED or more (BackendUnavailable else).
 //   nccl   NCCL, one GPU per rank (the LOCAL rank's device), operations queued on the caller's
 //          stream. CUDA tensors.
 //

@@ -20,21 +20,20 @@
 // Each gradient output is optional (an undefined view is not computed).
 //
 // dtypes: all tensors of a call share one: f32, f64, bf16 or f16, except that bf16 / f16
-// operands may have an f32 output (gemm/bmm's d, and then c; linear's out, its bias staying in
-// x's dtype): the fp32 accumulation unrounded, as torch.mm's out_dtype=torch.float32 gives it
-// (fused linear cross-entropy's logits on a vocabulary shard take it). 16-bit types are stored as
-// 16-bit, multiplied and accumulated in fp32 and rounded once; f64 accumulates in f64. alpha and
-// beta * C meet the accumulated product once (D = alpha * sum + beta * C in the accumulator's type,
-// then one rounding to D's dtype), as in cuBLAS and torch: never inside the sums. The
-// `reference` backend accumulates in double. linear's grad_bias (a column sum, ours on both
-// backends) is summed in double and rounded once. Results are deterministic for a fixed thread
-// count (cpu) or GPU model (cuda).
-// The cpu backend runs f32, bf16 and f16 on oneDNN's sgemm with both operands row-major f32 (16-bit
-// ones widened, in blocks of bounded size), and f64 on OpenBLAS's dgemm: bench/blas_choice.cpp
-// measures why these libraries, src/ops/gemm/cpu.cpp why one layout.
-// The cuda backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for f32, bf16 and
-// f16; f64 in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a fixed-order
-// column sum (src/ops/gemm/cuda.cu).
+// operands may have an f32 output (gemm/bmm's d, and then c; linear's out, with a bias of x's
+// dtype, widened, or of f32): the fp32 accumulation unrounded, as torch.mm's
+// out_dtype=torch.float32 gives it (fused linear cross-entropy's logits on a vocabulary shard take
+// it). 16-bit types are stored as 16-bit, multiplied and accumulated in fp32 and rounded once; f64
+// accumulates in f64. alpha and beta * C meet the accumulated product once (D = alpha * sum + beta
+// * C in the accumulator's type, then one rounding to D's dtype), as in cuBLAS and torch: never
+// inside the sums. The `reference` backend accumulates in double. linear's grad_bias (a column sum,
+// ours on both backends) is summed in double and rounded once. Results are deterministic for a
+// fixed thread count (cpu) or GPU model (cuda). The cpu backend runs f32, bf16 and f16 on oneDNN's
+// sgemm with both operands row-major f32 (16-bit ones widened, in blocks of bounded size), and f64
+// on OpenBLAS's dgemm: bench/blas_choice.cpp measures why these libraries, src/ops/gemm/cpu.cpp why
+// one layout. The cuda backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for
+// f32, bf16 and f16; f64 in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a
+// fixed-order column sum (src/ops/gemm/cuda.cu).
 //
 // Inputs may be strided views: a transposed view (unit stride along rows) is read in place (the
 // cuda backend and f64 pass it to the BLAS as a transposed operand; the cpu backend's f32 and

@@ -2,7 +2,8 @@
 // (fp32, f64 for f64) from the cpu GEMM, the cross-entropy row kernels (the gradient written over
 // the logits), then the chunk's share of the three gradients. 16-bit operands are widened to fp32
 // (x per chunk, the weight per block of rows) so that every GEMM is the library's fp32 one, which
-// yields fp32 logits and fp32 gradient sums (the 16-bit GEMM would round its output).
+// yields fp32 logits and takes the logits' fp32 gradient (a 16-bit GEMM would need it rounded to
+// the dtype).
 #include <algorithm>
 #include <cstring>
 #include <memory>

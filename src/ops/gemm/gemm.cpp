@@ -168,11 +168,15 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
             const TensorView& out, const Stream& stream) {
   constexpr std::string_view op = "linear";
   const std::int64_t n = check_linear(op, x, weight);
+  const DType out_dtype = output_dtype(op, "out", out, x, "x");
   if (bias.defined()) {
-    detail::check_dtype_of(op, "bias", bias, x, "x");
+    MESHFUSE_CHECK(
+        bias.dtype() == x.dtype() || bias.dtype() == out_dtype, ErrorCode::DTypeMismatch,
+        "{}: 'bias' must have the dtype of 'x' ({}){}, got {}", op, to_string(x.dtype()),
+        out_dtype != x.dtype() ? fmt::format(" or of 'out' ({})", to_string(out_dtype)) : "",
+        to_string(bias.dtype()));
     detail::check_shape(op, "bias", bias, {n});
   }
-  const DType out_dtype = output_dtype(op, "out", out, x, "x");
   detail::check_output(op, "out", out, detail::with_last(x.shape(), n), out_dtype);
   const std::int64_t rows = detail::leading_rows(x), k = x.size(-1);
   detail::run_kernel(
@@ -184,7 +188,7 @@ void linear(const TensorView& x, const TensorView& weight, const TensorView& bia
         // elements; exact).
         const TensorView bias_in = call.input(bias);
         Tensor wide;
-        if (bias.defined() && out_dtype != x.dtype()) {
+        if (bias.defined() && bias.dtype() != out_dtype) {
           wide = Tensor(bias_in.shape(), out_dtype, bias_in.device(), call.stream());
           copy(bias_in, wide, call.stream());
         }
