@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -396,31 +397,39 @@ inline void check_backend_parameter(const std::shared_ptr<Communicator>& comm,
       << plan;
 }
 
+// The head's fused linear cross-entropy on 1100 tokens (more than the CPU's 512-row chunk) with
+// a bias, label smoothing and z-loss, its loss in f32; on `mesh` (when given) the weight and bias
+// sharded over the vocabulary: the vocabulary-parallel form.
+inline Program fused_loss_program(DType dtype, Reduction reduction, bool backward,
+                                  const std::optional<DeviceMesh>& mesh) {
+  const std::int64_t tokens = 1100, hidden = 8, vocab = 29;
+  Program p;
+  const Value x = p.define_tensor("x", {tokens, hidden}, dtype);
+  const Value w = p.define_tensor("head_weight", {vocab, hidden}, dtype);
+  const Value b = p.define_tensor("head_bias", {vocab}, dtype);
+  const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
+  CrossEntropyOptions o;
+  o.label_smoothing = 0.1;
+  o.z_loss_scale = 1e-3;
+  o.reduction = reduction;
+  p.add_output(p.fused_linear_cross_entropy(x, w, b, labels, o, DType::F32));
+  if (mesh) {
+    p.set_mesh(*mesh);
+    p.set_placements(w, {Shard{0}});
+    p.set_placements(b, {Shard{0}});
+  }
+  return backward ? with_grad(p) : p;
+}
+
 // The vocabulary-parallel fused linear cross-entropy on its own (the plan's only collective is
-// inside the op): several chunks of rows (more than the CPU's 512-row chunk), a bias, mean with
-// label smoothing and z-loss, and forward + backward; then the same with every label ignored.
-// In bf16, per-row fp32 losses within 1e-4 of the one-device kernel's, which takes the logits in
-// fp32 (rounding each chunk's logits to bf16, as this op once did, was off by 1e-3 to 1e-1), and
-// the gradients normwise within a few bf16 roundings.
+// inside the op): several chunks of rows, mean, forward + backward; then the same with every
+// label ignored. In bf16, per-row fp32 losses within 1e-4 of the one-device kernel's, which takes
+// the logits in fp32 (rounding each chunk's logits to bf16, as this op once did, was off by 1e-3
+// to 1e-1), and the gradients normwise within a few bf16 roundings.
 inline void check_vocabulary_parallel_fused_loss(const std::shared_ptr<Communicator>& comm) {
   const auto build = [&](DType dtype, Reduction reduction, bool backward, bool sharded) {
-    const std::int64_t tokens = 1100, hidden = 8, vocab = 29;
-    Program p;
-    const Value x = p.define_tensor("x", {tokens, hidden}, dtype);
-    const Value w = p.define_tensor("head_weight", {vocab, hidden}, dtype);
-    const Value b = p.define_tensor("head_bias", {vocab}, dtype);
-    const Value labels = p.define_tensor("labels", {tokens}, DType::I64);
-    CrossEntropyOptions o;
-    o.label_smoothing = 0.1;
-    o.z_loss_scale = 1e-3;
-    o.reduction = reduction;
-    p.add_output(p.fused_linear_cross_entropy(x, w, b, labels, o, DType::F32));
-    if (sharded) {
-      p.set_mesh(line(*comm));
-      p.set_placements(w, {Shard{0}});
-      p.set_placements(b, {Shard{0}});
-    }
-    return backward ? with_grad(p) : p;
+    return fused_loss_program(dtype, reduction, backward,
+                              sharded ? std::optional<DeviceMesh>(line(*comm)) : std::nullopt);
   };
   for (const bool all_ignored : {false, true}) {
     const std::string plan = expect_matches_single_device(

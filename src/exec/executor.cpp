@@ -356,6 +356,7 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
   // The identity program, its output wanted whole. Its errors name gather_tensor's arguments.
   std::optional<MultiDeviceExecutor> executor;
   try {
+    check_partials("placements", local.dtype(), placements);  // not in the program's words
     Program p;
     const Value v = p.define_tensor("local", shape, local.dtype());
     p.set_mesh(mesh);
