@@ -249,6 +249,9 @@ TEST_P(CoreOnDevices, FillRoundsTheValueOnceAndWritesOnlyTheView) {
     fill(t, 0.0, stream);
     EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), filled({5, 3}, d, 0)))
         << to_string(d);
+    fill(t, value, stream);  // contiguous: 15 elements, not a power of two
+    EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(t, stream), filled({5, 3}, d, value)))
+        << to_string(d);
   }
   Tensor bf16({3}, DType::BF16, target.device, stream), f16({3}, DType::F16, target.device, stream);
   fill(bf16, 0.1, stream);

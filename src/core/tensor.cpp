@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -300,9 +301,22 @@ void copy(const TensorView& src, const TensorView& dst, const Stream& stream) {
 
 void fill(const TensorView& dst, double value, const Stream& stream) {
   if (dst.numel() == 0) return;
-  if (value == 0 && !std::signbit(value) && dst.device().type == DeviceType::CPU &&
-      dst.is_contiguous()) {
-    std::memset(dst.data(), 0, dst.nbytes());  // +0 is all zero bits in every dtype
+  if (dst.device().type == DeviceType::CPU && dst.is_contiguous()) {
+    auto* bytes = static_cast<unsigned char*>(dst.data());
+    const std::size_t total = static_cast<std::size_t>(dst.nbytes());
+    if (value == 0 && !std::signbit(value)) {
+      std::memset(bytes, 0, total);  // +0 is all zero bits in every dtype
+      return;
+    }
+    // One element converted by copy(), then repeated by doubling copies (at memcpy's speed; the
+    // broadcast copy below converts every element).
+    double one = value;
+    copy(TensorView(&one, DType::F64, {1}), TensorView(bytes, dst.dtype(), {1}));
+    for (std::size_t done = element_size(dst.dtype()); done < total;) {
+      const std::size_t n = std::min(done, total - done);
+      std::memcpy(bytes + done, bytes, n);
+      done += n;
+    }
     return;
   }
   // A copy from one element broadcast by zero strides: the copy converts it, on the device. A
