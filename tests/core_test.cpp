@@ -238,8 +238,8 @@ TEST_P(CoreOnDevices, FillRoundsTheValueOnceAndWritesOnlyTheView) {
       copy(one, t.view().reshape({t.numel()}).narrow(0, i, 1));
     return t;
   };
-  for (DType d :
-       {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8}) {
+  for (DType d : {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64,
+                  DType::U8, DType::U32, DType::Bool}) {
     const double value = is_floating_point(d) ? 0.1 : 3;
     Tensor t = test::on(filled({5, 3}, d, 7), target.device, stream);
     fill(t.view().narrow(1, 1, 1), value, stream);

@@ -269,7 +269,8 @@ TEST(ExecutorCuda, OverlappedMlpBlockOnLocalRanksMatchesNoOverlap) {
 // The vocabulary-parallel fused loss in bf16 on CUDA tensors (2 ranks as threads on GPU 0, the
 // local backend): fp32 chunk logits from linear's f32 output on cuBLASLt, grad_bias from their
 // fp32 gradient, the bias widened once; per-row losses within 1e-4 of the one-device program on
-// the CPU, the gradients normwise within a few bf16 roundings.
+// the CPU, grad_bias within two bf16 ulps, the other gradients normwise within a few bf16
+// roundings.
 TEST(ExecutorCuda, VocabularyParallelFusedLossInBf16OnLocalRanksMatchesOneDevice) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const Program single = exec::fused_loss_program(DType::BF16, Reduction::None, true, std::nullopt);
@@ -306,6 +307,10 @@ TEST(ExecutorCuda, VocabularyParallelFusedLossInBf16OnLocalRanksMatchesOneDevice
           if (i == 0) {
             expect_close(got, expected[i], 1e-4, what);
             continue;
+          }
+          if (i == 3) {  // grad_bias: sums of the fp32 gradient, rounded once (two bf16 ulps)
+            const testing::Diff d = testing::compare(got, expected[i], 1e-6, 0x1p-7);
+            EXPECT_EQ(d.violations, 0) << what << ": max rel err " << d.max_rel_err;
           }
           const testing::Diff d = testing::compare(got, expected[i], 0, 0);
           const testing::Diff scale = testing::compare(

@@ -543,12 +543,35 @@ TEST_P(GemmAllTargets, SixteenBitOperandsWithAnF32OutputKeepTheFp32SumUnrounded)
   copy(back(out), lin16);
   EXPECT_EQ(values(back(out16)), values(lin16)) << "linear, 16-bit output";
 
-  // alpha = 0: D = beta * C in f32; A and B are not read.
+  // Without C (the product straight into D), alpha = 0.5 and D = C in place (exact halves),
+  // K = 0 and alpha = 0 (D = beta * C; A and B are not read); linear without a bias and with an
+  // f32 one.
+  std::vector<double> sums(product), halves(product), doubled(cv);
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    sums[i] -= cv[i];
+    halves[i] = 0.5 * sums[i] + cv[i];
+    doubled[i] *= 2;
+  }
+  Tensor plain({m, n}, DType::F32, target.device, stream);
+  gemm(on(a), on(b), {}, plain, {}, stream);
+  EXPECT_EQ(values(back(plain)), sums) << "no c";
+  const Tensor in_place = on(c);
+  gemm(on(a), on(b), in_place, in_place, {.alpha = 0.5, .beta = 1.0}, stream);
+  EXPECT_EQ(values(back(in_place)), halves) << "alpha = 0.5, d = c";
+  Tensor k0({m, n}, DType::F32, target.device, stream), a0({m, 0}, dt), b0({0, n}, dt);
+  gemm(on(a0), on(b0), on(c), k0, {.beta = 2.0}, stream);
+  EXPECT_EQ(values(back(k0)), doubled) << "k = 0";
   Tensor d0({m, n}, DType::F32, target.device, stream);
   gemm(on(a), on(b), on(c), d0, {.alpha = 0.0, .beta = 2.0}, stream);
-  std::vector<double> doubled = cv;
-  for (double& v : doubled) v *= 2;
   EXPECT_EQ(values(back(d0)), doubled) << "alpha = 0";
+  Tensor no_bias({m, n}, DType::F32, target.device, stream), bias32({n}, DType::F32);
+  linear(on(a), on(w), {}, no_bias, stream);
+  copy(bias, bias32);
+  linear(on(a), on(w), on(bias32), out, stream);
+  EXPECT_EQ(values(back(out)), lin) << "linear, f32 bias";
+  std::vector<double> lin_sums(lin);
+  for (std::int64_t i = 0; i < m * n; ++i) lin_sums[i] -= biasv[i % n];
+  EXPECT_EQ(values(back(no_bias)), lin_sums) << "linear, no bias";
 }
 
 TEST_P(GemmAllTargets, LinearMatchesTorchOnKnownValues) {
@@ -733,6 +756,23 @@ TEST(Gemm, BadArgumentsNameTheOpArgumentAndWhatCame) {
         gemm(a16, b16, {}, Tensor({2, 5}, DType::F16));
       },
       ErrorCode::DTypeMismatch, {"gemm", "'d'", "(bf16) or f32", "f16"});
+  test::expect_error(
+      [&] {
+        bmm(randn({1, 2, 3}, DType::F64, 18), randn({1, 3, 5}, DType::F64, 19), {},
+            Tensor({1, 2, 5}, DType::F32));
+      },
+      ErrorCode::DTypeMismatch, {"bmm", "'d'", "'a' (f64)", "f32"});
+  test::expect_error(
+      [&] {
+        linear(a16, randn({5, 3}, DType::BF16, 20), randn({5}, DType::F16, 21), d);
+      },
+      ErrorCode::DTypeMismatch, {"linear", "'bias'", "'x' (bf16) or of 'out' (f32)", "f16"});
+  test::expect_error(
+      [&] {
+        linear(a16, randn({5, 3}, DType::BF16, 20), randn({5}, DType::F32, 21),
+               Tensor({2, 5}, DType::BF16));
+      },
+      ErrorCode::DTypeMismatch, {"linear", "'bias'", "'x' (bf16), got f32"});
   const Tensor labels = Tensor::zeros({2, 3}, DType::I64);
   test::expect_error([&] { gemm(labels, b3, {}, d); }, ErrorCode::DTypeMismatch,
                      {"gemm", "'a'", "i64"});

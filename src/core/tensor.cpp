@@ -303,7 +303,7 @@ void fill(const TensorView& dst, double value, const Stream& stream) {
   if (dst.numel() == 0) return;
   if (dst.device().type == DeviceType::CPU && dst.is_contiguous()) {
     auto* bytes = static_cast<unsigned char*>(dst.data());
-    const std::size_t total = static_cast<std::size_t>(dst.nbytes());
+    const std::size_t total = dst.nbytes();
     if (value == 0 && !std::signbit(value)) {
       std::memset(bytes, 0, total);  // +0 is all zero bits in every dtype
       return;

@@ -245,13 +245,14 @@ void vocab_parallel_cross_entropy(const ProgramOp& op, const std::vector<TensorV
 // and its products: grad_x is this rank's term (Partial: the caller's plan sums it), grad_weight
 // and grad_bias its rows. As in the one-device kernels (fused_linear_cross_entropy.h), 16-bit
 // inputs give fp32 logits (the GEMM's fp32 sums unrounded: linear's f32 output) and grad_bias sums
-// their fp32 gradient, computed in place (here by a GEMM with a row of ones, in an fp32 running
-// sum rounded once at the end); for the grad_x and grad_weight GEMMs the gradient is rounded once
-// to the dtype, as the CUDA kernel does (the CPU one widens the operands instead). A 16-bit
-// grad_weight takes one rounding per chunk (the GEMM adds each chunk's product to the running sum
-// in fp32: that header's rule for a 16-bit grad_weight). Scratch: the chunk's logits, then their
-// gradient, chunk x (V / d) elements of the logits' dtype (plus, for 16-bit inputs, the rounded
-// gradient; and the bias and grad_bias's sum in fp32, V / d each), and a few per-row doubles.
+// their fp32 gradient, computed in place (here each chunk's column sums in double, rounded once to
+// the logits' dtype, added up in double and rounded once at the end); for the grad_x and
+// grad_weight GEMMs the gradient is rounded once to the dtype, as the CUDA kernel does (the CPU one
+// widens the operands instead). A 16-bit grad_weight takes one rounding per chunk (the GEMM adds
+// each chunk's product to the running sum in fp32: that header's rule for a 16-bit grad_weight).
+// Scratch: the chunk's logits, then their gradient, chunk x (V / d) elements of the logits' dtype
+// (plus, for 16-bit inputs, the rounded gradient; and V / d elements each for a widened bias and
+// grad_bias's sums), and a few per-row doubles.
 void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
                                                const std::vector<TensorView>& in,
                                                const std::vector<TensorView>& out,
@@ -300,14 +301,19 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
     bias = Tensor(b.shape(), logits_dtype, device, stream);
     copy(b, bias, stream);
   }
-  Tensor grad_logits, upstream_c, ones, grad_bias_sum;
+  Tensor grad_logits, upstream_c, no_x, no_weight, bias_c, bias_c64, bias_sum;
   if (grads) {
     if (dt != logits_dtype) grad_logits = Tensor({chunk, vocab}, dt, device, stream);
     upstream_c = Tensor({chunk}, logits_dtype, device, stream);
     if (out.size() > 3) {
-      ones = Tensor({1, chunk}, logits_dtype, device, stream);
-      fill(ones, 1.0, stream);
-      if (dt != logits_dtype) grad_bias_sum = Tensor({1, vocab}, logits_dtype, device, stream);
+      // linear_backward's grad_bias alone (its column sum in double) of the gradient in the
+      // logits' dtype: x and weight of width 0 in that dtype give it that (only their shapes are
+      // read).
+      no_x = Tensor({chunk, 0}, logits_dtype, device, stream);
+      no_weight = Tensor({vocab, 0}, logits_dtype, device, stream);
+      bias_c = Tensor({vocab}, logits_dtype, device, stream);
+      bias_c64 = Tensor({vocab}, DType::F64, device, stream);
+      bias_sum = Tensor({vocab}, DType::F64, device, stream);
     }
   }
   CrossEntropyOptions per_row = op.loss;
@@ -332,11 +338,10 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
           upstream_c.view().narrow(0, 0, rows), stream);
     cross_entropy_backward(upstream_c.view().narrow(0, 0, rows), lg, y_c,
                            lse.view().narrow(0, 0, rows), lg, per_row, stream);
-    if (ones.defined()) {  // grad_bias (1, V) += ones (1, rows) @ dlogits (rows, V)
-      const TensorView sum =
-          grad_bias_sum.defined() ? grad_bias_sum.view() : out[3].reshape({1, vocab});
-      gemm(ones.view().narrow(1, 0, rows), lg, first ? sum : TensorView(), sum,
-           {.beta = first ? 1.0 : 0.0}, stream);
+    if (bias_c.defined()) {
+      linear_backward(lg, no_x.view().narrow(0, 0, rows), no_weight, {}, {}, bias_c, stream);
+      copy(bias_c, first ? bias_c64 : bias_sum, stream);
+      if (first) add(bias_sum, bias_c64, bias_sum, 1.0, stream);
     }
     const TensorView gl = grad_logits.defined() ? grad_logits.view().narrow(0, 0, rows) : lg;
     if (grad_logits.defined()) copy(lg, gl, stream);
@@ -344,7 +349,7 @@ void vocab_parallel_fused_linear_cross_entropy(const ProgramOp& op,
     gemm(gl, x_c, first ? out[2] : TensorView(), out[2],
          {.transpose_a = true, .beta = first ? 1.0 : 0.0}, stream);
   }
-  if (grad_bias_sum.defined() && n > 0) copy(grad_bias_sum.view().reshape({vocab}), out[3], stream);
+  if (bias_sum.defined() && n > 0) copy(bias_sum, out[3], stream);
   write_loss(losses, count, op.loss.reduction, out[0], stream);
 }
 
