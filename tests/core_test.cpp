@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -221,6 +222,32 @@ TEST_P(CoreOnDevices, CopiesConvertDtypesAndStridesLikeTheHost) {
   Tensor dst = Tensor::zeros({65, 33}, DType::F32, device, stream);
   copy(a, dst.view().transpose(0, 1), stream);
   EXPECT_TRUE(testing::bitwise_equal(test::to_cpu(dst, stream).view().transpose(0, 1), a));
+}
+
+// copy() converts contiguous floating tensors in an inlined loop: the bits of its general
+// element-by-element path (here through transposed views), for every pair of floating dtypes, on
+// zeros, infinities, NaN, subnormals, overflow, ties and a value that rounding through f32 first
+// would get wrong in bf16 (1 + 2^-8 + 2^-40 rounds up once, to even twice).
+TEST(Core, ContiguousConversionsGiveTheBitsOfTheGeneralPath) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> special = {
+      0.0,    -0.0, 1.0,    -2.5,  inf,   -inf, std::nan(""),         1e-40,
+      -3e-39, 6e-8, 1e-310, 65504, 65520, 1e39, 1 + 0x1p-8 + 0x1p-40, 1 + 0x1p-8,
+      0.1,    -7.75};
+  const auto rows = static_cast<std::int64_t>(special.size()) / 2;
+  Tensor f64 = test::randn({rows + 16, 2}, DType::F64, 5);
+  std::copy(special.begin(), special.end(), f64.data_ptr<double>());
+  for (DType from : test::kFloatDTypes) {
+    Tensor src(f64.shape(), from);
+    copy(f64.view().transpose(0, 1), src.view().transpose(0, 1));
+    for (DType to : test::kFloatDTypes) {
+      Tensor fast(src.shape(), to), general({2, src.size(0)}, to);
+      copy(src, fast);
+      copy(src.view().transpose(0, 1), general);
+      EXPECT_TRUE(testing::bitwise_equal(Tensor::copy_of(fast.view().transpose(0, 1)), general))
+          << to_string(from) << " -> " << to_string(to);
+    }
+  }
 }
 
 // fill: one rounding of the value into each dtype (0.1 is 0.10009765625 in bf16, 0.0999755859375
