@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -59,6 +60,17 @@ inline std::vector<TensorView> views(const std::vector<Tensor>& tensors) {
   return {tensors.begin(), tensors.end()};
 }
 
+// The 16-bit check: max |actual - expected| <= tol x max(max |expected|, floor), with non-finite
+// values in the same places (max_abs_err skips them).
+inline void expect_normwise_close(const TensorView& actual, const TensorView& expected, double tol,
+                                  const std::string& what, double floor = 0) {
+  const testing::Diff d = testing::compare(actual, expected, 0, 0);
+  const testing::Diff scale =
+      testing::compare(expected, Tensor::zeros(expected.shape(), expected.dtype()), 0, 0);
+  EXPECT_LE(d.max_abs_err, tol * std::max(scale.max_abs_err, floor)) << what;
+  EXPECT_EQ(d.mismatched_nonfinite, 0) << what;
+}
+
 // Runs build(true) (on a mesh) on this rank and build(false) (the same ops, no mesh) whole,
 // gathers each output and compares it with the whole one: elementwise within `tol` (absolute and
 // relative), or, for 16-bit programs (`normwise`), max |sharded - whole| <= tol max |whole|. A
@@ -92,11 +104,7 @@ inline std::string expect_matches_single_device(const std::function<Program(bool
       expect_close(gathered, expected[i], tol, what);
       continue;
     }
-    const testing::Diff d = testing::compare(gathered, expected[i], 0, 0);
-    const testing::Diff scale = testing::compare(
-        expected[i], Tensor::zeros(expected[i].shape(), expected[i].dtype()), 0, 0);
-    EXPECT_LE(d.max_abs_err, tol * scale.max_abs_err) << what;
-    EXPECT_EQ(d.mismatched_nonfinite, 0) << what;
+    expect_normwise_close(gathered, expected[i], tol, what);
   }
   return plan.to_string();
 }

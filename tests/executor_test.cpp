@@ -229,11 +229,8 @@ TEST(ExecutorCuda, OverlappedMlpBlockOnLocalRanksMatchesNoOverlap) {
                   gather_tensor(base[i], expected[i].shape(), *sharded.mesh(), v.placements, comm,
                                 stream),
                   stream);
-              const testing::Diff d = testing::compare(gathered, expected[i], 0, 0);
-              const testing::Diff scale = testing::compare(
-                  expected[i], Tensor::zeros(expected[i].shape(), expected[i].dtype()), 0, 0);
-              EXPECT_LE(d.max_abs_err, tol * std::max(scale.max_abs_err, 1.0)) << "output " << i;
-              EXPECT_EQ(d.mismatched_nonfinite, 0) << "output " << i;  // max_abs_err skips them
+              exec::expect_normwise_close(gathered, expected[i], tol, "output " + std::to_string(i),
+                                          1.0);
             }
             // Streams 1 and 3 too, and set_params changing them on one executor.
             MultiDeviceExecutor executor(sharded, comm);
@@ -253,12 +250,7 @@ TEST(ExecutorCuda, OverlappedMlpBlockOnLocalRanksMatchesNoOverlap) {
                                   chunks, streams, i, comm->rank());
                   const Tensor a = to_cpu(out[i], stream), b = to_cpu(again[i], stream);
                   EXPECT_TRUE(testing::bitwise_equal(a, b)) << what << " differs run to run";
-                  const Tensor c = to_cpu(base[i], stream);
-                  const testing::Diff d = testing::compare(a, c, 0, 0);
-                  const testing::Diff scale =
-                      testing::compare(c, Tensor::zeros(c.shape(), c.dtype()), 0, 0);
-                  EXPECT_LE(d.max_abs_err, tol * std::max(scale.max_abs_err, 1.0)) << what;
-                  EXPECT_EQ(d.mismatched_nonfinite, 0) << what;
+                  exec::expect_normwise_close(a, to_cpu(base[i], stream), tol, what, 1.0);
                 }
               }
           },
@@ -312,11 +304,7 @@ TEST(ExecutorCuda, VocabularyParallelFusedLossInBf16OnLocalRanksMatchesOneDevice
             const testing::Diff d = testing::compare(got, expected[i], 1e-6, 0x1p-7);
             EXPECT_EQ(d.violations, 0) << what << ": max rel err " << d.max_rel_err;
           }
-          const testing::Diff d = testing::compare(got, expected[i], 0, 0);
-          const testing::Diff scale = testing::compare(
-              expected[i], Tensor::zeros(expected[i].shape(), expected[i].dtype()), 0, 0);
-          EXPECT_LE(d.max_abs_err, 2e-2 * scale.max_abs_err) << what;
-          EXPECT_EQ(d.mismatched_nonfinite, 0) << what;
+          exec::expect_normwise_close(got, expected[i], 2e-2, what);
         }
       },
       options);

@@ -343,10 +343,9 @@ void fill(const TensorView& dst, double value, const Stream& stream) {
       std::memset(bytes, 0, total);  // +0 is all zero bits in every dtype
       return;
     }
-    // One element converted by copy(), then repeated by doubling copies (at memcpy's speed; the
-    // broadcast copy below converts every element).
-    double one = value;
-    copy(TensorView(&one, DType::F64, {1}), TensorView(bytes, dst.dtype(), {1}));
+    // One element converted as copy() converts a double, then repeated by doubling copies (at
+    // memcpy's speed; the broadcast copy below converts every element).
+    storer(dst.dtype())(bytes, value);
     for (std::size_t done = element_size(dst.dtype()); done < total;) {
       const std::size_t n = std::min(done, total - done);
       std::memcpy(bytes + done, bytes, n);

@@ -307,8 +307,7 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
 
 void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
                        const Stream& stream) {
-  if (p.dtype != DType::F32 || p.out() != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 ||
-      p.alpha == 0 || p.k == 0)
+  if (p.dtype != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 || p.alpha == 0 || p.k == 0)
     return gemm(p, a, b, c, d, stream);
   const bool add_c = c.data != nullptr && p.beta != 0;
   if (add_c) copy_c<float>(p, c, d);
