@@ -1,8 +1,10 @@
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <thread>
+#include <vector>
 
 #include "meshfuse/meshfuse.h"
 #include "test_util.h"
@@ -27,36 +29,78 @@ TEST(DType, Bf16RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_TRUE(std::isinf(to_float(to_bfloat16(std::numeric_limits<float>::max()))));
 }
 
-TEST(DType, F16ConversionMatchesSoftwareForEveryHalf) {
+// The compiler's own binary16 conversion, the oracle of the two tests below where it exists.
+#if defined(__aarch64__)
+using CompilerHalf = __fp16;
+#elif defined(__FLT16_MAX__)
+using CompilerHalf = _Float16;
+#endif
+
+TEST(DType, F16ToFloatMatchesTheCompilersConversionForEveryHalf) {
   for (std::uint32_t bits = 0; bits < 65536; ++bits) {
     const auto h = static_cast<std::uint16_t>(bits);
     const float f = to_float(float16{h});
-    const float soft = half_bits_to_float_soft(h);
-    if (std::isnan(soft)) {
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(half_bits_to_float(h)), std::bit_cast<std::uint32_t>(f));
+    ASSERT_EQ(to_float16(f).bits, std::isnan(f) ? (h | 0x200u) : h) << "round trip " << bits;
+#ifdef __FLT16_MAX__
+    const auto compiler = static_cast<float>(std::bit_cast<CompilerHalf>(h));
+    if (std::isnan(compiler)) {
       ASSERT_TRUE(std::isnan(f)) << bits;
       continue;
     }
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(f), std::bit_cast<std::uint32_t>(soft)) << bits;
-    ASSERT_EQ(to_float16(f).bits, h) << "round trip " << bits;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(f), std::bit_cast<std::uint32_t>(compiler)) << bits;
+#endif
+  }
+}
+
+TEST(DType, FloatToF16MatchesTheCompilersConversionAcrossTheFloats) {
+  // Every 1021st float (all exponents, both signs, NaNs, a spread of low bits), then the floats
+  // around each half's rounding boundaries: the ties and their neighbours.
+  std::vector<float> floats;
+  for (std::uint64_t u = 0; u < (std::uint64_t{1} << 32); u += 1021)
+    floats.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(u)));
+  for (std::uint32_t h = 0; h < 0x7c00u; ++h) {
+    const float lo = half_bits_to_float(static_cast<std::uint16_t>(h));
+    const float hi =
+        h + 1 == 0x7c00u ? 65536.0f : half_bits_to_float(static_cast<std::uint16_t>(h + 1));
+    const auto mid = std::bit_cast<std::uint32_t>(static_cast<float>((double(lo) + hi) / 2));
+    for (std::uint32_t u : {mid - 1, mid, mid + 1}) {
+      floats.push_back(std::bit_cast<float>(u));
+      floats.push_back(-std::bit_cast<float>(u));
+    }
+  }
+  for (const float f : floats) {
+    const std::uint16_t bits = to_float16(f).bits;
+    ASSERT_EQ(float_to_half_bits(f), bits);
+#ifdef __FLT16_MAX__
+    const auto compiler = std::bit_cast<std::uint16_t>(static_cast<CompilerHalf>(f));
+    if (std::isnan(f)) {  // NaN: quietened with its sign; payloads are the hardware's choice
+      ASSERT_EQ(bits & 0xfe00u, (compiler & 0x8000u) | 0x7e00u) << std::bit_cast<std::uint32_t>(f);
+      continue;
+    }
+    ASSERT_EQ(bits, compiler) << std::bit_cast<std::uint32_t>(f);
+#endif
   }
 }
 
 TEST(DType, F16RoundsToNearestEvenIncludingSubnormalsAndOverflow) {
-  // Halfway cases between consecutive halves, checked in both implementations.
+  // Halfway cases between consecutive halves.
   for (std::uint16_t h : {std::uint16_t{0x0001}, std::uint16_t{0x03ff}, std::uint16_t{0x3c00},
                           std::uint16_t{0x3c01}, std::uint16_t{0x7bfe}}) {
-    const double lo = half_bits_to_float_soft(h), hi = half_bits_to_float_soft(h + 1);
+    const double lo = half_bits_to_float(h), hi = half_bits_to_float(h + 1);
     const auto mid = static_cast<float>((lo + hi) / 2);
     const std::uint16_t even = (h & 1) ? h + 1 : h;
-    EXPECT_EQ(float_to_half_bits_soft(mid), even) << h;
     EXPECT_EQ(to_float16(mid).bits, even) << h;
   }
-  EXPECT_EQ(float_to_half_bits_soft(65520.0f), 0x7c00);  // rounds up to inf
-  EXPECT_EQ(float_to_half_bits_soft(65519.0f), 0x7bff);  // max half
-  EXPECT_EQ(to_float16(65520.0f).bits, 0x7c00);
-  EXPECT_EQ(float_to_half_bits_soft(-std::numeric_limits<float>::infinity()), 0xfc00);
-  EXPECT_TRUE(std::isnan(
-      half_bits_to_float_soft(float_to_half_bits_soft(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_EQ(to_float16(65520.0f).bits, 0x7c00);  // rounds up to inf
+  EXPECT_EQ(to_float16(65519.0f).bits, 0x7bff);  // max half
+  EXPECT_EQ(to_float16(-std::numeric_limits<float>::infinity()).bits, 0xfc00);
+  EXPECT_EQ(to_float16(0x1p-25f).bits, 0x0000);  // a tie below the least subnormal
+  EXPECT_EQ(to_float16(std::nextafter(0x1p-25f, 1.0f)).bits, 0x0001);
+  EXPECT_EQ(to_float16(-0.0f).bits, 0x8000);
+  EXPECT_EQ(to_float16(std::numeric_limits<float>::quiet_NaN()).bits & 0x7e00u, 0x7e00u);
+  EXPECT_EQ(to_float16(-std::bit_cast<float>(0x7f800001u)).bits,
+            0xfe00);  // low payload: NaN, not inf
 }
 
 TEST(DType, FromDoubleRoundsOnceToBf16) {

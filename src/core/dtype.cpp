@@ -65,45 +65,4 @@ bool is_floating_point(DType dtype) {
   return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
 }
 
-float half_bits_to_float_soft(std::uint16_t h) {
-  const std::uint32_t sign = std::uint32_t{h & 0x8000u} << 16;
-  const std::uint32_t exponent = (h >> 10) & 0x1fu;
-  std::uint32_t mantissa = h & 0x3ffu;
-  std::uint32_t bits;
-  if (exponent == 0x1f) {  // inf or NaN: keep the payload
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal half: normalise
-    int e = 113;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --e;
-    }
-    bits = sign | (static_cast<std::uint32_t>(e) << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
-std::uint16_t float_to_half_bits_soft(float x) {
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
-  const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
-  const std::uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u)  // NaN: quiet it, keep the top payload bits
-    return sign | 0x7e00u | static_cast<std::uint16_t>((abs >> 13) & 0x3ffu);
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
-  if (abs >= 0x38800000u) {                       // normal half
-    const std::uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
-    return sign | static_cast<std::uint16_t>((rounded - 0x38000000u) >> 13);
-  }
-  // Subnormal half (or zero): value = m * 2^-24 with m the rounded integer below.
-  const float magnitude = std::bit_cast<float>(abs);
-  const float scaled = magnitude * 16777216.0f;  // exact: power of two
-  // Round to nearest even through the float's own rounding at 2^23 (exact for scaled < 2^10).
-  const float r = (scaled + 8388608.0f) - 8388608.0f;
-  return sign | static_cast<std::uint16_t>(r);
-}
-
 }  // namespace meshfuse

@@ -43,29 +43,54 @@ inline bfloat16 to_bfloat16(float x) {
   return {static_cast<std::uint16_t>(r >> 16)};
 }
 
-// IEEE binary16. The conversion goes through the compiler's half type where it exists (F16C /
-// AVX512-FP16 instructions on x86-64, fcvt on Arm64; round to nearest even); otherwise through the
-// bit-exact software path below, which is also what the tests check the hardware path against.
-// GCC 12 has _Float16 in C++ on x86-64 only (it defines __FLT16_MAX__ on Arm64 too, where C++ gets
-// __fp16: IEEE binary16 there, converted to and from float in one rounding).
-float half_bits_to_float_soft(std::uint16_t bits);
-std::uint16_t float_to_half_bits_soft(float x);
+// IEEE binary16, round to nearest even; NaN stays NaN (quietened, top payload bits kept), inf
+// stays inf. On Arm64 through __fp16 (fcvt; GCC 12 defines __FLT16_MAX__ there too, but C++ gets
+// __fp16, IEEE binary16, converted to and from float in one rounding). Elsewhere in integer
+// operations and masks without a branch: GCC 12 converts x86-64's _Float16 one element at a time
+// with F16C and through a libgcc call without it, where this form vectorises in the kernels' loops
+// (the tests check it against the compiler's conversion for every half and across the floats).
+namespace detail {
+constexpr std::uint32_t all_ones_if(bool c) { return 0u - static_cast<std::uint32_t>(c); }
+}  // namespace detail
+
+inline float half_bits_to_float(std::uint16_t h) {
+  const std::uint32_t magnitude = h & 0x7fffu;
+  // A subnormal half is its integer significand times 2^-24, exact in float.
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(
+      static_cast<float>(static_cast<std::int32_t>(magnitude)) * 0x1p-24f);
+  // Otherwise the exponent rebiased by 127 - 15, and inf / NaN's all-ones exponent kept all ones.
+  const std::uint32_t rebiased =
+      (magnitude << 13) + 0x38000000u + (detail::all_ones_if(magnitude >= 0x7c00u) & 0x38000000u);
+  const std::uint32_t is_subnormal = detail::all_ones_if(magnitude < 0x400u);
+  return std::bit_cast<float>((std::uint32_t{h & 0x8000u} << 16) | (subnormal & is_subnormal) |
+                              (rebiased & ~is_subnormal));
+}
+
+inline std::uint16_t float_to_half_bits(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  const std::uint32_t abs = u & 0x7fffffffu;
+  // A normal half: the significand rounded at bit 13 (ties to even), the exponent rebiased.
+  const std::uint32_t normal = (abs + 0xfffu + ((abs >> 13) & 1u) - 0x38000000u) >> 13;
+  // A subnormal half (or zero): |x| * 2^24 rounded to an integer by the float addition of 2^23.
+  const std::uint32_t subnormal =
+      std::bit_cast<std::uint32_t>(std::bit_cast<float>(abs) * 0x1p24f + 0x1p23f) - 0x4b000000u;
+  const std::uint32_t nan = 0x7e00u | ((abs >> 13) & 0x3ffu);
+  const std::uint32_t is_nan = detail::all_ones_if(abs > 0x7f800000u);
+  const std::uint32_t is_inf = detail::all_ones_if(abs >= 0x477ff000u) & ~is_nan;  // >= 65520
+  const std::uint32_t is_normal = detail::all_ones_if(abs >= 0x38800000u) & ~(is_nan | is_inf);
+  const std::uint32_t is_subnormal = ~(is_nan | is_inf | is_normal);
+  return static_cast<std::uint16_t>(((u >> 16) & 0x8000u) | (nan & is_nan) | (0x7c00u & is_inf) |
+                                    (normal & is_normal) | (subnormal & is_subnormal));
+}
 
 #if defined(__aarch64__) && !defined(__CUDACC__)
-#define MESHFUSE_NATIVE_HALF __fp16
-#elif defined(__FLT16_MAX__) && !defined(__CUDACC__)
-#define MESHFUSE_NATIVE_HALF _Float16
-#endif
-#ifdef MESHFUSE_NATIVE_HALF
-inline float to_float(float16 x) {
-  return static_cast<float>(std::bit_cast<MESHFUSE_NATIVE_HALF>(x.bits));
-}
+inline float to_float(float16 x) { return static_cast<float>(std::bit_cast<__fp16>(x.bits)); }
 inline float16 to_float16(float x) {
-  return {std::bit_cast<std::uint16_t>(static_cast<MESHFUSE_NATIVE_HALF>(x))};
+  return {std::bit_cast<std::uint16_t>(static_cast<__fp16>(x))};
 }
 #else
-inline float to_float(float16 x) { return half_bits_to_float_soft(x.bits); }
-inline float16 to_float16(float x) { return {float_to_half_bits_soft(x)}; }
+inline float to_float(float16 x) { return half_bits_to_float(x.bits); }
+inline float16 to_float16(float x) { return {float_to_half_bits(x)}; }
 #endif
 
 inline float to_float(float x) { return x; }
