@@ -152,13 +152,13 @@ TEST(ContinuousCount, BadArgumentsAreErrorsNamingTheArgument) {
       [&] {
         continuous_count(Tensor({2, 3}, DType::I32), out);
       },
-      ErrorCode::InvalidArgument, {"'x'", "1 dimensions", "[2, 3]"});
+      ErrorCode::InvalidArgument, {"'x'", "1 dimension,", "[2, 3]"});
   const Tensor x({3}, DType::I32);
   Tensor out32({4}, DType::I32), out2({2, 2}, DType::I64), wide({4, 2}, DType::I64);
   test::expect_error([&] { continuous_count(x, out32); }, ErrorCode::DTypeMismatch,
                      {"'out'", "i64", "i32"});
   test::expect_error([&] { continuous_count(x, out2); }, ErrorCode::InvalidArgument,
-                     {"'out'", "1 dimensions"});
+                     {"'out'", "1 dimension,"});
   const TensorView strided(wide.view().data(), DType::I64, {4}, {2});
   test::expect_error([&] { continuous_count(x, strided); }, ErrorCode::InvalidArgument,
                      {"'out' must be contiguous"});

@@ -923,6 +923,9 @@ TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
                       {.z_loss_scale = std::numeric_limits<double>::infinity()});
       },
       ErrorCode::InvalidArgument, {"cross_entropy", "z_loss_scale", "finite", "inf"});
+  test::expect_error([&] { cross_entropy(logits, labels, loss, lse, {.z_loss_scale = -1e-4}); },
+                     ErrorCode::InvalidArgument,
+                     {"cross_entropy", "z_loss_scale", ">= 0", "-0.0001"});
   test::expect_error(
       [&] {
         cross_entropy_backward(Tensor({}, DType::BF16), logits, labels, lse,

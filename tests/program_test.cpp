@@ -119,7 +119,7 @@ TEST(Program, EachOpNamesItselfTheArgumentAndTheValueInItsErrors) {
   expect_error([&] { p.rmsnorm(ints, {}, 1e-5); }, ErrorCode::DTypeMismatch,
                {"Program.rmsnorm", "'x'", "%5 'ints'", "f32, f64, bf16 or f16"});
   expect_error([&] { p.rmsnorm(x, x, 1e-5); }, ErrorCode::InvalidArgument,
-               {"Program.rmsnorm", "'weight'", "1 dimensions", "got 2"});
+               {"Program.rmsnorm", "'weight'", "1 dimension,", "got 2"});
   expect_error([&] { p.rmsnorm(x, {}, -1); }, ErrorCode::InvalidArgument, {"eps", "-1"});
   expect_error(
       [&] {

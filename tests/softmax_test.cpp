@@ -447,6 +447,12 @@ TEST(Softmax, BadArgumentsNameTheOpArgumentAndWhatCame) {
   Tensor wide({8, 2}, DType::F32);
   test::expect_error([&] { softmax(x, wide.view().transpose(0, 1), 1.0); },
                      ErrorCode::InvalidArgument, {"softmax", "'y'", "contiguous"});
+  for (const double m : {std::nan(""), -std::numeric_limits<double>::infinity()}) {  // NaN rows
+    test::expect_error([&] { softmax(x, y, m); }, ErrorCode::InvalidArgument,
+                       {"softmax:", "logits_multiplier must be finite"});
+    test::expect_error([&] { softmax_backward(x, x, y, m); }, ErrorCode::InvalidArgument,
+                       {"softmax_backward:", "logits_multiplier must be finite"});
+  }
 }
 
 TEST(CudaSoftmax, ForwardClustersTakeSeveralRowsAtLargeBatches) {

@@ -50,6 +50,9 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
 _UNPATCHED = "_meshfuse_unpatched_forward"
 # patch's accum_dtype, kept on the model for the fused loss's forward.
 _ACCUM_DTYPE = "_meshfuse_accum_dtype"
+# The causal LM's output class and its field names, found when patching: torch.compile's
+# fullgraph tracing stops at dataclasses.fields.
+_OUTPUT = "_meshfuse_output_class"
 
 
 def _unpatched(module):
@@ -66,8 +69,8 @@ def _mlp_forward(self, x):
     return mt.mlp_forward(self, x)
 
 
-def _output_class(forward):
-    # The output class the model's own forward returns (its return annotation:
+def _output_class_and_fields(forward):
+    # The output class the model's own forward returns, and its fields (its return annotation:
     # MoeCausalLMOutputWithPast for Mixtral), CausalLMOutputWithPast when it names none.
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import ModelOutput
@@ -75,9 +78,9 @@ def _output_class(forward):
     annotation = inspect.signature(forward).return_annotation
     if isinstance(annotation, str):  # postponed annotations: a name in the forward's module
         annotation = getattr(inspect.unwrap(forward), "__globals__", {}).get(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, ModelOutput):
-        return annotation
-    return CausalLMOutputWithPast
+    if not (isinstance(annotation, type) and issubclass(annotation, ModelOutput)):
+        annotation = CausalLMOutputWithPast
+    return annotation, frozenset(f.name for f in dataclasses.fields(annotation))
 
 
 def _keeps_every_position(logits_to_keep):
@@ -149,8 +152,7 @@ def _causal_lm_forward(self, *args, **kwargs):
         accum_dtype=getattr(self, _ACCUM_DTYPE, None))
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
-    output_class = _output_class(original)
-    fields = {f.name for f in dataclasses.fields(output_class)}
+    output_class, fields = getattr(self, _OUTPUT)
     output = output_class(loss=loss, logits=None,
                           **{k: v for k, v in rest.items() if k in fields})
     if return_dict:
@@ -228,5 +230,6 @@ def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,
             _replace_forward(module, _mlp_forward)
     if fused_linear_cross_entropy and hasattr(model, "lm_head"):
         setattr(model, _ACCUM_DTYPE, accum_dtype)
+        setattr(model, _OUTPUT, _output_class_and_fields(type(model).forward))
         _replace_forward(model, _causal_lm_forward)
     return model

@@ -52,7 +52,11 @@ def _d(t):
     # run on the current stream, which _stream passes); the kernels record no autograd history,
     # so a tensor that requires grad goes as it is. The eager path's calls pass their arguments by
     # position: nanobind's keyword matching costs a noticeable part of a call (docs/PYTHON.md).
-    return _to_dlpack(t) if isinstance(t, Tensor) else t  # None, or another DLPack array
+    # A lazy negation (torch._neg_view, x.conj().imag) exports its storage without the sign, so
+    # it is materialised; every tensor the functions write through _d is one they allocated.
+    if isinstance(t, Tensor):
+        return _to_dlpack(t.resolve_neg() if t.is_neg() else t)
+    return t  # None, or another DLPack array
 
 
 _to_dlpack = torch.utils.dlpack.to_dlpack
@@ -1127,7 +1131,8 @@ class RMSNorm(torch.nn.Module):
 
     normalized_shape: int or the trailing shape to normalise over (several trailing dims are
     flattened into one row); eps None: PyTorch's default (see :func:`rmsnorm`);
-    elementwise_affine: a learnable ``weight`` of normalized_shape, initialised to ones."""
+    elementwise_affine: a learnable ``weight`` of normalized_shape, initialised to ones (by
+    ``reset_parameters``, as torch's, for modules built on the meta device)."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
                  dtype=None):
@@ -1139,9 +1144,14 @@ class RMSNorm(torch.nn.Module):
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             self.weight = torch.nn.Parameter(
-                torch.ones(self.normalized_shape, device=device, dtype=dtype))
+                torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
 
     def forward(self, x):
         dims = len(self.normalized_shape)
@@ -1151,7 +1161,8 @@ class RMSNorm(torch.nn.Module):
         if dims == 1:
             return rmsnorm(x, self.weight, self.eps)
         weight = None if self.weight is None else self.weight.reshape(-1)
-        rows = x.reshape(*x.shape[:-dims], -1)
+        # The row length named: reshape cannot infer -1 for an input of no elements.
+        rows = x.reshape(*x.shape[:-dims], math.prod(self.normalized_shape))
         return rmsnorm(rows, weight, self.eps).reshape(x.shape)
 
     def extra_repr(self):
@@ -1184,10 +1195,16 @@ def _mlp_activation(gate, up, sole_holder):
 
 
 def _plain_linear(module):
-    # A torch.nn.Linear itself, without hooks: what its forward returns is F.linear of its
-    # weight, and nothing else holds it. LoRA adapters, quantised linears and hooks differ.
+    # A torch.nn.Linear itself, without hooks of its own or global ones (which may keep its
+    # output): what its forward returns is F.linear of its weight, and nothing else holds it.
+    # LoRA adapters, quantised linears and hooks differ.
     return type(module) is torch.nn.Linear and not module._forward_hooks and \
-        not module._forward_pre_hooks
+        not module._forward_pre_hooks and not _global_forward_hooks and \
+        not _global_forward_pre_hooks
+
+
+_global_forward_hooks = torch.nn.modules.module._global_forward_hooks
+_global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 
 
 def mlp_forward(mlp, x):
@@ -1224,14 +1241,21 @@ def _no_class_weights(weight):
 
 class CrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss`` on meshfuse's kernel (:func:`cross_entropy`), with its
-    arguments (class weights are not supported: weight must be None) and meshfuse's
-    ``logits_multiplier``, ``z_loss_scale`` and ``loss_dtype``. forward(input (N, V), target
-    (N,))."""
+    arguments in its order (class weights are not supported: weight must be None; the deprecated
+    size_average and reduce set the reduction, as torch's) and meshfuse's ``logits_multiplier``,
+    ``z_loss_scale`` and ``loss_dtype``. forward(input (N, V), target (N,)). Raises ValueError for
+    a reduction other than "none", "mean" and "sum", NotImplementedError for class weights."""
 
-    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
+                 z_loss_scale=0.0, loss_dtype=None):
         super().__init__()
         _no_class_weights(weight)
+        if size_average is not None or reduce is not None:
+            reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+        if reduction not in ("none", "mean", "sum"):
+            raise ValueError(f"{type(self).__name__}: reduction must be 'none', 'mean' or 'sum', "
+                             f"got {reduction!r}")
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.logits_multiplier = label_smoothing, logits_multiplier
         self.z_loss_scale, self.loss_dtype = z_loss_scale, loss_dtype
@@ -1249,10 +1273,10 @@ class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
     as :class:`CrossEntropyLoss`, plus ``chunk_rows`` (0: the device's default) and
     ``accum_dtype`` (:func:`fused_linear_cross_entropy`)."""
 
-    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                 logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, chunk_rows=0,
-                 accum_dtype=None):
-        super().__init__(weight, ignore_index, reduction, label_smoothing,
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
+                 z_loss_scale=0.0, loss_dtype=None, chunk_rows=0, accum_dtype=None):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing,
                          logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                          loss_dtype=loss_dtype)
         self.chunk_rows, self.accum_dtype = chunk_rows, accum_dtype

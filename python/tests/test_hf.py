@@ -294,3 +294,14 @@ def test_a_patched_model_saved_whole_loads_as_a_working_model():
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, patched.eval()(ids).logits)
+
+
+def test_a_patched_model_compiles_with_fullgraph_and_gives_the_eager_loss():
+    # The output class's fields were read with dataclasses.fields inside the forward, where
+    # dynamo's fullgraph tracing stops: they are found when patching.
+    torch.manual_seed(0)
+    model = mt.patch(transformers.AutoModelForCausalLM.from_config(_config("llama")))
+    ids = torch.randint(0, 64, (2, 9))
+    eager = model(ids, labels=ids).loss
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, labels=ids).loss
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

@@ -267,6 +267,12 @@ def test_bad_arguments_checked_in_python_name_the_op_and_argument():
         mt.gru(x, w, x, w, x, w, gradient_clipping=-1.0)
     with pytest.raises(meshfuse.InvalidArgumentError, match="run_local: size -1"):
         meshfuse.run_local(-1, print)  # was "cannot create std::vector larger than max_size()"
+    x = torch.randn(2, 5)
+    for multiplier in (float("nan"), float("inf")):  # cross_entropy refused them; softmax gave NaN
+        with pytest.raises(meshfuse.InvalidArgumentError, match="softmax: logits_multiplier must be finite"):
+            mt.softmax(x, logits_multiplier=multiplier)
+    with pytest.raises(meshfuse.InvalidArgumentError, match="z_loss_scale must be finite and >= 0"):
+        mt.cross_entropy(x, torch.tensor([0, 1]), z_loss_scale=-1e-4)
 
 
 def test_meta_tensors_give_meta_results_of_the_right_shapes():

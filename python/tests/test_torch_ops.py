@@ -389,6 +389,18 @@ def test_rmsnorm_module_matches_torch_with_its_default_eps_and_state_dict():
     with pytest.raises(ValueError, match="trailing shape"):
         two(torch.randn(4, 16, dtype=torch.float64))
     assert "eps=1e-05" in repr(two)
+    # No rows: reshape could not infer the row length of an input of no elements.
+    for shape in [(0, 3, 16), (2, 0, 3, 16)]:
+        empty = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        y = two(empty)
+        assert y.shape == shape
+        y.sum().backward()
+        assert empty.grad.shape == shape
+    # Built on the meta device and materialised, as FSDP2 and torchtitan initialise modules.
+    with torch.device("meta"):
+        meta = mt.RMSNorm((3, 16), dtype=torch.float64)
+    meta.to_empty(device="cpu").reset_parameters()
+    assert torch.equal(meta.weight, torch.ones(3, 16, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -445,6 +457,51 @@ def test_swiglu_mlp_module_and_losses_match_torch():
                                F.cross_entropy(F.linear(hidden, weight), labels))
     with pytest.raises(NotImplementedError, match="class weights"):
         mt.CrossEntropyLoss(weight=torch.ones(9))
+    # torch's positional order: (weight, size_average, ignore_index, reduce, reduction, ...);
+    # the deprecated size_average / reduce set the reduction as torch's do.
+    labels = labels.clamp(min=0)  # 3 is the ignore_index now
+    ours = mt.CrossEntropyLoss(None, None, 3, None, "sum")(logits, labels)
+    torch.testing.assert_close(ours, torch.nn.CrossEntropyLoss(None, None, 3, None, "sum")(
+        logits, labels))
+    with pytest.warns(UserWarning, match="size_average and reduce args will be deprecated"):
+        legacy = mt.FusedLinearCrossEntropyLoss(size_average=False)
+    assert legacy.reduction == "sum"
+    with pytest.raises(ValueError, match="CrossEntropyLoss: reduction must be .* got 'avg'"):
+        mt.CrossEntropyLoss(reduction="avg")
+
+
+def test_a_global_forward_hook_keeps_the_projections_outputs_of_swiglu_mlp():
+    # The activation writes its gradients over gate and up only where nothing else holds them:
+    # a global forward hook may keep them, as one on the projection itself may.
+    torch.manual_seed(3)
+    kept = {}
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: kept.__setitem__(module, out))
+    try:
+        mlp = mt.SwiGLUMLP(8, 16, dtype=torch.float64)
+        x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+        y = mlp(x)
+        before = kept[mlp.gate_proj].detach().clone()
+        y.sum().backward()
+        torch.testing.assert_close(kept[mlp.gate_proj].detach(), before, rtol=0, atol=0)
+    finally:
+        handle.remove()
+
+
+def test_lazily_negated_views_give_torchs_results():
+    # torch._neg_view (and x.conj().imag) set the negative bit, which DLPack does not carry: the
+    # eager path read x instead of -x.
+    torch.manual_seed(4)
+    x = torch._neg_view(torch.randn(4, 8, dtype=torch.float64))
+    up = torch.randn(4, 8, dtype=torch.float64)
+    labels = torch.tensor([0, 7, 3, 1])
+    assert x.is_neg()
+    for ours, theirs in [(mt.softmax(x), torch.softmax(x, -1)),
+                         (mt.swiglu(x, up), F.silu(x) * up),
+                         (mt.swiglu(up, x), F.silu(up) * x),
+                         (mt.rmsnorm(x, None, eps=1e-6), F.rms_norm(x, (8,), eps=1e-6)),
+                         (mt.cross_entropy(x, labels), F.cross_entropy(x, labels))]:
+        torch.testing.assert_close(ours, theirs)
 
 
 def test_fp32_loss_of_16_bit_logits_matches_the_reference_backend():

@@ -55,8 +55,8 @@ class OpCheck {
                    arg, static_cast<std::int64_t>(p_.values().size()) - 1, v.id);
     const auto r = static_cast<std::int64_t>(p_.info(v).shape.size());
     MESHFUSE_CHECK(r >= lo && r <= hi, ErrorCode::InvalidArgument,
-                   "Program.{}: '{}' ({}) must have {} dimensions, got {}", op_, arg,
-                   p_.describe(v), rank_text(lo, hi), r);
+                   "Program.{}: '{}' ({}) must have {} dimension{}, got {}", op_, arg,
+                   p_.describe(v), rank_text(lo, hi), lo == 1 && hi == 1 ? "" : "s", r);
   }
 
   // A floating operand (optional ones when defined) of the dtype of the first one, which sets it.

@@ -57,8 +57,8 @@ void check_like(std::string_view op, std::string_view name, const TensorView& t,
 void check_rank(std::string_view op, std::string_view name, const TensorView& t,
                 std::int64_t rank) {
   MESHFUSE_CHECK(t.dim() == rank, ErrorCode::InvalidArgument,
-                 "{}: '{}' must have {} dimensions, got {} of shape {}", op, name, rank, t.dim(),
-                 shape_str(t.shape()));
+                 "{}: '{}' must have {} dimension{}, got {} of shape {}", op, name, rank,
+                 rank == 1 ? "" : "s", t.dim(), shape_str(t.shape()));
 }
 
 void check_shape(std::string_view op, std::string_view name, const TensorView& t,

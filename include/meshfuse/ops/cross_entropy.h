@@ -86,8 +86,8 @@ struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;
   Reduction reduction = Reduction::Mean;
   double label_smoothing = 0.0;    // eps in [0, 1]
-  double logits_multiplier = 1.0;  // m: the loss is computed on m * logits
-  double z_loss_scale = 0.0;       // z: adds z * lse^2 per row not ignored
+  double logits_multiplier = 1.0;  // m (finite): the loss is computed on m * logits
+  double z_loss_scale = 0.0;       // z >= 0: adds z * lse^2 per row not ignored
   // A vocabulary shard (see above): the logits hold columns [vocab_start, vocab_start + V) of a
   // vocabulary of vocab_size classes; vocab_size 0: V, the logits are the whole vocabulary.
   std::int64_t vocab_start = 0;

@@ -10,9 +10,10 @@
 // All tensors share one dtype: f32, f64, bf16 or f16 (16-bit types are computed in fp32 and
 // rounded once). Any rank >= 1; outputs are contiguous and preallocated by the caller.
 // Errors: DTypeMismatch (dtypes differ or not floating), ShapeMismatch (shapes differ),
-// InvalidArgument (0-d input, output not contiguous or overlapping an operand other than in place:
-// y may be x itself, grad_x may be grad_y or y itself), DeviceMismatch (tensors on different
-// devices, or a stream of another device), Unsupported / BackendUnavailable (see kernel_backend.h).
+// InvalidArgument (0-d input, a non-finite logits_multiplier, output not contiguous or overlapping
+// an operand other than in place: y may be x itself, grad_x may be grad_y or y itself),
+// DeviceMismatch (tensors on different devices, or a stream of another device), Unsupported /
+// BackendUnavailable (see kernel_backend.h).
 #pragma once
 
 #include "meshfuse/core/stream.h"

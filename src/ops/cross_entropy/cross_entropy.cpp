@@ -174,8 +174,9 @@ void check_cross_entropy_options(std::string_view op, const CrossEntropyOptions&
                  options.label_smoothing);
   MESHFUSE_CHECK(std::isfinite(options.logits_multiplier), ErrorCode::InvalidArgument,
                  "{}: logits_multiplier must be finite, got {}", op, options.logits_multiplier);
-  MESHFUSE_CHECK(std::isfinite(options.z_loss_scale), ErrorCode::InvalidArgument,
-                 "{}: z_loss_scale must be finite, got {}", op, options.z_loss_scale);
+  MESHFUSE_CHECK(std::isfinite(options.z_loss_scale) && options.z_loss_scale >= 0.0,
+                 ErrorCode::InvalidArgument, "{}: z_loss_scale must be finite and >= 0, got {}", op,
+                 options.z_loss_scale);
 }
 
 void check_vocab_shard(std::string_view op, const CrossEntropyOptions& options,
