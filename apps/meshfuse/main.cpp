@@ -13,9 +13,9 @@
 
 #include "bench.h"
 #include "comm_bench.h"
-#include "info.h"
 #include "launch.h"
 #include "meshfuse/core/error.h"
+#include "meshfuse/info.h"
 #include "run.h"
 
 // A count option of at least 1, saying what came (CLI::PositiveNumber prints its range as doubles,
@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
       return meshfuse::cli::run_launch(launch_options);
     }
     if (*info) {
-      meshfuse::cli::print_info(std::cout);
+      std::cout << meshfuse::info();
       return 0;
     }
     return meshfuse::cli::run_bench(bench_options, std::cout);

@@ -17,6 +17,7 @@
 #include "meshfuse/exec/placement.h"
 #include "meshfuse/exec/program.h"
 #include "meshfuse/exec/sharding.h"
+#include "meshfuse/info.h"
 #include "meshfuse/ops/continuous_count.h"
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/elementwise.h"

@@ -17,6 +17,7 @@
 
 #include "arrays.h"
 #include "meshfuse/distributed/communicator.h"
+#include "options.h"
 
 namespace meshfuse::python {
 
@@ -140,12 +141,8 @@ using SplitsArg = Arg<std::vector<std::int64_t>>;  // or None (its default says 
 using StreamArg = Arg<std::uintptr_t>;
 
 ReduceOp reduce_op(const ReduceArg& op, std::string_view collective) {
-  const std::string name = op.as(collective, "op", "a str ('sum', 'avg', 'prod', 'min', 'max')");
-  try {
-    return parse_reduce_op(name);
-  } catch (const Error& e) {  // named by the collective and its argument
-    throw Error(e.code(), fmt::format("{}: 'op': {}", collective, e.message()));
-  }
+  return parse_reduce_op_arg(op.as(collective, "op", "a str ('sum', 'avg', 'prod', 'min', 'max')"),
+                             collective);
 }
 
 int rank_of(const RankArg& root, std::string_view collective) {

@@ -243,11 +243,7 @@ void bind_mesh_and_placements(nb::module_& m) {
       .def(
           "__init__",
           [](Partial* self, const std::string& op) {
-            try {
-              new (self) Partial{parse_reduce_op(op)};
-            } catch (const Error& e) {
-              throw Error(e.code(), "Partial: 'op': " + e.message());
-            }
+            new (self) Partial{parse_reduce_op_arg(op, "Partial")};
           },
           "op"_a = "sum")
       .def_prop_ro("op", [](const Partial& p) { return std::string(to_string(p.op)); });

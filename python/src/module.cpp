@@ -12,11 +12,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "arrays.h"
-#include "info.h"
 #include "meshfuse/core/memory.h"
 #include "meshfuse/meshfuse.h"
 #include "options.h"
@@ -116,12 +114,9 @@ void bind_errors(nb::module_& m) {
 void bind_core(nb::module_& m) {
   bind_errors(m);
   m.def("version", &version);
-  m.def("info", [] {
-    std::ostringstream out;
-    cli::print_info(out);
-    return out.str();
-  }, "What `meshfuse info` prints: version, build options, devices and their kernel backends, "
-     "the communicator backends, every registered kernel with its dtypes.");
+  m.def("info", &info,
+        "What `meshfuse info` prints: version, build options, devices and their kernel backends, "
+        "the communicator backends, every registered kernel with its dtypes.");
   m.def("built_with_cuda", &built_with_cuda, "Whether this build has the cuda backend.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("device_memory_stats", [](const std::string& device) {
@@ -497,8 +492,9 @@ void bind_ops(nb::module_& m) {
       "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
       "vocab_size classes (a shard). Raises InvalidArgumentError (ValueError: a label outside "
       "[0, V) that is not ignore_index, naming its row), ShapeMismatchError, DTypeMismatchError "
-      "(TypeError), DeviceMismatchError. Spec: meshfuse/ops/cross_entropy.h."),
-      m.def(
+      "(TypeError), DeviceMismatchError. Spec: meshfuse/ops/cross_entropy.h.");
+  m
+      .def(
           "cross_entropy_backward",
           [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
              const std::string& reduction, double label_smoothing, double logits_multiplier,

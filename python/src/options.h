@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "meshfuse/core/error.h"
+#include "meshfuse/distributed/communicator.h"
 #include "meshfuse/ops/cross_entropy.h"
 #include "meshfuse/ops/swiglu.h"
 
@@ -18,6 +19,15 @@ inline SwigluLayout parse_layout(const std::string& name, std::string_view op) {
   if (name == "interleaved") return SwigluLayout::Interleaved;
   throw Error(ErrorCode::InvalidArgument,
               std::string(op) + ": layout must be 'halves' or 'interleaved', got '" + name + "'");
+}
+
+// A reduction op by name ('sum', 'avg', ...); errors name `op` and its argument 'op'.
+inline ReduceOp parse_reduce_op_arg(const std::string& name, std::string_view op) {
+  try {
+    return parse_reduce_op(name);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(op) + ": 'op': " + e.message());
+  }
 }
 
 // `op` names the caller in errors.

@@ -66,9 +66,9 @@ void dispatch_gemm(const GemmProblem& p, F&& f) {
 using GemmFn = void(const GemmProblem&, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
                     const Stream&);
 
-// out[j] = sum over i < rows of x(i, j), for j < cols; summed in row order in the accumulation
-// type (double in the reference, fp32 for 16-bit types on the cpu), rounded once. x.batch_stride
-// is unused.
+// out[j] = sum over i < rows of x(i, j), for j < cols; summed in double (in row order in the
+// reference and cpu backends, in fixed row blocks on cuda), rounded once. x.batch_stride is
+// unused.
 using ColumnSumFn = void(DType, std::int64_t rows, std::int64_t cols, GemmMatrix x, void* out,
                          const Stream&);
 

@@ -1,9 +1,8 @@
-#include "info.h"
+#include "meshfuse/info.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <ostream>
 #include <string>
 #include <vector>
 
@@ -13,7 +12,7 @@
 #include "meshfuse/distributed/communicator.h"
 #include "meshfuse/ops/gemm.h"
 
-namespace meshfuse::cli {
+namespace meshfuse {
 namespace {
 
 constexpr KernelBackend kBackends[] = {KernelBackend::Reference, KernelBackend::CPU,
@@ -27,14 +26,15 @@ std::string dtypes_text(const std::vector<DType>& dtypes) {
 
 }  // namespace
 
-void print_info(std::ostream& out) {
+std::string info() {
+  std::string out;
   const std::vector<KernelInfo> kernels = registered_kernels();
-  out << fmt::format("meshfuse {}\n", version());
-  out << fmt::format("build: {} cuda={}\n", build_info(), built_with_cuda() ? "ON" : "OFF");
-  out << fmt::format("cpu simd: {} (built for {}; MESHFUSE_CPU_TARGET pins a lower one)\n",
+  out += fmt::format("meshfuse {}\n", version());
+  out += fmt::format("build: {} cuda={}\n", build_info(), built_with_cuda() ? "ON" : "OFF");
+  out += fmt::format("cpu simd: {} (built for {}; MESHFUSE_CPU_TARGET pins a lower one)\n",
                      cpu_simd_target(), fmt::join(cpu_simd_targets(), " "));
 
-  out << "devices and their kernel backends:\n";
+  out += "devices and their kernel backends:\n";
   for (const Device& device : available_devices()) {
     std::vector<std::string_view> backends;
     for (KernelBackend b : kBackends) {
@@ -44,12 +44,12 @@ void print_info(std::ostream& out) {
       });
       if (runs) backends.push_back(to_string(b));
     }
-    out << fmt::format("  {:<8} {}\n", device.str(), fmt::join(backends, ", "));
+    out += fmt::format("  {:<8} {}\n", device.str(), fmt::join(backends, ", "));
   }
   if (!built_with_cuda())
-    out << "  (no cuda devices: this build has no cuda backend)\n";
+    out += "  (no cuda devices: this build has no cuda backend)\n";
   else if (cuda_device_count() == 0)
-    out << "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
+    out += "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
 
   if (built_with_cuda()) {
     std::string text;
@@ -58,7 +58,7 @@ void print_info(std::ostream& out) {
     } catch (const Error& e) {
       text = fmt::format("unusable: {}", e.what());
     }
-    out << fmt::format("cuda gemm library: {}\n", text);
+    out += fmt::format("cuda gemm library: {}\n", text);
   }
 
   // The communicator backends of this build, and the NCCL library nccl opens.
@@ -76,7 +76,7 @@ void print_info(std::ostream& out) {
     }
     comms.push_back(text);
   }
-  out << fmt::format("communicator backends: {}\n", fmt::join(comms, ", "));
+  out += fmt::format("communicator backends: {}\n", fmt::join(comms, ", "));
 
   // One row per op (kernel name), one column per backend that has any kernel.
   std::vector<KernelBackend> columns;
@@ -90,10 +90,10 @@ void print_info(std::ostream& out) {
   std::size_t op_width = 2;
   for (const std::string& op : ops) op_width = std::max(op_width, op.size());
 
-  out << "kernels (op x backend: dtypes):\n";
+  out += "kernels (op x backend: dtypes):\n";
   std::string head = fmt::format("  {:<{}}", "op", op_width);
   for (KernelBackend b : columns) head += fmt::format("  {:<16}", to_string(b));
-  out << head.substr(0, head.find_last_not_of(' ') + 1) << '\n';
+  out += head.substr(0, head.find_last_not_of(' ') + 1) + '\n';
   for (const std::string& op : ops) {
     std::string line = fmt::format("  {:<{}}", op, op_width);
     for (KernelBackend b : columns) {
@@ -102,8 +102,9 @@ void print_info(std::ostream& out) {
       });
       line += fmt::format("  {:<16}", k == kernels.end() ? "-" : dtypes_text(k->dtypes));
     }
-    out << line.substr(0, line.find_last_not_of(' ') + 1) << '\n';
+    out += line.substr(0, line.find_last_not_of(' ') + 1) + '\n';
   }
+  return out;
 }
 
-}  // namespace meshfuse::cli
+}  // namespace meshfuse
