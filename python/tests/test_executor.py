@@ -602,6 +602,19 @@ def test_gather_tensor_with_other_arguments_on_one_rank_says_what_every_rank_mus
 
     on_ranks(2, rank_fn)
 
+    def wrong_part_on_rank_1(comm):
+        # Rank 1 refuses its part before communicating; rank 0 fails in the comparison of
+        # programs, which it hears of with the same hint.
+        rows = 3 if comm.rank == 0 else 2
+        with pytest.raises(meshfuse.Error) as info:
+            meshfuse.gather_tensor(np.ones((rows, 4), np.float32), [6, 4], mesh, Shard(0), comm)
+        if comm.rank == 0:
+            assert "gather_tensor: every rank must call it, with the same shape" in str(info.value)
+        else:
+            assert "'local' on rank 1 must be [3, 4]" in str(info.value)
+
+    on_ranks(2, wrong_part_on_rank_1)
+
 
 def test_a_partial_output_is_made_locally_and_its_terms_sum_to_the_whole():
     # DTensor's partition of a value: a shard of a sum padded with zeros, no communication.

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/numeric.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse {
@@ -58,6 +59,14 @@ std::optional<DType> parse_dtype(std::string_view name) {
     if (a.name == name) return a.dtype;
   return std::nullopt;
 }
+
+namespace detail {
+
+void fail_dtype(std::string_view op, DType dtype) {
+  fail(ErrorCode::DTypeMismatch, "{}: no kernel for dtype {}", op, to_string(dtype));
+}
+
+}  // namespace detail
 
 bool is_sixteen_bit(DType dtype) { return dtype == DType::BF16 || dtype == DType::F16; }
 

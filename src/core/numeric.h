@@ -2,11 +2,33 @@
 // (internal, not installed; host code and CUDA code).
 #pragma once
 
+#include <string_view>
 #include <type_traits>
 
 #include "meshfuse/core/dtype.h"
 
 namespace meshfuse::detail {
+
+// Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers).
+[[noreturn]] void fail_dtype(std::string_view op, DType dtype);
+
+// Calls f(T{}) with T the element type of a floating dtype (float, double, bfloat16, float16);
+// fail_dtype(op, dtype) for the others.
+template <typename F>
+decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
+  switch (dtype) {
+    case DType::F32:
+      return f(float{});
+    case DType::F64:
+      return f(double{});
+    case DType::BF16:
+      return f(bfloat16{});
+    case DType::F16:
+      return f(float16{});
+    default:
+      fail_dtype(op, dtype);
+  }
+}
 
 // The accumulation type of a kernel on T: double for f64, float for everything else.
 template <typename T>

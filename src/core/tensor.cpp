@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/numeric.h"
 #include "meshfuse/core/error.h"
 
 #ifdef MESHFUSE_WITH_CUDA
@@ -93,23 +94,6 @@ void convert(const void* src, void* dst, std::int64_t n) {
       store<D>(out + i, load<S>(in + i));
     else  // S is exact in a float: one rounding, which vectorises, without the trip through double
       out[i] = from_float<D>(to_float(in[i]));
-  }
-}
-
-// Calls f(T{}) for a floating dtype; returns false for the others.
-template <typename F>
-bool with_float_type(DType d, F&& f) {
-  switch (d) {
-    case DType::F32:
-      return f(float{}), true;
-    case DType::F64:
-      return f(double{}), true;
-    case DType::F16:
-      return f(float16{}), true;
-    case DType::BF16:
-      return f(bfloat16{}), true;
-    default:
-      return false;
   }
 }
 
@@ -304,14 +288,13 @@ void copy(const TensorView& src, const TensorView& dst, const Stream& stream) {
     std::memmove(dst.data(), src.data(), src.nbytes());
     return;
   }
-  if (src.is_contiguous() && dst.is_contiguous()) {
-    bool done = false;
-    with_float_type(src.dtype(), [&](auto s) {
-      done = with_float_type(dst.dtype(), [&](auto d) {
+  if (src.is_contiguous() && dst.is_contiguous() && is_floating_point(src.dtype()) &&
+      is_floating_point(dst.dtype())) {
+    return detail::dispatch_float(src.dtype(), "copy", [&](auto s) {
+      detail::dispatch_float(dst.dtype(), "copy", [&](auto d) {
         convert<decltype(s), decltype(d)>(src.data(), dst.data(), n);
       });
     });
-    if (done) return;
   }
   const LoadFn ld = loader(src.dtype());
   const StoreFn st = storer(dst.dtype());

@@ -125,15 +125,11 @@ void reduce_buffers(DType dtype, ReduceOp op, const std::vector<const void*>& sr
 }
 
 void divide_buffer(DType dtype, void* data, std::int64_t n, int divisor) {
-  MESHFUSE_CHECK(is_floating_point(dtype), ErrorCode::DTypeMismatch,
-                 "communicator avg: no kernel for dtype {}", to_string(dtype));
-  dispatch_reducible(dtype, [&](auto t) {
+  dispatch_float(dtype, "communicator avg", [&](auto t) {
     using T = decltype(t);
-    if constexpr (!std::is_integral_v<T>) {
-      T* p = static_cast<T*>(data);
-      for (std::int64_t i = 0; i < n; ++i)
-        p[i] = store_as<T>(to_float(p[i]) / static_cast<acc_t<T>>(divisor));
-    }
+    T* p = static_cast<T*>(data);
+    for (std::int64_t i = 0; i < n; ++i)
+      p[i] = store_as<T>(to_float(p[i]) / static_cast<acc_t<T>>(divisor));
   });
 }
 

@@ -391,7 +391,9 @@ Tensor gather_tensor(const TensorView& local, const Shape& shape, const DeviceMe
     return executor->run({local}, stream)[0];
   } catch (const Error& e) {
     // The executor's words are of a program and run(), which the caller never wrote.
-    const bool elsewhere = e.code() == ErrorCode::InvalidArgument || e.code() == ErrorCode::Timeout;
+    const bool elsewhere = e.code() == ErrorCode::InvalidArgument ||
+                           e.code() == ErrorCode::Timeout ||
+                           e.code() == ErrorCode::CommunicationFailure;
     throw Error(e.code(), fmt::format("gather_tensor: {}{}",
                                       elsewhere ? "every rank must call it, with the same shape, "
                                                   "dtype, mesh and placements (it runs as an "

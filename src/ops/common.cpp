@@ -185,10 +185,6 @@ void KernelCall::finish() {
   outputs_.clear();
 }
 
-void fail_dtype(std::string_view op, DType dtype) {
-  fail(ErrorCode::DTypeMismatch, "{}: no kernel for dtype {}", op, to_string(dtype));
-}
-
 std::int64_t leading_rows(const TensorView& t) {
   std::int64_t rows = 1;
   for (std::int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.shape()[d];

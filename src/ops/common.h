@@ -148,26 +148,6 @@ void run_kernel(const KernelTable<Fn>& table, std::initializer_list<NamedTensor>
   run_kernel(table, tensors, {}, stream, std::forward<Body>(body));
 }
 
-// Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers below).
-[[noreturn]] void fail_dtype(std::string_view op, DType dtype);
-
-// Calls f(T{}) with T the element type of a floating dtype (float, double, bfloat16, float16).
-template <typename F>
-decltype(auto) dispatch_float(DType dtype, std::string_view op, F&& f) {
-  switch (dtype) {
-    case DType::F32:
-      return f(float{});
-    case DType::F64:
-      return f(double{});
-    case DType::BF16:
-      return f(bfloat16{});
-    case DType::F16:
-      return f(float16{});
-    default:
-      fail_dtype(op, dtype);
-  }
-}
-
 // Calls f(T{}) with T = int32_t or int64_t.
 template <typename F>
 decltype(auto) dispatch_index(DType dtype, std::string_view op, F&& f) {
