@@ -13,7 +13,6 @@
 
 #include "meshfuse/core/platform.h"
 #include "meshfuse/meshfuse.h"
-#include "ops/cross_entropy/cross_entropy_kernels.h"  // lse_dtype
 #include "test_util.h"
 
 namespace meshfuse {
@@ -64,7 +63,7 @@ TEST(CpuTargets, ReductionOpsMatchTheReferenceOnEveryTarget) {
       Out r{test::empty_like(x),
             test::empty_like(x),
             Tensor({kRows}, dtype),
-            Tensor({kRows}, detail::lse_dtype(dtype)),
+            Tensor({kRows}, cross_entropy_lse_dtype(dtype)),
             test::empty_like(x),
             test::empty_like(x),
             Tensor({kRows}, rmsnorm_rstd_dtype(dtype)),

@@ -46,7 +46,7 @@ Forward forward(const Target& target, const TensorView& logits, const TensorView
   const std::int64_t n = logits.size(0);
   Tensor loss(loss_shape(n, o.reduction), loss_dtype.value_or(logits.dtype()), target.device,
               stream),
-      lse({n}, detail::lse_dtype(logits.dtype()), target.device, stream);
+      lse({n}, cross_entropy_lse_dtype(logits.dtype()), target.device, stream);
   cross_entropy(on(logits, target.device, stream), on(labels, target.device, stream), loss, lse, o,
                 stream);
   return {to_cpu(loss, stream), to_cpu(lse, stream)};
@@ -314,7 +314,7 @@ TEST_P(CrossEntropyBackends, NonContiguousLogitsAndLabelsGiveTheContiguousResult
 
   ForceKernelBackend force(target.backend);
   const CrossEntropyOptions o{.reduction = Reduction::None, .label_smoothing = 0.1};
-  const DType lse_dtype = detail::lse_dtype(dtype);
+  const DType lse_dtype = cross_entropy_lse_dtype(dtype);
   Tensor la({6}, dtype, device, stream), lb({6}, dtype, device, stream),
       sa({6}, lse_dtype, device, stream), sb({6}, lse_dtype, device, stream);
   cross_entropy(logits, labels, la, sa, o, stream);
@@ -427,7 +427,7 @@ TEST_P(CrossEntropyBackends, LabelOutOfRangeNamesTheRowAndValueBeforeAnyWork) {
   MESHFUSE_REQUIRE_TARGET(target);
   const Stream stream{target.device};
   const Device device = target.device;
-  const DType lse_dtype = detail::lse_dtype(dtype);
+  const DType lse_dtype = cross_entropy_lse_dtype(dtype);
   // A tensor of `value`s on the target's device.
   const auto filled = [&](Shape shape, DType type, double value) {
     return on(test::full(std::move(shape), type, value), device, stream);
@@ -733,7 +733,7 @@ TEST_P(CrossEntropyRowKernels, OnChunksEqualTheWholeOpAndRunInPlace) {
 
   const Tensor chunk = on(logits.view().narrow(0, begin, rows), device, stream);
   const Tensor on_labels = on(labels, device, stream), on_dl = on(dl, device, stream);
-  const Tensor lse = Tensor::zeros({n}, detail::lse_dtype(DType::F32), device, stream);
+  const Tensor lse = Tensor::zeros({n}, cross_entropy_lse_dtype(DType::F32), device, stream);
   const Tensor row_loss = on(test::full({n}, DType::F64, -1.0), device, stream);
   const detail::CrossEntropyShape shape{DType::F32, DType::F32, DType::I32, n, v};
   const detail::CrossEntropyRows block{DType::F32, DType::I32, begin, rows, v};

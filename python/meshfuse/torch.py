@@ -482,7 +482,7 @@ def _loss_shape(n, reduction):
 
 
 def _lse_dtype(dtype):
-    # As detail::lse_dtype in C++: f32 for 16-bit logits, f64 for f32 and f64 ones.
+    # As cross_entropy_lse_dtype in C++: f32 for 16-bit logits, f64 for f32 and f64 ones.
     return torch.float32 if dtype in _SIXTEEN_BIT else torch.float64
 
 

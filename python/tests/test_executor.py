@@ -453,6 +453,16 @@ def test_executor_arguments_that_cannot_work_are_refused():
 
     on_ranks(2, gloo_on_threads)
 
+    def stream_with_cpu_inputs(comm):
+        q = all_gather_matmul(4, 3, 2, 2)
+        # It named an op of the program (linear), which the caller did not call.
+        with pytest.raises(ValueError, match=r"MultiDeviceExecutor.run on rank \d: stream: a native "
+                                             r"stream handle \(0x5\) came with inputs on the CPU"):
+            meshfuse.MultiDeviceExecutor(q, comm).run(
+                {"x": randn(2, 3, seed=1), "w": randn(3, 2, seed=2)}, stream=5)
+
+    on_ranks(2, stream_with_cpu_inputs)
+
 
 def test_builder_errors_values_and_placements():
     p, q = meshfuse.Program(), meshfuse.Program()

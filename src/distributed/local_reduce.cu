@@ -3,6 +3,7 @@
 // the reduced value once. The sources are combined in team order by every thread, so the result
 // does not depend on the launch and equals reduce_buffers' on the CPU.
 #include "core/cuda/cuda_utils.cuh"
+#include "distributed/combine.h"
 #include "distributed/local_reduce.h"
 
 namespace meshfuse::detail {
@@ -33,27 +34,6 @@ struct Compute<__nv_bfloat16> {
   __device__ static float in(__nv_bfloat16 x) { return cuda::load(x); }
   __device__ static __nv_bfloat16 out(float x) { return cuda::store<__nv_bfloat16>(x); }
 };
-
-template <typename C>
-__device__ bool is_nan(C x) {
-  if constexpr (std::is_floating_point_v<C>)
-    return x != x;
-  else
-    return false;
-}
-
-// As reduce.cpp's combine: integers wrap in their own type, NaN wins min and max.
-template <ReduceOp Op, typename C>
-__device__ C combine(C acc, C x) {
-  if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg)
-    return static_cast<C>(acc + x);
-  else if constexpr (Op == ReduceOp::Prod)
-    return static_cast<C>(acc * x);
-  else if constexpr (Op == ReduceOp::Min)
-    return (x < acc || is_nan(x)) ? x : acc;
-  else
-    return (x > acc || is_nan(x)) ? x : acc;
-}
 
 template <typename T, ReduceOp Op>
 __device__ T reduce_one(const Sources<T>& in, std::int64_t i) {

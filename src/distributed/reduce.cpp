@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "core/numeric.h"
+#include "distributed/combine.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse::detail {
@@ -46,26 +47,6 @@ compute_t<T> to_compute(T x) {
     return x;
   else
     return to_float(x);
-}
-
-template <typename C>
-bool is_nan(C x) {
-  if constexpr (std::is_floating_point_v<C>)
-    return x != x;
-  else
-    return false;
-}
-
-template <ReduceOp Op, typename C>
-C combine(C acc, C x) {
-  if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg)
-    return static_cast<C>(acc + x);
-  else if constexpr (Op == ReduceOp::Prod)
-    return static_cast<C>(acc * x);
-  else if constexpr (Op == ReduceOp::Min)  // NaN wins, as in torch.minimum / torch.maximum
-    return (x < acc || is_nan(x)) ? x : acc;
-  else
-    return (x > acc || is_nan(x)) ? x : acc;
 }
 
 // In blocks of kBlock elements combined in a C scratch, source after source: vectorisable loops,

@@ -298,6 +298,11 @@ std::vector<Tensor> MultiDeviceExecutor::run(const Lowered& lowered,
                  ErrorCode::DeviceMismatch,
                  "MultiDeviceExecutor.run on rank {}: the stream is on {} but the inputs are on {}",
                  communicator_->rank(), stream.device.str(), device.str());
+  MESHFUSE_CHECK(device.type != DeviceType::CPU || stream.native == nullptr,
+                 ErrorCode::InvalidArgument,
+                 "MultiDeviceExecutor.run on rank {}: stream: a native stream handle ({}) came "
+                 "with inputs on the CPU, where the program runs on the calling thread: pass none",
+                 communicator_->rank(), stream.native);
   static const std::vector<std::shared_ptr<Communicator>> kNone;
   const auto& teams =
       lowered.facts.communicates ? this->teams(plan.backend, device.type, stream) : kNone;

@@ -21,9 +21,6 @@ Shape rows_of(Shape shape) {
   return shape;
 }
 
-// cross_entropy's lse: f32 for 16-bit logits, f64 for f32 and f64 ones (cross_entropy.h).
-DType lse_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : DType::F64; }
-
 // OpCheck's upper bound on an operand's rank when any rank will do.
 constexpr std::int64_t kAnyRank = std::int64_t{1} << 30;
 
@@ -327,7 +324,7 @@ Value Program::cross_entropy(Value logits, Value labels, const CrossEntropyOptio
   ProgramOp op = op_of(OpType::CrossEntropy, {logits, labels});
   op.loss = options;
   return define(std::move(op), {{loss_shape(rows, options.reduction), c.loss_dtype(loss_dtype)},
-                                {{rows}, lse_dtype(c.dtype())}})
+                                {{rows}, cross_entropy_lse_dtype(c.dtype())}})
       .outputs[0];
 }
 

@@ -24,9 +24,8 @@ std::vector<Direction> cross_entropy_directions(const BenchSetup& s) {
   Tensor labels_host({n}, DType::I64);
   testing::fill_uniform_int(labels_host, 43, 0, v);
   const Tensor labels = labels_host.to(s.device);
-  // lse: f32 for 16-bit logits, f64 for f32 ones (cross_entropy.h).
-  const DType lse_dtype = is_sixteen_bit(s.dtype) ? DType::F32 : DType::F64;
-  const Tensor loss = output_tensor(s, {n}, ldt), lse = output_tensor(s, {n}, lse_dtype);
+  const Tensor loss = output_tensor(s, {n}, ldt),
+               lse = output_tensor(s, {n}, cross_entropy_lse_dtype(s.dtype));
   const Tensor grad_logits = output_tensor(s, {n, v});
   const std::string shape = shape_text({{"logits", {n, v}}});
   const Stream stream{s.device};  // ops run on the default stream of the tensors' device
@@ -41,7 +40,7 @@ std::vector<Direction> cross_entropy_directions(const BenchSetup& s) {
   forward.run = [=] { cross_entropy(logits, labels, loss, lse, options, stream); };
   forward.check = [=] {
     const Tensor loss_ref = output_tensor(s, {checked}, ldt),
-                 lse_ref = output_tensor(s, {checked}, lse_dtype);
+                 lse_ref = output_tensor(s, {checked}, cross_entropy_lse_dtype(s.dtype));
     on_reference([&] {
       cross_entropy(first_rows(logits, checked), first_rows(labels, checked), loss_ref, lse_ref,
                     options, stream);

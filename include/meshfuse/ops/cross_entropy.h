@@ -55,7 +55,8 @@
 // Megatron-LM returns it, for training loops that log and sum losses in fp32; each output is
 // rounded once from the double per-row losses); labels are i32 or i64; lse is f32 for 16-bit
 // logits and f64 for f32 and f64 ones (the backward's p = exp(v - lse) would take an f32 lse's
-// rounding whole: up to 2^-21 relative for an lse of 10 to 20). Inputs may be strided; outputs
+// rounding whole: up to 2^-21 relative for an lse of 10 to 20; cross_entropy_lse_dtype). Inputs
+// may be strided; outputs
 // are contiguous and preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) (for a shard [0, vocab_size)) that is not
 // ignore_index (the message names the first such row and its value; nothing is computed),
@@ -94,6 +95,11 @@ struct CrossEntropyOptions {
   std::int64_t vocab_size = 0;
 };
 
+// The dtype of lse for logits of `logits` dtype: F32 for BF16 / F16, F64 for F32 and F64.
+constexpr DType cross_entropy_lse_dtype(DType logits) {
+  return logits == DType::BF16 || logits == DType::F16 ? DType::F32 : DType::F64;
+}
+
 // logits: (N, V); labels: (N,) i32/i64.
 // Writes loss: () for mean and sum, (N,) for none, dtype of logits or f32; and lse: (N,), the
 // log-sum-exp of each row of m * logits, saved for the backward (0 for ignored rows), or nothing
@@ -102,8 +108,9 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
                    const TensorView& lse, const CrossEntropyOptions& options = {},
                    const Stream& stream = {});
 
-// grad_loss: the shape of the forward's loss, the dtype of the logits or f32 for 16-bit logits; logits, labels, lse and options as given
-// to (or written by) the forward. Writes grad_logits: (N, V), dtype of logits.
+// grad_loss: the shape of the forward's loss, the dtype of the logits or f32 for 16-bit logits;
+// logits, labels, lse and options as given to (or written by) the forward. Writes grad_logits: (N,
+// V), dtype of logits.
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
                             const TensorView& labels, const TensorView& lse,
                             const TensorView& grad_logits, const CrossEntropyOptions& options = {},

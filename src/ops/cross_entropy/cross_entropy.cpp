@@ -132,7 +132,8 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
   detail::CrossEntropyShape s = check_inputs(op, logits, labels, options);
   check_loss_dtype(op, "loss", loss, s);
   detail::check_output(op, "loss", loss, loss_shape(s, options.reduction), s.loss_dtype);
-  if (lse.defined()) detail::check_output(op, "lse", lse, {s.rows}, detail::lse_dtype(s.dtype));
+  if (lse.defined())
+    detail::check_output(op, "lse", lse, {s.rows}, cross_entropy_lse_dtype(s.dtype));
   detail::run_kernel(
       kForward, {{"logits", logits}, {"labels", labels}, {"loss", loss}, {"lse", lse}}, stream,
       [&](auto* fn, detail::KernelCall& call) {
@@ -150,7 +151,7 @@ void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logit
   check_loss_dtype(op, "grad_loss", grad_loss, s);
   detail::check_shape(op, "grad_loss", grad_loss, loss_shape(s, options.reduction));
   detail::check_defined(op, "lse", lse);
-  detail::check_dtype(op, "lse", lse, {detail::lse_dtype(s.dtype)});
+  detail::check_dtype(op, "lse", lse, {cross_entropy_lse_dtype(s.dtype)});
   detail::check_shape(op, "lse", lse, {s.rows});
   detail::check_output(op, "grad_logits", grad_logits, logits.shape(), s.dtype);
   detail::run_kernel(kBackward,

@@ -22,12 +22,10 @@ struct CrossEntropyShape {
   std::int64_t vocab;  // the logits' columns: a shard's width when the options name one
 };
 
-// lse: F32 for 16-bit logits, F64 for f32 and f64 ones. The backwards take p = e^(v - lse) from
-// it, and an f32 lse of 10 to 20 is off by up to 2^-21, an error that every p of the row takes
-// whole (above PyTorch's own for f32 logits; far below a 16-bit gradient's rounding).
-inline DType lse_dtype(DType logits) { return is_sixteen_bit(logits) ? DType::F32 : DType::F64; }
-
-// lse's element type for logits of element type T (either backend's 16-bit types are 2 bytes).
+// lse's element type for logits of element type T (either backend's 16-bit types are 2 bytes), as
+// cross_entropy_lse_dtype: the backwards take p = e^(v - lse) from it, and an f32 lse of 10 to 20
+// is off by up to 2^-21, an error that every p of the row takes whole (above PyTorch's own for f32
+// logits; far below a 16-bit gradient's rounding).
 template <typename T>
 using lse_t = std::conditional_t<sizeof(T) == 2, float, double>;
 
@@ -79,7 +77,7 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
 // row_grad, all of length N. This lets an op that computes logits a chunk of rows at a time
 // (fused linear cross-entropy) run the loss and its gradient on each chunk it holds.
 struct CrossEntropyRows {
-  DType dtype;  // of the block's logits and grad_logits (lse is lse_dtype(dtype))
+  DType dtype;  // of the block's logits and grad_logits (lse is cross_entropy_lse_dtype(dtype))
   DType label_dtype;
   std::int64_t row_begin;
   std::int64_t rows;

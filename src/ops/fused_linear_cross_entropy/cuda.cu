@@ -25,7 +25,8 @@
 // Memory (all on the caller's stream, released when the call returns): the chunk's logits,
 // min(chunk_rows, N) x V x sizeof(A); V x 4 for a 16-bit bias in fp32 (the epilogue adds it to
 // fp32 logits); V x 8 for grad_bias's double accumulator; N x (8 + 8 + 8) for lse (double for
-// fp32 and f64 logits: lse_dtype), row losses and upstream; plus cuBLASLt's workspace (<= 32 MiB).
+// fp32 and f64 logits: cross_entropy_lse_dtype), row losses and upstream; plus cuBLASLt's workspace
+// (<= 32 MiB).
 //
 // Determinism: a fixed sequence of kernels with fixed shapes per chunk_rows; cuBLASLt's choice is
 // cached per problem (gemm/cuda.cu); grad_bias sums each column in row order; no atomics. The only
@@ -132,7 +133,8 @@ void run(const FusedLinearCrossEntropyShape& s, DType label_dtype,
   const bool grads = a.grad_x || a.grad_weight || a.grad_bias;
   const std::int64_t chunk = std::min(s.chunk_rows, n);
 
-  const Tensor logits = scratch(at, {chunk * v}, stream), lse = scratch(lse_dtype(at), {n}, stream),
+  const Tensor logits = scratch(at, {chunk * v}, stream),
+               lse = scratch(cross_entropy_lse_dtype(at), {n}, stream),
                row_loss = scratch(DType::F64, {n}, stream);
   Tensor row_grad;
   const CrossEntropyUpstream up =

@@ -129,7 +129,7 @@ FusedLinearCrossEntropyWorkspace fused_linear_cross_entropy_workspace(
   if (!is_floating_point(s.dtype)) detail::fail_dtype(kFusedLinearCrossEntropy, s.dtype);
   const detail::cpu::FusedLinearCrossEntropyPlan p = detail::cpu::plan(s);
   const std::int64_t a = s.dtype == DType::F64 ? 8 : 4;  // the compute type's size
-  // The lse of the compute type's logits is double (lse_dtype).
+  // The lse of the compute type's logits is double (cross_entropy_lse_dtype).
   return {p.logits * a, (p.lse + p.row_loss + p.row_grad) * 8,
           (p.x_chunk + p.grad_x_chunk + p.weight_block + p.bias) * 4, p.grad_bias * 8};
 }
