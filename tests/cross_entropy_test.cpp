@@ -962,7 +962,9 @@ TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {
         ErrorCode::InvalidArgument, backward_needles);
   }
   EXPECT_EQ(parse_reduction("sum"), Reduction::Sum);
-  EXPECT_EQ(parse_reduction("avg"), std::nullopt);
+  EXPECT_EQ(parse_reduction("MEAN"), Reduction::Mean);
+  test::expect_error([] { parse_reduction("avg"); }, ErrorCode::InvalidArgument,
+                     {"reduction: unknown name 'avg' (expected one of none, mean, sum)"});
 }
 
 }  // namespace

@@ -35,13 +35,14 @@ inline CrossEntropyOptions ce_options(std::string_view op, std::int64_t ignore_i
                                       const std::string& reduction, double label_smoothing,
                                       double logits_multiplier, double z_loss_scale,
                                       std::int64_t vocab_start = 0, std::int64_t vocab_size = 0) {
-  const std::optional<Reduction> r = parse_reduction(reduction);
-  if (!r)
-    throw Error(
-        ErrorCode::InvalidArgument,
-        std::string(op) + ": reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
+  Reduction r;
+  try {
+    r = parse_reduction(reduction);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(op) + ": " + e.message());
+  }
   return {.ignore_index = ignore_index,
-          .reduction = *r,
+          .reduction = r,
           .label_smoothing = label_smoothing,
           .logits_multiplier = logits_multiplier,
           .z_loss_scale = z_loss_scale,

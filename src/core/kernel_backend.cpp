@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "core/names.h"
 #include "meshfuse/core/error.h"
 
 namespace meshfuse {
@@ -47,10 +48,9 @@ std::string_view to_string(KernelBackend backend) {
 }
 
 KernelBackend parse_kernel_backend(std::string_view name) {
-  for (KernelBackend b : {KernelBackend::Reference, KernelBackend::CPU, KernelBackend::CUDA})
-    if (to_string(b) == name) return b;
-  fail(ErrorCode::InvalidArgument,
-       "kernel backend: expected 'reference', 'cpu' or 'cuda', got '{}'", name);
+  constexpr KernelBackend kAll[] = {KernelBackend::Reference, KernelBackend::CPU,
+                                    KernelBackend::CUDA};
+  return detail::parse_name("kernel backend", name, kAll);
 }
 
 KernelBackend default_kernel_backend(DeviceType type) {

@@ -7,6 +7,13 @@
 
 #include "meshfuse/core/dtype.h"
 
+// A function that both host code and CUDA kernels call.
+#ifdef __CUDACC__
+#define MESHFUSE_HOST_DEVICE __host__ __device__
+#else
+#define MESHFUSE_HOST_DEVICE
+#endif
+
 namespace meshfuse::detail {
 
 // Throws Error(DTypeMismatch): `op` has no kernel for `dtype` (used by the dispatchers).

@@ -6,16 +6,13 @@
 
 #include <type_traits>
 
+#include "core/numeric.h"
 #include "meshfuse/distributed/communicator.h"
 
 namespace meshfuse::detail {
 
 template <typename C>
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-    bool
-    is_nan(C x) {
+MESHFUSE_HOST_DEVICE bool is_nan(C x) {
   if constexpr (std::is_floating_point_v<C>)
     return x != x;
   else
@@ -24,12 +21,7 @@ __host__ __device__
 
 // acc op x, in the compute type C (fp32 for 16-bit values, the type itself otherwise).
 template <ReduceOp Op, typename C>
-#ifdef __CUDACC__
-__host__
-    __device__
-#endif
-        C
-        combine(C acc, C x) {
+MESHFUSE_HOST_DEVICE C combine(C acc, C x) {
   if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Avg)
     return static_cast<C>(acc + x);
   else if constexpr (Op == ReduceOp::Prod)

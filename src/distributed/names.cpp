@@ -1,6 +1,7 @@
 // The names of backends, reduce ops and operations (to_string, parse_*), the backends this build
 // has and the device types each serves.
-#include <cctype>
+#include "core/names.h"
+
 #include <string>
 #include <vector>
 
@@ -11,12 +12,6 @@ namespace meshfuse {
 
 namespace {
 
-std::string lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
 constexpr CommunicatorBackend kBackends[] = {CommunicatorBackend::Local, CommunicatorBackend::Gloo,
                                              CommunicatorBackend::Mpi, CommunicatorBackend::Nccl};
 constexpr ReduceOp kReduceOps[] = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max,
@@ -25,16 +20,6 @@ constexpr CommOp kCommOps[] = {CommOp::AllGather, CommOp::ReduceScatter, CommOp:
                                CommOp::Broadcast, CommOp::Reduce,        CommOp::Gather,
                                CommOp::Scatter,   CommOp::AllToAll,      CommOp::Send,
                                CommOp::Recv,      CommOp::SendRecv,      CommOp::Barrier};
-
-template <typename E, std::size_t N>
-std::string names_of(const E (&values)[N]) {
-  std::string s;
-  for (E v : values) {
-    if (!s.empty()) s += ", ";
-    s += to_string(v);
-  }
-  return s;
-}
 
 }  // namespace
 
@@ -53,11 +38,7 @@ std::string_view to_string(CommunicatorBackend backend) {
 }
 
 CommunicatorBackend parse_communicator_backend(std::string_view name) {
-  const std::string n = lower(name);
-  for (CommunicatorBackend b : kBackends)
-    if (n == to_string(b)) return b;
-  fail(ErrorCode::InvalidArgument, "communicator backend: unknown name '{}' (expected one of {})",
-       name, names_of(kBackends));
+  return detail::parse_name("communicator backend", name, kBackends);
 }
 
 bool communicator_backend_built(CommunicatorBackend backend) {
@@ -106,13 +87,9 @@ std::string_view to_string(ReduceOp op) {
 }
 
 ReduceOp parse_reduce_op(std::string_view name) {
-  const std::string n = lower(name);
-  if (n == "product") return ReduceOp::Prod;
-  if (n == "mean") return ReduceOp::Avg;
-  for (ReduceOp op : kReduceOps)
-    if (n == to_string(op)) return op;
-  fail(ErrorCode::InvalidArgument, "reduce op: unknown name '{}' (expected one of {})", name,
-       names_of(kReduceOps));
+  if (detail::equal_ignoring_case(name, "product")) return ReduceOp::Prod;
+  if (detail::equal_ignoring_case(name, "mean")) return ReduceOp::Avg;
+  return detail::parse_name("reduce op", name, kReduceOps);
 }
 
 bool reducible(DType dtype, ReduceOp op) {
@@ -150,11 +127,7 @@ std::string_view to_string(CommOp op) {
 }
 
 CommOp parse_comm_op(std::string_view name) {
-  const std::string n = lower(name);
-  for (CommOp op : kCommOps)
-    if (n == to_string(op)) return op;
-  fail(ErrorCode::InvalidArgument, "communication op: unknown name '{}' (expected one of {})", name,
-       names_of(kCommOps));
+  return detail::parse_name("communication op", name, kCommOps);
 }
 
 }  // namespace meshfuse

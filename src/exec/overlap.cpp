@@ -6,6 +6,7 @@
 #include <numeric>
 #include <optional>
 
+#include "core/names.h"
 #include "exec/interpret.h"
 #include "meshfuse/core/error.h"
 #include "meshfuse/exec/lowering.h"
@@ -25,9 +26,8 @@ std::string_view to_string(Overlap overlap) {
 }
 
 Overlap parse_overlap(std::string_view name) {
-  for (Overlap o : {Overlap::None, Overlap::Collective, Overlap::Ring})
-    if (name == to_string(o)) return o;
-  fail(ErrorCode::InvalidArgument, "overlap: expected none, collective or ring, got '{}'", name);
+  constexpr Overlap kAll[] = {Overlap::None, Overlap::Collective, Overlap::Ring};
+  return detail::parse_name("overlap", name, kAll);
 }
 
 std::string OverlapSegment::to_string() const {

@@ -216,7 +216,7 @@ TEST(Cli, CudaBackendWithoutCudaIsAnErrorWithTheOpsMessage) {
   expect_usage_error(std::string(kSmallSwiglu) + " --device tpu",
                      "device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'");
   expect_usage_error(std::string(kSmallSwiglu) + " --backend fast",
-                     "kernel backend: expected 'reference', 'cpu' or 'cuda', got 'fast'");
+                     "kernel backend: unknown name 'fast' (expected one of reference, cpu, cuda)");
 }
 
 TEST(Cli, NoSubcommandIsAUsageError) {

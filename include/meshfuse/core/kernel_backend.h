@@ -32,7 +32,7 @@ enum class KernelBackend {
 };
 
 std::string_view to_string(KernelBackend backend);
-// "reference", "cpu", "cuda"; throws Error(InvalidArgument) for anything else.
+// Inverse of to_string (case-insensitive); Error(InvalidArgument) listing the names otherwise.
 KernelBackend parse_kernel_backend(std::string_view name);
 // The backend chosen for tensors on a device of this type when none is forced.
 KernelBackend default_kernel_backend(DeviceType type);

@@ -106,7 +106,8 @@ std::string nccl_library();
 enum class ReduceOp { Sum, Prod, Min, Max, Avg };
 // "sum", "prod", "min", "max", "avg".
 std::string_view to_string(ReduceOp op);
-// Inverse of to_string (also "product", "mean"); Error(InvalidArgument) otherwise.
+// Inverse of to_string (case-insensitive; also "product", "mean"); Error(InvalidArgument) listing
+// the names otherwise.
 ReduceOp parse_reduce_op(std::string_view name);
 // Whether `op` reduces `dtype`: bool never, Avg only floating dtypes.
 bool reducible(DType dtype, ReduceOp op);

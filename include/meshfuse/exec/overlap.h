@@ -43,7 +43,7 @@ struct Plan;
 enum class Overlap { None, Collective, Ring };
 // "none", "collective", "ring".
 std::string_view to_string(Overlap overlap);
-// Inverse of to_string; Error(InvalidArgument) listing the names otherwise.
+// Inverse of to_string (case-insensitive); Error(InvalidArgument) listing the names otherwise.
 Overlap parse_overlap(std::string_view name);
 
 struct OverlapParams {

@@ -67,7 +67,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string_view>
 
 #include "meshfuse/core/stream.h"
@@ -80,7 +79,8 @@ enum class Reduction { None, Mean, Sum };
 
 // "none", "mean", "sum".
 std::string_view to_string(Reduction reduction);
-std::optional<Reduction> parse_reduction(std::string_view name);
+// Inverse of to_string (case-insensitive); Error(InvalidArgument) listing the names otherwise.
+Reduction parse_reduction(std::string_view name);
 
 // Options of cross_entropy (and of the ops built on it, such as fused linear cross-entropy).
 struct CrossEntropyOptions {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "core/names.h"
 #include "ops/common.h"
 #include "ops/cross_entropy/cross_entropy_kernels.h"
 #include "ops/cross_entropy/options.h"
@@ -22,10 +23,9 @@ std::string_view to_string(Reduction reduction) {
   return "?";
 }
 
-std::optional<Reduction> parse_reduction(std::string_view name) {
-  for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum})
-    if (name == to_string(r)) return r;
-  return std::nullopt;
+Reduction parse_reduction(std::string_view name) {
+  constexpr Reduction kAll[] = {Reduction::None, Reduction::Mean, Reduction::Sum};
+  return detail::parse_name("reduction", name, kAll);
 }
 
 namespace detail {

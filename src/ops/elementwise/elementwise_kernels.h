@@ -5,6 +5,7 @@
 #include <optional>
 #include <span>
 
+#include "core/numeric.h"
 #include "meshfuse/core/dtype.h"
 #include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
@@ -45,11 +46,9 @@ std::optional<ElementwiseLayout> elementwise_layout(std::span<const TensorView> 
 
 // The offset in elements of the element of row-major index i; int64 throughout, as tensors pass
 // 2^31 elements. The CUDA kernels call it too.
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-    inline std::int64_t
-    element_offset(const ElementwiseShape& s, const ElementwiseInput& in, std::int64_t i) {
+MESHFUSE_HOST_DEVICE inline std::int64_t element_offset(const ElementwiseShape& s,
+                                                        const ElementwiseInput& in,
+                                                        std::int64_t i) {
   if (in.linear) return i;
   std::int64_t offset = 0;
   for (int d = s.dims - 1; d > 0; --d) {

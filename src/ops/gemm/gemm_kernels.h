@@ -25,11 +25,8 @@ struct GemmMatrix {
 
 // Offset in elements of element (l, r, c) of x; int64, as operands may pass 2^31 elements. The
 // CUDA kernels call it too.
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-    inline std::int64_t
-    offset(const GemmMatrix& x, std::int64_t l, std::int64_t r, std::int64_t c) {
+MESHFUSE_HOST_DEVICE inline std::int64_t offset(const GemmMatrix& x, std::int64_t l, std::int64_t r,
+                                                std::int64_t c) {
   return l * x.batch_stride + (x.transposed ? c * x.ld + r : r * x.ld + c);
 }
 
