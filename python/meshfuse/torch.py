@@ -22,6 +22,7 @@ dtype, ``RuntimeError`` for a device or backend).
 
 import functools
 import math
+import operator
 from typing import Optional, Sequence
 
 try:
@@ -460,23 +461,47 @@ def _softmax_grad(ctx, grad_y):
 _softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 
 
-def softmax(x, dim=-1, *, logits_multiplier=1.0):
-    """``torch.softmax(x * logits_multiplier, dim=-1)``.
+def softmax(x, dim=-1, *, dtype=None, logits_multiplier=1.0):
+    """``torch.softmax(x * logits_multiplier, dim=-1, dtype=dtype)``.
 
-    x: (..., V), float32, float64, bfloat16 or float16 (16-bit computed in fp32). ``dim`` is
-    PyTorch's second argument and must name the last dim (-1 or x.dim() - 1): a positional
+    x: (..., V), float32, float64, bfloat16 or float16 (16-bit computed in fp32); dtype: as
+    torch's, x is cast to it first (None: x's). ``dim`` is PyTorch's second argument and must
+    name the last dim (-1 or x.dim() - 1), an int or an integer such as NumPy's: a positional
     multiplier would read as a dim. Returns a contiguous tensor like x; a row entirely -inf gives
     NaN, as PyTorch. Raises ValueError for another dim, InvalidArgumentError (ValueError),
     DTypeMismatchError (TypeError). Spec: include/meshfuse/ops/softmax.h."""
-    if type(dim) is not int or (dim != -1 and dim != x.dim() - 1):  # 2.0 or True: no dim
+    d = dim if type(dim) is int else _integer_or_none(dim)
+    if d != -1 and d != x.dim() - 1:
         raise ValueError(f"softmax: dim must be the last dim (-1 or {x.dim() - 1}) of x "
-                         f"{tuple(x.shape)}, got {dim}")
+                         f"{tuple(x.shape)}, got {dim!r}")
+    if dtype is not None:
+        x = x.to(dtype)
     if _untraced(x):
         return softmax_forward(x, logits_multiplier=logits_multiplier)
     return _softmax(x, logits_multiplier)
 
 
+def _integer_or_none(dim):
+    # An integer of another type than int (NumPy's, a 0-d integer tensor) as an int; None for
+    # what is no dim (2.0, True, "1").
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+        return None
+    return operator.index(dim)
+
+
 # --- cross_entropy -------------------------------------------------------------------------------
+def _check_reduction(op, reduction):
+    # As torch's: the exact lower-case names (the C++ parser takes any case, and this module
+    # compares the names as they are).
+    if reduction not in _REDUCTIONS:
+        raise _C.InvalidArgumentError(
+            f"[invalid argument] {op}: reduction: unknown name {reduction!r} (expected one of "
+            f"none, mean, sum)")
+
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
 def _loss_shape(n, reduction):
     return (n,) if reduction == "none" else ()
 
@@ -599,6 +624,7 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     label out of range, label_smoothing outside [0, 1], an unknown reduction),
     ShapeMismatchError (ValueError), DTypeMismatchError (TypeError). Spec:
     include/meshfuse/ops/cross_entropy.h."""
+    _check_reduction("cross_entropy", reduction)
     options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
                loss_dtype)
     if _untraced(logits, labels):
@@ -769,7 +795,9 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     forward to the backward (V x H x 4 bytes); the inputs' dtype instead (as Liger-Kernel's
     default; bfloat16, float32 or float64, not float16) holds only the gradient itself, rounded
     once per chunk and once more by an upstream that is not a power of two. Errors as
-    :func:`cross_entropy`; a bad ``accum_dtype`` is a DTypeMismatchError. Spec: include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    :func:`cross_entropy`; a bad ``accum_dtype`` is a DTypeMismatchError. Spec:
+    include/meshfuse/ops/fused_linear_cross_entropy.h."""
+    _check_reduction("fused_linear_cross_entropy", reduction)
     if _functorch_transforms() or _fwad._current_level >= 0:
         _refuse_forward_mode((x, weight, bias))
     # Under torch.no_grad() requires_grad still says True: no gradients then.
@@ -1253,9 +1281,7 @@ class CrossEntropyLoss(torch.nn.Module):
         _no_class_weights(weight)
         if size_average is not None or reduce is not None:
             reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
-        if reduction not in ("none", "mean", "sum"):
-            raise ValueError(f"{type(self).__name__}: reduction must be 'none', 'mean' or 'sum', "
-                             f"got {reduction!r}")
+        _check_reduction(type(self).__name__, reduction)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.logits_multiplier = label_smoothing, logits_multiplier
         self.z_loss_scale, self.loss_dtype = z_loss_scale, loss_dtype

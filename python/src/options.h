@@ -35,12 +35,13 @@ inline CrossEntropyOptions ce_options(std::string_view op, std::int64_t ignore_i
                                       const std::string& reduction, double label_smoothing,
                                       double logits_multiplier, double z_loss_scale,
                                       std::int64_t vocab_start = 0, std::int64_t vocab_size = 0) {
-  Reduction r;
-  try {
-    r = parse_reduction(reduction);
-  } catch (const Error& e) {
-    throw Error(e.code(), std::string(op) + ": " + e.message());
-  }
+  const Reduction r = [&] {
+    try {
+      return parse_reduction(reduction);
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string(op) + ": " + e.message());
+    }
+  }();
   return {.ignore_index = ignore_index,
           .reduction = r,
           .label_smoothing = label_smoothing,

@@ -59,6 +59,15 @@ def test_fused_residual_add_rmsnorm_with_multiplier_one_gives_both_inputs_dx():
 def test_softmax_matches_torch():
     x = _leaf(3, 100, seed=8)
     _check(mt.softmax(x, logits_multiplier=0.7), torch.softmax(0.7 * x, -1), (x,))
+    # torch.softmax's dtype (the input cast first) and an integer dim of another type.
+    torch.testing.assert_close(mt.softmax(x, dtype=torch.float32),
+                               torch.softmax(x, -1, dtype=torch.float32))
+    assert mt.softmax(x.detach(), dtype=torch.float32).dtype == torch.float32
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(mt.softmax(x, np.int64(1)), mt.softmax(x, 1), rtol=0, atol=0)
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(ValueError, match="softmax: dim must be"):
+            mt.softmax(x, bad)
 
 
 def test_eager_calls_on_non_contiguous_inputs_return_contiguous_results():

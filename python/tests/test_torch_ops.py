@@ -466,8 +466,14 @@ def test_swiglu_mlp_module_and_losses_match_torch():
     with pytest.warns(UserWarning, match="size_average and reduce args will be deprecated"):
         legacy = mt.FusedLinearCrossEntropyLoss(size_average=False)
     assert legacy.reduction == "sum"
-    with pytest.raises(ValueError, match="CrossEntropyLoss: reduction must be .* got 'avg'"):
+    with pytest.raises(ValueError, match="CrossEntropyLoss: reduction: unknown name 'avg'"):
         mt.CrossEntropyLoss(reduction="avg")
+    # torch's names exactly: the C++ parser's other cases gave a shape error naming 'loss'.
+    eye = torch.eye(9, dtype=torch.float64)
+    for loss in (mt.cross_entropy,
+                 lambda x, y, **kw: mt.fused_linear_cross_entropy(x, eye, y, **kw)):
+        with pytest.raises(ValueError, match=r"reduction: unknown name 'NONE' \(expected one of"):
+            loss(logits, labels, reduction="NONE")
 
 
 def test_a_global_forward_hook_keeps_the_projections_outputs_of_swiglu_mlp():

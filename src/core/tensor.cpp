@@ -290,11 +290,12 @@ void copy(const TensorView& src, const TensorView& dst, const Stream& stream) {
   }
   if (src.is_contiguous() && dst.is_contiguous() && is_floating_point(src.dtype()) &&
       is_floating_point(dst.dtype())) {
-    return detail::dispatch_float(src.dtype(), "copy", [&](auto s) {
+    detail::dispatch_float(src.dtype(), "copy", [&](auto s) {
       detail::dispatch_float(dst.dtype(), "copy", [&](auto d) {
         convert<decltype(s), decltype(d)>(src.data(), dst.data(), n);
       });
     });
+    return;
   }
   const LoadFn ld = loader(src.dtype());
   const StoreFn st = storer(dst.dtype());

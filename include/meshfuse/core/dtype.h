@@ -58,9 +58,11 @@ inline float half_bits_to_float(std::uint16_t h) {
   // A subnormal half is its integer significand times 2^-24, exact in float.
   const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(
       static_cast<float>(static_cast<std::int32_t>(magnitude)) * 0x1p-24f);
-  // Otherwise the exponent rebiased by 127 - 15, and inf / NaN's all-ones exponent kept all ones.
-  const std::uint32_t rebiased =
-      (magnitude << 13) + 0x38000000u + (detail::all_ones_if(magnitude >= 0x7c00u) & 0x38000000u);
+  // Otherwise the exponent rebiased by 127 - 15, inf / NaN's all-ones exponent kept all ones, and a
+  // NaN quietened (the rule of F16C and of Arm's fcvt: the payload kept, the quiet bit set).
+  const std::uint32_t rebiased = ((magnitude << 13) + 0x38000000u +
+                                  (detail::all_ones_if(magnitude >= 0x7c00u) & 0x38000000u)) |
+                                 (detail::all_ones_if(magnitude > 0x7c00u) & 0x00400000u);
   const std::uint32_t is_subnormal = detail::all_ones_if(magnitude < 0x400u);
   return std::bit_cast<float>((std::uint32_t{h & 0x8000u} << 16) | (subnormal & is_subnormal) |
                               (rebiased & ~is_subnormal));

@@ -94,9 +94,10 @@ class MultiDeviceExecutor {
   // inputs: this rank's parts of the program's inputs, in Program::inputs() order, each the shape
   // of its placement's part (plan().values[plan().inputs[i]].shape) and the program's dtype, all on
   // one device (any strides). Returns this rank's parts of the outputs, in Program::outputs()
-  // order, as their placements say. Errors: InvalidArgument (a wrong count of inputs),
-  // ShapeMismatch / DTypeMismatch / DeviceMismatch naming the input, DeviceMismatch for a stream
-  // on another device than the inputs', and those of the ops and communicators.
+  // order, as their placements say. Errors: InvalidArgument (a wrong count of inputs, a native
+  // stream handle with inputs on the CPU), ShapeMismatch / DTypeMismatch / DeviceMismatch naming
+  // the input, DeviceMismatch for a stream on another device than the inputs', and those of the
+  // ops and communicators.
   std::vector<Tensor> run(const std::vector<TensorView>& inputs, const Stream& stream = {});
 
   // The plan run() uses for inputs on a device of `type` (lowered now if not yet).

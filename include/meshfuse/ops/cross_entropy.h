@@ -56,8 +56,7 @@
 // rounded once from the double per-row losses); labels are i32 or i64; lse is f32 for 16-bit
 // logits and f64 for f32 and f64 ones (the backward's p = exp(v - lse) would take an f32 lse's
 // rounding whole: up to 2^-21 relative for an lse of 10 to 20; cross_entropy_lse_dtype). Inputs
-// may be strided; outputs
-// are contiguous and preallocated by the caller.
+// may be strided; outputs are contiguous and preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) (for a shard [0, vocab_size)) that is not
 // ignore_index (the message names the first such row and its value; nothing is computed),
 // label_smoothing outside [0, 1], a shard outside its vocabulary, a wrong rank, a
