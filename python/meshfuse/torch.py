@@ -496,7 +496,7 @@ def _check_reduction(op, reduction):
     if reduction not in _REDUCTIONS:
         raise _C.InvalidArgumentError(
             f"[invalid argument] {op}: reduction: unknown name {reduction!r} (expected one of "
-            f"none, mean, sum)")
+            f"{', '.join(_REDUCTIONS)})")
 
 
 _REDUCTIONS = ("none", "mean", "sum")

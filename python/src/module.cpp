@@ -493,30 +493,29 @@ void bind_ops(nb::module_& m) {
       "vocab_size classes (a shard). Raises InvalidArgumentError (ValueError: a label outside "
       "[0, V) that is not ignore_index, naming its row), ShapeMismatchError, DTypeMismatchError "
       "(TypeError), DeviceMismatchError. Spec: meshfuse/ops/cross_entropy.h.");
-  m
-      .def(
-          "cross_entropy_backward",
-          [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
-             const std::string& reduction, double label_smoothing, double logits_multiplier,
-             double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
-             std::uintptr_t stream) {
-            cross_entropy_backward(
-                view(grad_loss, "cross_entropy_backward", "grad_loss"),
-                view(logits, "cross_entropy_backward", "logits"),
-                view(labels, "cross_entropy_backward", "labels"),
-                view(lse, "cross_entropy_backward", "lse"),
-                view(grad_logits, "cross_entropy_backward", "grad_logits"),
-                ce_options("cross_entropy_backward", ignore_index, reduction, label_smoothing,
-                           logits_multiplier, z_loss_scale, vocab_start, vocab_size),
-                stream_on(device_of(grad_loss), stream));
-          },
-          "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
-          "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-          "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
-          "grad_logits (N, V), the logits' dtype, from grad_loss (the loss's shape; the logits' "
-          "dtype or float32 for 16-bit logits) and the forward's logits, labels and lse; "
-          "grad_logits may be logits itself (in place). For a shard (vocab_start, vocab_size as "
-          "in cross_entropy), lse is the whole vocabulary's. Errors as cross_entropy.");
+  m.def(
+      "cross_entropy_backward",
+      [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
+         const std::string& reduction, double label_smoothing, double logits_multiplier,
+         double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
+         std::uintptr_t stream) {
+        cross_entropy_backward(
+            view(grad_loss, "cross_entropy_backward", "grad_loss"),
+            view(logits, "cross_entropy_backward", "logits"),
+            view(labels, "cross_entropy_backward", "labels"),
+            view(lse, "cross_entropy_backward", "lse"),
+            view(grad_logits, "cross_entropy_backward", "grad_logits"),
+            ce_options("cross_entropy_backward", ignore_index, reduction, label_smoothing,
+                       logits_multiplier, z_loss_scale, vocab_start, vocab_size),
+            stream_on(device_of(grad_loss), stream));
+      },
+      "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
+      "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
+      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+      "grad_logits (N, V), the logits' dtype, from grad_loss (the loss's shape; the logits' "
+      "dtype or float32 for 16-bit logits) and the forward's logits, labels and lse; "
+      "grad_logits may be logits itself (in place). For a shard (vocab_start, vocab_size as "
+      "in cross_entropy), lse is the whole vocabulary's. Errors as cross_entropy.");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "ops/common.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,11 @@ void check_like(std::string_view op, std::string_view name, const TensorView& t,
                 const TensorView& like, std::string_view like_name) {
   check_dtype_of(op, name, t, like, like_name);
   check_shape(op, name, t, like.shape());
+}
+
+void check_logits_multiplier(std::string_view op, double logits_multiplier) {
+  MESHFUSE_CHECK(std::isfinite(logits_multiplier), ErrorCode::InvalidArgument,
+                 "{}: logits_multiplier must be finite, got {}", op, logits_multiplier);
 }
 
 void check_rank(std::string_view op, std::string_view name, const TensorView& t,

@@ -49,6 +49,9 @@ void check_like(std::string_view op, std::string_view name, const TensorView& t,
                 const TensorView& like, std::string_view like_name);
 // Throws InvalidArgument unless t.dim() == rank.
 void check_rank(std::string_view op, std::string_view name, const TensorView& t, std::int64_t rank);
+// InvalidArgument unless the multiplier of softmax's and cross-entropy's logits is finite (any
+// other gives rows of NaN).
+void check_logits_multiplier(std::string_view op, double logits_multiplier);
 // Throws ShapeMismatch unless t.shape() == expected.
 void check_shape(std::string_view op, std::string_view name, const TensorView& t,
                  const Shape& expected);

@@ -108,8 +108,8 @@ void cross_entropy(const TensorView& logits, const TensorView& labels, const Ten
                    const Stream& stream = {});
 
 // grad_loss: the shape of the forward's loss, the dtype of the logits or f32 for 16-bit logits;
-// logits, labels, lse and options as given to (or written by) the forward. Writes grad_logits: (N,
-// V), dtype of logits.
+// logits, labels, lse and options as given to (or written by) the forward. Writes grad_logits:
+// (N, V), dtype of logits.
 void cross_entropy_backward(const TensorView& grad_loss, const TensorView& logits,
                             const TensorView& labels, const TensorView& lse,
                             const TensorView& grad_logits, const CrossEntropyOptions& options = {},

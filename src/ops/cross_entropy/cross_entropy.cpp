@@ -173,8 +173,7 @@ void check_cross_entropy_options(std::string_view op, const CrossEntropyOptions&
   MESHFUSE_CHECK(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0,
                  ErrorCode::InvalidArgument, "{}: label_smoothing must be in [0, 1], got {}", op,
                  options.label_smoothing);
-  MESHFUSE_CHECK(std::isfinite(options.logits_multiplier), ErrorCode::InvalidArgument,
-                 "{}: logits_multiplier must be finite, got {}", op, options.logits_multiplier);
+  check_logits_multiplier(op, options.logits_multiplier);
   MESHFUSE_CHECK(std::isfinite(options.z_loss_scale) && options.z_loss_scale >= 0.0,
                  ErrorCode::InvalidArgument, "{}: z_loss_scale must be finite and >= 0, got {}", op,
                  options.z_loss_scale);

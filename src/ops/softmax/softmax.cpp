@@ -1,8 +1,6 @@
 // Softmax front-end: argument checks, backend dispatch.
 #include "meshfuse/ops/softmax.h"
 
-#include <cmath>
-
 #include "ops/common.h"
 #include "ops/softmax/softmax_kernels.h"
 
@@ -21,19 +19,13 @@ detail::SoftmaxShape rows_of(std::string_view op, std::string_view name, const T
   return {x.dtype(), detail::leading_rows(x), x.size(-1)};
 }
 
-// As cross_entropy's: a non-finite multiplier would only give NaN rows.
-void check_multiplier(std::string_view op, double logits_multiplier) {
-  MESHFUSE_CHECK(std::isfinite(logits_multiplier), ErrorCode::InvalidArgument,
-                 "{}: logits_multiplier must be finite, got {}", op, logits_multiplier);
-}
-
 }  // namespace
 
 void softmax(const TensorView& x, const TensorView& y, double logits_multiplier,
              const Stream& stream) {
   constexpr std::string_view op = "softmax";
   const detail::SoftmaxShape s = rows_of(op, "x", x);
-  check_multiplier(op, logits_multiplier);
+  detail::check_logits_multiplier(op, logits_multiplier);
   detail::check_output(op, "y", y, x.shape(), x.dtype());
   detail::run_kernel(kForward, {{"x", x}, {"y", y}}, {{"y", "x"}}, stream,
                      [&](auto* fn, detail::KernelCall& call) {
@@ -46,7 +38,7 @@ void softmax_backward(const TensorView& grad_y, const TensorView& y, const Tenso
                       double logits_multiplier, const Stream& stream) {
   constexpr std::string_view op = "softmax_backward";
   const detail::SoftmaxShape s = rows_of(op, "y", y);
-  check_multiplier(op, logits_multiplier);
+  detail::check_logits_multiplier(op, logits_multiplier);
   detail::check_like(op, "grad_y", grad_y, y, "y");
   detail::check_output(op, "grad_x", grad_x, y.shape(), y.dtype());
   detail::run_kernel(kBackward, {{"grad_y", grad_y}, {"y", y}, {"grad_x", grad_x}},
