@@ -41,3 +41,11 @@ if ! python3 -c "import nanobind, scikit_build_core, pytest, numpy, torch, trans
   echo "setup: pip installing ${python_packages[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${python_packages[@]}"
 fi
+
+# Intel MKL on x86-64: the cpu backend's f32 GEMMs run on it where it is installed, as PyTorch's do
+# (src/ops/gemm/cpu_blas.h). CMake finds it under the Python prefix; the tests cover it, and
+# oneDNN's sgemm pinned (ctest's cpu_blas_onednn). About 700 MB installed.
+if [[ $(uname -m) == x86_64 ]] && ! python3 -m pip show mkl >/dev/null 2>&1; then
+  echo "setup: pip installing mkl"
+  python3 -m pip install --quiet --disable-pip-version-check mkl
+fi

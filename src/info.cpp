@@ -51,6 +51,15 @@ std::string info() {
   else if (cuda_device_count() == 0)
     out += "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
 
+  {
+    std::string text;
+    try {
+      text = cpu_blas_library();
+    } catch (const Error& e) {
+      text = fmt::format("unusable: {}", e.what());
+    }
+    out += fmt::format("cpu gemm library: {}\n", text);
+  }
   if (built_with_cuda()) {
     std::string text;
     try {

@@ -178,7 +178,7 @@ Record time_direction(const Plan& plan, const Peaks& peaks, const std::string& o
     r.notes.push_back(fmt::format("flops = {}", d.formula));
     if (d.blas) {
       r.fraction_of_peak = t[1].median_ms / t[0].median_ms;
-      r.notes.push_back(fmt::format("{} at the same shape: {:.3f} TFLOP/s", kVendorGemm,
+      r.notes.push_back(fmt::format("{} at the same shape: {:.3f} TFLOP/s", vendor_gemm(),
                                     d.flops / (t[1].median_ms * 1e-3) / 1e12));
     }
   }
@@ -243,7 +243,7 @@ std::vector<std::string> header_lines(const Plan& plan, const BenchOptions& o, c
                   policy.burst_ms, policy.max_burst),
       fmt::format("of peak: memory-bound ops GB/s / copy bandwidth; GEMMs ours / {} at the same "
                   "shape, timed interleaved (16-bit GEMMs of the cpu backend widen to it)",
-                  kVendorGemm),
+                  vendor_gemm()),
       fmt::format("check: against the reference backend on the same inputs; pass when every "
                   "|ours - reference| <= {:g}·m + {:g}·|reference| ({}), m the outputs' typical "
                   "size: 1, √k for sums of k products, 1/V for probabilities",

@@ -204,6 +204,11 @@ void bind_gemm(nb::module_& m) {
       "(RuntimeError). Spec: meshfuse/ops/gemm.h. Outputs are caller-allocated arrays written "
       "in place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
       "stream).");
+  m.def("cpu_blas_library", &cpu_blas_library,
+        "The library of the cpu backend's f32/bf16/f16 GEMMs: 'Intel MKL <version> (file)' where "
+        "MKL opens (x86-64; PyTorch's BLAS, pip install mkl), else 'oneDNN <version>' ('OpenBLAS' "
+        "on Arm64). MESHFUSE_CPU_BLAS=mkl|onednn pins one, MESHFUSE_MKL_LIBRARY names MKL's file. "
+        "Raises BackendUnavailableError when MKL is pinned but does not open.");
   m.def("cublaslt_library", &cublaslt_library,
         "The cuBLASLt of the cuda backend's GEMMs, e.g. 'cuBLASLt 13.0.2 (libcublasLt.so.13)': "
         "opened at first use, so a process with torch imported first shares torch's. Raises "

@@ -1,5 +1,9 @@
 """The Python bindings on NumPy arrays: values against NumPy formulas, errors, backend forcing."""
 
+import os
+import platform
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -317,6 +321,65 @@ def test_memory_stats_are_for_cuda_devices_only():
         meshfuse.reset_peak_memory_stats("cpu")
     with pytest.raises(meshfuse.Error, match="empty_cache"):
         meshfuse.empty_cache("cpu")
+
+
+def _cpu_blas_in_a_fresh_process(env_update):
+    """What meshfuse.cpu_blas_library() and an f32 linear say in a new interpreter whose
+    environment has `env_update` (the choice is made once per process)."""
+    code = (
+        "import numpy as np, meshfuse\n"
+        "try:\n"
+        "    meshfuse.linear(np.ones((2, 3), np.float32), np.ones((4, 3), np.float32), None,\n"
+        "                    np.empty((2, 4), np.float32))\n"
+        "    print('ok', meshfuse.cpu_blas_library())\n"
+        "except meshfuse.Error as e:\n"
+        "    print(type(e).__name__, e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFUSE_")}
+    env.update(env_update)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL is x86-64 only")
+def test_cpu_blas_is_chosen_by_MESHFUSE_CPU_BLAS():
+    assert _cpu_blas_in_a_fresh_process({"MESHFUSE_CPU_BLAS": "onednn"}).startswith("ok oneDNN ")
+    out = _cpu_blas_in_a_fresh_process({"MESHFUSE_CPU_BLAS": "openblas"})
+    assert out.startswith("InvalidArgumentError") and "MESHFUSE_CPU_BLAS" in out, out
+    assert "unknown name 'openblas' (expected one of mkl, onednn)" in out, out
+    missing = "/nonexistent/libmkl_rt.so.3"
+    out = _cpu_blas_in_a_fresh_process({"MESHFUSE_CPU_BLAS": "MKL", "MESHFUSE_MKL_LIBRARY": missing})
+    assert out.startswith("BackendUnavailableError") and missing in out, out
+    assert "pip install mkl" in out, out
+    # Unset, MKL where it opens (as pinned), else oneDNN.
+    default = _cpu_blas_in_a_fresh_process({})
+    pinned = _cpu_blas_in_a_fresh_process({"MESHFUSE_CPU_BLAS": "mkl"})
+    if pinned.startswith("ok "):
+        assert default == pinned and default.startswith("ok Intel MKL "), (default, pinned)
+    else:
+        assert default.startswith("ok oneDNN "), default
+
+
+def test_f32_linear_is_as_accurate_as_pytorch_on_mkl():
+    if not meshfuse.cpu_blas_library().startswith("Intel MKL"):
+        pytest.skip("the cpu GEMMs run on oneDNN here (pip install mkl for MKL)")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    for m, n, k, with_bias in ((16, 512, 4096, False), (97, 300, 1030, False),
+                               (16, 512, 4096, True)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        b = rng.standard_normal(n).astype(np.float32) if with_bias else None
+        exact = x.astype(np.float64) @ w.astype(np.float64).T + (b if with_bias else 0.0)
+        out = np.empty((m, n), np.float32)
+        meshfuse.linear(x, w, b, out)
+        theirs = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(w),
+                                            None if b is None else torch.from_numpy(b)).numpy()
+        # MKL's sums are PyTorch's (the bias one more term of them, as in its addmm): at most its
+        # error (on oneDNN, 1.3-1.6x at these K).
+        ours_error, theirs_error = np.abs(out - exact).max(), np.abs(theirs - exact).max()
+        assert ours_error <= theirs_error, (m, n, k, with_bias, ours_error, theirs_error)
 
 
 def test_cublaslt_library_is_opened_at_run_time_in_cuda_builds():

@@ -87,4 +87,14 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
 // lacks a function, or has another major version than the build's.
 std::string cublaslt_library();
 
+// The library that the cpu backend's f32, bf16 and f16 GEMMs run on (their fp32 sums), as
+// "Intel MKL 2026.2.1 (file)" or "oneDNN 2.6.3" ("OpenBLAS" on Arm64), chosen now if it is not
+// yet. On x86-64 Intel MKL when it can be opened (PyTorch's BLAS: the same accuracy), else oneDNN.
+// MKL is opened at first use, not linked: libmkl_rt.so.3 as the loader finds it, else the file
+// found at build time (e.g. under the Python prefix of PyPI's `mkl` wheel); MESHFUSE_MKL_LIBRARY
+// names another file, and MESHFUSE_CPU_BLAS=mkl|onednn pins one library.
+// Throws Error(BackendUnavailable) when MESHFUSE_CPU_BLAS=mkl and MKL cannot be opened, and
+// Error(InvalidArgument) for another value of MESHFUSE_CPU_BLAS; so does every cpu GEMM then.
+std::string cpu_blas_library();
+
 }  // namespace meshfuse

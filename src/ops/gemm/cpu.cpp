@@ -1,10 +1,10 @@
-// CPU GEMM. f32, bf16 and f16 run on oneDNN's sgemm (on Arm64 OpenBLAS's: see sgemm) with both
-// operands row-major (16-bit ones widened to f32 block by block: fp32 products and accumulation,
-// rounded once; gemm_row_major says why); f64 runs on OpenBLAS's dgemm. Why these libraries
-// (bench/blas_choice.cpp, on x86-64): oneDNN's f32 GEMMs need no hint of the CPU, where OpenBLAS
-// picks generic kernels unless OPENBLAS_CORETYPE is set; oneDNN's native bf16 matmul is slower
-// than widening to f32; neither library has an f16 GEMM, and oneDNN has no f64. Figures:
-// docs/kernels/gemm.md.
+// CPU GEMM. f32, bf16 and f16 run on one sgemm (MKL's where installed, else oneDNN's, on Arm64
+// OpenBLAS's: see sgemm) with both operands row-major (16-bit ones widened to f32 block by block:
+// fp32 products and accumulation, rounded once; gemm_row_major says why); f64 runs on OpenBLAS's
+// dgemm. Why these libraries (bench/blas_choice.cpp, on x86-64): MKL's sums are PyTorch's
+// (cpu_blas.h); oneDNN's f32 GEMMs need no hint of the CPU, where OpenBLAS picks generic kernels
+// unless OPENBLAS_CORETYPE is set; oneDNN's native bf16 matmul is slower than widening to f32;
+// neither library has an f16 GEMM, and oneDNN has no f64. Figures: docs/kernels/gemm.md.
 #include <cblas.h>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 
 #include "ops/common.h"
 #include "ops/cpu_math.h"
+#include "ops/gemm/cpu_blas.h"
 #include "ops/gemm/cpu_pack.h"
 #include "ops/gemm/gemm_kernels.h"
 
@@ -84,11 +85,12 @@ void check_blas_sizes(std::int64_t m, std::int64_t n, std::int64_t k, std::int64
 #endif
 blasint blas_int(std::int64_t v) { return static_cast<blasint>(v); }
 
-// d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major.
-// On Arm64 OpenBLAS's sgemm: oneDNN has no sgemm kernel for Arm (Debian's arm64 build runs
-// dnnl_sgemm on its reference ref_gemm<float>), and that one accumulates long runs of K in one
-// float: at k = 2^15 it was off by up to 15 eps * sum|a*b| (Gemm.GemmLargerThanOneScratchBlock...
-// failed under qemu), where OpenBLAS's blocked kernels, like oneDNN's x86-64 ones, stay under 1.
+// d (m x n) = alpha * a (m x k) @ b (k x n) + beta * d, every matrix row-major. On x86-64 MKL's
+// sgemm when it is installed, else oneDNN's (cpu_blas.h). On Arm64 OpenBLAS's sgemm: oneDNN has no
+// sgemm kernel for Arm (Debian's arm64 build runs dnnl_sgemm on its reference ref_gemm<float>), and
+// that one accumulates long runs of K in one float: at k = 2^15 it was off by up to 15 eps *
+// sum|a*b| (Gemm.GemmLargerThanOneScratchBlock... failed under qemu), where OpenBLAS's blocked
+// kernels, like oneDNN's x86-64 ones, stay under 1.
 void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* d,
            std::int64_t ldd) {
@@ -98,6 +100,10 @@ void sgemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const fl
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i(m), i(n), i(k), alpha, a, i(lda), b,
               i(ldb), beta, d, i(ldd));
 #else
+  if (const MklSgemm mkl = mkl_sgemm()) {
+    return mkl(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta,
+               d, ldd);
+  }
   const dnnl_status_t status = dnnl_sgemm('N', 'N', m, n, k, alpha, a, lda, b, ldb, beta, d, ldd);
   MESHFUSE_CHECK(status == dnnl_success, ErrorCode::Internal,
                  "gemm: oneDNN sgemm ({} x {} x {}) failed with status {}", m, n, k,
@@ -174,17 +180,20 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 // (row_major), one sgemm ('N', 'N') of the plain product, then D = round(alpha * product + beta *
 // C) with one fma: alpha and C meet the accumulated sum once, as in cuBLAS and the reference (BLAS
 // scales its packed operands by alpha and adds beta * C into its partial sums, which rounds the
-// result several times). An f32 GEMM with alpha = 1 and no C writes D inside sgemm. A row block of
-// A is prepared once, B once per row block. The blocks, their leading dims and their alignment
-// depend on m, n and k alone, never on how A and B are stored, so a transposed view gives bitwise
-// its contiguous copy's result: sgemm's sums follow its transpose flags, and so, at some shapes, do
+// result several times). An f32 GEMM with alpha = 1 writes D inside sgemm, with C copied into D
+// first when beta = 1: C is then one more term of the sum, which rounds no more than adding it
+// after (PyTorch's addmm on MKL adds linear's bias so, and gets the same bits). A row block of A is
+// prepared once, B once per row block. The blocks, their leading dims and their alignment depend on
+// m, n and k alone, never on how A and B are stored, so a transposed view gives bitwise its
+// contiguous copy's result: sgemm's sums follow its transpose flags, and so, at some shapes, do
 // those of oneDNN's matmul primitive (f32 20 x 1504 x 1100), which ran here before (its rates, and
 // this loop's: docs/kernels/gemm.md). O is C and D's type: T, or float for an f32 output of 16-bit
 // operands.
 template <typename T, typename O>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
-  const bool direct = std::is_same_v<O, float> && p.alpha == 1.0 && !add_c;
+  const bool direct = std::is_same_v<O, float> && p.alpha == 1.0 && (!add_c || p.beta == 1.0);
+  if (direct && add_c) copy_c<float>(p, c, d);
   const std::int64_t block = std::max<std::int64_t>(256, kBlockFloats / p.k);
   const std::int64_t mb = std::min(p.m, block), nb = std::min(p.n, block);
   float* const ds = direct ? nullptr : scratch(2, mb * nb);
@@ -197,7 +206,8 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
         const std::int64_t nj = std::min(nb, p.n - j0);
         const float* const bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
         if (direct) {
-          sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, item<float>(d, l) + i0 * d.ld + j0, d.ld);
+          sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, add_c ? 1.0f : 0.0f,
+                item<float>(d, l) + i0 * d.ld + j0, d.ld);
           continue;
         }
         sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, ds, nj);

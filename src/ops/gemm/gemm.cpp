@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "ops/common.h"
+#include "ops/gemm/cpu_blas.h"
 #include "ops/gemm/gemm_kernels.h"
 
 namespace meshfuse {
@@ -238,6 +239,8 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
                               call.stream());
       });
 }
+
+std::string cpu_blas_library() { return detail::cpu::cpu_blas_library(); }
 
 std::string cublaslt_library() {
 #ifdef MESHFUSE_WITH_CUDA
