@@ -1,6 +1,7 @@
 #include "core/shared_library.h"
 
 #include <dlfcn.h>
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <utility>
@@ -13,16 +14,23 @@ SharedLibrary::SharedLibrary(std::string what, const char* env, const std::strin
                              const std::string& fallback, const char* hint)
     : what_(std::move(what)) {
   const char* named = std::getenv(env);
-  path_ = named != nullptr && *named != '\0' ? named : soname;
+  const bool by_env = named != nullptr && *named != '\0';
+  path_ = by_env ? named : soname;
   // Local symbols: the library serves meshfuse's calls and does not interpose on others'.
   handle_ = dlopen(path_.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle_ == nullptr && path_ == soname && !fallback.empty() && fallback != soname) {
+  if (handle_ != nullptr) return;
+  if (by_env)
+    fail(ErrorCode::BackendUnavailable, "{}: cannot load {}, the file {} names ({})", what_, path_,
+         env, dlerror());
+  std::string tried = fmt::format("{} ({})", path_, dlerror());
+  if (!fallback.empty() && fallback != soname) {
     path_ = fallback;
     handle_ = dlopen(path_.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle_ != nullptr) return;
+    tried += fmt::format(", nor {} ({})", path_, dlerror());
   }
-  if (handle_ == nullptr)
-    fail(ErrorCode::BackendUnavailable, "{}: cannot load {} ({}); {} or name the library in {}",
-         what_, path_, dlerror(), hint, env);
+  fail(ErrorCode::BackendUnavailable, "{}: cannot load {}; {} or name the library in {}", what_,
+       tried, hint, env);
 }
 
 void* SharedLibrary::symbol(const char* name, const char* requirement) const {

@@ -62,6 +62,21 @@ TEST(Cli, InfoNamesACublasLtItCannotLoad) {
   EXPECT_TRUE(contains(r.out, "cuBLASLt: cannot load /nonexistent/libcublasLt.so.13")) << r.out;
   EXPECT_TRUE(contains(r.out, "MESHFUSE_CUBLASLT_LIBRARY")) << r.out;
 }
+// The cpu GEMMs' library: the one pinned, or the MKL file named, which info reports unusable.
+TEST(Cli, InfoNamesTheCpuGemmLibrary) {
+  CliResult r = run_cli("info", "MESHFUSE_CPU_BLAS=onednn");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "cpu gemm library: oneDNN ")) << r.out;
+#if defined(__x86_64__)
+  r = run_cli("info", "MESHFUSE_MKL_LIBRARY=/nonexistent/libmkl_rt.so.3");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out,
+                       "cpu gemm library: unusable: [backend unavailable] gemm: Intel MKL: "
+                       "cannot load /nonexistent/libmkl_rt.so.3, the file "
+                       "MESHFUSE_MKL_LIBRARY names"))
+      << r.out;
+#endif
+}
 TEST(Cli, BenchJsonGivesOneRecordPerDirectionWithEveryKeyAndPasses) {
   const CliResult r = run_cli(std::string(kSmallSwiglu) + " --format json");
   ASSERT_EQ(r.exit_code, 0) << r.err;

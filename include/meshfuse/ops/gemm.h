@@ -28,12 +28,13 @@
 // * C in the accumulator's type, then one rounding to D's dtype), as in cuBLAS and torch: never
 // inside the sums. The `reference` backend accumulates in double. linear's grad_bias (a column sum,
 // ours on both backends) is summed in double and rounded once. Results are deterministic for a
-// fixed thread count (cpu) or GPU model (cuda). The cpu backend runs f32, bf16 and f16 on oneDNN's
-// sgemm with both operands row-major f32 (16-bit ones widened, in blocks of bounded size), and f64
-// on OpenBLAS's dgemm: bench/blas_choice.cpp measures why these libraries, src/ops/gemm/cpu.cpp why
-// one layout. The cuda backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for
-// f32, bf16 and f16; f64 in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a
-// fixed-order column sum (src/ops/gemm/cuda.cu).
+// fixed thread count (cpu) or GPU model (cuda). The cpu backend runs f32, bf16 and f16 on one sgemm
+// (Intel MKL's where installed, else oneDNN's: cpu_blas_library) with both operands row-major f32
+// (16-bit ones widened, in blocks of bounded size), and f64 on OpenBLAS's dgemm:
+// bench/blas_choice.cpp measures why these libraries, src/ops/gemm/cpu.cpp why one layout. The cuda
+// backend runs every dtype on cuBLASLt (fp32 accumulation without TF32 for f32, bf16 and f16; f64
+// in f64), linear's bias in cuBLASLt's bias epilogue, and grad_bias as a fixed-order column sum
+// (src/ops/gemm/cuda.cu).
 //
 // Inputs may be strided views: a transposed view (unit stride along rows) is read in place (the
 // cuda backend and f64 pass it to the BLAS as a transposed operand; the cpu backend's f32 and
@@ -88,13 +89,16 @@ void linear_backward(const TensorView& grad_out, const TensorView& x, const Tens
 std::string cublaslt_library();
 
 // The library that the cpu backend's f32, bf16 and f16 GEMMs run on (their fp32 sums), as
-// "Intel MKL 2026.2.1 (file)" or "oneDNN 2.6.3" ("OpenBLAS" on Arm64), chosen now if it is not
-// yet. On x86-64 Intel MKL when it can be opened (PyTorch's BLAS: the same accuracy), else oneDNN.
-// MKL is opened at first use, not linked: libmkl_rt.so.3 as the loader finds it, else the file
-// found at build time (e.g. under the Python prefix of PyPI's `mkl` wheel); MESHFUSE_MKL_LIBRARY
-// names another file, and MESHFUSE_CPU_BLAS=mkl|onednn pins one library.
-// Throws Error(BackendUnavailable) when MESHFUSE_CPU_BLAS=mkl and MKL cannot be opened, and
-// Error(InvalidArgument) for another value of MESHFUSE_CPU_BLAS; so does every cpu GEMM then.
+// "Intel MKL 2026.2 (file), GNU OpenMP threads" or "oneDNN 2.6.3" ("OpenBLAS" on Arm64), chosen
+// now if it is not yet. On x86-64 Intel MKL when it can be opened (PyTorch's BLAS: the same
+// accuracy), else oneDNN. MKL is opened at first use, not linked: libmkl_rt.so.3 as the loader
+// finds it, else the file found at build time (e.g. under the Python prefix of PyPI's `mkl`
+// wheel); MESHFUSE_MKL_LIBRARY names another file (and so asks for MKL), MESHFUSE_CPU_BLAS=
+// mkl|onednn pins one library. MKL's threads are GNU OpenMP's, as meshfuse's own loops, unless
+// MKL_THREADING_LAYER says otherwise.
+// Throws Error(BackendUnavailable) when MKL is asked for and cannot be opened, and
+// Error(InvalidArgument) for another value of MESHFUSE_CPU_BLAS; so do the f32, bf16 and f16 cpu
+// GEMMs on x86-64 then (f64 runs on OpenBLAS whatever the variables say).
 std::string cpu_blas_library();
 
 }  // namespace meshfuse

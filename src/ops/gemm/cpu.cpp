@@ -180,9 +180,8 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 // (row_major), one sgemm ('N', 'N') of the plain product, then D = round(alpha * product + beta *
 // C) with one fma: alpha and C meet the accumulated sum once, as in cuBLAS and the reference (BLAS
 // scales its packed operands by alpha and adds beta * C into its partial sums, which rounds the
-// result several times). An f32 GEMM with alpha = 1 writes D inside sgemm, with C copied into D
-// first when beta = 1: C is then one more term of the sum, which rounds no more than adding it
-// after (PyTorch's addmm on MKL adds linear's bias so, and gets the same bits). A row block of A is
+// result several times; with beta = 1 too, since every partial sum after C then rounds at C's
+// size). An f32 GEMM with alpha = 1 and no C writes D inside sgemm. A row block of A is
 // prepared once, B once per row block. The blocks, their leading dims and their alignment depend on
 // m, n and k alone, never on how A and B are stored, so a transposed view gives bitwise its
 // contiguous copy's result: sgemm's sums follow its transpose flags, and so, at some shapes, do
@@ -192,8 +191,7 @@ const float* row_major(const GemmMatrix& x, std::int64_t l, std::int64_t r0, std
 template <typename T, typename O>
 void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix& b,
                     const GemmMatrix& c, const GemmMatrix& d, bool add_c) {
-  const bool direct = std::is_same_v<O, float> && p.alpha == 1.0 && (!add_c || p.beta == 1.0);
-  if (direct && add_c) copy_c<float>(p, c, d);
+  const bool direct = std::is_same_v<O, float> && p.alpha == 1.0 && !add_c;
   const std::int64_t block = std::max<std::int64_t>(256, kBlockFloats / p.k);
   const std::int64_t mb = std::min(p.m, block), nb = std::min(p.n, block);
   float* const ds = direct ? nullptr : scratch(2, mb * nb);
@@ -206,8 +204,7 @@ void gemm_row_major(const GemmProblem& p, const GemmMatrix& a, const GemmMatrix&
         const std::int64_t nj = std::min(nb, p.n - j0);
         const float* const bb = row_major<T>(b, l, 0, p.k, j0, nj, 1);
         if (direct) {
-          sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, add_c ? 1.0f : 0.0f,
-                item<float>(d, l) + i0 * d.ld + j0, d.ld);
+          sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, item<float>(d, l) + i0 * d.ld + j0, d.ld);
           continue;
         }
         sgemm(mi, nj, p.k, 1.0f, ab, p.k, bb, nj, 0.0f, ds, nj);

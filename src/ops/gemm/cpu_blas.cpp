@@ -18,7 +18,7 @@ enum class CpuBlas { MKL, OneDNN };
 std::string_view to_string(CpuBlas b) { return b == CpuBlas::MKL ? "mkl" : "onednn"; }
 
 struct Mkl {
-  std::string text;  // "Intel MKL <version> (<file>)"
+  std::string text;  // "Intel MKL <version> (<file>), <threads>"
   MklSgemm sgemm;
 };
 
@@ -35,9 +35,18 @@ Mkl open_mkl() {
   lib.bind(get_version_string, "MKL_Get_Version_String", requirement);
   lib.bind(m.sgemm, "cblas_sgemm_64", requirement);
   // GNU OpenMP (MKL_THREADING_GNU = 3), the runtime meshfuse's own loops and PyTorch's run on:
-  // with MKL's default, Intel's, two OpenMP thread pools would share the cores. A process whose MKL
-  // already runs keeps its layer (the call returns it).
-  set_threading_layer(3);
+  // with MKL's default, Intel's, two OpenMP thread pools would share the cores. Unless the user
+  // chose with MKL_THREADING_LAYER; a process whose MKL already runs keeps its layer (returned).
+  std::string threads;
+  if (const char* layer = std::getenv("MKL_THREADING_LAYER"); layer != nullptr && *layer != '\0') {
+    threads = std::string("threads as MKL_THREADING_LAYER=") + layer;
+  } else {
+    constexpr const char* kLayers[] = {"Intel OpenMP threads", "sequential", "PGI OpenMP threads",
+                                       "GNU OpenMP threads", "TBB threads"};
+    const int got = set_threading_layer(3);
+    threads = got >= 0 && got < 5 ? kLayers[got] : "threading layer " + std::to_string(got);
+    if (got != 3) threads += " (chosen before meshfuse by another user of this MKL)";
+  }
   char version[198] = {};
   get_version_string(version, sizeof(version));
   // "Intel(R) oneAPI Math Kernel Library Version 2026.2.1-Product Build ..." -> "2026.2.1"
@@ -45,7 +54,7 @@ Mkl open_mkl() {
   const std::size_t at = v.find("Version ");
   v = at == std::string_view::npos ? std::string_view("?") : v.substr(at + 8);
   v = v.substr(0, v.find_first_of("- "));
-  m.text = "Intel MKL " + std::string(v) + " (" + lib.path() + ")";
+  m.text = "Intel MKL " + std::string(v) + " (" + lib.path() + "), " + threads;
   return m;
 }
 #else
@@ -64,6 +73,9 @@ const Mkl* chosen() {
       if (parse_name("MESHFUSE_CPU_BLAS", env, kAll) == CpuBlas::OneDNN) return std::nullopt;
       return open_mkl();
     }
+    // A file named is a file wanted: not found, it is an error, not oneDNN in silence.
+    if (const char* file = std::getenv("MESHFUSE_MKL_LIBRARY"); file != nullptr && *file != '\0')
+      return open_mkl();
     try {
       return open_mkl();
     } catch (const Error&) {
