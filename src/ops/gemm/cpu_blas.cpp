@@ -60,7 +60,8 @@ Mkl open_mkl() {
 #else
 Mkl open_mkl() {
   fail(ErrorCode::BackendUnavailable,
-       "gemm: MESHFUSE_CPU_BLAS=mkl, but Intel MKL exists for x86-64 only; unset it");
+       "gemm: Intel MKL was asked for (MESHFUSE_CPU_BLAS=mkl or MESHFUSE_MKL_LIBRARY), but it "
+       "exists for x86-64 only; unset them");
 }
 #endif
 

@@ -108,10 +108,36 @@ void SoftmaxBackward(const SoftmaxShape& s, const void* grad_y, const void* y, v
         const T* yr = static_cast<const T*>(y) + row_offset(r, s.cols);
         const A dot = A(RowDot(dyr, yr, s.cols));
         const std::int64_t next = row_offset(r + 1 < s.rows ? r + 1 : r, s.cols);
-        StreamOut(
-            static_cast<T*>(grad_x) + row_offset(r, s.cols), s.cols, w.stream,
-            [&](std::int64_t c) { return m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot); },
-            {static_cast<const T*>(grad_y) + next, static_cast<const T*>(y) + next});
+        T* const gxr = static_cast<T*>(grad_x) + row_offset(r, s.cols);
+        const std::initializer_list<const T*> ahead = {static_cast<const T*>(grad_y) + next,
+                                                       static_cast<const T*>(y) + next};
+#if HWY_TARGET != HWY_SCALAR
+        // With vectors: LoadF widens f16 with F16C where the target has it, which the compiler
+        // does not emit for the per-element loop below (ten integer ops an element instead).
+        if constexpr (std::is_same_v<A, float>) {
+          StreamOutBlocks(
+              gxr, s.cols, w.stream,
+              [&](std::int64_t c0, std::int64_t len, A* buf) {
+                const DF d;
+                const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+                const VF vm = hn::Set(d, m), vdot = hn::Set(d, dot);
+                for (std::int64_t j = 0; j < len; j += lanes) {
+                  const bool full = j + lanes <= len;
+                  const auto k = static_cast<std::size_t>(len - j);
+                  const T* dyj = dyr + c0 + j;
+                  const T* yj = yr + c0 + j;
+                  const VF dyv = full ? LoadF(d, dyj) : LoadFTail(d, dyj, k);
+                  const VF yv = full ? LoadF(d, yj) : LoadFTail(d, yj, k);
+                  hn::Store(hn::Mul(hn::Mul(vm, yv), hn::Sub(dyv, vdot)), d, buf + j);
+                }
+              },
+              ahead);
+        } else
+#endif
+          StreamOut(
+              gxr, s.cols, w.stream,
+              [&](std::int64_t c) { return m * A(to_float(yr[c])) * (A(to_float(dyr[c])) - dot); },
+              ahead);
       }
       hwy::FlushStream();
     });
