@@ -1,9 +1,11 @@
 // The library under the cpu backend's f32 GEMMs (internal; cpu.cpp calls it): Intel MKL's sgemm
 // where MKL can be opened (x86-64), else oneDNN's (on Arm64 OpenBLAS's). MKL comes first because
 // it is the BLAS that PyTorch's x86-64 wheels compute with: its K loop sums closer to the exact
-// product than oneDNN's sgemm, at the same rate (docs/kernels/gemm.md), and meshfuse's error is
-// held to PyTorch's. MKL is opened at run time, not linked: it is an optional, large install (the
-// PyPI wheel `mkl`, or oneAPI), and a build must run where it is absent.
+// product than oneDNN's sgemm, and meshfuse's error is held to PyTorch's. On AMD CPUs, where MKL
+// takes its generic path, that costs 10-30% of an f32 GEMM's time against oneDNN's AVX-512
+// kernels (docs/kernels/gemm.md); MESHFUSE_CPU_BLAS=onednn chooses speed there. MKL is opened at
+// run time, not linked: it is an optional, large install (the PyPI wheel `mkl`, or oneAPI), and a
+// build must run where it is absent.
 #pragma once
 
 #include <string>
