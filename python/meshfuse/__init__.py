@@ -18,6 +18,7 @@ lists them), whose message names the op, the argument, what was expected and wha
 
 import ctypes as _ctypes
 import os as _os
+import sys as _sys
 
 # The extension needs libstdc++; make it global before loading the extension. Loaded only locally
 # (Python's default for extensions), it left torch, imported afterwards, resolving C++ runtime
@@ -29,6 +30,18 @@ try:
     _ctypes.CDLL("libstdc++.so.6", mode=_os.RTLD_GLOBAL)
 except OSError:  # then loading the extension below fails too, and says why
     pass
+
+# Intel MKL from PyPI (`pip install mkl`), which the cpu GEMMs run on where installed, lives in
+# the interpreter's prefix (lib/), where the loader does not look. Opened here, locally, its soname
+# is known to the process, and the library's first GEMM finds it (src/ops/gemm/cpu_blas.cpp) in
+# whatever environment meshfuse was built.
+_mkl = _os.path.join(_sys.prefix, "lib", "libmkl_rt.so.3")
+if (not _os.environ.get("MESHFUSE_MKL_LIBRARY")
+        and _os.environ.get("MESHFUSE_CPU_BLAS", "").lower() != "onednn" and _os.path.exists(_mkl)):
+    try:
+        _ctypes.CDLL(_mkl, mode=_os.RTLD_LOCAL)
+    except OSError:  # then the library reports what it opens, or oneDNN
+        pass
 
 from ._meshfuse import *  # noqa: E402,F401,F403
 from ._meshfuse import Error, force_kernel_backend, version  # noqa: E402,F401
