@@ -24,6 +24,15 @@ std::string dtypes_text(const std::vector<DType>& dtypes) {
   return fmt::format("{}", fmt::join(names, " "));
 }
 
+// What library() names, or "unusable: <why>" when it cannot open the library (info still succeeds).
+std::string library_or_why(std::string (*library)()) {
+  try {
+    return library();
+  } catch (const Error& e) {
+    return fmt::format("unusable: {}", e.what());
+  }
+}
+
 }  // namespace
 
 std::string info() {
@@ -51,24 +60,9 @@ std::string info() {
   else if (cuda_device_count() == 0)
     out += "  (no cuda devices: this build has the cuda backend but sees no GPU)\n";
 
-  {
-    std::string text;
-    try {
-      text = cpu_blas_library();
-    } catch (const Error& e) {
-      text = fmt::format("unusable: {}", e.what());
-    }
-    out += fmt::format("cpu gemm library: {}\n", text);
-  }
-  if (built_with_cuda()) {
-    std::string text;
-    try {
-      text = cublaslt_library();
-    } catch (const Error& e) {
-      text = fmt::format("unusable: {}", e.what());
-    }
-    out += fmt::format("cuda gemm library: {}\n", text);
-  }
+  out += fmt::format("cpu gemm library: {}\n", library_or_why(cpu_blas_library));
+  if (built_with_cuda())
+    out += fmt::format("cuda gemm library: {}\n", library_or_why(cublaslt_library));
 
   // The communicator backends of this build, and the NCCL library nccl opens.
   std::vector<std::string> comms;
@@ -77,11 +71,7 @@ std::string info() {
     if (!communicator_backend_built(b)) continue;
     std::string text(to_string(b));
     if (b == CommunicatorBackend::Nccl) {
-      try {
-        text += " (" + nccl_library() + ")";
-      } catch (const Error& e) {
-        text += fmt::format(" (unusable: {})", e.what());
-      }
+      text += " (" + library_or_why(nccl_library) + ")";
     }
     comms.push_back(text);
   }

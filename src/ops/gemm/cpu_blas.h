@@ -2,8 +2,8 @@
 // where MKL can be opened (x86-64), else oneDNN's (on Arm64 OpenBLAS's). MKL comes first because
 // it is the BLAS that PyTorch's x86-64 wheels compute with: its K loop sums closer to the exact
 // product than oneDNN's sgemm, and meshfuse's error is held to PyTorch's. On AMD CPUs, where MKL
-// takes its generic path, that costs 10-30% of an f32 GEMM's time against oneDNN's AVX-512
-// kernels (docs/kernels/gemm.md); MESHFUSE_CPU_BLAS=onednn chooses speed there. MKL is opened at
+// takes its generic path, that costs time against oneDNN's AVX-512 kernels (figures:
+// docs/kernels/gemm.md); MESHFUSE_CPU_BLAS=onednn chooses speed there. MKL is opened at
 // run time, not linked: it is an optional, large install (the PyPI wheel `mkl`, or oneAPI), and a
 // build must run where it is absent.
 #pragma once
