@@ -672,6 +672,50 @@ TEST(Gemm, GemmLargerThanOneScratchBlockMatchesReferenceAndItsViews) {
   }
 }
 
+// Fused linear cross-entropy's f32 GEMMs sum an even K of 1024 or more as two halves (cpu.cpp):
+// with integer-valued operands every partial sum is exact, so each layout, C added in place or from
+// its own matrix, and a product wider than one scratch panel (2^22 floats of both halves over
+// 1024 rows) must give the exact product bit for bit.
+TEST(Gemm, FixedLayoutSplitSumsAreExactForEveryLayoutAndPanel) {
+  const std::int64_t m = 1024, n = 2049, k = 1502;  // two panels, the last 1 column
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int> value(-8, 7);
+  const auto ints = [&](std::int64_t count) {
+    std::vector<float> v(static_cast<std::size_t>(count));
+    for (float& x : v) x = static_cast<float>(value(gen));
+    return v;
+  };
+  const std::vector<float> a = ints(m * k), b = ints(k * n), c0 = ints(m * n);
+  for (const bool a_t : {false, true})
+    for (const bool b_t : {false, true})
+      for (const bool c_is_d : {false, true}) {
+        if (!c_is_d && (a_t || b_t)) continue;  // one separate-C case covers copy_c
+        // a_t: A stored as its transpose (k x m); b_t: B stored as (n x k).
+        std::vector<float> as(a.size()), bs(b.size());
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t p = 0; p < k; ++p) as[a_t ? p * m + i : i * k + p] = a[i * k + p];
+        for (std::int64_t p = 0; p < k; ++p)
+          for (std::int64_t j = 0; j < n; ++j) bs[b_t ? j * k + p : p * n + j] = b[p * n + j];
+        std::vector<float> d = c0, c = c0;
+        const detail::GemmMatrix am{as.data(), a_t ? m : k, 0, a_t},
+            bm{bs.data(), b_t ? k : n, 0, b_t}, dm{d.data(), n, 0, false},
+            cm{c_is_d ? d.data() : c.data(), n, 0, false};
+        if (!c_is_d) std::fill(d.begin(), d.end(), 0.0f);
+        detail::cpu::gemm_fixed_layout({DType::F32, 1, m, n, k, 1.0, 1.0}, am, bm, cm, dm,
+                                       Stream{});
+        for (const std::int64_t i : {std::int64_t{0}, std::int64_t{1}, std::int64_t{700}, m - 1})
+          for (std::int64_t j = 0; j < n; ++j) {
+            std::int64_t exact = static_cast<std::int64_t>(c0[i * n + j]);
+            for (std::int64_t p = 0; p < k; ++p)
+              exact +=
+                  static_cast<std::int64_t>(a[i * k + p]) * static_cast<std::int64_t>(b[p * n + j]);
+            ASSERT_EQ(d[i * n + j], static_cast<float>(exact))
+                << "a_t " << a_t << " b_t " << b_t << " c_is_d " << c_is_d << " at " << i << ","
+                << j;
+          }
+      }
+}
+
 // cuBLASLt is opened at run time, not linked (gemm.h): no GPU is needed to open it.
 TEST(Gemm, CublasLtIsOpenedAtRunTimeAndNamesItsVersion) {
 #ifdef MESHFUSE_WITH_CUDA

@@ -41,16 +41,24 @@ const dnnl::engine& engine() {
   return e;
 }
 
-dnnl::memory::desc f32_desc(const GemmMatrix& x, std::int64_t rows, std::int64_t cols) {
+// The (rows, cols) matrix x as an f32 memory descriptor; with parts > 1, the equal slices of
+// its dim k_dim (0: rows, 1: cols) as a batch of `parts` matrices.
+dnnl::memory::desc f32_desc(const GemmMatrix& x, std::int64_t rows, std::int64_t cols,
+                            std::int64_t parts = 1, int k_dim = 0) {
   using dnnl::memory;
-  return {{rows, cols},
+  const memory::dims strides = x.transposed ? memory::dims{1, x.ld} : memory::dims{x.ld, 1};
+  if (parts == 1) return {{rows, cols}, memory::data_type::f32, strides};
+  const std::int64_t slice = (k_dim ? cols : rows) / parts;
+  return {{parts, k_dim ? rows : slice, k_dim ? slice : cols},
           memory::data_type::f32,
-          x.transposed ? memory::dims{1, x.ld} : memory::dims{x.ld, 1}};
+          {slice * strides[k_dim], strides[0], strides[1]}};
 }
 
-// d = alpha * a @ b (+ beta * d when beta != 0) for one (m, n, k) f32 matrix product.
+// d = alpha * a @ b (+ beta * d when beta != 0) for one (m, n, k) f32 matrix product; with
+// parts > 1 (dividing k), d is (parts, m, n): the products of K's slices, each from zero.
 void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, float beta,
-                const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d) {
+                const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d,
+                std::int64_t parts = 1) {
   try {
     dnnl::primitive_attr attr;
     if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
@@ -59,7 +67,11 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
       ops.append_sum(beta);
       attr.set_post_ops(ops);
     }
-    const dnnl::memory::desc ad = f32_desc(a, m, k), bd = f32_desc(b, k, n), dd = f32_desc(d, m, n);
+    const dnnl::memory::desc ad = f32_desc(a, m, k, parts, 1), bd = f32_desc(b, k, n, parts, 0),
+                             dd = parts == 1 ? f32_desc(d, m, n)
+                                             : dnnl::memory::desc({parts, m, n},
+                                                                  dnnl::memory::data_type::f32,
+                                                                  {m * d.ld, d.ld, 1});
     // Created per call: oneDNN's primitive cache turns a repeated shape into a look-up.
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, dd), attr, engine());
     dnnl::stream stream(engine());
@@ -312,16 +324,57 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
   });
 }
 
+// oneDNN's matmul sums K in one chain per output, whose rounding error grows with K; from this K
+// on, fused linear cross-entropy's products add a pairwise level above it (f32_matmul_split_k).
+constexpr std::int64_t kSplitK = 1024;
+
+// d = a @ b (+ d when add), K even, the two halves of K each summed from zero and added once: the
+// error of a chain of K / 2 (docs/kernels/fused_linear_cross_entropy.md). The halves are one batch
+// of two products (one primitive call: a call per strided half picked slower kernels), written to
+// scratch a panel of columns at a time, its size bounded.
+void f32_matmul_split_k(std::int64_t m, std::int64_t n, std::int64_t k, bool add,
+                        const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d) {
+  constexpr std::int64_t kPanelFloats = std::int64_t{1} << 22;
+  const std::int64_t panel = std::clamp<std::int64_t>(kPanelFloats / (2 * m), 1, n);
+  float* const halves = scratch(0, 2 * m * panel);
+  for (std::int64_t j0 = 0; j0 < n; j0 += panel) {
+    const std::int64_t w = std::min(panel, n - j0);
+    const float* bp = static_cast<const float*>(b.data) + (b.transposed ? j0 * b.ld : j0);
+    f32_matmul(m, w, k, 1.0f, 0.0f, a, {const_cast<float*>(bp), b.ld, 0, b.transposed},
+               {halves, w, 0, false}, 2);
+    parallel_if(m * w >= kParallelMin, [&] {
+#pragma omp for schedule(static)
+      for (std::int64_t i = 0; i < m; ++i) {
+        float* out = static_cast<float*>(d.data) + i * d.ld + j0;
+        const float* h0 = halves + i * w;
+        const float* h1 = h0 + m * w;
+        if (add) {
+#pragma omp simd
+          for (std::int64_t j = 0; j < w; ++j) out[j] += h0[j] + h1[j];
+        } else {
+#pragma omp simd
+          for (std::int64_t j = 0; j < w; ++j) out[j] = h0[j] + h1[j];
+        }
+      }
+    });
+  }
+}
+
 void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
                        const Stream& stream) {
   if (p.dtype != DType::F32 || p.batch == 0 || p.m == 0 || p.n == 0 || p.alpha == 0 || p.k == 0)
     return gemm(p, a, b, c, d, stream);
   const bool add_c = c.data != nullptr && p.beta != 0;
   if (add_c) copy_c<float>(p, c, d);
-  for (std::int64_t l = 0; l < p.batch; ++l)
-    f32_matmul(p.m, p.n, p.k, static_cast<float>(p.alpha), add_c ? static_cast<float>(p.beta) : 0,
-               {item<float>(a, l), a.ld, 0, a.transposed},
-               {item<float>(b, l), b.ld, 0, b.transposed}, {item<float>(d, l), d.ld, 0, false});
+  const auto alpha = static_cast<float>(p.alpha), beta = add_c ? static_cast<float>(p.beta) : 0.0f;
+  for (std::int64_t l = 0; l < p.batch; ++l) {
+    const GemmMatrix al{item<float>(a, l), a.ld, 0, a.transposed},
+        bl{item<float>(b, l), b.ld, 0, b.transposed}, dl{item<float>(d, l), d.ld, 0, false};
+    if (p.k >= kSplitK && p.k % 2 == 0 && alpha == 1.0f && (beta == 0.0f || beta == 1.0f))
+      f32_matmul_split_k(p.m, p.n, p.k, beta != 0.0f, al, bl, dl);
+    else
+      f32_matmul(p.m, p.n, p.k, alpha, beta, al, bl, dl);
+  }
 }
 
 void column_sum(DType dtype, std::int64_t rows, std::int64_t cols, GemmMatrix x, void* out,
