@@ -672,48 +672,66 @@ TEST(Gemm, GemmLargerThanOneScratchBlockMatchesReferenceAndItsViews) {
   }
 }
 
-// Fused linear cross-entropy's f32 GEMMs sum an even K of 1024 or more as two halves (cpu.cpp):
-// with integer-valued operands every partial sum is exact, so each layout, C added in place or from
-// its own matrix, and a product wider than one scratch panel (2^22 floats of both halves over
-// 1024 rows) must give the exact product bit for bit.
-TEST(Gemm, FixedLayoutSplitSumsAreExactForEveryLayoutAndPanel) {
-  const std::int64_t m = 1024, n = 2049, k = 1502;  // two panels, the last 1 column
+// Fused linear cross-entropy's f32 GEMMs sum a K of 1024 or more as two halves (an odd K's last
+// product added with them), a tile of at most 2^22 floats of both halves at a time (cpu.cpp). With
+// integer-valued operands every partial sum is exact, so each case must give the exact product bit
+// for bit: every layout with padded leading dims, C absent, in place, apart or a broadcast row (the
+// logits' bias), odd K, and products of several column and row tiles.
+TEST(Gemm, FixedLayoutSplitSumsAreExactForEveryLayoutAndTile) {
+  enum class C { None, InPlace, Apart, Row };
+  struct Case {
+    std::int64_t m, n, k;
+    bool a_t, b_t;
+    C c;
+    std::int64_t pad;  // added to every leading dim
+  };
+  const Case cases[] = {
+      {1024, 2049, 1502, false, false, C::InPlace, 0},  // two column tiles, the last 1 wide
+      {1024, 2049, 1502, false, true, C::Row, 0},       // the logits: b is W, the bias broadcast
+      {9, 1030, 1502, true, false, C::Apart, 3},
+      {9, 1030, 1501, true, true, C::None, 5},         // odd K
+      {4096, 1100, 1024, true, false, C::InPlace, 0},  // 2 x 2 tiles (grad_weight's layout)
+      {1, 1, 1025, false, false, C::None, 0},
+  };
   std::mt19937 gen(7);
   std::uniform_int_distribution<int> value(-8, 7);
-  const auto ints = [&](std::int64_t count) {
-    std::vector<float> v(static_cast<std::size_t>(count));
-    for (float& x : v) x = static_cast<float>(value(gen));
-    return v;
-  };
-  const std::vector<float> a = ints(m * k), b = ints(k * n), c0 = ints(m * n);
-  for (const bool a_t : {false, true})
-    for (const bool b_t : {false, true})
-      for (const bool c_is_d : {false, true}) {
-        if (!c_is_d && (a_t || b_t)) continue;  // one separate-C case covers copy_c
-        // a_t: A stored as its transpose (k x m); b_t: B stored as (n x k).
-        std::vector<float> as(a.size()), bs(b.size());
-        for (std::int64_t i = 0; i < m; ++i)
-          for (std::int64_t p = 0; p < k; ++p) as[a_t ? p * m + i : i * k + p] = a[i * k + p];
-        for (std::int64_t p = 0; p < k; ++p)
-          for (std::int64_t j = 0; j < n; ++j) bs[b_t ? j * k + p : p * n + j] = b[p * n + j];
-        std::vector<float> d = c0, c = c0;
-        const detail::GemmMatrix am{as.data(), a_t ? m : k, 0, a_t},
-            bm{bs.data(), b_t ? k : n, 0, b_t}, dm{d.data(), n, 0, false},
-            cm{c_is_d ? d.data() : c.data(), n, 0, false};
-        if (!c_is_d) std::fill(d.begin(), d.end(), 0.0f);
-        detail::cpu::gemm_fixed_layout({DType::F32, 1, m, n, k, 1.0, 1.0}, am, bm, cm, dm,
-                                       Stream{});
-        for (const std::int64_t i : {std::int64_t{0}, std::int64_t{1}, std::int64_t{700}, m - 1})
-          for (std::int64_t j = 0; j < n; ++j) {
-            std::int64_t exact = static_cast<std::int64_t>(c0[i * n + j]);
-            for (std::int64_t p = 0; p < k; ++p)
-              exact +=
-                  static_cast<std::int64_t>(a[i * k + p]) * static_cast<std::int64_t>(b[p * n + j]);
-            ASSERT_EQ(d[i * n + j], static_cast<float>(exact))
-                << "a_t " << a_t << " b_t " << b_t << " c_is_d " << c_is_d << " at " << i << ","
-                << j;
-          }
+  for (const Case& t : cases) {
+    const auto stored = [&](std::int64_t rows, std::int64_t cols, bool transposed) {
+      const std::int64_t ld = (transposed ? rows : cols) + t.pad;
+      std::vector<float> v(static_cast<std::size_t>((transposed ? cols : rows) * ld));
+      for (float& x : v) x = static_cast<float>(value(gen));
+      return std::pair{v, ld};
+    };
+    const auto [a, lda] = stored(t.m, t.k, t.a_t);
+    const auto [b, ldb] = stored(t.k, t.n, t.b_t);
+    const auto [c, ldc] = stored(t.c == C::Row ? 1 : t.m, t.n, false);
+    const auto [d0, ldd] = stored(t.m, t.n, false);
+    std::vector<float> d = t.c == C::InPlace ? c : d0;
+    const detail::GemmMatrix am{const_cast<float*>(a.data()), lda, 0, t.a_t},
+        bm{const_cast<float*>(b.data()), ldb, 0, t.b_t}, dm{d.data(), ldd, 0, false},
+        cm = t.c == C::None      ? detail::GemmMatrix{}
+             : t.c == C::InPlace ? dm
+                                 : detail::GemmMatrix{const_cast<float*>(c.data()),
+                                                      t.c == C::Row ? 0 : ldc, 0, false};
+    detail::cpu::gemm_fixed_layout({DType::F32, 1, t.m, t.n, t.k, 1.0, t.c == C::None ? 0.0 : 1.0},
+                                   am, bm, cm, dm, Stream{});
+    const auto item = [](const std::vector<float>& x, std::int64_t ld, bool tr, std::int64_t r,
+                         std::int64_t col) {
+      return static_cast<std::int64_t>(
+          x[static_cast<std::size_t>(tr ? col * ld + r : r * ld + col)]);
+    };
+    for (const std::int64_t i : {std::int64_t{0}, t.m / 2, t.m / 2 + 1, t.m - 1}) {
+      if (i >= t.m) continue;
+      for (std::int64_t j = 0; j < t.n; ++j) {
+        std::int64_t exact = t.c == C::None ? 0 : item(c, ldc, false, t.c == C::Row ? 0 : i, j);
+        for (std::int64_t p = 0; p < t.k; ++p)
+          exact += item(a, lda, t.a_t, i, p) * item(b, ldb, t.b_t, p, j);
+        ASSERT_EQ(d[static_cast<std::size_t>(i * ldd + j)], static_cast<float>(exact))
+            << "m " << t.m << " n " << t.n << " k " << t.k << " a_t " << t.a_t << " b_t " << t.b_t
+            << " c " << static_cast<int>(t.c) << " at " << i << "," << j;
       }
+    }
+  }
 }
 
 // cuBLASLt is opened at run time, not linked (gemm.h): no GPU is needed to open it.

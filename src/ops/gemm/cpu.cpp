@@ -80,7 +80,8 @@ void f32_matmul(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, flo
                                       {DNNL_ARG_DST, dnnl::memory(dd, engine(), d.data)}});
     stream.wait();
   } catch (const dnnl::error& e) {
-    fail(ErrorCode::Internal, "gemm: oneDNN matmul ({} x {} x {}) failed: {}", m, n, k, e.what());
+    fail(ErrorCode::Internal, "gemm: oneDNN matmul ({} x {} x {}{}) failed: {}", m, n, k,
+         parts > 1 ? fmt::format(" in {} slices of K", parts) : "", e.what());
   }
 }
 
@@ -328,36 +329,50 @@ void gemm(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMa
 // on, fused linear cross-entropy's products add a pairwise level above it (f32_matmul_split_k).
 constexpr std::int64_t kSplitK = 1024;
 
-// d = a @ b (+ d when add), K even, the two halves of K each summed from zero and added once: the
-// error of a chain of K / 2 (docs/kernels/fused_linear_cross_entropy.md). The halves are one batch
-// of two products (one primitive call: a call per strided half picked slower kernels), written to
-// scratch a panel of columns at a time, its size bounded.
+// A GemmMatrix whose rows start `rows` on and whose columns start `cols` on.
+GemmMatrix shifted(const GemmMatrix& x, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t offset = x.transposed ? cols * x.ld + rows : rows * x.ld + cols;
+  return {static_cast<float*>(x.data) + offset, x.ld, 0, x.transposed};
+}
+
+// d = a @ b (+ d when add) with the two halves of K each summed from zero and added once (an odd
+// K's last product added with them): the error of a chain of K / 2
+// (docs/kernels/fused_linear_cross_entropy.md). The halves are one batch of two products (one
+// primitive call: a call per strided half picked slower kernels), written to scratch a tile at a
+// time: at most 2^22 floats, at least 1024 columns wide where n has them (narrower tiles re-read
+// a once per tile).
 void f32_matmul_split_k(std::int64_t m, std::int64_t n, std::int64_t k, bool add,
                         const GemmMatrix& a, const GemmMatrix& b, const GemmMatrix& d) {
-  constexpr std::int64_t kPanelFloats = std::int64_t{1} << 22;
-  const std::int64_t panel = std::clamp<std::int64_t>(kPanelFloats / (2 * m), 1, n);
-  float* const halves = scratch(0, 2 * m * panel);
-  for (std::int64_t j0 = 0; j0 < n; j0 += panel) {
-    const std::int64_t w = std::min(panel, n - j0);
-    const float* bp = static_cast<const float*>(b.data) + (b.transposed ? j0 * b.ld : j0);
-    f32_matmul(m, w, k, 1.0f, 0.0f, a, {const_cast<float*>(bp), b.ld, 0, b.transposed},
-               {halves, w, 0, false}, 2);
-    parallel_if(m * w >= kParallelMin, [&] {
+  constexpr std::int64_t kTileFloats = std::int64_t{1} << 22;
+  const std::int64_t k2 = k - k % 2;
+  const std::int64_t w = std::min(n, std::max<std::int64_t>(1024, kTileFloats / (2 * m)));
+  const std::int64_t rows = std::clamp<std::int64_t>(kTileFloats / (2 * w), 1, m);
+  float* const halves = scratch(0, 2 * rows * w);
+  for (std::int64_t i0 = 0; i0 < m; i0 += rows)
+    for (std::int64_t j0 = 0; j0 < n; j0 += w) {
+      const std::int64_t mi = std::min(rows, m - i0), wj = std::min(w, n - j0);
+      const GemmMatrix ta = shifted(a, i0, 0), tb = shifted(b, 0, j0), td = shifted(d, i0, j0);
+      f32_matmul(mi, wj, k2, 1.0f, 0.0f, ta, tb, {halves, wj, 0, false}, 2);
+      parallel_if(mi * wj >= kParallelMin, [&] {
 #pragma omp for schedule(static)
-      for (std::int64_t i = 0; i < m; ++i) {
-        float* out = static_cast<float*>(d.data) + i * d.ld + j0;
-        const float* h0 = halves + i * w;
-        const float* h1 = h0 + m * w;
-        if (add) {
+        for (std::int64_t i = 0; i < mi; ++i) {
+          float* out = static_cast<float*>(td.data) + i * td.ld;
+          const float* h0 = halves + i * wj;
+          const float* h1 = h0 + mi * wj;
+          if (k2 == k) {
 #pragma omp simd
-          for (std::int64_t j = 0; j < w; ++j) out[j] += h0[j] + h1[j];
-        } else {
-#pragma omp simd
-          for (std::int64_t j = 0; j < w; ++j) out[j] = h0[j] + h1[j];
+            for (std::int64_t j = 0; j < wj; ++j)
+              out[j] = add ? out[j] + (h0[j] + h1[j]) : h0[j] + h1[j];
+          } else {
+            const float a_last = at<float>(ta, 0, i, k - 1);
+            for (std::int64_t j = 0; j < wj; ++j) {
+              const float sum = (h0[j] + h1[j]) + a_last * at<float>(tb, 0, k - 1, j);
+              out[j] = add ? out[j] + sum : sum;
+            }
+          }
         }
-      }
-    });
-  }
+      });
+    }
 }
 
 void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMatrix c, GemmMatrix d,
@@ -370,7 +385,7 @@ void gemm_fixed_layout(const GemmProblem& p, GemmMatrix a, GemmMatrix b, GemmMat
   for (std::int64_t l = 0; l < p.batch; ++l) {
     const GemmMatrix al{item<float>(a, l), a.ld, 0, a.transposed},
         bl{item<float>(b, l), b.ld, 0, b.transposed}, dl{item<float>(d, l), d.ld, 0, false};
-    if (p.k >= kSplitK && p.k % 2 == 0 && alpha == 1.0f && (beta == 0.0f || beta == 1.0f))
+    if (p.k >= kSplitK && alpha == 1.0f && (beta == 0.0f || beta == 1.0f))
       f32_matmul_split_k(p.m, p.n, p.k, beta != 0.0f, al, bl, dl);
     else
       f32_matmul(p.m, p.n, p.k, alpha, beta, al, bl, dl);

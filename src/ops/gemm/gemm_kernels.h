@@ -86,7 +86,7 @@ GemmFn gemm;
 // gemm for callers whose operands always come in the same layouts (fused linear cross-entropy's
 // contiguous chunks), for whom gemm's copies into one layout buy nothing: f32 runs on oneDNN's
 // matmul primitive as stored (faster than sgemm, MKL's too, at that op's skinny products, and no
-// copy of the weight), an even K of 1024 or more summed as two halves added once (cpu.cpp);
+// copy of the weight), a K of 1024 or more summed as two halves added once (cpu.cpp);
 // other dtypes as gemm.
 GemmFn gemm_fixed_layout;
 ColumnSumFn column_sum;
