@@ -13,8 +13,11 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ops/cpu_simd-inl.h"
@@ -250,6 +253,40 @@ TEST(CpuMath, OutputWriteStreamsIntoMappedOutputsAndPopulatesFreshOnesPastTheL2C
   w = detail::cpu::output_write(2 * bytes, out.data, bytes);
   EXPECT_TRUE(w.stream);
   EXPECT_FALSE(w.fresh);
+}
+
+// The VmFlags of the mapping holding `p` (/proc/self/smaps), empty if none holds it.
+std::string vm_flags(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    std::uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2)
+      inside = begin <= at && at < end;
+    else if (inside && line.starts_with("VmFlags:"))
+      return line;
+  }
+  return {};
+}
+
+// A fresh output of 32 MiB or more is advised onto transparent huge pages before it is populated
+// (core/huge_pages.h), a smaller one is not: VmFlags "hg" (VM_HUGEPAGE) says so whatever the THP
+// mode, where the kernel has THP at all.
+TEST(CpuMath, FreshOutputsFrom32MiBOnAreAdvisedOntoHugePages) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  const auto advised = [](std::size_t bytes) {
+    const FreshMapping out(bytes);
+    EXPECT_NE(out.data, MAP_FAILED);
+    const auto n = static_cast<std::int64_t>(bytes);
+    EXPECT_TRUE(detail::cpu::output_write(2 * n, out.data, n).fresh);
+    const std::string flags = vm_flags(static_cast<char*>(out.data) + bytes / 2);
+    EXPECT_FALSE(flags.empty());
+    return flags.find(" hg") != std::string::npos;
+  };
+  EXPECT_TRUE(advised(std::size_t{64} << 20));
+  EXPECT_FALSE(advised(std::size_t{16} << 20));
 }
 #endif
 

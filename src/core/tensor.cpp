@@ -5,12 +5,15 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 
+#include "core/huge_pages.h"
 #include "core/numeric.h"
 #include "meshfuse/core/error.h"
 
@@ -47,16 +50,14 @@ std::shared_ptr<void> allocate(Device device, std::size_t bytes, const Stream& s
   // request (THP "madvise" or "always"; "never" turns this off): kernels streaming several such
   // buffers take fewer TLB misses (docs/kernels/common.md). The rounding wastes at most one huge
   // page per buffer.
-  constexpr std::size_t kHugePage = std::size_t{2} << 20, kMinHuge = std::size_t{32} << 20;
-  const bool huge = bytes >= kMinHuge;
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const bool huge = bytes >= detail::kMinHugePageBuffer;
   const std::size_t align = huge ? kHugePage : 64;
   const std::size_t rounded = (bytes + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded == 0 ? align : rounded);
   MESHFUSE_CHECK(p != nullptr, ErrorCode::OutOfMemory, "Tensor: cannot allocate {} bytes on cpu",
                  bytes);
-#ifdef __linux__
-  if (huge) madvise(p, rounded, MADV_HUGEPAGE);  // advice only: its failure changes nothing
-#endif
+  if (huge) detail::advise_huge_pages(p, rounded);
   return {p, std::free};
 }
 
@@ -354,3 +355,26 @@ void fill(const TensorView& dst, double value, const Stream& stream) {
 }
 
 }  // namespace meshfuse
+
+namespace meshfuse::detail {
+
+void advise_huge_pages(void* p, std::size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < kMinHugePageBuffer) return;
+  static const std::uintptr_t huge = [] {
+    unsigned long size = 0;
+    if (std::FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r")) {
+      if (std::fscanf(f, "%lu", &size) != 1) size = 0;
+      std::fclose(f);
+    }
+    return std::uintptr_t{size > 0 && std::has_single_bit(size) ? size : 2ul << 20};
+  }();
+  const auto begin = (reinterpret_cast<std::uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const auto end = (reinterpret_cast<std::uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
+}  // namespace meshfuse::detail

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "ops/common.h"
 
 #ifdef _OPENMP
@@ -158,11 +159,12 @@ class Table16 {
 //   stream  the output's pages are mapped: streaming stores.
 //   fresh   they are not yet (large mallocs are fresh mappings; PyTorch's CPU tensors are). The OS
 //           zeroes each page into the cache on first touch, and a streaming store would then
-//           evict that line and write it again: ordinary stores. Its whole 2 MiB pages are first
-//           advised onto transparent huge pages (as meshfuse's own large Tensors are): 512 times
-//           fewer faults, which took about half of a softmax into a fresh PyTorch tensor. Then
-//           each thread faults its share in with one madvise (populate_rows): a fault per page
-//           from inside a kernel cost more, most on AVX-512 in a VM.
+//           evict that line and write it again: ordinary stores. From 32 MiB on it is first
+//           advised onto transparent huge pages, as meshfuse's own Tensors are
+//           (core/huge_pages.h): 512 times fewer faults, which took about half of a softmax into
+//           a fresh PyTorch tensor. Then each thread faults its share in with one madvise
+//           (populate_rows): a fault per page from inside a kernel cost more, most on AVX-512 in
+//           a VM.
 // mincore() tells whether the page in the middle of the output is mapped yet (the first may hold
 // the allocator's header). Figures: docs/kernels/common.md.
 struct OutputWrite {
@@ -184,13 +186,7 @@ inline OutputWrite output_write(std::int64_t bytes, const void* out, std::int64_
       reinterpret_cast<std::uintptr_t>(out) + static_cast<std::uintptr_t>(out_bytes / 2);
   unsigned char mapped = 1;
   if (mincore(reinterpret_cast<void*>(mid & ~(page - 1)), 1, &mapped) == 0 && !(mapped & 1)) {
-    constexpr std::uintptr_t kHugePage = std::uintptr_t{2} << 20;
-    const auto begin = (reinterpret_cast<std::uintptr_t>(out) + kHugePage - 1) & ~(kHugePage - 1);
-    const auto end =
-        (reinterpret_cast<std::uintptr_t>(out) + static_cast<std::uintptr_t>(out_bytes)) &
-        ~(kHugePage - 1);
-    // Advice only: where the system gives no huge pages ("never"), nothing changes.
-    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+    advise_huge_pages(const_cast<void*>(out), static_cast<std::size_t>(out_bytes));
     return {false, true};
   }
 #else
