@@ -230,6 +230,12 @@ inline void populate_rows(const OutputWrite& w, void* out, std::int64_t rows,
 #endif
 }
 
+// A kernel's second output (`bytes` from `out`), allocated as its first, whose output_write
+// decided `w`: advised onto huge pages as output_write advises the first when that is fresh.
+inline void advise_second_output(const OutputWrite& w, void* out, std::int64_t bytes) {
+  if (w.fresh) advise_huge_pages(out, static_cast<std::size_t>(bytes));
+}
+
 // The cache level StreamOut (cpu_simd-inl.h) brings the next rows to. L2 (prefetcht2) suits a
 // kernel whose next pass reads its rows once more from cache with few operands (rmsnorm forward:
 // prefetches into L1 competed with the streaming stores for fill buffers); kernels that read two or

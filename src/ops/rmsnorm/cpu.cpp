@@ -69,6 +69,7 @@ void forward_rows(const RmsNormShape& s, const RmsNormForwardArgs& a) {
   const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
   const OutputWrite out =
       output_write((kResidual ? 4 : 2) * s.rows * row_bytes, a.y, s.rows * row_bytes);
+  if constexpr (kResidual) advise_second_output(out, a.r, s.rows * row_bytes);
   const bool stream = out.stream;
   const auto in = [&](const void* p, std::int64_t row) {
     return static_cast<const T*>(p) + row * s.cols;
@@ -183,6 +184,7 @@ void backward_rows(const RmsNormShape& s, const RmsNormBackwardArgs& a) {
   const std::int64_t row_bytes = s.cols * std::int64_t{sizeof(T)};
   const OutputWrite w =
       output_write((3 + kGradR + kDresidual) * s.rows * row_bytes, a.dx, s.rows * row_bytes);
+  if constexpr (kDresidual) advise_second_output(w, a.dresidual, s.rows * row_bytes);
   const bool stream = w.stream;
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
     populate_rows(w, a.dx, s.rows, row_bytes, row_bytes);

@@ -203,8 +203,13 @@ template <typename T>
 void backward_rows_from_tables(const SwigluShape& s, SwigluOperand dy, SwigluOperand gate,
                                SwigluOperand up, SwigluOperand dgate, SwigluOperand dup) {
   constexpr std::int64_t kBlock = kStreamOutBlock;  // one block of StreamOutBlocks per call
-  const OutputWrite w = output_write(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data,
-                                     s.rows * s.cols * std::int64_t{sizeof(T)});
+  // An output's bytes from its first row's start to its last row's end (strided when packed).
+  const auto extent = [&](const SwigluOperand& o) {
+    return ((s.rows - 1) * o.row_stride + s.cols) * std::int64_t{sizeof(T)};
+  };
+  const OutputWrite w =
+      output_write(5 * s.rows * s.cols * std::int64_t{sizeof(T)}, dgate.data, extent(dgate));
+  advise_second_output(w, dup.data, extent(dup));
   const bool stream = w.stream;
   const Table16<T, std::uint64_t>& table = *silu_and_grad_table<T>();
   parallel_if(s.rows * s.cols >= kParallelMin, [&] {
