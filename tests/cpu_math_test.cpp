@@ -53,6 +53,7 @@ void StreamOutF32(const std::vector<float>& v, float* dst, std::int64_t n, bool 
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "meshfuse/ops/rmsnorm.h"
 #include "test_util.h"
 
 namespace meshfuse::detail::cpu {
@@ -287,6 +288,23 @@ TEST(CpuMath, FreshOutputsFrom32MiBOnAreAdvisedOntoHugePages) {
   };
   EXPECT_TRUE(advised(std::size_t{64} << 20));
   EXPECT_FALSE(advised(std::size_t{16} << 20));
+}
+
+// A kernel's second output follows its first (advise_second_output): fused_residual_add_rmsnorm
+// into fresh y and r of 32 MiB each advises both.
+TEST(CpuMath, ASecondFreshOutputIsAdvisedWithTheFirst) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  const std::int64_t rows = 4096, cols = 4096;  // 32 MiB of bf16
+  const Tensor x = test::randn({rows, cols}, DType::BF16, 1),
+               res = test::randn({rows, cols}, DType::BF16, 2),
+               weight = test::randn({cols}, DType::BF16, 3);
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * 2;
+  const FreshMapping y(bytes), r(bytes);
+  fused_residual_add_rmsnorm(x, res, weight, TensorView(y.data, DType::BF16, {rows, cols}),
+                             TensorView(r.data, DType::BF16, {rows, cols}), TensorView(), 1e-6);
+  EXPECT_NE(vm_flags(static_cast<char*>(y.data) + bytes / 2).find(" hg"), std::string::npos);
+  EXPECT_NE(vm_flags(static_cast<char*>(r.data) + bytes / 2).find(" hg"), std::string::npos);
 }
 #endif
 
