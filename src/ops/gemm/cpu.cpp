@@ -331,8 +331,7 @@ constexpr std::int64_t kSplitK = 1024;
 
 // A GemmMatrix whose rows start `rows` on and whose columns start `cols` on.
 GemmMatrix shifted(const GemmMatrix& x, std::int64_t rows, std::int64_t cols) {
-  const std::int64_t offset = x.transposed ? cols * x.ld + rows : rows * x.ld + cols;
-  return {static_cast<float*>(x.data) + offset, x.ld, 0, x.transposed};
+  return {static_cast<float*>(x.data) + offset(x, 0, rows, cols), x.ld, 0, x.transposed};
 }
 
 // d = a @ b (+ d when add) with the two halves of K each summed from zero and added once (an odd
