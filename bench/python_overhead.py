@@ -39,6 +39,10 @@ def cases(rows, hidden, dtype, device):
         ("swiglu", lambda: mt.swiglu(gate, up), lambda: F.silu(gate) * up),
         ("cross_entropy", lambda: mt.cross_entropy(x, labels),
          lambda: F.cross_entropy(x, labels)),
+        # PyTorch's semantics for a bad label (a device-side assert, no host wait).
+        ("cross_entropy (device_assert)",
+         lambda: mt.cross_entropy(x, labels, label_check="device_assert"),
+         lambda: F.cross_entropy(x, labels)),
         ("rmsnorm_forward (raw)", lambda: mt.rmsnorm_forward(x, w, 1e-5),
          lambda: F.rms_norm(x, (hidden,), w, 1e-5)),
     ]

@@ -422,6 +422,44 @@ TEST_P(CrossEntropyBackends, DeterministicRunToRunOnAStream) {
   }
 }
 
+// LabelCheck::DeviceAssert (on CUDA: no host wait, and a forward without the check kernel that
+// counts mean's rows in its reduction) gives Raise's results bitwise: with ignored rows, every row
+// ignored, and no rows. The CPU backends check on the host either way, so a bad label still raises.
+TEST_P(CrossEntropyBackends, DeviceAssertLabelCheckGivesTheRaiseResultsBitwise) {
+  const auto [target, dtype] = GetParam();
+  MESHFUSE_REQUIRE_TARGET(target);
+  const Stream stream{target.device};
+  Tensor some({37}, DType::I64), all_ignored = test::full({37}, DType::I32, -100);
+  for (std::int64_t i = 0; i < 37; ++i)
+    some.data_ptr<std::int64_t>()[i] = i % 5 == 0 ? -100 : (i * 41) % 301;
+  const Tensor logits = randn({37, 301}, dtype, 21);
+  const std::vector<std::pair<std::string, Tensor>> cases = {{"some ignored", some},
+                                                             {"all ignored", all_ignored}};
+  for (const auto& [what, labels] : cases)
+    for (std::int64_t rows : {std::int64_t{37}, std::int64_t{0}})
+      for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+        const std::string name =
+            what + ", " + std::to_string(rows) + " rows, " + std::string(to_string(r));
+        const TensorView x = logits.view().narrow(0, 0, rows), y = labels.view().narrow(0, 0, rows);
+        CrossEntropyOptions o{.reduction = r, .label_smoothing = 0.1, .z_loss_scale = 1e-4};
+        const Forward raised = forward(target, x, y, o, stream);
+        const Tensor dl = upstream(rows, dtype, r);
+        const Tensor grad_raised = backward(target, dl, x, y, raised.lse, o, stream);
+        o.label_check = LabelCheck::DeviceAssert;
+        const Forward asserted = forward(target, x, y, o, stream);
+        EXPECT_TRUE(testing::bitwise_equal(asserted.loss, raised.loss)) << name;
+        EXPECT_TRUE(testing::bitwise_equal(asserted.lse, raised.lse)) << name;
+        EXPECT_TRUE(
+            testing::bitwise_equal(backward(target, dl, x, y, raised.lse, o, stream), grad_raised))
+            << name;
+      }
+  if (target.device.type != DeviceType::CPU) return;  // on CUDA a bad label would trap
+  const Tensor bad = from({3}, DType::I64, {0, 301, 1});
+  const CrossEntropyOptions o{.label_check = LabelCheck::DeviceAssert};
+  test::expect_error([&] { forward(target, logits.view().narrow(0, 0, 3), bad, o, stream); },
+                     ErrorCode::InvalidArgument, {"cross_entropy", "labels[1] = 301", "[0, 301)"});
+}
+
 TEST_P(CrossEntropyBackends, LabelOutOfRangeNamesTheRowAndValueBeforeAnyWork) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
@@ -888,6 +926,14 @@ TEST(CudaCrossEntropy, RowsPastElement2To31AreAddressedIn64Bits) {
   }
   EXPECT_EQ(all_loss[rows - 3], 0.0);
   for (double g : values(to_cpu(grad->view().narrow(0, rows - 3, 1), stream))) ASSERT_EQ(g, 0.0);
+}
+
+TEST(CrossEntropy, LabelCheckNamesParseBackAndAnUnknownOneIsListed) {
+  for (LabelCheck c : {LabelCheck::Raise, LabelCheck::DeviceAssert})
+    EXPECT_EQ(parse_label_check(to_string(c)), c);
+  EXPECT_EQ(parse_label_check("Device_Assert"), LabelCheck::DeviceAssert);
+  test::expect_error([] { parse_label_check("trap"); }, ErrorCode::InvalidArgument,
+                     {"label_check", "'trap'", "raise, device_assert"});
 }
 
 TEST(CrossEntropy, BadArgumentsNameTheOpArgumentAndWhatCame) {

@@ -502,6 +502,17 @@ def _check_reduction(op, reduction):
 _REDUCTIONS = ("none", "mean", "sum")
 
 
+def _check_label_check(op, label_check):
+    # Before the op, whose fake implementation (torch.compile) would not see a bad name.
+    if label_check not in _LABEL_CHECKS:
+        raise _C.InvalidArgumentError(
+            f"[invalid argument] {op}: label_check: unknown name {label_check!r} (expected one "
+            f"of {', '.join(_LABEL_CHECKS)})")
+
+
+_LABEL_CHECKS = ("raise", "device_assert")
+
+
 def _loss_shape(n, reduction):
     return (n,) if reduction == "none" else ()
 
@@ -529,7 +540,8 @@ def _loss_dtype(op, dtype, loss_dtype):
 
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                          loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True):
+                          loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True,
+                          label_check="raise"):
     """The raw kernel of :func:`cross_entropy`: returns (loss, lse); loss is () for mean/sum and
     (N,) for none, in ``loss_dtype`` (the logits' dtype by default, or float32 for 16-bit
     logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones, or None when not
@@ -544,13 +556,13 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
         if save_lse else None
     _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index, reduction,
                      label_smoothing, logits_multiplier, z_loss_scale, vocab_start, vocab_size,
-                     _stream(logits))
+                     label_check, _stream(logits))
     return loss, lse
 
 
 def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, reduction="mean",
                            label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                           vocab_start=0, vocab_size=0):
+                           vocab_start=0, vocab_size=0, label_check="raise"):
     """The raw backward: grad_logits (N, V). grad_loss: the loss's shape, in the logits' dtype
     or float32 for 16-bit logits. For a shard (``vocab_start``, ``vocab_size`` as in
     :func:`cross_entropy_forward`), lse is the whole vocabulary's."""
@@ -560,21 +572,23 @@ def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, re
                               label_smoothing=label_smoothing,
                               logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                               vocab_start=vocab_start, vocab_size=vocab_size,
-                              stream=_stream(logits))
+                              label_check=label_check, stream=_stream(logits))
     return grad_logits
 
 
 @torch.library.custom_op("meshfuse::cross_entropy", mutates_args=())
 def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                    label_smoothing: float, logits_multiplier: float, z_loss_scale: float,
-                   loss_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+                   loss_dtype: Optional[torch.dtype],
+                   label_check: str = "raise") -> tuple[Tensor, Tensor]:
     return cross_entropy_forward(logits, labels, ignore_index, reduction, label_smoothing,
-                                 logits_multiplier, z_loss_scale, loss_dtype)
+                                 logits_multiplier, z_loss_scale, loss_dtype,
+                                 label_check=label_check)
 
 
 @_fake(_cross_entropy)
 def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
-      z_loss_scale, loss_dtype):
+      z_loss_scale, loss_dtype, label_check="raise"):
     n = logits.shape[0]
     return (logits.new_empty(_loss_shape(n, reduction),
                              dtype=_loss_dtype("cross_entropy", logits.dtype, loss_dtype)),
@@ -584,9 +598,11 @@ def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplie
 @torch.library.custom_op("meshfuse::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor,
                             ignore_index: int, reduction: str, label_smoothing: float,
-                            logits_multiplier: float, z_loss_scale: float) -> Tensor:
+                            logits_multiplier: float, z_loss_scale: float,
+                            label_check: str = "raise") -> Tensor:
     return cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index, reduction,
-                                  label_smoothing, logits_multiplier, z_loss_scale)
+                                  label_smoothing, logits_multiplier, z_loss_scale,
+                                  label_check=label_check)
 
 
 @_fake(_cross_entropy_backward)
@@ -595,8 +611,8 @@ def _(grad_loss, logits, labels, lse, *options):
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, labels, *options, _ = inputs
-    ctx.options = options
+    logits, labels, *options = inputs
+    ctx.options = options[:5] + options[6:]  # loss_dtype is not the backward's
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(logits, labels, output[1])
 
@@ -604,14 +620,15 @@ def _cross_entropy_setup(ctx, inputs, output):
 def _cross_entropy_grad(ctx, grad_loss, _):
     logits, labels, lse = ctx.saved_tensors
     grad = _cross_entropy_backward(grad_loss, logits, labels, lse, *ctx.options)
-    return grad, None, None, None, None, None, None, None
+    return grad, *[None] * 8
 
 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
 def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None):
+                  logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, *,
+                  label_check="raise"):
     """``torch.nn.functional.cross_entropy(logits * logits_multiplier, labels, ignore_index=,
     reduction=, label_smoothing=)`` plus PaLM's z-loss ``z_loss_scale * lse**2`` per row not
     ignored (Chowdhery et al. 2022, arXiv:2204.02311).
@@ -621,15 +638,23 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     logits', as PyTorch's, unless ``loss_dtype=torch.float32`` is given for 16-bit logits
     (Megatron-LM's fp32 loss: the per-row losses are summed in double and rounded once to it);
     the backward then takes an fp32 upstream gradient. Raises InvalidArgumentError (ValueError: a
-    label out of range, label_smoothing outside [0, 1], an unknown reduction),
-    ShapeMismatchError (ValueError), DTypeMismatchError (TypeError). Spec:
-    include/meshfuse/ops/cross_entropy.h."""
+    label out of range, label_smoothing outside [0, 1], an unknown reduction or label_check),
+    ShapeMismatchError (ValueError), DTypeMismatchError (TypeError).
+
+    ``label_check`` decides how a bad label fails on CUDA, where the labels live on the device:
+    ``"raise"`` (the default) waits on the host for the device's check, so that the call raises
+    the error above with nothing written; ``"device_assert"`` does not wait (PyTorch's own
+    behaviour, and a call's host time as PyTorch's): the kernel prints the same message and
+    traps, after which the process's CUDA context is unusable. CUDA graph capture always gets
+    the latter. On the CPU both raise. Spec: include/meshfuse/ops/cross_entropy.h."""
     _check_reduction("cross_entropy", reduction)
+    _check_label_check("cross_entropy", label_check)
     options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
                loss_dtype)
     if _untraced(logits, labels):
-        return cross_entropy_forward(logits, labels, *options, save_lse=False)[0]
-    return _cross_entropy(logits, labels, *options)[0]
+        return cross_entropy_forward(logits, labels, *options, save_lse=False,
+                                     label_check=label_check)[0]
+    return _cross_entropy(logits, labels, *options, label_check)[0]
 
 
 # --- fused_linear_cross_entropy ------------------------------------------------------------------
@@ -654,7 +679,7 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
                                        grad_x=False, grad_weight=False, grad_bias=False,
                                        ignore_index=-100, reduction="mean", label_smoothing=0.0,
                                        logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None,
-                                       chunk_rows=0, accum_dtype=None):
+                                       chunk_rows=0, accum_dtype=None, label_check="raise"):
     """The raw kernel: returns (loss, grad_x, grad_weight, grad_bias), each gradient None unless
     asked for (then grad_loss, in the loss's dtype, is required). grad_weight and grad_bias are
     in ``accum_dtype``: float32 for 16-bit inputs by default (one rounding at the end), or the
@@ -673,7 +698,7 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
         _d(x), _d(weight), _d(bias), _d(labels), _d(grad_loss), _d(loss), _d(dx), _d(dw), _d(db),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale, chunk_rows=chunk_rows,
-        stream=_stream(x))
+        label_check=label_check, stream=_stream(x))
     return loss, dx, dw, db
 
 
@@ -688,18 +713,19 @@ def _fused_linear_cross_entropy(
         grad_loss: Optional[Tensor], grad_x: bool, grad_weight: bool, grad_bias: bool,
         ignore_index: int, reduction: str, label_smoothing: float, logits_multiplier: float,
         z_loss_scale: float, loss_dtype: Optional[torch.dtype], chunk_rows: int,
-        accum_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        accum_dtype: Optional[torch.dtype] = None,
+        label_check: str = "raise") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     loss, *grads = fused_linear_cross_entropy_forward(
         x, weight, labels, bias, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
         reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
-        accum_dtype)
+        accum_dtype, label_check)
     return (loss, *[_nothing(x) if g is None else g for g in grads])
 
 
 @_fake(_fused_linear_cross_entropy)
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
       reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
-      accum_dtype=None):
+      accum_dtype=None, label_check="raise"):
     wide = _accum_dtype(x.dtype, accum_dtype)
     loss = x.new_empty(_loss_shape(x.shape[0], reduction),
                        dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype))
@@ -760,7 +786,7 @@ def _flce_grad(ctx, grad_loss, *_):
             # in-place scaling of saved forward outputs.
             grads = [g * grad_loss if want else None for g, want in zip(saved, wants)]
     grads = [g.to(dtype) if want else None for g, want, dtype in zip(grads, wants, ctx.dtypes)]
-    return (*grads, *[None] * 13)
+    return (*grads, *[None] * 14)
 
 
 _fused_linear_cross_entropy.register_autograd(_flce_grad, setup_context=_flce_setup)
@@ -779,13 +805,15 @@ def _gradient_scale(x, labels, ignore_index, reduction, dtype):
 
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                               loss_dtype=None, chunk_rows=0, accum_dtype=None):
+                               loss_dtype=None, chunk_rows=0, accum_dtype=None, *,
+                               label_check="raise"):
     """``cross_entropy(torch.nn.functional.linear(x, weight, bias), labels, ...)`` without the
     (N, V) logits in memory: the logits are made and consumed in chunks of rows (as Liger's and
     Apple's Cut Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009, avoid them).
 
     x (N, H); weight (V, H); bias (V,) or None: one dtype (float32, float64, bfloat16,
-    float16); labels (N,) int32 or int64. Options and ``loss_dtype`` as :func:`cross_entropy`;
+    float16); labels (N,) int32 or int64. Options, ``loss_dtype`` and ``label_check`` as
+    :func:`cross_entropy`;
     ``chunk_rows`` 0 picks the device's default. For mean and sum, the gradients are computed in
     the forward (when autograd wants them) and scaled by the upstream in the backward; for float16
     and mean they are computed scaled by a power of two near the rows counted, so that a loss scale
@@ -798,6 +826,7 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
     :func:`cross_entropy`; a bad ``accum_dtype`` is a DTypeMismatchError. Spec:
     include/meshfuse/ops/fused_linear_cross_entropy.h."""
     _check_reduction("fused_linear_cross_entropy", reduction)
+    _check_label_check("fused_linear_cross_entropy", label_check)
     if _functorch_transforms() or _fwad._current_level >= 0:
         _refuse_forward_mode((x, weight, bias))
     # Under torch.no_grad() requires_grad still says True: no gradients then.
@@ -807,7 +836,8 @@ def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, 
                             loss_dtype or x.dtype) if any(wants) else None
     return _fused_linear_cross_entropy(x, weight, bias, labels, scale, *wants, ignore_index,
                                        reduction, label_smoothing, logits_multiplier,
-                                       z_loss_scale, loss_dtype, chunk_rows, accum_dtype)[0]
+                                       z_loss_scale, loss_dtype, chunk_rows, accum_dtype,
+                                       label_check)[0]
 
 
 # --- rnn and gru ---------------------------------------------------------------------------------
@@ -1271,25 +1301,28 @@ class CrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss`` on meshfuse's kernel (:func:`cross_entropy`), with its
     arguments in its order (class weights are not supported: weight must be None; the deprecated
     size_average and reduce set the reduction, as torch's) and meshfuse's ``logits_multiplier``,
-    ``z_loss_scale`` and ``loss_dtype``. forward(input (N, V), target (N,)). Raises ValueError for
-    a reduction other than "none", "mean" and "sum", NotImplementedError for class weights."""
+    ``z_loss_scale``, ``loss_dtype`` and ``label_check``. forward(input (N, V), target (N,)).
+    Raises ValueError for a reduction other than "none", "mean" and "sum" or a label_check other
+    than "raise" and "device_assert", NotImplementedError for class weights."""
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
-                 z_loss_scale=0.0, loss_dtype=None):
+                 z_loss_scale=0.0, loss_dtype=None, label_check="raise"):
         super().__init__()
         _no_class_weights(weight)
         if size_average is not None or reduce is not None:
             reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
         _check_reduction(type(self).__name__, reduction)
+        _check_label_check(type(self).__name__, label_check)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.logits_multiplier = label_smoothing, logits_multiplier
         self.z_loss_scale, self.loss_dtype = z_loss_scale, loss_dtype
+        self.label_check = label_check
 
     def forward(self, input, target):
         return cross_entropy(input, target, self.ignore_index, self.reduction,
                              self.label_smoothing, self.logits_multiplier, self.z_loss_scale,
-                             self.loss_dtype)
+                             self.loss_dtype, label_check=self.label_check)
 
 
 class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
@@ -1301,17 +1334,19 @@ class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
-                 z_loss_scale=0.0, loss_dtype=None, chunk_rows=0, accum_dtype=None):
+                 z_loss_scale=0.0, loss_dtype=None, chunk_rows=0, accum_dtype=None,
+                 label_check="raise"):
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing,
                          logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
-                         loss_dtype=loss_dtype)
+                         loss_dtype=loss_dtype, label_check=label_check)
         self.chunk_rows, self.accum_dtype = chunk_rows, accum_dtype
 
     def forward(self, input, weight, target, bias=None):
         return fused_linear_cross_entropy(input, weight, target, bias, self.ignore_index,
                                           self.reduction, self.label_smoothing,
                                           self.logits_multiplier, self.z_loss_scale,
-                                          self.loss_dtype, self.chunk_rows, self.accum_dtype)
+                                          self.loss_dtype, self.chunk_rows, self.accum_dtype,
+                                          label_check=self.label_check)
 
 
 def patch(model, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, *,

@@ -255,25 +255,27 @@ void bind_gemm(nb::module_& m) {
       [](In x, In weight, OptIn bias, In labels, OptIn grad_loss, Out loss, OptOut grad_x,
          OptOut grad_weight, OptOut grad_bias, std::int64_t ignore_index,
          const std::string& reduction, double label_smoothing, double logits_multiplier,
-         double z_loss_scale, std::int64_t chunk_rows, std::uintptr_t stream) {
-        fused_linear_cross_entropy(view(x, "fused_linear_cross_entropy", "x"),
-                                   view(weight, "fused_linear_cross_entropy", "weight"),
-                                   view(bias, "fused_linear_cross_entropy", "bias"),
-                                   view(labels, "fused_linear_cross_entropy", "labels"),
-                                   view(grad_loss, "fused_linear_cross_entropy", "grad_loss"),
-                                   view(loss, "fused_linear_cross_entropy", "loss"),
-                                   view(grad_x, "fused_linear_cross_entropy", "grad_x"),
-                                   view(grad_weight, "fused_linear_cross_entropy", "grad_weight"),
-                                   view(grad_bias, "fused_linear_cross_entropy", "grad_bias"),
-                                   ce_options("fused_linear_cross_entropy", ignore_index, reduction,
-                                              label_smoothing, logits_multiplier, z_loss_scale),
-                                   chunk_rows, stream_on(device_of(x), stream));
+         double z_loss_scale, std::int64_t chunk_rows, const std::string& label_check,
+         std::uintptr_t stream) {
+        fused_linear_cross_entropy(
+            view(x, "fused_linear_cross_entropy", "x"),
+            view(weight, "fused_linear_cross_entropy", "weight"),
+            view(bias, "fused_linear_cross_entropy", "bias"),
+            view(labels, "fused_linear_cross_entropy", "labels"),
+            view(grad_loss, "fused_linear_cross_entropy", "grad_loss"),
+            view(loss, "fused_linear_cross_entropy", "loss"),
+            view(grad_x, "fused_linear_cross_entropy", "grad_x"),
+            view(grad_weight, "fused_linear_cross_entropy", "grad_weight"),
+            view(grad_bias, "fused_linear_cross_entropy", "grad_bias"),
+            ce_options("fused_linear_cross_entropy", ignore_index, reduction, label_smoothing,
+                       logits_multiplier, z_loss_scale, 0, 0, label_check),
+            chunk_rows, stream_on(device_of(x), stream));
       },
       "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "grad_loss"_a.none(), "loss"_a,
       "grad_x"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(), "ignore_index"_a = -100,
       "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-      "z_loss_scale"_a = 0.0, "chunk_rows"_a = kFusedLinearCrossEntropyChunkRows, "stream"_a = 0,
-      release,
+      "z_loss_scale"_a = 0.0, "chunk_rows"_a = kFusedLinearCrossEntropyChunkRows,
+      "label_check"_a = "raise", "stream"_a = 0, release,
       "cross_entropy(linear(x, weight, bias), labels) and its gradients without the (N, V) "
       "logits: x (N, H), weight (V, H), bias (V,) or None, labels (N,) int32/int64; loss () or "
       "(N,) for reduction none, in x's dtype or float32 for 16-bit x; grad_x (N, H), "
@@ -281,9 +283,10 @@ void bind_gemm(nb::module_& m) {
       "dtype, is required; grad_weight and grad_bias may be float32 for 16-bit x). Raises "
       "meshfuse.Error subclasses: ShapeMismatchError, InvalidArgumentError (ValueError), "
       "DTypeMismatchError (TypeError), DeviceMismatchError, BackendUnavailableError "
-      "(RuntimeError). Spec: meshfuse/ops/fused_linear_cross_entropy.h. Outputs are "
-      "caller-allocated arrays written in place; `stream` is a cudaStream_t as an integer on "
-      "the arrays' device (0: its default stream).");
+      "(RuntimeError). label_check: as cross_entropy's. Spec: "
+      "meshfuse/ops/fused_linear_cross_entropy.h. Outputs are caller-allocated arrays written in "
+      "place; `stream` is a cudaStream_t as an integer on the arrays' device (0: its default "
+      "stream).");
 }
 
 void bind_ops(nb::module_& m) {
@@ -478,17 +481,18 @@ void bind_ops(nb::module_& m) {
       [](In logits, In labels, Out loss, OptOut lse, std::int64_t ignore_index,
          const std::string& reduction, double label_smoothing, double logits_multiplier,
          double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
-         std::uintptr_t stream) {
-        cross_entropy(view(logits, "cross_entropy", "logits"),
-                      view(labels, "cross_entropy", "labels"), view(loss, "cross_entropy", "loss"),
-                      view(lse, "cross_entropy", "lse"),
-                      ce_options("cross_entropy", ignore_index, reduction, label_smoothing,
-                                 logits_multiplier, z_loss_scale, vocab_start, vocab_size),
-                      stream_on(device_of(logits), stream));
+         const std::string& label_check, std::uintptr_t stream) {
+        cross_entropy(
+            view(logits, "cross_entropy", "logits"), view(labels, "cross_entropy", "labels"),
+            view(loss, "cross_entropy", "loss"), view(lse, "cross_entropy", "lse"),
+            ce_options("cross_entropy", ignore_index, reduction, label_smoothing, logits_multiplier,
+                       z_loss_scale, vocab_start, vocab_size, label_check),
+            stream_on(device_of(logits), stream));
       },
       "logits"_a, "labels"_a, "loss"_a, "lse"_a.none(), "ignore_index"_a = -100,
       "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "label_check"_a = "raise",
+      "stream"_a = 0, release,
       "torch.nn.functional.cross_entropy of logits (N, V) float32/float64/bfloat16/float16 and "
       "labels (N,) int32/int64 (ignore_index rows skipped), with label_smoothing, a z-loss "
       "(z_loss_scale * lse^2) and logits scaled by logits_multiplier: loss () for 'mean' and "
@@ -497,13 +501,16 @@ void bind_ops(nb::module_& m) {
       "vocab_size != 0: the logits are columns [vocab_start, vocab_start + V) of a vocabulary of "
       "vocab_size classes (a shard). Raises InvalidArgumentError (ValueError: a label outside "
       "[0, V) that is not ignore_index, naming its row), ShapeMismatchError, DTypeMismatchError "
-      "(TypeError), DeviceMismatchError. Spec: meshfuse/ops/cross_entropy.h.");
+      "(TypeError), DeviceMismatchError. label_check (CUDA arrays): 'raise' waits for the "
+      "device's check of the labels so that a bad one raises from the call; 'device_assert' does "
+      "not wait, and a bad label prints the error and traps (a device-side assert, as PyTorch; "
+      "the process's CUDA context is then unusable). Spec: meshfuse/ops/cross_entropy.h.");
   m.def(
       "cross_entropy_backward",
       [](In grad_loss, In logits, In labels, In lse, Out grad_logits, std::int64_t ignore_index,
          const std::string& reduction, double label_smoothing, double logits_multiplier,
          double z_loss_scale, std::int64_t vocab_start, std::int64_t vocab_size,
-         std::uintptr_t stream) {
+         const std::string& label_check, std::uintptr_t stream) {
         cross_entropy_backward(
             view(grad_loss, "cross_entropy_backward", "grad_loss"),
             view(logits, "cross_entropy_backward", "logits"),
@@ -511,12 +518,13 @@ void bind_ops(nb::module_& m) {
             view(lse, "cross_entropy_backward", "lse"),
             view(grad_logits, "cross_entropy_backward", "grad_logits"),
             ce_options("cross_entropy_backward", ignore_index, reduction, label_smoothing,
-                       logits_multiplier, z_loss_scale, vocab_start, vocab_size),
+                       logits_multiplier, z_loss_scale, vocab_start, vocab_size, label_check),
             stream_on(device_of(grad_loss), stream));
       },
       "grad_loss"_a, "logits"_a, "labels"_a, "lse"_a, "grad_logits"_a, "ignore_index"_a = -100,
       "reduction"_a = "mean", "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "stream"_a = 0, release,
+      "z_loss_scale"_a = 0.0, "vocab_start"_a = 0, "vocab_size"_a = 0, "label_check"_a = "raise",
+      "stream"_a = 0, release,
       "grad_logits (N, V), the logits' dtype, from grad_loss (the loss's shape; the logits' "
       "dtype or float32 for 16-bit logits) and the forward's logits, labels and lse; "
       "grad_logits may be logits itself (in place). For a shard (vocab_start, vocab_size as "

@@ -30,25 +30,30 @@ inline ReduceOp parse_reduce_op_arg(const std::string& name, std::string_view op
   }
 }
 
+// parse(name), its error prefixed with `op`.
+template <typename Parse>
+auto parse_option(std::string_view op, const std::string& name, Parse parse) {
+  try {
+    return parse(name);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(op) + ": " + e.message());
+  }
+}
+
 // `op` names the caller in errors.
 inline CrossEntropyOptions ce_options(std::string_view op, std::int64_t ignore_index,
                                       const std::string& reduction, double label_smoothing,
                                       double logits_multiplier, double z_loss_scale,
-                                      std::int64_t vocab_start = 0, std::int64_t vocab_size = 0) {
-  const Reduction r = [&] {
-    try {
-      return parse_reduction(reduction);
-    } catch (const Error& e) {
-      throw Error(e.code(), std::string(op) + ": " + e.message());
-    }
-  }();
+                                      std::int64_t vocab_start = 0, std::int64_t vocab_size = 0,
+                                      const std::string& label_check = "raise") {
   return {.ignore_index = ignore_index,
-          .reduction = r,
+          .reduction = parse_option(op, reduction, parse_reduction),
           .label_smoothing = label_smoothing,
           .logits_multiplier = logits_multiplier,
           .z_loss_scale = z_loss_scale,
           .vocab_start = vocab_start,
-          .vocab_size = vocab_size};
+          .vocab_size = vocab_size,
+          .label_check = parse_option(op, label_check, parse_label_check)};
 }
 
 }  // namespace meshfuse::python

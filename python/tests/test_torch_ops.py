@@ -140,6 +140,12 @@ def test_opcheck_cross_entropy_and_fused_linear_cross_entropy(reduction, device)
     loss, lse = ops.cross_entropy(logits.detach(), labels, *options, None)
     _opcheck(ops.cross_entropy_backward.default,
              (torch.ones_like(loss), logits.detach(), labels, lse, *options))
+    # label_check, the ops' last argument.
+    _opcheck(ops.cross_entropy.default, (logits, labels, *options, None, "device_assert"))
+    _opcheck(ops.fused_linear_cross_entropy.default,
+             (x, w, b, labels, upstream, *wants, *options, None, 4, None, "device_assert"))
+    _opcheck(ops.cross_entropy_backward.default,
+             (torch.ones_like(loss), logits.detach(), labels, lse, *options, "device_assert"))
 
 
 def test_fused_linear_cross_entropy_called_with_fewer_gradients_than_autograd_needs_says_so():
@@ -295,6 +301,83 @@ def test_a_bad_label_in_a_cuda_graph_stops_the_replay_with_the_error_printed():
     assert "good replay True" in out.stdout, out.stdout + out.stderr
     assert "cross_entropy: labels[1] = 99 is outside [0, 50)" in out.stdout + out.stderr, \
         out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_check_device_assert_gives_the_raise_results_bitwise(reduction, device):
+    # On CUDA "device_assert" skips the host's wait and the forward's check kernel (mean's count
+    # comes from the loss reduction); nothing else may change. All rows ignored: mean's NaN.
+    for labels in (torch.tensor([1, -100, 19, 0, 7, 3], device=device),
+                   torch.full((6,), -100, device=device)):
+        results = []
+        for label_check in ("raise", "device_assert"):
+            logits = _randn(6, 20, seed=4, grad=True, device=device, dtype=torch.float32)
+            x = _randn(6, 8, seed=5, grad=True, device=device, dtype=torch.float32)
+            w = _randn(20, 8, seed=6, grad=True, device=device, dtype=torch.float32)
+            ce = mt.CrossEntropyLoss(reduction=reduction, label_smoothing=0.1,
+                                     label_check=label_check)(logits, labels)
+            flce = mt.fused_linear_cross_entropy(x, w, labels, reduction=reduction,
+                                                 label_check=label_check)
+            (ce.sum() + flce.sum()).backward()
+            with torch.no_grad():
+                eager = mt.cross_entropy(logits, labels, reduction=reduction,
+                                         label_check=label_check)
+            results.append([ce, flce, eager, logits.grad, x.grad, w.grad])
+        for ours, theirs in zip(*results):
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+
+
+def test_a_bad_label_check_name_is_a_value_error_naming_the_op():
+    logits, labels = torch.randn(2, 5), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"cross_entropy: label_check: unknown name 'trap' "
+                                         r"\(expected one of raise, device_assert\)"):
+        mt.cross_entropy(logits, labels, label_check="trap")
+    with pytest.raises(ValueError, match="CrossEntropyLoss: label_check: unknown name 'Raise'"):
+        mt.CrossEntropyLoss(label_check="Raise")
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy: label_check"):
+        mt.fused_linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), labels,
+                                      label_check="")
+    # The raw kernels' names are checked in C++.
+    with pytest.raises(ValueError, match="cross_entropy: label_check: unknown name 'x'"):
+        mt.cross_entropy_forward(logits, labels, label_check="x")
+    # On the CPU the labels are checked on the host: "device_assert" raises as "raise" does.
+    with pytest.raises(ValueError, match=r"labels\[1\] = 5 is outside \[0, 5\)"):
+        mt.cross_entropy(logits, torch.tensor([1, 5]), label_check="device_assert")
+
+
+@_cuda
+def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_printed():
+    # No host wait: the call returns, and the kernel prints the op's error and traps (the
+    # process's CUDA context is lost, hence a subprocess); "raise" raises from the call.
+    code = """if True:
+        import torch, meshfuse.torch as mt
+        logits = torch.randn(4, 50, device="cuda")
+        labels = torch.tensor([1, 2, -100, 3], device="cuda")
+        good = mt.cross_entropy(logits, labels, label_check="device_assert")
+        print("good", torch.equal(good, mt.cross_entropy(logits, labels)))
+        labels[1] = 99
+        try:
+            mt.cross_entropy(logits, labels)
+        except ValueError as e:
+            print("raised from the call:", e)
+        mt.cross_entropy(logits, labels, label_check="device_assert")
+        print("returned")
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print("synchronize raised", type(e).__name__)
+        """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    assert "good True" in out.stdout, text
+    assert "raised from the call: [invalid argument] cross_entropy: labels[1] = 99" in out.stdout, \
+        text
+    assert "returned" in out.stdout, text
+    assert "cross_entropy: labels[1] = 99 is outside [0, 50) and is not ignore_index (-100)" in \
+        text.split("returned", 1)[1], text
+    assert "synchronize raised" in out.stdout or out.returncode != 0, text
 
 
 def test_inference_takes_the_raw_kernels_eagerly_and_the_ops_when_compiled():

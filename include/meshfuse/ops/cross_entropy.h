@@ -58,7 +58,8 @@
 // rounding whole: up to 2^-21 relative for an lse of 10 to 20; cross_entropy_lse_dtype). Inputs
 // may be strided; outputs are contiguous and preallocated by the caller.
 // Errors: InvalidArgument for a label outside [0, V) (for a shard [0, vocab_size)) that is not
-// ignore_index (the message names the first such row and its value; nothing is computed),
+// ignore_index (the message names the first such row and its value; nothing is computed; on
+// CUDA with LabelCheck::DeviceAssert a device-side assert instead),
 // label_smoothing outside [0, 1], a shard outside its vocabulary, a wrong rank, a
 // non-contiguous output or one sharing an operand's memory (but grad_logits may be logits
 // itself, in place); ShapeMismatch, DTypeMismatch, DeviceMismatch,
@@ -81,6 +82,24 @@ std::string_view to_string(Reduction reduction);
 // Inverse of to_string (case-insensitive); Error(InvalidArgument) listing the names otherwise.
 Reduction parse_reduction(std::string_view name);
 
+// How a label outside [0, V) that is not ignore_index fails on CUDA, where the labels live on the
+// device. The reference and cpu backends read them on the host, at no cost, and always raise.
+enum class LabelCheck {
+  // The call raises InvalidArgument naming the first such row and its value, with nothing
+  // written: the host waits for the device's check of the labels (queued behind the work before
+  // the call), a launch-to-completion round trip per call.
+  Raise,
+  // No host wait (PyTorch's behaviour, and what CUDA graph capture always gets): the kernel
+  // prints the same message and traps, a device-side assert after which the process's CUDA
+  // context is unusable.
+  DeviceAssert,
+};
+
+// "raise", "device_assert".
+std::string_view to_string(LabelCheck check);
+// Inverse of to_string (case-insensitive); Error(InvalidArgument) listing the names otherwise.
+LabelCheck parse_label_check(std::string_view name);
+
 // Options of cross_entropy (and of the ops built on it, such as fused linear cross-entropy).
 struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;
@@ -92,6 +111,7 @@ struct CrossEntropyOptions {
   // vocabulary of vocab_size classes; vocab_size 0: V, the logits are the whole vocabulary.
   std::int64_t vocab_start = 0;
   std::int64_t vocab_size = 0;
+  LabelCheck label_check = LabelCheck::Raise;  // on CUDA (see LabelCheck)
 };
 
 // The dtype of lse for logits of `logits` dtype: F32 for BF16 / F16, F64 for F32 and F64.

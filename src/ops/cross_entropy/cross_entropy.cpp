@@ -28,6 +28,15 @@ Reduction parse_reduction(std::string_view name) {
   return detail::parse_name("reduction", name, kAll);
 }
 
+std::string_view to_string(LabelCheck check) {
+  return check == LabelCheck::Raise ? "raise" : "device_assert";
+}
+
+LabelCheck parse_label_check(std::string_view name) {
+  constexpr LabelCheck kAll[] = {LabelCheck::Raise, LabelCheck::DeviceAssert};
+  return detail::parse_name("label_check", name, kAll);
+}
+
 namespace detail {
 
 std::int64_t check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,

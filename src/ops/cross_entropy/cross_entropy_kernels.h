@@ -118,9 +118,10 @@ CrossEntropyBackwardFn cross_entropy_backward;
 // check_labels: the same checks and message; one block scans the labels on the device and writes
 // its verdict (first bad row and its label, the count of rows not ignored) into the returned
 // device tensor, which store_loss and read_upstream read for mean. Then the op's only host round
-// trip: a wait for that block alone, so that the error is raised by the op call itself. Under CUDA
-// graph capture (and for no rows) there is no wait: a bad label prints the error and traps the
-// kernel there (the context is lost, as after PyTorch's device-side assert).
+// trip: a wait for that block alone, so that the error is raised by the op call itself. With
+// LabelCheck::DeviceAssert, under CUDA graph capture and for no rows there is no wait: a bad label
+// prints the error and traps the kernel there (the context is lost, as after PyTorch's device-side
+// assert).
 Tensor check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
                     const CrossEntropyOptions& options, const Stream& stream);
 // store_loss: row_loss (rows doubles) converted for none; for mean and sum one block sums it in

@@ -17,8 +17,10 @@
 // that reports a device-side error from the call itself needs that wait). The backward's check
 // kernel also writes the upstream gradient per row (scaled by 1 / count for mean), so nothing
 // needs the count on the host. Waiting for the check before queuing the row kernels measured
-// clearly slower. Under CUDA graph capture nothing may wait: there the check kernel traps on a
-// bad label after printing the error (PyTorch's device-side assert), and the host never reads it.
+// clearly slower. With LabelCheck::DeviceAssert, and under CUDA graph capture (where nothing may
+// wait), the host never reads a verdict: a bad label prints the op's error and traps (PyTorch's
+// device-side assert). The forward then has no check kernel: each row block asserts its own
+// label and the loss reduction counts the rows not ignored, two launches as PyTorch's.
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -77,6 +79,16 @@ struct OpName {
   explicit OpName(std::string_view op) { op.copy(text, sizeof(text) - 1); }
 };
 
+// Prints the op's error for labels[row] = label (fail_label's message) and traps: the context is
+// then lost, as after PyTorch's device-side assert.
+__device__ void assert_label(const char* op, std::int64_t row, std::int64_t label,
+                             std::int64_t classes, std::int64_t ignore_index) {
+  printf("%s: labels[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)\n", op,
+         static_cast<long long>(row), static_cast<long long>(label),
+         static_cast<long long>(classes), static_cast<long long>(ignore_index));
+  __trap();
+}
+
 // The upstream gradient's factor: 1 / count for mean (0 when count is 0, so that every gradient
 // is zero rather than NaN), else 1.
 __device__ double upstream_scale(bool mean, long long count) {
@@ -86,9 +98,8 @@ __device__ double upstream_scale(bool mean, long long count) {
 // One block scans the labels (first bad row, rows not ignored: integer results, order free),
 // writes the verdict to `device` and, unless null, `host`, and, when row_grad is given, the
 // upstream gradient per row: grad_loss[i] (none) or grad_loss[0] (sum), times upstream_scale, in
-// double as the row kernels take it. With `trap` a bad label prints the op's error and traps (the
-// context is then lost, as after PyTorch's device-side assert): for CUDA graphs, where the host
-// cannot wait for the verdict.
+// double as the row kernels take it. With `trap` a bad label is a device-side assert
+// (assert_label): where the host does not wait for the verdict.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     check_kernel(Labels labels, std::int64_t rows, std::int64_t classes, std::int64_t ignore_index,
@@ -126,12 +137,7 @@ __global__ void __launch_bounds__(1024)
       *host = st;
       __threadfence_system();
     }
-    if (trap && st.bad) {
-      printf("%s: labels[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)\n",
-             op.text, st.row, st.label, static_cast<long long>(classes),
-             static_cast<long long>(ignore_index));
-      __trap();
-    }
+    if (trap && st.bad) assert_label(op.text, st.row, st.label, classes, ignore_index);
     scale_shared = upstream_scale(mean, count);
   }
   if (!row_grad) return;
@@ -141,16 +147,19 @@ __global__ void __launch_bounds__(1024)
     row_grad[i] = scale * static_cast<double>(load(grad_loss[per_row ? i : 0]));
 }
 
-// One block per row. Writes nothing when status reports a bad label. kSumX: label smoothing's
-// sum of the logits (an add per logit, skipped without smoothing).
+// One block per row. Writes nothing when status reports a bad label; with `trap` (no status)
+// a bad label is cross_entropy's device-side assert. kSumX: label smoothing's sum of the logits
+// (an add per logit, skipped without smoothing).
 template <typename T, int W, bool kSumX>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
                         std::int64_t vocab, lse_t<T>* lse, double* row_loss,
-                        Coefficients<acc_t<T>> c, const LabelStatus* status) {
+                        Coefficients<acc_t<T>> c, const LabelStatus* status, bool trap) {
   using A = acc_t<T>;
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const std::int64_t g = row_begin + i, y = labels[g];
+    if (trap && threadIdx.x == 0 && y != c.ignore_index && (y < 0 || y >= c.classes))
+      assert_label("cross_entropy", g, y, c.classes, c.ignore_index);
     if (y == c.ignore_index) {
       if (threadIdx.x == 0 && !(status && status->bad)) {
         if (lse) lse[g] = 0;
@@ -255,15 +264,26 @@ __global__ void store_rows_kernel(const double* row_loss, std::int64_t rows, T* 
 }
 
 // One block: each thread sums a fixed stride of rows, then a fixed tree; divided by the count of
-// rows not ignored for mean (0 / 0 = NaN for a mean over no rows, as PyTorch).
+// rows not ignored for mean (0 / 0 = NaN for a mean over no rows, as PyTorch): the verdict's, or
+// without one counted here from the labels.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     reduce_rows_kernel(const double* row_loss, std::int64_t rows, bool mean,
-                       const LabelStatus* status, T* loss) {
+                       const LabelStatus* status, Labels labels, std::int64_t ignore_index,
+                       T* loss) {
   double sum = 0;
-  for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) sum += row_loss[i];
-  sum = block_allreduce(sum, 0.0, [](double a, double b) { return a + b; });
-  if (threadIdx.x == 0) loss[0] = store<T>(mean ? sum / static_cast<double>(status->count) : sum);
+  long long count = 0;
+  for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    sum += row_loss[i];
+    if (mean && !status) count += labels[i] != ignore_index;
+  }
+  const auto add = [](auto a, auto b) { return a + b; };
+  sum = block_allreduce(sum, 0.0, add);
+  if (mean && !status) count = block_allreduce(count, 0LL, add);
+  if (threadIdx.x == 0) {
+    if (status) count = status->count;
+    loss[0] = store<T>(mean ? sum / static_cast<double>(count) : sum);
+  }
 }
 
 // read_upstream's row_grad: grad_loss[i] (none) or grad_loss[0] (mean, sum) times upstream_scale.
@@ -309,17 +329,22 @@ HostSide& host_side() {
   return h;
 }
 
+// Whether the host waits for the device's label check (see the file comment).
+bool host_waits(const CrossEntropyOptions& o, const Stream& stream) {
+  return o.label_check == LabelCheck::Raise && !capturing(stream);
+}
+
 // A label check queued on the stream (see the file comment); the current device must be the
 // stream's. verdict() is the check's LabelStatus on the device. wait() waits for the check alone
-// and raises the error of a bad label; under graph capture (and for no rows) the host neither
+// and raises the error of a bad label; without host_waits (and for no rows) the host neither
 // waits nor reads the verdict: there the kernel traps on a bad label.
-class LabelCheck {
+class QueuedLabelCheck {
  public:
-  LabelCheck(std::string_view op, const CrossEntropyShape& s, const void* labels,
-             const CrossEntropyOptions& o, const Stream& stream, const void* grad_loss = nullptr,
-             double* row_grad = nullptr)
+  QueuedLabelCheck(std::string_view op, const CrossEntropyShape& s, const void* labels,
+                   const CrossEntropyOptions& o, const Stream& stream,
+                   const void* grad_loss = nullptr, double* row_grad = nullptr)
       : op_(op), classes_(vocab_classes(o, s.vocab)), ignore_index_(o.ignore_index) {
-    const bool host_reads = s.rows > 0 && !capturing(stream);
+    const bool host_reads = s.rows > 0 && host_waits(o, stream);
     if (host_reads) {
       HostSide& h = host_side();
       if (!h.status) {
@@ -345,9 +370,9 @@ class LabelCheck {
     check_launch(op);
     if (event_) check(cudaEventRecord(event_, native(stream)), op);
   }
-  LabelCheck(const LabelCheck&) = delete;
-  LabelCheck& operator=(const LabelCheck&) = delete;
-  ~LabelCheck() {
+  QueuedLabelCheck(const QueuedLabelCheck&) = delete;
+  QueuedLabelCheck& operator=(const QueuedLabelCheck&) = delete;
+  ~QueuedLabelCheck() {
     if (event_ && !waited_) cudaEventSynchronize(event_);  // the host buffer is free again
   }
 
@@ -376,7 +401,7 @@ class LabelCheck {
 
 void forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels, void* lse,
                   double* row_loss, const CrossEntropyOptions& o, const LabelStatus* status,
-                  const Stream& stream) {
+                  bool trap, const Stream& stream) {
   if (b.rows == 0) return;
   DeviceGuard guard(stream.device.index);
   dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
@@ -386,8 +411,8 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
         o.label_smoothing != 0 ? forward_rows_kernel<T, W, true> : forward_rows_kernel<T, W, false>;
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab),
-        status);
+        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab), status,
+        trap);
   });
   check_launch("cross_entropy");
 }
@@ -414,33 +439,44 @@ void backward_rows(const CrossEntropyRows& b, const void* logits, const void* la
   check_launch("cross_entropy_backward");
 }
 
+// store_loss (below) with the verdict's count for mean, or without a verdict (status null) the
+// count of the labels not ignore_index.
+void reduce_loss(const CrossEntropyShape& s, const double* row_loss, const LabelStatus* status,
+                 const void* labels, const CrossEntropyOptions& o, void* loss,
+                 const Stream& stream) {
+  DeviceGuard guard(stream.device.index);
+  dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
+    using T = cuda_t<decltype(tag)>;
+    T* out = static_cast<T*>(loss);
+    if (o.reduction == Reduction::None) {
+      if (s.rows > 0)
+        store_rows_kernel<<<grid_size(s.rows, 256), 256, 0, native(stream)>>>(row_loss, s.rows,
+                                                                              out);
+    } else {
+      reduce_rows_kernel<<<1, 1024, 0, native(stream)>>>(
+          row_loss, s.rows, o.reduction == Reduction::Mean, status,
+          Labels{labels, s.label_dtype == DType::I64}, o.ignore_index, out);
+    }
+  });
+  check_launch("cross_entropy");
+}
+
 }  // namespace
 
 Tensor check_labels(std::string_view op, const CrossEntropyShape& s, const void* labels,
                     const CrossEntropyOptions& o, const Stream& stream) {
   DeviceGuard guard(stream.device.index);
-  LabelCheck c(op, s, labels, o, stream);
+  QueuedLabelCheck c(op, s, labels, o, stream);
   c.wait();
   return c.verdict();
 }
 
 void store_loss(const CrossEntropyShape& s, const double* row_loss, const Tensor& verdict,
                 Reduction reduction, void* loss, const Stream& stream) {
-  DeviceGuard guard(stream.device.index);
-  dispatch_float(s.loss_dtype, "cross_entropy", [&](auto tag) {
-    using T = cuda_t<decltype(tag)>;
-    T* out = static_cast<T*>(loss);
-    if (reduction == Reduction::None) {
-      if (s.rows > 0)
-        store_rows_kernel<<<grid_size(s.rows, 256), 256, 0, native(stream)>>>(row_loss, s.rows,
-                                                                              out);
-    } else {
-      reduce_rows_kernel<<<1, 1024, 0, native(stream)>>>(
-          row_loss, s.rows, reduction == Reduction::Mean,
-          reinterpret_cast<const LabelStatus*>(verdict.data_ptr<std::int64_t>()), out);
-    }
-  });
-  check_launch("cross_entropy");
+  CrossEntropyOptions o;
+  o.reduction = reduction;
+  reduce_loss(s, row_loss, reinterpret_cast<const LabelStatus*>(verdict.data_ptr<std::int64_t>()),
+              nullptr, o, loss, stream);
 }
 
 CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_loss,
@@ -465,7 +501,7 @@ CrossEntropyUpstream read_upstream(const CrossEntropyShape& s, const void* grad_
 void cross_entropy_forward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
                                 void* lse, double* row_loss, const CrossEntropyOptions& o,
                                 const Stream& stream) {
-  forward_rows(b, logits, labels, lse, row_loss, o, nullptr, stream);
+  forward_rows(b, logits, labels, lse, row_loss, o, nullptr, false, stream);
 }
 
 void cross_entropy_backward_rows(const CrossEntropyRows& b, const void* logits, const void* labels,
@@ -480,9 +516,15 @@ void cross_entropy_forward(const CrossEntropyShape& s, const void* logits, const
   constexpr std::string_view op = "cross_entropy";
   const CrossEntropyRows all{s.dtype, s.label_dtype, 0, s.rows, s.vocab};
   DeviceGuard guard(stream.device.index);
-  LabelCheck check(op, s, labels, o, stream);
   const Tensor row_loss({s.rows}, DType::F64, stream.device, stream);
-  forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, check.device(), stream);
+  if (!host_waits(o, stream)) {  // no check kernel: the row blocks assert their labels
+    forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, nullptr, true, stream);
+    reduce_loss(s, row_loss.data_ptr<double>(), nullptr, labels, o, loss, stream);
+    return;
+  }
+  QueuedLabelCheck check(op, s, labels, o, stream);
+  forward_rows(all, logits, labels, lse, row_loss.data_ptr<double>(), o, check.device(), false,
+               stream);
   check.wait();
   store_loss(s, row_loss.data_ptr<double>(), check.verdict(), o.reduction, loss, stream);
 }
@@ -495,7 +537,7 @@ void cross_entropy_backward(const CrossEntropyShape& s, const void* grad_loss, c
   if (s.rows == 0) return;
   DeviceGuard guard(stream.device.index);
   const Tensor row_grad({s.rows}, DType::F64, stream.device, stream);
-  LabelCheck check(op, s, labels, o, stream, grad_loss, row_grad.data_ptr<double>());
+  QueuedLabelCheck check(op, s, labels, o, stream, grad_loss, row_grad.data_ptr<double>());
   // The check kernel folded 1 / count into row_grad: scale 1 gives the same bits.
   backward_rows(all, logits, labels, lse, {1.0, row_grad.data_ptr<double>()}, grad_logits, o,
                 check.device(), stream);

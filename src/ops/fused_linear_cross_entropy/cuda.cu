@@ -30,7 +30,8 @@
 //
 // Determinism: a fixed sequence of kernels with fixed shapes per chunk_rows; cuBLASLt's choice is
 // cached per problem (gemm/cuda.cu); grad_bias sums each column in row order; no atomics. The only
-// host synchronisation is check_labels' (none under CUDA graph capture).
+// host synchronisation is check_labels' (none with LabelCheck::DeviceAssert or under CUDA graph
+// capture).
 #include <algorithm>
 
 #include "core/cuda/cuda_utils.cuh"
