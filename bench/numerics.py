@@ -301,9 +301,10 @@ def main():
     p.add_argument("--loss-dtype", default="same", choices=["same", "f32"],
                    help="meshfuse's loss (and grad_loss) of cross_entropy and "
                    "fused_linear_cross_entropy: the logits' dtype, or f32")
-    p.add_argument("--grad-weight-dtype", default="same", choices=["same", "f32"],
-                   help="fused_linear_cross_entropy's grad_weight and grad_bias: the weight's "
-                   "dtype, or f32")
+    p.add_argument("--grad-weight-dtype", default="f32", choices=["same", "f32"],
+                   help="fused_linear_cross_entropy's grad_weight and grad_bias: f32 (meshfuse."
+                   "torch's default accum_dtype for 16-bit weights; the weight's own for f32), "
+                   "or the weight's dtype (Liger-Kernel's way: rounded once per chunk)")
     p.add_argument("--json", default="", help="write the records here")
     a = p.parse_args()
     for key, (_, cpu, cuda) in SIZES.items():
