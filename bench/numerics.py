@@ -305,6 +305,9 @@ def main():
                    help="fused_linear_cross_entropy's grad_weight and grad_bias: f32 (meshfuse."
                    "torch's default accum_dtype for 16-bit weights; the weight's own for f32), "
                    "or the weight's dtype (Liger-Kernel's way: rounded once per chunk)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="another draw of the inputs (the error is a maximum over elements: a "
+                   "ratio near 1 is within the spread between draws)")
     p.add_argument("--json", default="", help="write the records here")
     a = p.parse_args()
     for key, (_, cpu, cuda) in SIZES.items():
@@ -329,8 +332,8 @@ def main():
             continue
         op = f"{case.op} ({case.variant})" if case.variant else case.op
         for dtype_name in a.dtypes.split(","):
-            for direction, output, ours, theirs, truth in evaluate(case, index, DTYPES[dtype_name],
-                                                                   device):
+            for direction, output, ours, theirs, truth in evaluate(
+                    case, index + 1000 * a.seed, DTYPES[dtype_name], device):
                 err, torch_err = max_rel_err(ours, truth), max_rel_err(theirs, truth)
                 ratio = err / torch_err if torch_err else (math.inf if err else 1.0)
                 worse = err > torch_err
