@@ -5,6 +5,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -424,24 +425,37 @@ TEST_P(CrossEntropyBackends, DeterministicRunToRunOnAStream) {
 
 // LabelCheck::DeviceAssert (on CUDA: no host wait, and a forward without the check kernel that
 // counts mean's rows in its reduction) gives Raise's results bitwise: with ignored rows, every row
-// ignored, and no rows. The CPU backends check on the host either way, so a bad label still raises.
+// ignored, no rows, more rows than the reduction's 1024 threads, and a vocabulary shard whose
+// labels in other shards are valid. The CPU backends check on the host either way, so a bad
+// label still raises.
 TEST_P(CrossEntropyBackends, DeviceAssertLabelCheckGivesTheRaiseResultsBitwise) {
   const auto [target, dtype] = GetParam();
   MESHFUSE_REQUIRE_TARGET(target);
   const Stream stream{target.device};
-  Tensor some({37}, DType::I64), all_ignored = test::full({37}, DType::I32, -100);
-  for (std::int64_t i = 0; i < 37; ++i)
-    some.data_ptr<std::int64_t>()[i] = i % 5 == 0 ? -100 : (i * 41) % 301;
-  const Tensor logits = randn({37, 301}, dtype, 21);
-  const std::vector<std::pair<std::string, Tensor>> cases = {{"some ignored", some},
-                                                             {"all ignored", all_ignored}};
-  for (const auto& [what, labels] : cases)
-    for (std::int64_t rows : {std::int64_t{37}, std::int64_t{0}})
+  constexpr std::int64_t kRows = 1500, kVocab = 301;
+  // Labels for `classes` classes, every fifth row ignored.
+  const auto labels_of = [](std::int64_t classes) {
+    Tensor y({kRows}, DType::I64);
+    for (std::int64_t i = 0; i < kRows; ++i)
+      y.data_ptr<std::int64_t>()[i] = i % 5 == 0 ? -100 : (i * 41) % classes;
+    return y;
+  };
+  const Tensor logits = randn({kRows, kVocab}, dtype, 21);
+  const CrossEntropyOptions plain{.label_smoothing = 0.1, .z_loss_scale = 1e-4};
+  // Columns [100, 401) of 1000 classes: most labels lie in other shards.
+  const CrossEntropyOptions shard{.vocab_start = 100, .vocab_size = 1000};
+  const std::vector<std::tuple<std::string, Tensor, CrossEntropyOptions>> cases = {
+      {"some ignored", labels_of(kVocab), plain},
+      {"all ignored", test::full({kRows}, DType::I32, -100), plain},
+      {"shard", labels_of(1000), shard}};
+  for (const auto& [what, labels, options] : cases)
+    for (std::int64_t rows : {kRows, std::int64_t{37}, std::int64_t{0}})
       for (Reduction r : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
         const std::string name =
             what + ", " + std::to_string(rows) + " rows, " + std::string(to_string(r));
         const TensorView x = logits.view().narrow(0, 0, rows), y = labels.view().narrow(0, 0, rows);
-        CrossEntropyOptions o{.reduction = r, .label_smoothing = 0.1, .z_loss_scale = 1e-4};
+        CrossEntropyOptions o = options;
+        o.reduction = r;
         const Forward raised = forward(target, x, y, o, stream);
         const Tensor dl = upstream(rows, dtype, r);
         const Tensor grad_raised = backward(target, dl, x, y, raised.lse, o, stream);
@@ -454,7 +468,7 @@ TEST_P(CrossEntropyBackends, DeviceAssertLabelCheckGivesTheRaiseResultsBitwise) 
             << name;
       }
   if (target.device.type != DeviceType::CPU) return;  // on CUDA a bad label would trap
-  const Tensor bad = from({3}, DType::I64, {0, 301, 1});
+  const Tensor bad = from({3}, DType::I64, {0, kVocab, 1});
   const CrossEntropyOptions o{.label_check = LabelCheck::DeviceAssert};
   test::expect_error([&] { forward(target, logits.view().narrow(0, 0, 3), bad, o, stream); },
                      ErrorCode::InvalidArgument, {"cross_entropy", "labels[1] = 301", "[0, 301)"});

@@ -644,7 +644,7 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     ``label_check`` decides how a bad label fails on CUDA, where the labels live on the device:
     ``"raise"`` (the default) waits on the host for the device's check, so that the call raises
     the error above with nothing written; ``"device_assert"`` does not wait (PyTorch's own
-    behaviour, and a call's host time as PyTorch's): the kernel prints the same message and
+    behaviour: no host round trip per call): the kernel prints the message for a bad row and
     traps, after which the process's CUDA context is unusable. CUDA graph capture always gets
     the latter. On the CPU both raise. Spec: include/meshfuse/ops/cross_entropy.h."""
     _check_reduction("cross_entropy", reduction)

@@ -90,8 +90,8 @@ enum class LabelCheck {
   // the call), a launch-to-completion round trip per call.
   Raise,
   // No host wait (PyTorch's behaviour, and what CUDA graph capture always gets): the kernel
-  // prints the same message and traps, a device-side assert after which the process's CUDA
-  // context is unusable.
+  // prints the message for a bad row (not necessarily the first) and traps, a device-side assert
+  // after which the process's CUDA context is unusable.
   DeviceAssert,
 };
 

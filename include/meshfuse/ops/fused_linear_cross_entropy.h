@@ -85,7 +85,8 @@
 // Inputs may be strided (copied once when not contiguous); outputs are contiguous and preallocated
 // by the caller; optional tensors are undefined TensorViews. Errors: InvalidArgument (wrong rank,
 // chunk_rows < 0, label_smoothing outside [0, 1], a label outside [0, V) that is not ignore_index
-// (naming the first such row and value; nothing is computed), a vocabulary shard (vocab_start or
+// (naming the first such row and value; nothing is computed; on CUDA with
+// LabelCheck::DeviceAssert a device-side assert instead), a vocabulary shard (vocab_start or
 // vocab_size not 0), a gradient output without grad_loss, grad_bias without bias, an output not
 // contiguous or sharing an operand's memory), ShapeMismatch, DTypeMismatch, DeviceMismatch,
 // Unsupported / BackendUnavailable (see kernel_backend.h).

@@ -20,7 +20,8 @@
 // clearly slower. With LabelCheck::DeviceAssert, and under CUDA graph capture (where nothing may
 // wait), the host never reads a verdict: a bad label prints the op's error and traps (PyTorch's
 // device-side assert). The forward then has no check kernel: each row block asserts its own
-// label and the loss reduction counts the rows not ignored, two launches as PyTorch's.
+// label (the message names a bad row, not necessarily the first) and the loss reduction counts
+// the rows not ignored, two launches as PyTorch's.
 #include <vector>
 
 #include "core/cuda/cuda_utils.cuh"
@@ -80,9 +81,10 @@ struct OpName {
 };
 
 // Prints the op's error for labels[row] = label (fail_label's message) and traps: the context is
-// then lost, as after PyTorch's device-side assert.
-__device__ void assert_label(const char* op, std::int64_t row, std::int64_t label,
-                             std::int64_t classes, std::int64_t ignore_index) {
+// then lost, as after PyTorch's device-side assert. Not inlined: the printf's argument buffer
+// would take registers from the row loop (spills in the vectorised kernels).
+__device__ __noinline__ void assert_label(const char* op, std::int64_t row, std::int64_t label,
+                                          std::int64_t classes, std::int64_t ignore_index) {
   printf("%s: labels[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)\n", op,
          static_cast<long long>(row), static_cast<long long>(label),
          static_cast<long long>(classes), static_cast<long long>(ignore_index));
@@ -147,18 +149,19 @@ __global__ void __launch_bounds__(1024)
     row_grad[i] = scale * static_cast<double>(load(grad_loss[per_row ? i : 0]));
 }
 
-// One block per row. Writes nothing when status reports a bad label; with `trap` (no status)
-// a bad label is cross_entropy's device-side assert. kSumX: label smoothing's sum of the logits
-// (an add per logit, skipped without smoothing).
-template <typename T, int W, bool kSumX>
+// One block per row. Writes nothing when status reports a bad label; with kTrap (no status) a
+// bad label is cross_entropy's device-side assert (a template argument: the printf's registers
+// and stack frame stay out of the other kernels). kSumX: label smoothing's sum of the logits (an
+// add per logit, skipped without smoothing).
+template <typename T, int W, bool kSumX, bool kTrap>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks<T, 2>)
     forward_rows_kernel(const T* logits, Labels labels, std::int64_t row_begin, std::int64_t rows,
                         std::int64_t vocab, lse_t<T>* lse, double* row_loss,
-                        Coefficients<acc_t<T>> c, const LabelStatus* status, bool trap) {
+                        Coefficients<acc_t<T>> c, const LabelStatus* status) {
   using A = acc_t<T>;
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const std::int64_t g = row_begin + i, y = labels[g];
-    if (trap && threadIdx.x == 0 && y != c.ignore_index && (y < 0 || y >= c.classes))
+    if (kTrap && threadIdx.x == 0 && y != c.ignore_index && (y < 0 || y >= c.classes))
       assert_label("cross_entropy", g, y, c.classes, c.ignore_index);
     if (y == c.ignore_index) {
       if (threadIdx.x == 0 && !(status && status->bad)) {
@@ -407,12 +410,15 @@ void forward_rows(const CrossEntropyRows& b, const void* logits, const void* lab
   dispatch_rows(b, "cross_entropy", {logits}, [&](auto tag, auto width) {
     using T = decltype(tag);
     constexpr int W = decltype(width)::value;
-    const auto kernel =
-        o.label_smoothing != 0 ? forward_rows_kernel<T, W, true> : forward_rows_kernel<T, W, false>;
+    const bool smooth = o.label_smoothing != 0;
+    const auto kernel = trap ? (smooth ? forward_rows_kernel<T, W, true, true>
+                                       : forward_rows_kernel<T, W, false, true>)
+                             : (smooth ? forward_rows_kernel<T, W, true, false>
+                                       : forward_rows_kernel<T, W, false, false>);
     kernel<<<row_blocks(b.rows), row_threads(b.vocab / W, kU), 0, native(stream)>>>(
         static_cast<const T*>(logits), Labels{labels, b.label_dtype == DType::I64}, b.row_begin,
-        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab), status,
-        trap);
+        b.rows, b.vocab, static_cast<lse_t<T>*>(lse), row_loss, coefficients<T>(o, b.vocab),
+        status);
   });
   check_launch("cross_entropy");
 }
