@@ -66,7 +66,9 @@ TEST(Program, PrintsEveryInputOpWithItsOptionsAndOutput) {
   const Value h = p.rmsnorm(p.linear(x, w), {}, 1e-5);
   const auto [y, r] = p.fused_residual_add_rmsnorm(h, h, {}, 1e-6, 0.5);
   const Value loss = p.cross_entropy(p.softmax(y, 2.0), labels,
-                                     {.reduction = Reduction::None, .label_smoothing = 0.1});
+                                     {.reduction = Reduction::None,
+                                      .label_smoothing = 0.1,
+                                      .label_check = LabelCheck::DeviceAssert});
   p.add_output(loss);
   p.add_output(r);
   EXPECT_EQ(p.to_string(),
@@ -79,7 +81,7 @@ TEST(Program, PrintsEveryInputOpWithItsOptionsAndOutput) {
             "none, eps=1e-06, multiplier=0.5)\n"
             "%9 [4, 16] f32 = softmax(%6, logits_multiplier=2)\n"
             "%10 [4] f32, %11 [4] f64 = cross_entropy(%9, %2, reduction=none, "
-            "ignore_index=-100, label_smoothing=0.1)\n"
+            "ignore_index=-100, label_smoothing=0.1, label_check=device_assert)\n"
             "output %10\n"
             "output %7\n");
 }

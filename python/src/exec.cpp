@@ -409,36 +409,38 @@ void bind_program(nb::module_& m) {
           "cross_entropy",
           [](Program& p, V logits, V labels, const std::string& reduction,
              std::int64_t ignore_index, double label_smoothing, double logits_multiplier,
-             double z_loss_scale, nb::handle loss_dtype) {
-            return wrap(
-                p, p.cross_entropy(operand(p, "cross_entropy", "logits", logits),
-                                   operand(p, "cross_entropy", "labels", labels),
-                                   ce_options("Program.cross_entropy", ignore_index, reduction,
-                                              label_smoothing, logits_multiplier, z_loss_scale),
-                                   optional_dtype(loss_dtype, "Program.cross_entropy")));
+             double z_loss_scale, nb::handle loss_dtype, const std::string& label_check) {
+            return wrap(p, p.cross_entropy(operand(p, "cross_entropy", "logits", logits),
+                                           operand(p, "cross_entropy", "labels", labels),
+                                           ce_options("Program.cross_entropy", ignore_index,
+                                                      reduction, label_smoothing, logits_multiplier,
+                                                      z_loss_scale, 0, 0, label_check),
+                                           optional_dtype(loss_dtype, "Program.cross_entropy")));
           },
           "logits"_a, "labels"_a, "reduction"_a = "mean", "ignore_index"_a = -100,
           "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0, "z_loss_scale"_a = 0.0,
-          "loss_dtype"_a = nb::none(),
+          "loss_dtype"_a = nb::none(), "label_check"_a = "raise",
           "logits (N, V), labels (N) i32/i64 -> loss: () for 'mean' and 'sum', (N) for 'none'; "
-          "in the logits' dtype, or loss_dtype 'f32' for 16-bit logits.")
+          "in the logits' dtype, or loss_dtype 'f32' for 16-bit logits. label_check: how a bad "
+          "label fails on CUDA ('raise': from the call, after a host wait; 'device_assert': a "
+          "device-side assert, no wait).")
       .def(
           "fused_linear_cross_entropy",
           [](Program& p, V x, V weight, OptV bias, V labels, const std::string& reduction,
              std::int64_t ignore_index, double label_smoothing, double logits_multiplier,
-             double z_loss_scale, nb::handle loss_dtype) {
+             double z_loss_scale, nb::handle loss_dtype, const std::string& label_check) {
             const std::string_view op = "fused_linear_cross_entropy";
-            return wrap(
-                p, p.fused_linear_cross_entropy(
-                       operand(p, op, "x", x), operand(p, op, "weight", weight),
-                       operand(p, op, "bias", bias), operand(p, op, "labels", labels),
-                       ce_options("Program.fused_linear_cross_entropy", ignore_index, reduction,
-                                  label_smoothing, logits_multiplier, z_loss_scale),
-                       optional_dtype(loss_dtype, "Program.fused_linear_cross_entropy")));
+            return wrap(p, p.fused_linear_cross_entropy(
+                               operand(p, op, "x", x), operand(p, op, "weight", weight),
+                               operand(p, op, "bias", bias), operand(p, op, "labels", labels),
+                               ce_options("Program.fused_linear_cross_entropy", ignore_index,
+                                          reduction, label_smoothing, logits_multiplier,
+                                          z_loss_scale, 0, 0, label_check),
+                               optional_dtype(loss_dtype, "Program.fused_linear_cross_entropy")));
           },
           "x"_a, "weight"_a, "bias"_a.none(), "labels"_a, "reduction"_a = "mean",
           "ignore_index"_a = -100, "label_smoothing"_a = 0.0, "logits_multiplier"_a = 1.0,
-          "z_loss_scale"_a = 0.0, "loss_dtype"_a = nb::none(),
+          "z_loss_scale"_a = 0.0, "loss_dtype"_a = nb::none(), "label_check"_a = "raise",
           "cross_entropy(linear(x (N, H), weight (V, H), bias (V) or None), labels) without the "
           "logits in memory; options as cross_entropy's.")
       .def(

@@ -481,6 +481,11 @@ def test_builder_errors_values_and_placements():
     assert y2.id == 2 and r.id == 3  # y, r, then the rstd the builder does not return
     p.add_output(p.softmax(y2, logits_multiplier=0.5))
     assert "softmax" in str(p) and p.mesh is None
+    labels = p.define_tensor("labels", [4], "i64")
+    p.cross_entropy(y2, labels, label_check="device_assert")
+    assert "label_check=device_assert" in str(p)
+    with pytest.raises(ValueError, match="Program.cross_entropy: label_check: unknown name 'x'"):
+        p.cross_entropy(y2, labels, label_check="x")
 
     mesh = DeviceMesh([3, 1, 0, 2], shape=[2, 2])
     assert mesh.shape == (2, 2) and mesh.ranks == [3, 1, 0, 2] and 3 in mesh and 4 not in mesh

@@ -417,6 +417,8 @@ std::vector<std::string> options_text(const ProgramOp& op) {
     if (o.logits_multiplier != 1)
       t.push_back(fmt::format("logits_multiplier={}", o.logits_multiplier));
     if (o.z_loss_scale != 0) t.push_back(fmt::format("z_loss_scale={}", o.z_loss_scale));
+    if (o.label_check != LabelCheck::Raise)
+      t.push_back(fmt::format("label_check={}", to_string(o.label_check)));
     return t;
   };
   switch (op.type) {
