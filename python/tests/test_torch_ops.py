@@ -366,9 +366,12 @@ _BAD_LABEL_CALLS = {
 
 @_cuda
 @pytest.mark.parametrize("path", list(_BAD_LABEL_CALLS))
-def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_printed(path):
-    # No host wait: the call returns, and the kernel prints the op's error and traps (the
-    # process's CUDA context is lost, hence a subprocess); "raise" raises from the call.
+def test_a_bad_label_with_device_assert_traps_with_the_error_printed(path):
+    # No host wait: the kernel prints the op's error and traps (the process's CUDA context is
+    # lost, hence a subprocess), and CUDA reports the trap to a later call: to the next
+    # synchronisation, or to a CUDA call the op itself makes after the kernel (fused linear
+    # cross-entropy's GEMMs), a RuntimeError. Never meshfuse's own ValueError, which "raise"
+    # gives from the call after waiting for the verdict.
     call, message = _BAD_LABEL_CALLS[path]
     code = f"""if True:
         import torch, meshfuse.torch as mt
@@ -381,9 +384,14 @@ def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_pr
             mt.cross_entropy(logits, labels)
         except ValueError as e:
             print("raised from the call:", e, flush=True)
-        {call}
-        print("returned", flush=True)
-        torch.cuda.synchronize()
+        try:
+            {call}
+            print("returned", flush=True)
+        except ValueError as e:
+            print("ValueError:", e, flush=True)
+        except RuntimeError:
+            print("CUDA's error from the call", flush=True)
+        torch.cuda.synchronize()  # also flushes the kernel's printf
         print("synchronize returned", flush=True)
         """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -391,7 +399,8 @@ def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_pr
     assert "good True" in out.stdout, text
     assert "raised from the call: [invalid argument] cross_entropy: labels[1] = 99" in out.stdout, \
         text
-    assert "returned" in out.stdout, text
+    assert "ValueError" not in out.stdout, text
+    assert "returned" in out.stdout or "CUDA's error from the call" in out.stdout, text
     assert message in text, text
     assert "synchronize returned" not in out.stdout, text
 
