@@ -81,6 +81,14 @@ def breakdown(rows, hidden, dtype, device, calls, cuda):
         ("the same on 0 rows (no launch)", lambda: C.rmsnorm(d(x0), d(w), d(y0), None, 1e-5,
                                                              stream)),
         ("torch: one launch (y.zero_())", lambda: y.zero_()),
+        # The floor of any op that allocates its output from Python: no meshfuse in it.
+        ("torch: allocation + one launch", lambda: torch.empty_like(x).zero_()),
+    ]
+    if cuda:  # what a call that raises a device-side verdict adds: the launch's round trip
+        event = torch.cuda.Event()
+        steps.append(("torch: one launch + event wait",
+                      lambda: (y.zero_(), event.record(), event.synchronize())))
+    steps += [
         ("Tensor.__dlpack__ (3 tensors)", lambda: (x.__dlpack__(max_version=v1),
                                                    w.__dlpack__(max_version=v1),
                                                    y.__dlpack__(max_version=v1))),
