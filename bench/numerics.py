@@ -322,7 +322,8 @@ def main():
           f"error = max |out - truth| / max(|truth|, 2^-10 max|truth|), truth in fp64 from the "
           f"same rounded inputs; tokens {a.tokens}, hidden {a.hidden}, vocab {a.vocab} x "
           f"{a.vocab_tokens} rows, gemm rows {a.gemm_tokens}, rnn/gru B={BATCH} S={a.seq_len} "
-          f"N={HEADS} H={STATE}; loss {a.loss_dtype}, grad_weight {a.grad_weight_dtype}",
+          f"N={HEADS} H={STATE}; loss {a.loss_dtype}, grad_weight {a.grad_weight_dtype}, "
+          f"seed {a.seed}",
           flush=True)
     print(f"{'op':30} {'dir':8} {'output':18} {'dtype':5} {'device':6} {'meshfuse':>10} "
           f"{'torch':>10} {'ratio':>6}")
@@ -347,7 +348,7 @@ def main():
                                     output=output, dtype=dtype_name, device=a.device,
                                     shape=list(truth.shape), meshfuse_dtype=names[ours.dtype],
                                     meshfuse_err=err, torch_err=torch_err, ratio=ratio,
-                                    worse=worse))
+                                    worse=worse, seed=a.seed))
     print(f"# meshfuse's error is above PyTorch's on {len(worse_lines)} of {len(records)} rows"
           + "".join("\n" + line for line in worse_lines))
     if a.json:

@@ -85,9 +85,9 @@ def breakdown(rows, hidden, dtype, device, calls, cuda):
         ("torch: allocation + one launch", lambda: torch.empty_like(x).zero_()),
     ]
     if cuda:  # what a call that raises a device-side verdict adds: the launch's round trip
-        event = torch.cuda.Event()
+        event, on = torch.cuda.Event(), torch.cuda.current_stream(device)
         steps.append(("torch: one launch + event wait",
-                      lambda: (y.zero_(), event.record(), event.synchronize())))
+                      lambda: (y.zero_(), event.record(on), event.synchronize())))
     steps += [
         ("Tensor.__dlpack__ (3 tensors)", lambda: (x.__dlpack__(max_version=v1),
                                                    w.__dlpack__(max_version=v1),

@@ -366,12 +366,13 @@ _BAD_LABEL_CALLS = {
 
 @_cuda
 @pytest.mark.parametrize("path", list(_BAD_LABEL_CALLS))
-def test_a_bad_label_with_device_assert_traps_with_the_error_printed(path):
-    # No host wait: the kernel prints the op's error and traps (the process's CUDA context is
-    # lost, hence a subprocess), and CUDA reports the trap to a later call: to the next
-    # synchronisation, or to a CUDA call the op itself makes after the kernel (fused linear
-    # cross-entropy's GEMMs), a RuntimeError. Never meshfuse's own ValueError, which "raise"
-    # gives from the call after waiting for the verdict.
+def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_printed(path):
+    # No host wait: the call returns, and the kernel prints the op's error and traps (the
+    # process's CUDA context is lost, hence a subprocess); "raise" raises from the call. The
+    # path runs once on good labels first (modules loaded, caches warm: nothing left to set up
+    # that might synchronise), and the GPU is kept busy while the bad call queues its kernels,
+    # so the trap cannot reach a CUDA call of the op itself: any wait in the call shows as an
+    # error from it.
     call, message = _BAD_LABEL_CALLS[path]
     code = f"""if True:
         import torch, meshfuse.torch as mt
@@ -379,18 +380,19 @@ def test_a_bad_label_with_device_assert_traps_with_the_error_printed(path):
         labels = torch.tensor([1, 2, -100, 3], device="cuda")
         good = mt.cross_entropy(logits, labels, label_check="device_assert")
         print("good", torch.equal(good, mt.cross_entropy(logits, labels)), flush=True)
+        {call}
+        torch.cuda.synchronize()
         labels[1] = 99
         try:
             mt.cross_entropy(logits, labels)
         except ValueError as e:
             print("raised from the call:", e, flush=True)
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the bad call's kernels
         try:
             {call}
             print("returned", flush=True)
-        except ValueError as e:
-            print("ValueError:", e, flush=True)
-        except RuntimeError:
-            print("CUDA's error from the call", flush=True)
+        except Exception as e:
+            print("the call raised", type(e).__name__, e, flush=True)
         torch.cuda.synchronize()  # also flushes the kernel's printf
         print("synchronize returned", flush=True)
         """
@@ -399,8 +401,7 @@ def test_a_bad_label_with_device_assert_traps_with_the_error_printed(path):
     assert "good True" in out.stdout, text
     assert "raised from the call: [invalid argument] cross_entropy: labels[1] = 99" in out.stdout, \
         text
-    assert "ValueError" not in out.stdout, text
-    assert "returned" in out.stdout or "CUDA's error from the call" in out.stdout, text
+    assert "the call raised" not in out.stdout and "returned" in out.stdout, text
     assert message in text, text
     assert "synchronize returned" not in out.stdout, text
 
