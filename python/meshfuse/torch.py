@@ -490,26 +490,25 @@ def _integer_or_none(dim):
 
 
 # --- cross_entropy -------------------------------------------------------------------------------
-def _check_reduction(op, reduction):
+def _check_name(op, argument, value, names):
     # As torch's: the exact lower-case names (the C++ parser takes any case, and this module
-    # compares the names as they are).
-    if reduction not in _REDUCTIONS:
+    # compares the names as they are). Before the op, whose fake implementation (torch.compile)
+    # would not see a bad name.
+    if value not in names:
         raise _C.InvalidArgumentError(
-            f"[invalid argument] {op}: reduction: unknown name {reduction!r} (expected one of "
-            f"{', '.join(_REDUCTIONS)})")
+            f"[invalid argument] {op}: {argument}: unknown name {value!r} (expected one of "
+            f"{', '.join(names)})")
 
 
-_REDUCTIONS = ("none", "mean", "sum")
+def _check_reduction(op, reduction):
+    _check_name(op, "reduction", reduction, _REDUCTIONS)
 
 
 def _check_label_check(op, label_check):
-    # Before the op, whose fake implementation (torch.compile) would not see a bad name.
-    if label_check not in _LABEL_CHECKS:
-        raise _C.InvalidArgumentError(
-            f"[invalid argument] {op}: label_check: unknown name {label_check!r} (expected one "
-            f"of {', '.join(_LABEL_CHECKS)})")
+    _check_name(op, "label_check", label_check, _LABEL_CHECKS)
 
 
+_REDUCTIONS = ("none", "mean", "sum")
 _LABEL_CHECKS = ("raise", "device_assert")
 
 

@@ -21,15 +21,6 @@ inline SwigluLayout parse_layout(const std::string& name, std::string_view op) {
               std::string(op) + ": layout must be 'halves' or 'interleaved', got '" + name + "'");
 }
 
-// A reduction op by name ('sum', 'avg', ...); errors name `op` and its argument 'op'.
-inline ReduceOp parse_reduce_op_arg(const std::string& name, std::string_view op) {
-  try {
-    return parse_reduce_op(name);
-  } catch (const Error& e) {
-    throw Error(e.code(), std::string(op) + ": 'op': " + e.message());
-  }
-}
-
 // parse(name), its error prefixed with `op`.
 template <typename Parse>
 auto parse_option(std::string_view op, const std::string& name, Parse parse) {
@@ -38,6 +29,12 @@ auto parse_option(std::string_view op, const std::string& name, Parse parse) {
   } catch (const Error& e) {
     throw Error(e.code(), std::string(op) + ": " + e.message());
   }
+}
+
+// A reduction op by name ('sum', 'avg', ...); errors name `op` and its argument 'op'.
+inline ReduceOp parse_reduce_op_arg(const std::string& name, std::string_view op) {
+  return parse_option(std::string(op) + ": 'op'", name,
+                      [](const std::string& n) { return parse_reduce_op(n); });
 }
 
 // `op` names the caller in errors.
