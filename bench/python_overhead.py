@@ -80,6 +80,13 @@ def breakdown(rows, hidden, dtype, device, calls, cuda):
         # On CUDA all but the launch; the cpu kernel still widens the weight.
         ("the same on 0 rows (no launch)", lambda: C.rmsnorm(d(x0), d(w), d(y0), None, 1e-5,
                                                              stream)),
+    ]
+    if mt.has_torch_extension():  # the path meshfuse.torch takes with its torch extension
+        steps += [
+            ("torch extension call", lambda: mt._T.rmsnorm(x, w, 1e-5, False)),
+            ("the same on 0 rows (no launch)", lambda: mt._T.rmsnorm(x0, w, 1e-5, False)),
+        ]
+    steps += [
         ("torch: one launch (y.zero_())", lambda: y.zero_()),
         # The floor of any op that allocates its output from Python: no meshfuse in it.
         ("torch: allocation + one launch", lambda: torch.empty_like(x).zero_()),
@@ -122,25 +129,35 @@ def main():
             breakdown(args.rows, args.hidden, dtype, device, args.calls, cuda)
         return
 
+    # "meshfuse": as installed (the torch extension where it is built for this torch);
+    # "dlpack": the same calls with the extension off (_meshfuse's DLPack path), for comparison.
+    impls = ["meshfuse", "dlpack", "torch"] if mt.has_torch_extension() else ["meshfuse", "torch"]
     rows = []
-    print(f"{'op':<24} {'meshfuse us':>12} {'torch us':>10} {'ratio':>7}  (device {device}, "
-          f"{args.rows} x {args.hidden} {args.dtype}, {args.calls} calls x {args.rounds} rounds)")
+    print(f"{'op':<30} " + " ".join(f"{i + ' us':>12}" for i in impls) +
+          f" {'ratio':>7}  (device {device}, {args.rows} x {args.hidden} {args.dtype}, "
+          f"{args.calls} calls x {args.rounds} rounds; ratio: meshfuse / torch)")
+    extension = mt._T
     with torch.inference_mode():
         for name, ours, theirs in cases(args.rows, args.hidden, dtype, device):
             ours(), theirs()  # warm up: first-call work (op registration, allocator) left out
-            times = {"meshfuse": [], "torch": []}
+            times = {i: [] for i in impls}
             for _ in range(args.rounds):
-                times["meshfuse"].append(per_call_us(ours, args.calls, cuda))
-                times["torch"].append(per_call_us(theirs, args.calls, cuda))
-            a, b = statistics.median(times["meshfuse"]), statistics.median(times["torch"])
+                for impl in impls:
+                    mt._T = None if impl == "dlpack" else extension
+                    times[impl].append(per_call_us(theirs if impl == "torch" else ours,
+                                                   args.calls, cuda))
+            mt._T = extension
+            med = {i: statistics.median(t) for i, t in times.items()}
             row = {"op": name, "device": str(device), "shape": [args.rows, args.hidden],
-                   "dtype": args.dtype, "meshfuse_us": a, "torch_us": b, "ratio": a / b}
-            for impl in ("meshfuse", "torch"):  # the spread over rounds
-                t = times[impl]
+                   "dtype": args.dtype, "torch_extension": mt.has_torch_extension(),
+                   "ratio": med["meshfuse"] / med["torch"]}
+            for impl, t in times.items():  # the median and the spread over rounds
                 q = statistics.quantiles(t, n=5) if len(t) > 1 else t
-                row[f"{impl}_p20_us"], row[f"{impl}_p80_us"] = q[0], q[-1]
+                row[f"{impl}_us"], row[f"{impl}_p20_us"], row[f"{impl}_p80_us"] = \
+                    med[impl], q[0], q[-1]
             rows.append(row)
-            print(f"{name:<24} {a:>12.2f} {b:>10.2f} {a / b:>7.2f}")
+            print(f"{name:<30} " + " ".join(f"{med[i]:>12.2f}" for i in impls) +
+                  f" {row['ratio']:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

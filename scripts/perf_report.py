@@ -9,8 +9,8 @@ A stored run wraps a tool's JSON output with its metadata:
 Kinds: bench (`meshfuse bench --format json`), comm_bench (`meshfuse comm-bench --format json`),
 run (`meshfuse run --format json`), torch_compare, recurrent_compare, flce_compare, comm_compare,
 numerics (the --json files of bench/*.py), executor_overhead (bench/executor_overhead --json),
-overlap (bench/overlap --json), python_overhead (bench/python_overhead.py --json), hf_patch
-(bench/hf_patch.py --json).
+overlap (bench/overlap --json), python_overhead (bench/python_overhead.py --json), op_overhead
+(bench/op_overhead --json), hf_patch (bench/hf_patch.py --json).
 Standard library only.
 """
 
@@ -28,7 +28,7 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 REPORT = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 KINDS = ("bench", "comm_bench", "run", "torch_compare", "recurrent_compare", "flce_compare",
          "comm_compare", "numerics", "executor_overhead", "overlap", "python_overhead",
-         "hf_patch")
+         "op_overhead", "hf_patch")
 
 
 def guess_kind(results):
@@ -40,6 +40,8 @@ def guess_kind(results):
         return "executor_overhead"
     if "meshfuse_us" in first:
         return "python_overhead"
+    if "per_floor" in first:
+        return "op_overhead"
     if "tokens_per_s" in first:
         return "hf_patch"
     if first.get("layer") in ("ag_gemm", "gemm_rs", "chunked_gemm"):
@@ -305,15 +307,31 @@ def executor_overhead_section(results):
 
 def python_overhead_section(results):
     """bench/python_overhead.py --json: meshfuse.torch's host time per call against PyTorch's."""
-    rows = [[r["op"], r["dtype"], r["device"], str(r["shape"]), num(r["meshfuse_us"], 2),
-             f"{num(r['meshfuse_p20_us'], 2)}-{num(r['meshfuse_p80_us'], 2)}",
-             num(r["torch_us"], 2), f"{num(r['torch_p20_us'], 2)}-{num(r['torch_p80_us'], 2)}",
-             f"{r['ratio']:.2f}x"] for r in results]
+    def spread(r, impl):
+        if f"{impl}_us" not in r:  # no torch extension in that build (or a run before it)
+            return ["-", "-"]
+        return [num(r[f"{impl}_us"], 2), f"{num(r[f'{impl}_p20_us'], 2)}-{num(r[f'{impl}_p80_us'], 2)}"]
+
+    rows = [[r["op"], r["dtype"], r["device"], str(r["shape"]), *spread(r, "meshfuse"),
+             *spread(r, "dlpack"), *spread(r, "torch"), f"{r['ratio']:.2f}x"] for r in results]
     return ["Host time per call on tiny inputs (on a GPU, synchronised once per round of calls), "
             "median and p20-p80 over rounds, meshfuse.torch against PyTorch's matching call in "
-            "the same run; the goal: a ratio of at most 1.2.", ""] + table(
-        ["op", "dtype", "device", "shape", "meshfuse us", "p20-p80", "torch us", "p20-p80",
-         "ratio"], rows)
+            "the same run; the goal: a ratio (meshfuse / torch) of at most 1.2. \"dlpack\": the "
+            "same calls with meshfuse's torch extension off (the path of a build without torch).",
+            ""] + table(
+        ["op", "dtype", "device", "shape", "meshfuse us", "p20-p80", "dlpack us", "p20-p80",
+         "torch us", "p20-p80", "ratio"], rows)
+
+
+def op_overhead_section(results):
+    """bench/op_overhead --json: the ops' C++ entries on a GPU against one launch."""
+    rows = [[r["op"], r["dtype"], str(r["shape"]), num(r["us"], 2),
+             f"{num(r['p20_us'], 2)}-{num(r['p80_us'], 2)}", f"{r['per_floor']:.2f}x"]
+            for r in results]
+    return ["Host time per call of the C++ entry on tiny inputs, queued on one stream and "
+            "synchronised once per round (a kernel slower than the host shows its own time), "
+            "median and p20-p80 over rounds, against one launch of a kernel that does nothing.",
+            ""] + table(["op", "dtype", "shape", "us", "p20-p80", "of one launch"], rows)
 
 
 def hf_patch_section(results):
@@ -339,7 +357,8 @@ def hf_patch_section(results):
 
 SECTIONS = {"bench": bench_section, "run": run_section,
             "executor_overhead": executor_overhead_section, "comm_bench": comm_bench_section,
-            "python_overhead": python_overhead_section, "hf_patch": hf_patch_section,
+            "python_overhead": python_overhead_section, "op_overhead": op_overhead_section,
+            "hf_patch": hf_patch_section,
             "overlap": overlap_section,
             "torch_compare": torch_compare_section,
             "recurrent_compare": recurrent_compare_section, "flce_compare": flce_compare_section,

@@ -23,6 +23,8 @@ dtype, ``RuntimeError`` for a device or backend).
 import functools
 import math
 import operator
+import os
+import warnings
 from typing import Optional, Sequence
 
 try:
@@ -36,6 +38,39 @@ from torch import Tensor
 from . import _meshfuse as _C
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _load_torch_ops():
+    # meshfuse._torch_ops (python/src/torch_ops.cpp): the forward kernels of rmsnorm, softmax,
+    # swiglu and cross_entropy called on torch tensors, with their outputs allocated in C++; built
+    # where torch was importable at build time, against that torch's C++ ABI, so used only under
+    # the same torch version. None: the DLPack path of _meshfuse (same kernels, same results, more
+    # host time per call). MESHFUSE_TORCH_OPS=0 turns it off (to compare the two).
+    if os.environ.get("MESHFUSE_TORCH_OPS", "1") == "0":
+        return None
+    try:
+        from ._torch_build import TORCH_VERSION
+    except ImportError:  # built without torch
+        return None
+    if TORCH_VERSION != torch.__version__:
+        warnings.warn(
+            f"meshfuse.torch: meshfuse's torch extension was built for torch {TORCH_VERSION}, "
+            f"this is torch {torch.__version__}: using the DLPack path (same results, more host "
+            f"time per call); reinstall meshfuse with pip install --no-build-isolation to build it "
+            f"for this torch", RuntimeWarning, stacklevel=3)
+        return None
+    from . import _torch_ops
+    return _torch_ops
+
+
+_T = _load_torch_ops()
+
+
+def has_torch_extension():
+    """Whether the eager forward path of rmsnorm, softmax, swiglu and cross_entropy runs through
+    meshfuse's torch extension (compiled for this torch version: the least host time per call)
+    rather than the DLPack path (docs/PYTHON.md)."""
+    return _T is not None
 
 
 def _stream(t):
@@ -158,6 +193,8 @@ def _fake(op):
 # --- swiglu ----------------------------------------------------------------------------------
 def swiglu_forward(gate, up):
     """The raw kernel of :func:`swiglu`: returns ``up * silu(gate)``."""
+    if _T is not None:
+        return _T.swiglu(gate, up)
     out = _empty_like(gate)
     _C.swiglu(_d(gate), _d(up), _d(out), _stream(gate))
     return out
@@ -281,6 +318,9 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=Tru
     (y, r or None, rstd (rows,) float32 (float64 for float64 x), or None when not ``save_rstd``:
     inference has no backward to save it for); r = x * multiplier + residual when a residual is
     given."""
+    if residual is None and multiplier == 1.0 and _T is not None:
+        y, rstd = _T.rmsnorm(x, weight, eps, save_rstd)
+        return y, None, rstd
     y = _empty_like(x)
     rstd = torch.empty(_rows(x), dtype=_rstd_dtype(x.dtype), device=x.device) if save_rstd \
         else None
@@ -415,6 +455,8 @@ def fused_residual_add_rmsnorm(x, residual, weight=None, eps=None, multiplier=1.
 # --- softmax -------------------------------------------------------------------------------------
 def softmax_forward(x, *, logits_multiplier=1.0):
     """The raw kernel of :func:`softmax`."""
+    if _T is not None:
+        return _T.softmax(x, logits_multiplier)
     y = _empty_like(x)
     _C.softmax(_d(x), _d(y), logits_multiplier, _stream(x))
     return y
@@ -547,10 +589,13 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     ``save_lse`` (inference has no backward to save it for). ``vocab_size`` != 0: the logits are
     the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a
     shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
+    loss_dtype = _loss_dtype("cross_entropy", logits.dtype, loss_dtype)
+    if _T is not None:
+        return _T.cross_entropy(logits, labels, ignore_index, reduction, label_smoothing,
+                                logits_multiplier, z_loss_scale, loss_dtype == torch.float32,
+                                vocab_start, vocab_size, save_lse, label_check)
     n = logits.shape[0]
-    loss = torch.empty(_loss_shape(n, reduction),
-                       dtype=_loss_dtype("cross_entropy", logits.dtype, loss_dtype),
-                       device=logits.device)
+    loss = torch.empty(_loss_shape(n, reduction), dtype=loss_dtype, device=logits.device)
     lse = torch.empty((n,), dtype=_lse_dtype(logits.dtype), device=logits.device) \
         if save_lse else None
     _C.cross_entropy(_d(logits), _d(labels), _d(loss), _d(lse), ignore_index, reduction,
