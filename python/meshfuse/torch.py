@@ -44,23 +44,32 @@ def _load_torch_ops():
     # meshfuse._torch_ops (python/src/torch_ops.cpp): the forward kernels of rmsnorm, softmax,
     # swiglu and cross_entropy called on torch tensors, with their outputs allocated in C++; built
     # where torch was importable at build time, against that torch's C++ ABI, so used only under
-    # the same torch version. None: the DLPack path of _meshfuse (same kernels, same results, more
-    # host time per call). MESHFUSE_TORCH_OPS=0 turns it off (to compare the two).
+    # the same torch version (checked before the import: loaded under another it could crash).
+    # None: the DLPack path of _meshfuse (same kernels, same results, more host time per call).
+    # MESHFUSE_TORCH_OPS=0 turns it off (to compare the two).
     if os.environ.get("MESHFUSE_TORCH_OPS", "1") == "0":
         return None
     try:
         from ._torch_build import TORCH_VERSION
     except ImportError:  # built without torch
         return None
+    problem = None
     if TORCH_VERSION != torch.__version__:
-        warnings.warn(
-            f"meshfuse.torch: meshfuse's torch extension was built for torch {TORCH_VERSION}, "
-            f"this is torch {torch.__version__}: using the DLPack path (same results, more host "
-            f"time per call); reinstall meshfuse with pip install --no-build-isolation to build it "
-            f"for this torch", RuntimeWarning, stacklevel=3)
-        return None
-    from . import _torch_ops
-    return _torch_ops
+        problem = f"was built for torch {TORCH_VERSION}, this is torch {torch.__version__}"
+    else:
+        try:
+            from . import _torch_ops
+            if _torch_ops.TORCH_VERSION == TORCH_VERSION:
+                return _torch_ops
+            problem = (f"is a build for torch {_torch_ops.TORCH_VERSION} beside a record of "
+                       f"{TORCH_VERSION}")
+        except ImportError as e:
+            problem = f"does not load ({e})"
+    warnings.warn(
+        f"meshfuse.torch: meshfuse's torch extension {problem}: using the DLPack path (same "
+        f"results, more host time per call); reinstall meshfuse with pip install "
+        f"--no-build-isolation to build it for this torch", RuntimeWarning, stacklevel=3)
+    return None
 
 
 _T = _load_torch_ops()
@@ -318,13 +327,14 @@ def rmsnorm_forward(x, weight, eps, residual=None, multiplier=1.0, save_rstd=Tru
     (y, r or None, rstd (rows,) float32 (float64 for float64 x), or None when not ``save_rstd``:
     inference has no backward to save it for); r = x * multiplier + residual when a residual is
     given."""
-    if residual is None and multiplier == 1.0 and _T is not None:
+    no_residual = residual is None and multiplier == 1.0
+    if no_residual and _T is not None:
         y, rstd = _T.rmsnorm(x, weight, eps, save_rstd)
         return y, None, rstd
     y = _empty_like(x)
     rstd = torch.empty(_rows(x), dtype=_rstd_dtype(x.dtype), device=x.device) if save_rstd \
         else None
-    if residual is None and multiplier == 1.0:
+    if no_residual:
         _C.rmsnorm(_d(x), _d(weight), _d(y), _d(rstd), eps, _stream(x))
         return y, None, rstd
     r = None if residual is None else torch.empty_like(y)
@@ -582,7 +592,7 @@ def _loss_dtype(op, dtype, loss_dtype):
 def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                           loss_dtype=None, vocab_start=0, vocab_size=0, save_lse=True,
-                          label_check="raise"):
+                          label_check="device_assert"):
     """The raw kernel of :func:`cross_entropy`: returns (loss, lse); loss is () for mean/sum and
     (N,) for none, in ``loss_dtype`` (the logits' dtype by default, or float32 for 16-bit
     logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones, or None when not
@@ -606,7 +616,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
 
 def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, reduction="mean",
                            label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
-                           vocab_start=0, vocab_size=0, label_check="raise"):
+                           vocab_start=0, vocab_size=0, label_check="device_assert"):
     """The raw backward: grad_logits (N, V). grad_loss: the loss's shape, in the logits' dtype
     or float32 for 16-bit logits. For a shard (``vocab_start``, ``vocab_size`` as in
     :func:`cross_entropy_forward`), lse is the whole vocabulary's."""
@@ -624,7 +634,7 @@ def cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index=-100, re
 def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                    label_smoothing: float, logits_multiplier: float, z_loss_scale: float,
                    loss_dtype: Optional[torch.dtype],
-                   label_check: str = "raise") -> tuple[Tensor, Tensor]:
+                   label_check: str = "device_assert") -> tuple[Tensor, Tensor]:
     return cross_entropy_forward(logits, labels, ignore_index, reduction, label_smoothing,
                                  logits_multiplier, z_loss_scale, loss_dtype,
                                  label_check=label_check)
@@ -632,7 +642,7 @@ def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, reduction:
 
 @_fake(_cross_entropy)
 def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplier,
-      z_loss_scale, loss_dtype, label_check="raise"):
+      z_loss_scale, loss_dtype, label_check="device_assert"):
     n = logits.shape[0]
     return (logits.new_empty(_loss_shape(n, reduction),
                              dtype=_loss_dtype("cross_entropy", logits.dtype, loss_dtype)),
@@ -643,7 +653,7 @@ def _(logits, labels, ignore_index, reduction, label_smoothing, logits_multiplie
 def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor,
                             ignore_index: int, reduction: str, label_smoothing: float,
                             logits_multiplier: float, z_loss_scale: float,
-                            label_check: str = "raise") -> Tensor:
+                            label_check: str = "device_assert") -> Tensor:
     return cross_entropy_backward(grad_loss, logits, labels, lse, ignore_index, reduction,
                                   label_smoothing, logits_multiplier, z_loss_scale,
                                   label_check=label_check)
@@ -672,7 +682,7 @@ _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entro
 
 def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                   logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None, *,
-                  label_check="raise"):
+                  label_check="device_assert"):
     """``torch.nn.functional.cross_entropy(logits * logits_multiplier, labels, ignore_index=,
     reduction=, label_smoothing=)`` plus PaLM's z-loss ``z_loss_scale * lse**2`` per row not
     ignored (Chowdhery et al. 2022, arXiv:2204.02311).
@@ -686,11 +696,12 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     ShapeMismatchError (ValueError), DTypeMismatchError (TypeError).
 
     ``label_check`` decides how a bad label fails on CUDA, where the labels live on the device:
-    ``"raise"`` (the default) waits on the host for the device's check, so that the call raises
-    the error above with nothing written; ``"device_assert"`` does not wait (PyTorch's own
-    behaviour: no host round trip per call): the kernel prints the message for a bad row and
-    traps, after which the process's CUDA context is unusable. CUDA graph capture always gets
-    the latter. On the CPU both raise. Spec: include/meshfuse/ops/cross_entropy.h."""
+    ``"device_assert"`` (the default: PyTorch's behaviour, no host round trip per call) does not
+    wait: the kernel prints the message above for a bad row and traps, after which the process's
+    CUDA context is unusable; ``"raise"`` (meshfuse's C++ default) waits on the host for the
+    device's check, so that the call raises the error above with nothing written, at the cost of
+    a host synchronisation per call. CUDA graph capture always gets the former. On the CPU both
+    raise. Spec: include/meshfuse/ops/cross_entropy.h."""
     _check_reduction("cross_entropy", reduction)
     _check_label_check("cross_entropy", label_check)
     options = (ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
@@ -723,7 +734,7 @@ def fused_linear_cross_entropy_forward(x, weight, labels, bias=None, grad_loss=N
                                        grad_x=False, grad_weight=False, grad_bias=False,
                                        ignore_index=-100, reduction="mean", label_smoothing=0.0,
                                        logits_multiplier=1.0, z_loss_scale=0.0, loss_dtype=None,
-                                       chunk_rows=0, accum_dtype=None, label_check="raise"):
+                                       chunk_rows=0, accum_dtype=None, label_check="device_assert"):
     """The raw kernel: returns (loss, grad_x, grad_weight, grad_bias), each gradient None unless
     asked for (then grad_loss, in the loss's dtype, is required). grad_weight and grad_bias are
     in ``accum_dtype``: float32 for 16-bit inputs by default (one rounding at the end), or the
@@ -758,7 +769,7 @@ def _fused_linear_cross_entropy(
         ignore_index: int, reduction: str, label_smoothing: float, logits_multiplier: float,
         z_loss_scale: float, loss_dtype: Optional[torch.dtype], chunk_rows: int,
         accum_dtype: Optional[torch.dtype] = None,
-        label_check: str = "raise") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        label_check: str = "device_assert") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     loss, *grads = fused_linear_cross_entropy_forward(
         x, weight, labels, bias, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
         reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
@@ -769,7 +780,7 @@ def _fused_linear_cross_entropy(
 @_fake(_fused_linear_cross_entropy)
 def _(x, weight, bias, labels, grad_loss, grad_x, grad_weight, grad_bias, ignore_index,
       reduction, label_smoothing, logits_multiplier, z_loss_scale, loss_dtype, chunk_rows,
-      accum_dtype=None, label_check="raise"):
+      accum_dtype=None, label_check="device_assert"):
     wide = _accum_dtype(x.dtype, accum_dtype)
     loss = x.new_empty(_loss_shape(x.shape[0], reduction),
                        dtype=_loss_dtype("fused_linear_cross_entropy", x.dtype, loss_dtype))
@@ -850,7 +861,7 @@ def _gradient_scale(x, labels, ignore_index, reduction, dtype):
 def fused_linear_cross_entropy(x, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, logits_multiplier=1.0, z_loss_scale=0.0,
                                loss_dtype=None, chunk_rows=0, accum_dtype=None, *,
-                               label_check="raise"):
+                               label_check="device_assert"):
     """``cross_entropy(torch.nn.functional.linear(x, weight, bias), labels, ...)`` without the
     (N, V) logits in memory: the logits are made and consumed in chunks of rows (as Liger's and
     Apple's Cut Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009, avoid them).
@@ -1351,7 +1362,7 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
-                 z_loss_scale=0.0, loss_dtype=None, label_check="raise"):
+                 z_loss_scale=0.0, loss_dtype=None, label_check="device_assert"):
         super().__init__()
         _no_class_weights(weight)
         if size_average is not None or reduce is not None:
@@ -1379,7 +1390,7 @@ class FusedLinearCrossEntropyLoss(CrossEntropyLoss):
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0, *, logits_multiplier=1.0,
                  z_loss_scale=0.0, loss_dtype=None, chunk_rows=0, accum_dtype=None,
-                 label_check="raise"):
+                 label_check="device_assert"):
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing,
                          logits_multiplier=logits_multiplier, z_loss_scale=z_loss_scale,
                          loss_dtype=loss_dtype, label_check=label_check)

@@ -9,21 +9,21 @@
 // read in place and the outputs come from ATen's allocator in C++. The kernels, their checks and
 // their errors are the library's, the same as through _meshfuse.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 
 // ATen's DLPack conversion of a dtype, so that an unsupported one gets _meshfuse's message.
 #include <ATen/DLConvertor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/accumulate.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <string_view>
-#include <tuple>
 
 #include "arrays.h"
 #include "meshfuse/meshfuse.h"
@@ -32,49 +32,66 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
-// torch.Tensor <-> at::Tensor, without a copy (the tensor's reference count is all that changes).
-namespace nanobind::detail {
-template <>
-struct type_caster<at::Tensor> {
-  NB_TYPE_CASTER(at::Tensor, const_name("torch.Tensor"))
-
-  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
-    if (!THPVariable_Check(src.ptr())) return false;
-    value = THPVariable_Unpack(src.ptr());
-    return true;
-  }
-
-  static handle from_cpp(const at::Tensor& t, rv_policy, cleanup_list*) noexcept {
-    return THPVariable_Wrap(t);
-  }
-};
-}  // namespace nanobind::detail
-
 namespace meshfuse::python {
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+// An operand: the torch tensor, kept alive for the call (a lazily negated one, torch._neg_view,
+// materialised, as meshfuse.torch's _d does for the DLPack exporter), and its view.
+struct Operand {
+  at::Tensor tensor;
+  TensorView view;
+};
 
-// A tensor as a view, as arrays.h's view() makes one of a DLPack array, with the same errors. A
-// lazily negated tensor (torch._neg_view) is materialised into `keep`, as meshfuse.torch's _d does.
-TensorView view(const at::Tensor& t, std::string_view op, std::string_view name, at::Tensor& keep) {
-  keep = t.is_neg() ? t.resolve_neg() : t;
+// `t` as an operand, with the errors arrays.h's view() gives a DLPack array.
+Operand operand(const at::Tensor& t, std::string_view op, std::string_view name) {
   const std::string what = std::string(op) + ": '" + std::string(name) + "'";
-  const DLDataType dl = at::getDLDataType(keep);
+  if (t.layout() != at::kStrided) {
+    std::ostringstream layout;
+    layout << t.layout();
+    throw Error(ErrorCode::Unsupported, what + " is a tensor of layout " + layout.str() +
+                                            "; meshfuse's ops take strided (dense) tensors");
+  }
+  Operand o{t.is_neg() ? t.resolve_neg() : t, {}};
+  const DLDataType dl = at::getDLDataType(o.tensor);
   const DType dtype = to_dtype({dl.code, dl.bits, dl.lanes}, what);
   Device device;
-  if (keep.is_cuda())
-    device = {DeviceType::CUDA, keep.get_device()};
-  else if (!keep.is_cpu())
-    throw Error(ErrorCode::Unsupported, what + " is a tensor on " + keep.device().str() +
+  if (o.tensor.is_cuda())
+    device = {DeviceType::CUDA, o.tensor.get_device()};
+  else if (!o.tensor.is_cpu())
+    throw Error(ErrorCode::Unsupported, what + " is a tensor on " + o.tensor.device().str() +
                                             "; meshfuse's ops take cpu and cuda tensors");
-  return {keep.data_ptr(), dtype, Shape(keep.sizes().begin(), keep.sizes().end()),
-          Shape(keep.strides().begin(), keep.strides().end()), device};
+  const at::IntArrayRef sizes = o.tensor.sizes(), strides = o.tensor.strides();
+  o.view = TensorView(o.tensor.data_ptr(), dtype, Shape(sizes.begin(), sizes.end()),
+                      Shape(strides.begin(), strides.end()), device);
+  return o;
 }
 
-TensorView view(const OptTensor& t, std::string_view op, std::string_view name, at::Tensor& keep) {
-  return t ? view(*t, op, name, keep) : TensorView{};
+// Argument `name`: a torch.Tensor, or None where `optional` (an undefined view). Another object
+// is a TypeError naming the argument (nanobind's would list the signature only).
+Operand operand(nb::handle h, std::string_view op, std::string_view name, bool optional = false) {
+  if (optional && h.is_none()) return {};
+  bool tensor = false;
+  try {
+    tensor = THPVariable_Check(h.ptr());
+  } catch (const python_error&) {  // isinstance raised (a class's __instancecheck__)
+    PyErr_Clear();
+  }
+  if (!tensor) {
+    const std::string message = std::string(op) + ": '" + std::string(name) + "' must be a " +
+                                (optional ? "torch.Tensor or None" : "torch.Tensor") + ", got " +
+                                Py_TYPE(h.ptr())->tp_name;
+    throw nb::type_error(message.c_str());
+  }
+  return operand(THPVariable_Unpack(h.ptr()), op, name);
 }
+
+nb::object wrap(const at::Tensor& t) {
+  PyObject* object = THPVariable_Wrap(t);
+  if (!object) throw nb::python_error();
+  return nb::steal(object);
+}
+
+nb::object wrap(const Operand& o) { return o.tensor.defined() ? wrap(o.tensor) : nb::none(); }
 
 // A contiguous tensor of `sizes` on x's device, of x's dtype unless `dtype` is given.
 at::Tensor empty(at::IntArrayRef sizes, const at::Tensor& x,
@@ -93,70 +110,81 @@ Stream stream_of(const at::Tensor& x) {
 // The saved statistics' dtypes (C++ rmsnorm_rstd_dtype, cross_entropy_lse_dtype): F32 or F64.
 at::ScalarType scalar_type(DType dtype) { return dtype == DType::F64 ? at::kDouble : at::kFloat; }
 
-std::tuple<at::Tensor, OptTensor> rmsnorm_op(const at::Tensor& x, const OptTensor& weight,
-                                             double eps, bool save_rstd) {
+// Each op: the operands and outputs first, with the GIL held (ATen, Python objects, errors), then
+// the kernel with the GIL released (a CUDA cross_entropy may wait for its label check).
+
+nb::tuple rmsnorm_op(nb::handle x_arg, nb::handle weight_arg, double eps, bool save_rstd) {
   constexpr std::string_view op = "rmsnorm";
-  at::Tensor keep_x, keep_w, keep_y, keep_rstd;
-  const TensorView xv = view(x, op, "x", keep_x);
-  const at::Tensor y = empty(x.sizes(), x);
-  OptTensor rstd;
-  if (save_rstd) {
-    std::int64_t rows = 1;  // every dim but the last (a 0-d x is the kernel's error)
-    for (std::int64_t d = 0; d + 1 < xv.dim(); ++d) rows *= xv.size(d);
-    rstd = empty({rows}, x, scalar_type(rmsnorm_rstd_dtype(xv.dtype())));
+  const Operand x = operand(x_arg, op, "x"), weight = operand(weight_arg, op, "weight", true);
+  const Operand y = operand(empty(x.tensor.sizes(), x.tensor), op, "y");
+  Operand rstd;
+  if (save_rstd && x.view.dim() > 0) {  // a 0-d x is the kernel's error
+    const at::IntArrayRef sizes = x.tensor.sizes();
+    rstd = operand(empty({c10::multiply_integers(sizes.begin(), sizes.end() - 1)}, x.tensor,
+                         scalar_type(rmsnorm_rstd_dtype(x.view.dtype()))),
+                   op, "rstd");
   }
+  const Stream stream = stream_of(x.tensor);
   {
     const nb::gil_scoped_release release;
-    rmsnorm(xv, view(weight, op, "weight", keep_w), view(y, op, "y", keep_y),
-            view(rstd, op, "rstd", keep_rstd), eps, stream_of(x));
+    rmsnorm(x.view, weight.view, y.view, rstd.view, eps, stream);
   }
-  return {y, rstd};
+  return nb::make_tuple(wrap(y), wrap(rstd));
 }
 
-at::Tensor softmax_op(const at::Tensor& x, double logits_multiplier) {
+nb::object softmax_op(nb::handle x_arg, double logits_multiplier) {
   constexpr std::string_view op = "softmax";
-  at::Tensor keep_x, keep_y;
-  const TensorView xv = view(x, op, "x", keep_x);
-  const at::Tensor y = empty(x.sizes(), x);
-  const nb::gil_scoped_release release;
-  softmax(xv, view(y, op, "y", keep_y), logits_multiplier, stream_of(x));
-  return y;
+  const Operand x = operand(x_arg, op, "x");
+  const Operand y = operand(empty(x.tensor.sizes(), x.tensor), op, "y");
+  const Stream stream = stream_of(x.tensor);
+  {
+    const nb::gil_scoped_release release;
+    softmax(x.view, y.view, logits_multiplier, stream);
+  }
+  return wrap(y);
 }
 
-at::Tensor swiglu_op(const at::Tensor& gate, const at::Tensor& up) {
+nb::object swiglu_op(nb::handle gate_arg, nb::handle up_arg) {
   constexpr std::string_view op = "swiglu";
-  at::Tensor keep_gate, keep_up, keep_out;
-  const TensorView gv = view(gate, op, "gate", keep_gate), uv = view(up, op, "up", keep_up);
-  const at::Tensor out = empty(gate.sizes(), gate);
-  const nb::gil_scoped_release release;
-  swiglu(gv, uv, view(out, op, "out", keep_out), stream_of(gate));
-  return out;
+  const Operand gate = operand(gate_arg, op, "gate"), up = operand(up_arg, op, "up");
+  const Operand out = operand(empty(gate.tensor.sizes(), gate.tensor), op, "out");
+  const Stream stream = stream_of(gate.tensor);
+  {
+    const nb::gil_scoped_release release;
+    swiglu(gate.view, up.view, out.view, stream);
+  }
+  return wrap(out);
 }
 
-std::tuple<at::Tensor, OptTensor> cross_entropy_op(
-    const at::Tensor& logits, const at::Tensor& labels, std::int64_t ignore_index,
-    const std::string& reduction, double label_smoothing, double logits_multiplier,
-    double z_loss_scale, bool fp32_loss, std::int64_t vocab_start, std::int64_t vocab_size,
-    bool save_lse, const std::string& label_check) {
+nb::tuple cross_entropy_op(nb::handle logits_arg, nb::handle labels_arg, std::int64_t ignore_index,
+                           const std::string& reduction, double label_smoothing,
+                           double logits_multiplier, double z_loss_scale, bool fp32_loss,
+                           std::int64_t vocab_start, std::int64_t vocab_size, bool save_lse,
+                           const std::string& label_check) {
   constexpr std::string_view op = "cross_entropy";
+  const Operand logits = operand(logits_arg, op, "logits"),
+                labels = operand(labels_arg, op, "labels");
   const CrossEntropyOptions options =
       ce_options(op, ignore_index, reduction, label_smoothing, logits_multiplier, z_loss_scale,
                  vocab_start, vocab_size, label_check);
-  at::Tensor keep_logits, keep_labels, keep_loss, keep_lse;
-  const TensorView lv = view(logits, op, "logits", keep_logits);
-  const std::int64_t n = lv.dim() > 0 ? lv.size(0) : 0;
-  const at::Tensor loss =
-      options.reduction == Reduction::None
-          ? empty({n}, logits, fp32_loss ? std::optional(at::kFloat) : std::nullopt)
-          : empty({}, logits, fp32_loss ? std::optional(at::kFloat) : std::nullopt);
-  OptTensor lse;
-  if (save_lse) lse = empty({n}, logits, scalar_type(cross_entropy_lse_dtype(lv.dtype())));
+  const std::int64_t n = logits.view.dim() > 0 ? logits.view.size(0) : 0;
+  const std::optional<at::ScalarType> loss_type =
+      fp32_loss ? std::optional(at::kFloat) : std::nullopt;
+  const Operand loss =
+      operand(options.reduction == Reduction::None ? empty({n}, logits.tensor, loss_type)
+                                                   : empty({}, logits.tensor, loss_type),
+              op, "loss");
+  Operand lse;
+  if (save_lse)
+    lse = operand(
+        empty({n}, logits.tensor, scalar_type(cross_entropy_lse_dtype(logits.view.dtype()))), op,
+        "lse");
+  const Stream stream = stream_of(logits.tensor);
   {
     const nb::gil_scoped_release release;
-    cross_entropy(lv, view(labels, op, "labels", keep_labels), view(loss, op, "loss", keep_loss),
-                  view(lse, op, "lse", keep_lse), options, stream_of(logits));
+    cross_entropy(logits.view, labels.view, loss.view, lse.view, options, stream);
   }
-  return {loss, lse};
+  return nb::make_tuple(wrap(loss), wrap(lse));
 }
 
 }  // namespace
@@ -166,7 +194,17 @@ NB_MODULE(_torch_ops, m) {
   using namespace meshfuse::python;
   m.doc() =
       "meshfuse.torch's eager forward kernels on torch tensors, compiled against one PyTorch "
-      "(meshfuse._torch_build.TORCH_VERSION); internal: meshfuse.torch calls them.";
+      "(TORCH_VERSION); internal: meshfuse.torch calls them.";
+  // PyTorch's errors (an allocation's out of memory: torch.OutOfMemoryError) as PyTorch raises
+  // them. meshfuse::Error reaches Python through _meshfuse's translator (imported first by
+  // meshfuse.torch; nanobind extensions of one build share their translators).
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const c10::Error&) {
+      torch::translate_exception_to_python(p);
+    }
+  });
   m.def("rmsnorm", &rmsnorm_op, "x"_a, "weight"_a.none(), "eps"_a, "save_rstd"_a,
         "(y, rstd or None) of rmsnorm on x (..., H) with weight (H,) or None: as "
         "meshfuse.torch.rmsnorm_forward without a residual.");

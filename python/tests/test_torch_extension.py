@@ -98,11 +98,61 @@ def test_the_extension_gives_the_dlpack_paths_outputs_bitwise(device, dtype):
 
 
 @_built
-def test_a_lazily_negated_tensor_is_read_with_its_sign():
-    x = _randn(4, 16, seed=5, dtype=torch.float32, device="cpu")
-    neg = torch._neg_view(x)
-    assert neg.is_neg()
-    torch.testing.assert_close(mt.softmax_forward(neg), torch.softmax(-x, -1), rtol=0, atol=1e-6)
+@pytest.mark.parametrize("device", DEVICES)
+def test_lazily_negated_tensors_are_read_with_their_sign(device):
+    x, w, up = (_randn(4, 16, seed=s, dtype=torch.float32, device=device) for s in (5, 6, 7))
+    neg = [torch._neg_view(t) for t in (x, w[0], up)]
+    assert all(t.is_neg() for t in neg)
+    torch.testing.assert_close(mt.softmax_forward(neg[0]), torch.softmax(-x, -1), rtol=0,
+                               atol=1e-6)
+    for call in (lambda: mt.softmax_forward(neg[0]), lambda: mt.swiglu_forward(neg[0], neg[2]),
+                 lambda: mt.rmsnorm_forward(neg[0], neg[1], 1e-5)):
+        ours, dlpack = _both_paths(call)
+        for a, b in zip(ours if isinstance(ours, tuple) else (ours,),
+                        dlpack if isinstance(dlpack, tuple) else (dlpack,)):
+            _assert_bitwise(a, b)
+
+
+@_built
+def test_what_is_not_a_dense_torch_tensor_is_named():
+    x = torch.randn(4, 16)
+    with pytest.raises(TypeError, match=r"softmax: 'x' must be a torch.Tensor, got numpy.ndarray"):
+        mt.softmax_forward(x.numpy())
+    with pytest.raises(TypeError, match=r"rmsnorm: 'weight' must be a torch.Tensor or None, "
+                                        r"got list"):
+        mt.rmsnorm_forward(x, [1.0] * 16, 1e-5)
+    with pytest.raises(meshfuse.UnsupportedError,
+                       match=r"softmax: 'x' is a tensor of layout Sparse; meshfuse's ops take "
+                             r"strided \(dense\) tensors"):
+        mt.softmax_forward(x.to_sparse())
+
+
+@_built
+@_cuda
+def test_the_extension_runs_on_the_current_stream():
+    # A side stream, and a CUDA graph's capture stream: a kernel queued elsewhere would run
+    # before the side stream's sleep ends (and read x before it is written), or escape the
+    # capture (an error, or a replay that leaves y as it was).
+    x = _randn(8, 512, seed=8, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # cycles: tens of milliseconds
+        x2 = x * 2
+        y = mt.softmax_forward(x2)
+    torch.cuda.synchronize()
+    _assert_bitwise(y, mt.softmax_forward(x * 2))
+
+    static = x.clone()
+    with torch.inference_mode():
+        mt.softmax_forward(static)  # warm-up outside the capture (plans, allocator)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mt.softmax_forward(static)
+        static.copy_(x * 3)
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_bitwise(out, mt.softmax_forward(x * 3))
 
 
 @_built
@@ -120,7 +170,8 @@ def test_the_extension_raises_the_dlpack_paths_errors(device):
         lambda: mt.rmsnorm_forward(x, None, -1.0),
         lambda: mt.swiglu_forward(x, x[:, :8]),
         lambda: mt.swiglu_forward(x, x.float()),
-        lambda: mt.cross_entropy_forward(x, labels),
+        # "raise": the default ("device_assert") would trap on CUDA, with no error to compare.
+        lambda: mt.cross_entropy_forward(x, labels, label_check="raise"),
         lambda: mt.cross_entropy_forward(x, labels[:2]),
         lambda: mt.cross_entropy_forward(x, labels.float()),
         lambda: mt.cross_entropy_forward(x, labels, reduction="avg"),
@@ -140,6 +191,7 @@ def _error_of(call):
     pytest.fail("no error raised")
 
 
+@_built
 def test_an_extension_built_for_another_torch_is_not_loaded():
     # Its C++ ABI is that torch's: loading it under another could crash. The check runs before
     # the import, in a fresh interpreter so that the loaded one stays as it is.
@@ -155,9 +207,7 @@ def test_an_extension_built_for_another_torch_is_not_loaded():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    if mt.has_torch_extension():
-        assert "was built for torch" in out.stdout and "0.0.1" in out.stdout
-    # And the ops still run, through the DLPack path (checked above, bitwise).
+    assert "was built for torch" in out.stdout and "this is torch 0.0.1" in out.stdout
 
 
 def test_meshfuse_torch_ops_0_turns_the_extension_off():

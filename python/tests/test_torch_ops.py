@@ -379,12 +379,13 @@ def test_a_bad_label_with_device_assert_returns_and_then_traps_with_the_error_pr
         logits = torch.randn(4, 50, device="cuda")
         labels = torch.tensor([1, 2, -100, 3], device="cuda")
         good = mt.cross_entropy(logits, labels, label_check="device_assert")
-        print("good", torch.equal(good, mt.cross_entropy(logits, labels)), flush=True)
+        print("good", torch.equal(good, mt.cross_entropy(logits, labels, label_check="raise")),
+              flush=True)
         {call}
         torch.cuda.synchronize()
         labels[1] = 99
         try:
-            mt.cross_entropy(logits, labels)
+            mt.cross_entropy(logits, labels, label_check="raise")
         except ValueError as e:
             print("raised from the call:", e, flush=True)
         torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the bad call's kernels
