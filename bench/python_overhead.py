@@ -38,7 +38,7 @@ def cases(rows, hidden, dtype, device):
         ("softmax", lambda: mt.softmax(x), lambda: torch.softmax(x, -1)),
         ("swiglu", lambda: mt.swiglu(gate, up), lambda: F.silu(gate) * up),
         # PyTorch's semantics for a bad label (a device-side assert, no host wait), the default.
-        ("cross_entropy", lambda: mt.cross_entropy(x, labels),
+        ("cross_entropy (device_assert)", lambda: mt.cross_entropy(x, labels),
          lambda: F.cross_entropy(x, labels)),
         # A bad label raises from the call: the host waits for the device's check.
         ("cross_entropy (raise)", lambda: mt.cross_entropy(x, labels, label_check="raise"),
