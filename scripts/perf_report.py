@@ -318,7 +318,8 @@ def python_overhead_section(results):
             "median and p20-p80 over rounds, meshfuse.torch against PyTorch's matching call in "
             "the same run; the goal: a ratio (meshfuse / torch) of at most 1.2. \"dlpack\": the "
             "same calls with meshfuse's torch extension off, the path of a build without torch (\"-\": "
-            "a run without the extension or before it).",
+            "a run without the extension or before it). A row named plain \"cross_entropy\" "
+            "(runs before d720fe7) is label_check=\"raise\", then meshfuse.torch's default.",
             ""] + table(
         ["op", "dtype", "device", "shape", "meshfuse us", "p20-p80", "dlpack us", "p20-p80",
          "torch us", "p20-p80", "ratio"], rows)

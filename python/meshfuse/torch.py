@@ -598,7 +598,9 @@ def cross_entropy_forward(logits, labels, ignore_index=-100, reduction="mean",
     logits); lse is f32 for 16-bit logits, f64 for f32 and f64 ones, or None when not
     ``save_lse`` (inference has no backward to save it for). ``vocab_size`` != 0: the logits are
     the columns ``[vocab_start, vocab_start + V)`` of a vocabulary of ``vocab_size`` classes (a
-    shard; meshfuse/ops/cross_entropy.h says how shards combine)."""
+    shard; meshfuse/ops/cross_entropy.h says how shards combine). ``label_check`` as
+    :func:`cross_entropy`'s, whose default ("device_assert") it shares (the _meshfuse binding's is
+    "raise")."""
     loss_dtype = _loss_dtype("cross_entropy", logits.dtype, loss_dtype)
     if _T is not None:
         return _T.cross_entropy(logits, labels, ignore_index, reduction, label_smoothing,
@@ -692,7 +694,8 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     logits', as PyTorch's, unless ``loss_dtype=torch.float32`` is given for 16-bit logits
     (Megatron-LM's fp32 loss: the per-row losses are summed in double and rounded once to it);
     the backward then takes an fp32 upstream gradient. Raises InvalidArgumentError (ValueError: a
-    label out of range, label_smoothing outside [0, 1], an unknown reduction or label_check),
+    label out of range on the CPU, or on CUDA under label_check="raise"; label_smoothing outside
+    [0, 1], an unknown reduction or label_check),
     ShapeMismatchError (ValueError), DTypeMismatchError (TypeError).
 
     ``label_check`` decides how a bad label fails on CUDA, where the labels live on the device:

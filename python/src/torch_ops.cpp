@@ -73,8 +73,8 @@ Operand operand(nb::handle h, std::string_view op, std::string_view name, bool o
   bool tensor = false;
   try {
     tensor = THPVariable_Check(h.ptr());
-  } catch (const python_error&) {  // isinstance raised (a class's __instancecheck__)
-    PyErr_Clear();
+  } catch (const python_error&) {  // isinstance raised (a class's __instancecheck__): that error
+    throw nb::python_error();
   }
   if (!tensor) {
     const std::string message = std::string(op) + ": '" + std::string(name) + "' must be a " +
@@ -202,6 +202,8 @@ NB_MODULE(_torch_ops, m) {
     try {
       std::rethrow_exception(p);
     } catch (const c10::Error&) {
+      torch::translate_exception_to_python(p);
+    } catch (const python_error&) {  // a torch helper's: the Python error it carries
       torch::translate_exception_to_python(p);
     }
   });

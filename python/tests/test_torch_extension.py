@@ -105,8 +105,11 @@ def test_lazily_negated_tensors_are_read_with_their_sign(device):
     assert all(t.is_neg() for t in neg)
     torch.testing.assert_close(mt.softmax_forward(neg[0]), torch.softmax(-x, -1), rtol=0,
                                atol=1e-6)
-    for call in (lambda: mt.softmax_forward(neg[0]), lambda: mt.swiglu_forward(neg[0], neg[2]),
-                 lambda: mt.rmsnorm_forward(neg[0], neg[1], 1e-5)):
+    # One negated operand at a time: rmsnorm of -x with weight -w is rmsnorm of x with w.
+    for call in (lambda: mt.softmax_forward(neg[0]), lambda: mt.swiglu_forward(neg[0], up),
+                 lambda: mt.swiglu_forward(x, neg[2]),
+                 lambda: mt.rmsnorm_forward(neg[0], w[0], 1e-5),
+                 lambda: mt.rmsnorm_forward(x, neg[1], 1e-5)):
         ours, dlpack = _both_paths(call)
         for a, b in zip(ours if isinstance(ours, tuple) else (ours,),
                         dlpack if isinstance(dlpack, tuple) else (dlpack,)):
@@ -210,6 +213,26 @@ def test_an_extension_built_for_another_torch_is_not_loaded():
     assert "was built for torch" in out.stdout and "this is torch 0.0.1" in out.stdout
 
 
+@_built
+def test_a_record_that_disagrees_with_the_extension_is_not_trusted():
+    # _torch_build.py names the torch of the .so beside it; one that names another (a build that
+    # stopped between the two) falls back with a warning.
+    code = ("import sys, types, warnings, torch\n"
+            "record = types.ModuleType('meshfuse._torch_build')\n"
+            "record.TORCH_VERSION = torch.__version__ = '0.0.2'\n"
+            "sys.modules['meshfuse._torch_build'] = record\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import meshfuse.torch as mt\n"
+            "assert not mt.has_torch_extension()\n"
+            "print([str(x.message) for x in w])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "is a build for torch" in out.stdout and "beside a record of 0.0.2" in out.stdout
+
+
+@_built
 def test_meshfuse_torch_ops_0_turns_the_extension_off():
     code = ("import meshfuse.torch as mt, torch\n"
             "assert not mt.has_torch_extension()\n"

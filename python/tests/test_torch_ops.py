@@ -178,7 +178,7 @@ def test_opcheck_recurrent_and_sequence_ops():
 class _Block(torch.nn.Module):
     # A pre-norm causal self-attention + SwiGLU block and an LM head, meshfuse wherever it has the
     # op: RMSNorm, softmax, fused residual-add RMSNorm, the SwiGLU MLP and both losses.
-    def __init__(self, hidden=32, heads=4, intermediate=64, vocab=50):
+    def __init__(self, hidden=32, heads=4, intermediate=64, vocab=50, label_check="device_assert"):
         super().__init__()
         self.heads = heads
         self.norm1 = mt.RMSNorm(hidden, eps=1e-6)
@@ -187,8 +187,9 @@ class _Block(torch.nn.Module):
         self.norm2 = mt.RMSNorm(hidden, eps=1e-6)
         self.mlp = mt.SwiGLUMLP(hidden, intermediate)
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
-        self.fused_loss = mt.FusedLinearCrossEntropyLoss(label_smoothing=0.1, chunk_rows=5)
-        self.loss = mt.CrossEntropyLoss(z_loss_scale=1e-3)
+        self.fused_loss = mt.FusedLinearCrossEntropyLoss(label_smoothing=0.1, chunk_rows=5,
+                                                         label_check=label_check)
+        self.loss = mt.CrossEntropyLoss(z_loss_scale=1e-3, label_check=label_check)
 
     def forward(self, x, labels):
         b, s, h = x.shape
@@ -205,10 +206,10 @@ class _Block(torch.nn.Module):
                 self.loss(self.head(rows), labels))
 
 
-def _block_and_batch(seed, device):
+def _block_and_batch(seed, device, label_check="device_assert"):
     """A _Block and a batch for it: x (2, 6, 32) and labels in [0, 50), drawn after seeding."""
     torch.manual_seed(seed)
-    return (_Block().to(device), torch.randn(2, 6, 32, device=device),
+    return (_Block(label_check=label_check).to(device), torch.randn(2, 6, 32, device=device),
             torch.randint(0, 50, (2, 6), device=device))
 
 
@@ -235,10 +236,12 @@ def test_a_compiled_transformer_block_has_no_graph_break_and_matches_eager(backe
 
 
 @_cuda
-def test_a_training_step_captured_in_a_cuda_graph_replays_on_new_inputs():
+@pytest.mark.parametrize("label_check", ["device_assert", "raise"])
+def test_a_training_step_captured_in_a_cuda_graph_replays_on_new_inputs(label_check):
     # Every op, forward and backward, queued into one CUDA graph (the label checks wait for
-    # nothing there): a replay on new inputs gives the eager step's loss and gradients.
-    block, x, labels = _block_and_batch(3, "cuda")
+    # nothing there, "raise" included): a replay on new inputs gives the eager step's loss and
+    # gradients.
+    block, x, labels = _block_and_batch(3, "cuda", label_check)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
@@ -277,17 +280,18 @@ def test_compiled_with_cuda_graphs_matches_eager():
 
 @_cuda
 def test_a_bad_label_in_a_cuda_graph_stops_the_replay_with_the_error_printed():
-    # A captured check cannot raise from the call: it prints the op's error and traps, as
-    # PyTorch's device-side assert does (the process's CUDA context is lost, hence a subprocess).
+    # A captured check cannot raise from the call, even under label_check="raise": it prints the
+    # op's error and traps, as PyTorch's device-side assert does (the process's CUDA context is
+    # lost, hence a subprocess).
     code = """if True:
         import torch, meshfuse.torch as mt
         logits = torch.randn(4, 50, device="cuda")
         labels = torch.tensor([1, 2, 3, 4], device="cuda")
-        mt.cross_entropy(logits, labels)  # warm-up: first calls set up outside the graph
+        mt.cross_entropy(logits, labels, label_check="raise")  # warm-up, outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            loss = mt.cross_entropy(logits, labels)
+            loss = mt.cross_entropy(logits, labels, label_check="raise")
         graph.replay()
         print("good replay", torch.equal(loss, mt.cross_entropy(logits, labels)))
         labels[1] = 99
@@ -346,6 +350,15 @@ def test_a_bad_label_check_name_is_a_value_error_naming_the_op():
     with pytest.raises(ValueError, match=r"labels\[1\] = 5 is outside \[0, 5\)"):
         mt.cross_entropy(logits, torch.tensor([1, 5]), label_check="device_assert")
 
+
+def test_the_losses_default_to_pytorchs_bad_label_behaviour():
+    # meshfuse.torch promises F.cross_entropy's semantics: a device-side assert on CUDA.
+    import inspect
+    for fn in (mt.cross_entropy, mt.fused_linear_cross_entropy, mt.cross_entropy_forward,
+               mt.cross_entropy_backward, mt.fused_linear_cross_entropy_forward,
+               mt.CrossEntropyLoss, mt.FusedLinearCrossEntropyLoss):
+        assert inspect.signature(fn).parameters["label_check"].default == "device_assert", fn
+    assert mt.CrossEntropyLoss().label_check == "device_assert"
 
 # A bad label's call under label_check="device_assert" by each path (the raw kernel, the custom op
 # with autograd, fused linear cross-entropy, the backward's check kernel): the message it prints.
