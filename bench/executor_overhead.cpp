@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -50,13 +49,7 @@ Row measure(Device device, const Stream& stream, Shape shape, int rounds, int ca
   };
   const auto through_executor = [&] { executor.run(inputs, stream); };
   const auto round = [&](const std::function<void()>& call) {
-    synchronize(stream);
-    const auto start = std::chrono::steady_clock::now();
-    for (int c = 0; c < calls; ++c) call();
-    synchronize(stream);
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-               .count() /
-           calls;
+    return testing::host_us_per_call(call, calls, stream);
   };
   round(direct);  // warm-up: caches, the memory pool, the plan
   round(through_executor);

@@ -8,7 +8,6 @@
 //   op_overhead [--json] [--rounds R] [--calls C]
 #include <fmt/format.h>
 
-#include <chrono>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -53,12 +52,10 @@ int main(int argc, char** argv) {
   const std::int64_t n = 4, h = 4096;
   const auto make = [&](Shape shape, DType dtype, std::uint64_t seed) {
     Tensor t(shape, dtype);
-    if (dtype == DType::I64) {
-      for (std::int64_t i = 0; i < t.numel(); ++i)
-        static_cast<std::int64_t*>(t.view().data())[i] = (i * 977) % h;
-    } else {
+    if (dtype == DType::I64)
+      testing::fill_uniform_int(t, seed, 0, h);
+    else
       testing::fill_normal(t, seed);
-    }
     return t.to(gpu, stream);
   };
   const Tensor x = make({n, h}, DType::BF16, 1), w = make({h}, DType::BF16, 2),
@@ -83,13 +80,7 @@ int main(int argc, char** argv) {
       {"cross_entropy, 0 rows", [&] { cross_entropy(x0, labels0, loss, {}, {}, stream); }},
   };
   const auto round = [&](const std::function<void()>& call) {
-    synchronize(stream);
-    const auto start = std::chrono::steady_clock::now();
-    for (int c = 0; c < calls; ++c) call();
-    synchronize(stream);
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-               .count() /
-           calls;
+    return testing::host_us_per_call(call, calls, stream);
   };
   std::vector<std::vector<double>> samples(cases.size());
   for (const auto& c : cases) round(c.second);  // warm-up: plans, the memory pool

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
+#include "meshfuse/core/stream.h"
 #include "meshfuse/core/tensor.h"
 
 namespace meshfuse::testing {
@@ -35,5 +37,10 @@ bool bitwise_equal(const TensorView& a, const TensorView& b);
 // The p-th quantile (p in [0, 1]) of `samples`, linearly interpolated between order statistics
 // (numpy.quantile's default); 0 for no samples.
 double quantile(std::vector<double> samples, double p);
+
+// Host time per call, in microseconds, of `calls` calls of `call` back to back on `stream`,
+// synchronised before the first and after the last (steady clock): on a GPU that keeps up, the
+// host's time to queue a call; a kernel slower than the host shows its own time.
+double host_us_per_call(const std::function<void()>& call, int calls, const Stream& stream);
 
 }  // namespace meshfuse::testing

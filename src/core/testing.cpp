@@ -1,6 +1,7 @@
 #include "meshfuse/testing.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -102,6 +103,16 @@ double quantile(std::vector<double> samples, double p) {
   const auto lo = static_cast<std::size_t>(pos);
   const std::size_t hi = std::min(lo + 1, samples.size() - 1);
   return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
+}
+
+double host_us_per_call(const std::function<void()>& call, int calls, const Stream& stream) {
+  synchronize(stream);
+  const auto start = std::chrono::steady_clock::now();
+  for (int c = 0; c < calls; ++c) call();
+  synchronize(stream);
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+             .count() /
+         calls;
 }
 
 }  // namespace meshfuse::testing
