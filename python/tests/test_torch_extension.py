@@ -194,42 +194,40 @@ def _error_of(call):
     pytest.fail("no error raised")
 
 
-@_built
-def test_an_extension_built_for_another_torch_is_not_loaded():
-    # Its C++ ABI is that torch's: loading it under another could crash. The check runs before
-    # the import, in a fresh interpreter so that the loaded one stays as it is.
-    code = ("import warnings, torch\n"
-            "torch.__version__ = '0.0.1'\n"
+def _import_on_the_dlpack_path(setup, check=""):
+    """Runs `setup`, then imports meshfuse.torch in a fresh interpreter (the loaded one stays as it
+    is), asserts that it took the DLPack path, runs `check`; returns the warnings it gave."""
+    code = ("import sys, types, warnings, torch\n" + setup +
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    import meshfuse.torch as mt\n"
-            "assert not mt.has_torch_extension()\n"
-            "import sys\n"
-            "assert 'meshfuse._torch_ops' not in sys.modules\n"
+            "assert not mt.has_torch_extension()\n" + check +
             "print([str(x.message) for x in w])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "was built for torch" in out.stdout and "this is torch 0.0.1" in out.stdout
+    return out.stdout
+
+
+@_built
+def test_an_extension_built_for_another_torch_is_not_loaded():
+    # Its C++ ABI is that torch's: loading it under another could crash. The check runs before
+    # the import.
+    warnings = _import_on_the_dlpack_path(
+        "torch.__version__ = '0.0.1'\n",
+        check="assert 'meshfuse._torch_ops' not in sys.modules\n")
+    assert "was built for torch" in warnings and "this is torch 0.0.1" in warnings
 
 
 @_built
 def test_a_record_that_disagrees_with_the_extension_is_not_trusted():
     # _torch_build.py names the torch of the .so beside it; one that names another (a build that
     # stopped between the two) falls back with a warning.
-    code = ("import sys, types, warnings, torch\n"
-            "record = types.ModuleType('meshfuse._torch_build')\n"
-            "record.TORCH_VERSION = torch.__version__ = '0.0.2'\n"
-            "sys.modules['meshfuse._torch_build'] = record\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    import meshfuse.torch as mt\n"
-            "assert not mt.has_torch_extension()\n"
-            "print([str(x.message) for x in w])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "is a build for torch" in out.stdout and "beside a record of 0.0.2" in out.stdout
+    warnings = _import_on_the_dlpack_path(
+        "record = types.ModuleType('meshfuse._torch_build')\n"
+        "record.TORCH_VERSION = torch.__version__ = '0.0.2'\n"
+        "sys.modules['meshfuse._torch_build'] = record\n")
+    assert "is a build for torch" in warnings and "beside a record of 0.0.2" in warnings
 
 
 @_built
